@@ -1,0 +1,130 @@
+"""The CPU backend: numpy, float32. The reference every other backend is tested against.
+
+Each op is the plain definition (vLLM's `forward_native`): RMSNorm, RoPE in both orderings
+with Llama 3.1 frequency factors, causal GQA attention over a KV cache, SwiGLU. Weights are
+dequantized to float32 once, at load (or per use for layers that are not kept resident).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel, LlamaConfig
+from ntransformerd.engine.kv_cache import KVCache, KVLayer
+from ntransformerd.engine.model import Batch
+
+
+def rope_frequencies(cfg: LlamaConfig, freq_factors: np.ndarray | None) -> np.ndarray:
+    """Angle per position for each rotated pair: base^(-2i/rope_dim) / factor_i / scale. (rope_dim/2,)"""
+    i = np.arange(cfg.rope_dim // 2, dtype=np.float64)
+    freqs = cfg.rope_base ** (-2.0 * i / cfg.rope_dim) / cfg.rope_scale
+    if freq_factors is not None:
+        freqs = freqs / freq_factors.astype(np.float64)
+    return freqs
+
+
+class CpuOps:
+    """numpy implementations of the ops `model.forward` calls."""
+
+    name = "cpu"
+
+    def __init__(self, cfg: LlamaConfig, freq_factors: np.ndarray | None = None):
+        self.cfg = cfg
+        self.freqs = rope_frequencies(cfg, freq_factors)  # (rope_dim/2,) float64
+        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+
+    def embed(self, weights, tokens: np.ndarray) -> np.ndarray:
+        return weights.embed_rows(tokens)  # (N, D)
+
+    @staticmethod
+    def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x @ w.T  # (N, in) @ (in, out) → (N, out); w is stored (out, in) as in GGUF
+
+    @staticmethod
+    def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)  # (N, 1)
+        return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * w
+
+    @staticmethod
+    def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return g / (1.0 + np.exp(-g)) * u  # silu(g) * u
+
+    def rope_table(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        theta = positions.astype(np.float64)[:, None] * self.freqs[None, :]  # (N, rope_dim/2)
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+    def rope(self, x: np.ndarray, table: tuple[np.ndarray, np.ndarray], n_heads: int) -> np.ndarray:
+        cos, sin = table[0][:, None, :], table[1][:, None, :]  # (N, 1, rope_dim/2)
+        hd, rd = self.cfg.head_dim, self.cfg.rope_dim
+        x = x.reshape(len(x), n_heads, hd).copy()  # (N, H, hd)
+        r = x[..., :rd]
+        if self.cfg.rope_neox:  # pairs (i, i + rd/2)
+            a, b = r[..., : rd // 2].copy(), r[..., rd // 2:].copy()
+            r[..., : rd // 2], r[..., rd // 2:] = a * cos - b * sin, a * sin + b * cos
+        else:  # adjacent pairs (2i, 2i+1), Llama's order in GGUF
+            a, b = r[..., 0::2].copy(), r[..., 1::2].copy()
+            r[..., 0::2], r[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+        return x.reshape(len(x), n_heads * hd)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVLayer, batch: Batch) -> np.ndarray:
+        c = self.cfg
+        g = c.n_heads // c.n_kv_heads
+        out = np.empty_like(q)  # (N, H * hd)
+        for s, seg in enumerate(batch.segments):
+            r0, r1 = batch.offsets[s], batch.offsets[s + 1]
+            n, end = r1 - r0, seg.start + (r1 - r0)
+            kv.write(seg.slot, seg.start, k[r0:r1].reshape(n, c.n_kv_heads, c.head_dim),
+                     v[r0:r1].reshape(n, c.n_kv_heads, c.head_dim))
+            keys, values = kv.read(seg.slot, end)  # (L, Hkv, hd) each, float32
+            qs = q[r0:r1].reshape(n, c.n_kv_heads, g, c.head_dim)  # (n, Hkv, g, hd)
+            scores = np.einsum("nkgd,lkd->kgnl", qs, keys) * self.scale  # (Hkv, g, n, L)
+            causal = np.arange(end)[None, :] > (seg.start + np.arange(n))[:, None]  # (n, L)
+            scores[..., causal] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            o = np.einsum("kgnl,lkd->nkgd", p, values)  # (n, Hkv, g, hd)
+            out[r0:r1] = o.reshape(n, c.n_heads * c.head_dim)
+        return out
+
+
+class CpuWeights:
+    """Float32 weights: layers in `resident` are dequantized once, the others on each use.
+
+    `acquire(i)` / `release(i)` is the interface every placement answers; here release is a
+    no-op for resident layers and drops the float32 copy of the others.
+    """
+
+    def __init__(self, model: GGUFModel, resident: set[int] | None = None):
+        self.model = model
+        cfg = model.config
+        self.resident = set(range(cfg.n_layers)) if resident is None else set(resident)
+        self.token_embd = model.dequantize("token_embd.weight")  # (V, D)
+        self.output = self.token_embd if cfg.tied_output else model.dequantize("output.weight")  # (V, D)
+        self.output_norm = model.dequantize("output_norm.weight")  # (D,)
+        self._layers = {i: self._load(i) for i in self.resident}
+
+    def _load(self, i: int) -> types.SimpleNamespace:
+        t = self.model.layer_tensors(i)
+        return types.SimpleNamespace(**{n: self.model.dequantize(t[n].name) for n in LAYER_TENSORS})
+
+    def embed_rows(self, tokens: np.ndarray) -> np.ndarray:
+        return self.token_embd[tokens]  # (N, D); same values as dequantize_rows, already in memory
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        layer = self._layers.get(i)
+        return layer if layer is not None else self._load(i)
+
+    def release(self, i: int) -> None:
+        pass
+
+
+def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[CpuOps, CpuWeights]:
+    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
+    return CpuOps(model.config, freq), CpuWeights(model, resident)
+
+
+def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str) -> KVCache:
+    return KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)

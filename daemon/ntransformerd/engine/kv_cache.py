@@ -1,0 +1,65 @@
+"""The KV cache: per layer, per sequence slot, keys and values of every past position.
+
+Stored as float32 or float16 (`--kv-dtype`); F16 rounds keys and values exactly as a
+half-precision cache does, and reads convert back to float32 for the math. Memory comes from
+np.zeros, so slots and positions that are never written cost no RAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntransformerd.engine.gguf_file import LlamaConfig
+
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+class KVLayer:
+    """One layer's cache: k and v of shape (slots, max_ctx, Hkv, hd)."""
+
+    def __init__(self, shape: tuple[int, int, int, int], dtype):
+        self.k = np.zeros(shape, dtype)
+        self.v = np.zeros(shape, dtype)
+
+    def write(self, slot: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.k[slot, start:start + len(k)] = k
+        self.v[slot, start:start + len(v)] = v
+
+    def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return (self.k[slot, :end].astype(np.float32, copy=False),
+                self.v[slot, :end].astype(np.float32, copy=False))  # (end, Hkv, hd) each
+
+
+class KVCache:
+    """All layers' caches plus the slot bookkeeping: which slots are live and how long."""
+
+    def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f32"):
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if n_slots < 1 or max_ctx < 1:
+            raise ValueError("the KV cache needs at least one slot and one position")
+        self.n_slots, self.max_ctx, self.dtype = n_slots, max_ctx, dtype
+        shape = (n_slots, max_ctx, cfg.n_kv_heads, cfg.head_dim)
+        self.layers = [KVLayer(shape, KV_DTYPES[dtype]) for _ in range(cfg.n_layers)]
+        self.lengths = np.zeros(n_slots, np.int64)
+        self._free = list(range(n_slots - 1, -1, -1))
+
+    def layer(self, i: int) -> KVLayer:
+        return self.layers[i]
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.n_slots:
+            raise ValueError(f"KV slot {slot} is not in use")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
