@@ -355,3 +355,197 @@ def quantize(data: np.ndarray, qtype: Q) -> np.ndarray:
         hi = min(lo + _CHUNK_BLOCKS, blocks.shape[0])
         out[lo:hi] = _K_QUANTIZERS[qtype](blocks[lo:hi]).view(np.uint8).reshape(hi - lo, block_bytes)
     return out.reshape(rows, cols // block_elems * block_bytes)
+
+
+# ------------------------------------------------------------- type choice per tensor
+# llama.cpp's llama-quant.cpp, for dense Llama-family models (no experts, not Falcon).
+
+# ftype name -> (default tensor type, general.file_type value (llama_ftype), mix)
+FTYPES: dict[str, tuple[Q, int, str]] = {
+    "f32": (Q.F32, 0, ""),
+    "f16": (Q.F16, 1, ""),
+    "bf16": (Q.BF16, 32, ""),
+    "q4_0": (Q.Q4_0, 2, ""),
+    "q4_1": (Q.Q4_1, 3, ""),
+    "q5_0": (Q.Q5_0, 8, ""),
+    "q5_1": (Q.Q5_1, 9, ""),
+    "q8_0": (Q.Q8_0, 7, ""),
+    "q2_k": (Q.Q2_K, 10, "q2_k"),
+    "q3_k": (Q.Q3_K, 11, ""),  # llama.cpp's Q3_K_S
+    "q3_k_s": (Q.Q3_K, 11, ""),
+    "q4_k": (Q.Q4_K, 14, "q4_k_s"),  # llama.cpp's Q4_K_S
+    "q4_k_s": (Q.Q4_K, 14, "q4_k_s"),
+    "q4_k_m": (Q.Q4_K, 15, "q4_k_m"),
+    "q5_k": (Q.Q5_K, 16, ""),  # llama.cpp's Q5_K_S
+    "q5_k_s": (Q.Q5_K, 16, ""),
+    "q5_k_m": (Q.Q5_K, 17, "q5_k_m"),
+    "q6_k": (Q.Q6_K, 18, ""),
+}
+
+# A K type whose 256-block does not divide the row falls back to a 32-block type.
+_SHAPE_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+_KEEP_SUBSTRINGS = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "attn_rel_b.weight",
+                    "position_embd", "token_types.weight", "rope_freqs")
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's pick of the layers that get more bits in the _M mixes."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """llama.cpp's tensor_allows_quantization: 2-D+ weights that are not norms or small tables."""
+    return (len(shape) >= 2 and name.endswith("weight")
+            and not any(s in name for s in _KEEP_SUBSTRINGS))
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def plan_types(tensors: list[tuple[str, tuple[int, ...]]], ftype: str, *, n_layer: int,
+               n_gqa: int = 1) -> dict[str, Q]:
+    """Target type of each tensor for `ftype`. tensors: (name, ggml shape ne0-first).
+
+    Follows llama.cpp's llama_tensor_get_type for a dense Llama model: tensors that may not be
+    quantized (1-D, norms, rope_freqs) are F32; the attn_v and ffn_down counters run in
+    llama.cpp's order (by layer, then name), which for one tensor per layer is the layer index.
+    """
+    if ftype not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
+    default, _, mix = FTYPES[ftype]
+    names = [n for n, _ in tensors]
+    tied = "output.weight" not in names
+    n_attn_v = sum(1 for n in names if "attn_v.weight" in n or "attn_qkv.weight" in n or "attn_kv_b.weight" in n)
+    i_attn_v = i_ffn_down = 0
+    out: dict[str, Q] = {}
+    for name, shape in sorted(tensors, key=lambda t: (_layer_of(t[0]), t[0])):
+        if not _quantizable(name, shape):
+            out[name] = Q.F32
+            continue
+        new = default
+        if default in (Q.F32, Q.F16, Q.BF16):
+            out[name] = new
+            continue
+        ncols = shape[0]
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            if ncols % QUANT_BLOCKS[new][0] != 0:
+                new = Q.Q8_0
+            elif new != Q.Q8_0:
+                new = Q.Q6_K
+        elif "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
+            if mix == "q2_k":
+                new = Q.Q4_K if n_gqa >= 4 else Q.Q3_K
+            elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_attn_v, n_attn_v):
+                new = Q.Q6_K
+            elif mix == "q4_k_s" and i_attn_v < 4:
+                new = Q.Q5_K
+            if n_layer == 80 and new in (Q.Q3_K, Q.Q4_K):  # llama.cpp's 70B rule (8 heads share attn_v)
+                new = Q.Q5_K
+            i_attn_v += 1
+        elif "ffn_down" in name:
+            if mix == "q2_k":
+                new = Q.Q3_K
+            elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_ffn_down, n_layer):
+                new = Q.Q6_K
+            elif mix == "q4_k_s" and i_ffn_down < n_layer // 8:
+                new = Q.Q5_K
+            i_ffn_down += 1
+        elif "attn_output.weight" in name and mix == "q2_k":
+            new = Q.Q3_K
+        if ncols % QUANT_BLOCKS[new][0] != 0:
+            new = _SHAPE_FALLBACK.get(new, Q.F16)
+            if ncols % QUANT_BLOCKS[new][0] != 0:
+                new = Q.F16
+        out[name] = new
+    return out
+
+
+# ------------------------------------------------------------------ whole-file rewrite
+
+_ROW_CHUNK_ELEMS = 1 << 24  # float32 elements dequantized per pass (64 MB)
+_SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization_version",
+              "split.no", "split.count", "split.tensors.count")
+
+
+def quantize_file(src: str, dst: str, ftype: str, *,
+                  progress: Callable[[int, int, str], None] | None = None) -> None:
+    """Requantize the GGUF at `src` to `ftype` (see FTYPES), writing `dst`.
+
+    Metadata is copied (general.file_type and general.quantization_version updated); each
+    tensor's type comes from `plan_types`. A tensor already of its target type is copied
+    byte for byte; others are dequantized with gguf.quants and requantized, a slab of rows at
+    a time, so memory stays near one slab whatever the model size. `progress(done_bytes,
+    total_bytes, tensor_name)` is called after each slab with bytes written to `dst`.
+    """
+    import gguf
+
+    if ftype not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
+    reader = gguf.GGUFReader(src)
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else "llama"
+
+    def field(key, default):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    n_layer = int(field(f"{arch}.block_count", 0))
+    n_head = int(field(f"{arch}.attention.head_count", 1))
+    n_head_kv = int(field(f"{arch}.attention.head_count_kv", n_head)) or n_head
+    ggml_shape = lambda t: tuple(int(v) for v in t.shape)  # noqa: E731 (ne0 first)
+    plan = plan_types([(t.name, ggml_shape(t)) for t in reader.tensors], ftype,
+                      n_layer=n_layer, n_gqa=n_head // n_head_kv)
+
+    writer = gguf.GGUFWriter(dst, arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key in _SKIP_KEYS:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
+    writer.add_file_type(FTYPES[ftype][1])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if "general.alignment" in reader.fields:
+        writer.data_alignment = int(field("general.alignment", writer.data_alignment))
+
+    jobs = []  # (reader tensor, target type, rows, cols, out row bytes)
+    for t in reader.tensors:
+        qtype = plan[t.name]
+        shape = ggml_shape(t)
+        cols = shape[0]
+        rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        rb = cols // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
+        numpy_shape = (*reversed(shape[1:]), rb)
+        writer.add_tensor_info(t.name, numpy_shape, np.dtype(np.uint8), rows * rb, raw_dtype=qtype)
+        jobs.append((t, qtype, rows, cols, rb))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    align = writer.data_alignment
+    writer.close()
+
+    total = sum(rows * rb for _, _, rows, _, rb in jobs)
+    done = 0
+    with open(dst, "ab") as fout:
+        for t, qtype, rows, cols, rb in jobs:
+            fout.write(b"\0" * (-fout.tell() % align))
+            raw = t.data.reshape(rows, -1)  # memory-mapped source rows
+            if t.tensor_type == qtype:
+                step = max(1, (_ROW_CHUNK_ELEMS * 4) // max(1, raw.shape[1]))
+            else:
+                step = max(1, _ROW_CHUNK_ELEMS // cols)
+            for r0 in range(0, rows, step):
+                part = raw[r0:r0 + step]
+                if t.tensor_type == qtype:
+                    out = np.ascontiguousarray(part).view(np.uint8)
+                else:
+                    f32 = gguf_quants.dequantize(np.ascontiguousarray(part), t.tensor_type)
+                    out = quantize(np.asarray(f32, dtype=np.float32).reshape(-1, cols), qtype)
+                out.tofile(fout)
+                done += out.nbytes
+                if progress is not None:
+                    progress(done, total, t.name)
+        fout.write(b"\0" * (-fout.tell() % align))
