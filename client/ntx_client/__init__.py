@@ -1,0 +1,8 @@
+"""ntx_client: talk to ntransformerd (Client, AsyncClient, AdminClient) and the ntx-client CLI."""
+
+from ntx_client.client import AdminClient, AsyncClient, Chunk, Client, Completion
+from ntx_client.errors import ConnectionFailed, NtxError, PermissionDenied
+from ntx_client.paths import socket_path
+
+__all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "ConnectionFailed",
+           "NtxError", "PermissionDenied", "socket_path"]

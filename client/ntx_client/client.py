@@ -1,0 +1,278 @@
+"""Client and AsyncClient for ntransformerd, over its unix socket.
+
+    from ntx_client import Client
+    with Client() as c:                               # socket: NTX_SOCKET or /run/ntransformer/…
+        for chunk in c.generate("The capital of France is", max_tokens=16):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from ntx_client import paths
+from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_client.errors import NtxError, connection_error, from_rpc_error
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos"}
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "frequency_penalty", "presence_penalty", "seed")
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One streamed piece of a generation. The last one has finish_reason and usage."""
+
+    text: str
+    ids: list[int]
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "eos"
+    usage: dict | None = None
+
+    @classmethod
+    def from_pb(cls, m: pb.GenerateResponse) -> "Chunk":
+        usage = None
+        if m.HasField("usage"):
+            u = m.usage
+            usage = dict(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         queue_seconds=u.queue_seconds, prefill_seconds=u.prefill_seconds,
+                         decode_seconds=u.decode_seconds)
+        return cls(m.text, list(m.token_ids), list(m.prompt_ids), FINISH_REASONS.get(m.finish_reason), usage)
+
+
+@dataclasses.dataclass
+class Completion:
+    """A whole generation, collected from its chunks."""
+
+    text: str
+    ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str | None
+    usage: dict | None
+
+
+def collect(chunks) -> Completion:
+    text, ids, prompt_ids, last = [], [], [], None
+    for c in chunks:
+        text.append(c.text)
+        ids += c.ids
+        prompt_ids += c.prompt_ids
+        last = c
+    return Completion("".join(text), ids, prompt_ids, last and last.finish_reason, last and last.usage)
+
+
+def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                     prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
+                     stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
+                     **sampling) -> pb.GenerateRequest:
+    """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids."""
+    if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages or prompt_ids")
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos)
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.prompt_ids.ids.extend(prompt_ids)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    for k, v in sampling.items():
+        if v is not None:
+            setattr(req.sampling, k, v)
+    return req
+
+
+def _tokenize_request(text, messages, add_special, parse_special) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest()
+    if messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.text = text
+    if add_special is not None:
+        req.add_special = add_special
+    if parse_special is not None:
+        req.parse_special = parse_special
+    return req
+
+
+class Client:
+    """Blocking client. Methods raise ntx_client.NtxError with a message naming cause and fix."""
+
+    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
+        self.socket = paths.socket_path(socket)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method, request, timeout=None):
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket) from None
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
+        """Stream chunks; stopping the iteration early cancels the request on the daemon."""
+        call = self._stub.Generate(generate_request(prompt, **kw), timeout=timeout or self.timeout)
+        try:
+            for m in call:
+                yield Chunk.from_pb(m)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket) from None
+        finally:
+            call.cancel()  # no-op once finished; frees the daemon's slot if we stopped early
+
+    def chat(self, messages: Sequence[dict], **kw) -> Iterator[Chunk]:
+        return self.generate(messages=messages, **kw)
+
+    def complete(self, prompt: str | None = None, **kw) -> Completion:
+        return collect(self.generate(prompt, **kw))
+
+    def tokenize(self, text: str | None = None, *, messages=None, add_special=None, parse_special=None) -> list[int]:
+        return list(self._call(self._stub.Tokenize, _tokenize_request(text, messages, add_special, parse_special)).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._call(self._stub.Detokenize, pb.DetokenizeRequest(ids=list(ids))).text
+
+    def model(self) -> pb.ModelInfo:
+        return self._call(self._stub.GetModel, pb.GetModelRequest())
+
+    def status(self) -> pb.StatusResponse:
+        return self._call(self._stub.Status, pb.StatusRequest())
+
+    def health(self, timeout: float = 5.0) -> str:
+        """The standard gRPC health status of the inference service: SERVING, NOT_SERVING, …"""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        r = self._call(stub.Check, health_pb2.HealthCheckRequest(service="ntransformer.v1.Inference"), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the daemon answers SERVING (the model is loaded)."""
+        import time
+        end, last = time.monotonic() + timeout, None
+        while time.monotonic() < end:
+            try:
+                if self.health(timeout=max(0.1, min(2.0, end - time.monotonic()))) == "SERVING":
+                    return
+            except NtxError as e:
+                last = e
+            time.sleep(0.1)
+        raise last or NtxError(f"ntransformerd at {self.socket} did not become ready within {timeout} s")
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio) with the same methods as Client, awaited."""
+
+    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
+        self.socket = paths.socket_path(socket)
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket) from None
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[Chunk]:
+        call = self._stub.Generate(generate_request(prompt, **kw), timeout=timeout or self.timeout)
+        try:
+            async for m in call:
+                yield Chunk.from_pb(m)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket) from None
+        finally:
+            call.cancel()
+
+    def chat(self, messages: Sequence[dict], **kw) -> AsyncIterator[Chunk]:
+        return self.generate(messages=messages, **kw)
+
+    async def complete(self, prompt: str | None = None, **kw) -> Completion:
+        return collect([c async for c in self.generate(prompt, **kw)])
+
+    async def tokenize(self, text: str | None = None, *, messages=None, add_special=None, parse_special=None) -> list[int]:
+        r = await self._call(self._stub.Tokenize, _tokenize_request(text, messages, add_special, parse_special))
+        return list(r.ids)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        return (await self._call(self._stub.Detokenize, pb.DetokenizeRequest(ids=list(ids)))).text
+
+    async def model(self) -> pb.ModelInfo:
+        return await self._call(self._stub.GetModel, pb.GetModelRequest())
+
+    async def status(self) -> pb.StatusResponse:
+        return await self._call(self._stub.Status, pb.StatusRequest())
+
+
+class AdminClient:
+    """The admin verbs, over the root-only admin socket."""
+
+    def __init__(self, socket: str | None = None, *, user_socket: str | None = None, timeout: float | None = None):
+        self.socket = paths.admin_socket_path(socket, user_socket=user_socket)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(paths.grpc_target(self.socket))
+        self._stub = admin_pb2_grpc.AdminStub(self._channel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            err = from_rpc_error(e, self.socket)
+            if err.code == grpc.StatusCode.PERMISSION_DENIED:
+                err.args = (f"permission denied on {self.socket}: the admin socket is root's only (use sudo)",)
+            raise err from None
+
+    def load_model(self, path: str = "", backend: str = "") -> pb.ModelInfo:
+        return self._call(self._stub.LoadModel, admin_pb2.LoadModelRequest(path=path, backend=backend))
+
+    def unload_model(self, timeout_seconds: float = 0) -> None:
+        self._call(self._stub.UnloadModel, admin_pb2.UnloadModelRequest(timeout_seconds=timeout_seconds))
+
+    def drain(self, timeout_seconds: float = 0) -> admin_pb2.DrainResponse:
+        return self._call(self._stub.Drain, admin_pb2.DrainRequest(timeout_seconds=timeout_seconds))
+
+    def resume(self) -> None:
+        self._call(self._stub.Resume, admin_pb2.ResumeRequest())
+
+    def shutdown(self, timeout_seconds: float = 0) -> None:
+        self._call(self._stub.Shutdown, admin_pb2.ShutdownRequest(timeout_seconds=timeout_seconds))
+
+
+__all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError", "collect",
+           "connection_error", "generate_request"]

@@ -1,0 +1,49 @@
+"""Errors the client raises, each naming the cause and the fix."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from ntx_client.paths import SOCKET_GROUP
+
+
+class NtxError(Exception):
+    """An error from ntransformerd or from reaching it; `code` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class ConnectionFailed(NtxError):
+    """The daemon's socket could not be reached (not running, wrong path)."""
+
+
+class PermissionDenied(NtxError):
+    """The socket exists but this user may not open it."""
+
+
+def connection_error(path: str, details: str = "") -> NtxError:
+    """Explain why `path` cannot be reached, from what the filesystem says about it."""
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK) or "ermission denied" in details:
+        return PermissionDenied(
+            f"permission denied on {path}: add your user to group {SOCKET_GROUP} and log in again "
+            f"(sudo usermod -aG {SOCKET_GROUP} $USER)", grpc.StatusCode.PERMISSION_DENIED)
+    if not os.path.exists(path):
+        return ConnectionFailed(
+            f"cannot reach ntransformerd at {path}: no such socket. Is it running? "
+            f"systemctl status ntransformerd (or start one: ntransformerd --socket {path}; "
+            f"or pass --socket / set NTX_SOCKET)", grpc.StatusCode.UNAVAILABLE)
+    return ConnectionFailed(
+        f"cannot reach ntransformerd at {path}: {details or 'connection refused'}. Is it running? "
+        "systemctl status ntransformerd", grpc.StatusCode.UNAVAILABLE)
+
+
+def from_rpc_error(err: grpc.RpcError, path: str) -> NtxError:
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "failed to" in details.lower()
+                                                or "ermission" in details):
+        return connection_error(path, details)
+    return NtxError(f"{code.name}: {details}", code)
