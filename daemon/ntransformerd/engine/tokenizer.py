@@ -411,30 +411,21 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int], *, special: bool = True) -> str:
-        """Text of ``ids`` as llama.cpp's llama_detokenize gives it.
+        """Text of ``ids``, as llama.cpp's llama_detokenize (remove_special=False) gives it.
 
         special: render CONTROL/UNKNOWN tokens (``<|im_end|>``) as their text; when false they
-        are dropped. Bytes that do not form UTF-8 become U+FFFD. Like llama.cpp, a leading
-        space of the first token after an optional BOS is dropped when the vocabulary adds a
-        space prefix, and the "clean spaces" pass runs for the pre-tokenizers that ask for it
-        (not smollm or qwen2).
+        are dropped. Bytes that do not form UTF-8 become U+FFFD. As in llama.cpp, a vocabulary
+        with add_space_prefix drops one leading space of the first token, and the pre-types
+        that ask for it (llama-bpe, gpt-2, default; not smollm or qwen2) get the "clean spaces"
+        pass (" ," -> ","). For streamed output use ``Detokenizer``, which does neither.
         """
-        ids = list(ids)
-        data = self._join(ids, special)
+        parts = [self._pieces[self._check_id(i)][1 if special else 0] for i in ids]
+        if parts and self._add_space_prefix and parts[0].startswith(b" "):
+            parts[0] = parts[0][1:]
+        data = b"".join(parts)
         if self._clean_spaces:
             data = _clean_spaces(data)
         return data.decode("utf-8", errors="replace")
-
-    def _join(self, ids: list[int], special: bool) -> bytes:
-        k = 1 if special else 0
-        parts = []
-        strip_at = 1 if (ids and ids[0] == self.bos_id and self._add_space_prefix) else 0
-        for pos, i in enumerate(ids):
-            piece = self._pieces[self._check_id(i)][k]
-            if pos == strip_at and self._add_space_prefix and piece.startswith(b" "):
-                piece = piece[1:]
-            parts.append(piece)
-        return b"".join(parts)
 
     def token_bytes(self, token_id: int, *, special: bool = True) -> bytes:
         """Raw bytes token ``token_id`` stands for (may be part of a UTF-8 character).
