@@ -139,6 +139,7 @@ class Engine:
             segments.append(Segment(slot, start, tokens))
         batch = Batch.of(segments)
         logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
+        logits = self.ops.to_host(logits)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits

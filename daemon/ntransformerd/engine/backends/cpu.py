@@ -39,6 +39,10 @@ class CpuOps:
         return weights.embed_rows(tokens)  # (N, D)
 
     @staticmethod
+    def to_host(x: np.ndarray) -> np.ndarray:
+        return x
+
+    @staticmethod
     def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x @ w.T  # (N, in) @ (in, out) → (N, out); w is stored (out, in) as in GGUF
 
