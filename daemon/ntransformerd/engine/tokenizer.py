@@ -164,6 +164,8 @@ _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 def _md_get(metadata: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
     value = metadata.get(key, default)
+    if hasattr(value, "item") and not isinstance(value, (list, str)):
+        value = value.item()  # a numpy scalar, where a caller kept GGUFReader's raw values
     if value is not default and not isinstance(value, kind):
         raise TokenizerError(f"GGUF metadata {key!r} has type {type(value).__name__}, expected {kind}")
     return value
