@@ -1,0 +1,248 @@
+"""Next-token choice from logits, and stop strings.
+
+The chain is llama.cpp's default order (common/sampling.cpp): penalties -> top-k -> top-p ->
+min-p -> temperature -> draw. Each step follows its llama-sampling.cpp counterpart:
+
+* penalties, over the last ``penalty_last_n`` ids of the history, for each id seen ``c`` times:
+  ``logit = logit * r if logit <= 0 else logit / r`` (repetition), then
+  ``logit -= c * frequency_penalty + (c > 0) * presence_penalty``;
+* top-k keeps the k largest logits (0 = off);
+* top-p keeps the smallest prefix of the sorted distribution whose probability reaches p;
+* min-p keeps ids whose probability is at least ``min_p`` times the largest one;
+* temperature divides the logits; 0 means greedy: the largest logit, lowest id on ties.
+
+Thread rule: a ``Sampler`` and a ``StopMatcher`` belong to one sequence and one thread. Each
+``Sampler`` owns its numpy Generator, so a seed reproduces a sequence whatever else runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["SamplingParams", "Sampler", "StopMatcher"]
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to choose each next token. Defaults are llama.cpp's (llama-cli / llama-server).
+
+    temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely ids; 0 = off.
+    top_p: nucleus sampling, in (0, 1]; 1 = off.
+    min_p: drop ids less likely than min_p x the most likely one, in [0, 1]; 0 = off.
+    repetition_penalty: > 0; 1 = off. frequency_penalty, presence_penalty: in [-2, 2]; 0 = off.
+    penalty_last_n: how many of the latest history ids the penalties look at; 0 = none,
+        -1 = the whole history.
+    seed: None draws a fresh seed from the OS; an int in [0, 2**64) makes sampling repeatable.
+    stop: strings that end generation; the stop string itself is not returned.
+    max_tokens: most tokens to generate. ignore_eos: keep going past end-of-generation tokens.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int = 256
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # a list is a natural thing to pass; keep the dataclass hashable and immutable
+        if isinstance(self.stop, (list, str)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    @classmethod
+    def greedy(cls, **overrides) -> "SamplingParams":
+        """Argmax decoding with no filters or penalties (for tests and golden runs)."""
+        return cls(**{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **overrides})
+
+    def validate(self) -> "SamplingParams":
+        """Raise ValueError naming the first bad field; return self when all are fine."""
+
+        def number(name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, not {type(v).__name__}")
+            if math.isnan(v) or math.isinf(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
+            if v < lo or v > hi or (lo_open and v == lo):
+                left = "(" if lo_open else "["
+                raise ValueError(f"{name} must be in {left}{lo:g}, {hi:g}], got {v:g}")
+
+        def integer(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, not {type(v).__name__}")
+            if not lo <= v <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+
+        number("temperature", 0.0, 100.0)
+        integer("top_k", 0, 2**31 - 1)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 0.0, 100.0, lo_open=True)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        integer("penalty_last_n", -1, 2**31 - 1)
+        integer("max_tokens", 1, 2**31 - 1)
+        if self.seed is not None:
+            integer("seed", 0, 2**64 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
+        if not isinstance(self.stop, tuple):
+            raise ValueError("stop must be a list of strings")
+        if len(self.stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"each stop string must be a non-empty string, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        return self
+
+
+class Sampler:
+    """Chooses token ids for one sequence. ``sample(logits, history)`` with logits (V,) float32
+    and history the ids so far (prompt and generated; the penalties read its tail).
+
+    eog_ids: with ``params.ignore_eos``, these ids are never drawn (as llama.cpp's logit bias of
+    -inf); otherwise they are ordinary candidates and the caller stops on them.
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int, *, eog_ids: Iterable[int] = ()) -> None:
+        params.validate()
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(params.seed)
+        self._banned = np.array(sorted(eog_ids), dtype=np.int64) if params.ignore_eos else None
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        p = self.params
+        logits = np.asarray(logits)
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},), got {logits.shape}")
+        if np.isnan(logits).any():
+            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
+        x = logits.astype(np.float32, copy=True)
+        if self._banned is not None and self._banned.size:
+            x[self._banned] = -np.inf
+        x = apply_penalties(x, history, p)
+        if not np.isfinite(x.max()):
+            raise ValueError("no token can be drawn: every logit is -inf")
+
+        if p.temperature == 0.0:
+            return int(np.argmax(x))  # first maximum: the lowest id wins ties
+
+        ids = candidates(x, p.top_k, p.top_p, p.min_p)  # (n,) ids, most likely first
+        z = x[ids].astype(np.float64) / p.temperature
+        w = np.exp(z - z[0])
+        c = np.cumsum(w)
+        k = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return int(ids[min(k, len(ids) - 1)])
+
+
+def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
+    """Repetition, frequency and presence penalties on ``x`` (float32, changed in place) from the
+    last ``p.penalty_last_n`` ids of ``history``, as llama.cpp's penalties sampler."""
+    if p.penalty_last_n == 0 or len(history) == 0 or (
+            p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+        return x
+    tail = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
+    tail = np.asarray(tail, dtype=np.int64)
+    tail = tail[(tail >= 0) & (tail < x.shape[0])]
+    ids, counts = np.unique(tail, return_counts=True)
+    v = x[ids]
+    v = np.where(v <= 0, v * np.float32(p.repetition_penalty), v / np.float32(p.repetition_penalty))
+    v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+    x[ids] = v.astype(np.float32)
+    return x
+
+
+def candidates(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Ids that survive top-k, top-p and min-p (in that order) from logits ``x``, sorted by
+    logit descending (ties: lower id first). Always at least one id."""
+    n = x.shape[0]
+    k = n if top_k <= 0 else min(top_k, n)
+    if k < n:
+        part = np.argpartition(-x, k - 1)[:k]
+        # argpartition picks arbitrarily among ids tied with the k-th; take the lowest ids
+        kth = x[part].min()
+        above = np.flatnonzero(x > kth)
+        tied = np.flatnonzero(x == kth)[: k - above.size]
+        ids = np.concatenate([above, tied])
+    else:
+        ids = np.arange(n)
+    ids = ids[np.lexsort((ids, -x[ids]))]  # logit descending, then id ascending
+    ids = ids[np.isfinite(x[ids]) | (np.arange(ids.size) == 0)]
+    if top_p < 1.0 and ids.size > 1:
+        z = x[ids].astype(np.float64)
+        prob = np.exp(z - z[0])
+        prob /= prob.sum()
+        cum = np.cumsum(prob)
+        # the first index where the running sum reaches p is kept, as llama.cpp does
+        last = int(np.searchsorted(cum, top_p, side="left"))
+        ids = ids[: min(last, ids.size - 1) + 1]
+    if min_p > 0.0 and ids.size > 1:
+        z = x[ids]
+        keep = z >= z[0] + np.float32(math.log(min_p))
+        ids = ids[keep]
+    return ids
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. ``feed(delta)`` returns ``(text, stopped)``: the
+    text that is safe to show now, and whether a stop string was found. Text that could still
+    turn out to be the start of a stop string is held back until it can be decided; a found
+    stop string and everything after it are dropped. ``flush()`` returns what is held back when
+    generation ends for another reason.
+    """
+
+    def __init__(self, stops: Iterable[str] = ()) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self._held + delta
+        if not self.stops:
+            self._held = ""
+            return buf, False
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buf[: min(hits)], True
+        hold = self._partial_suffix(buf)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """The held-back text (not a stop string after all); empty once stopped."""
+        text, self._held = ("" if self.stopped else self._held), ""
+        return text
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,267 @@
+"""Sampler: determinism, filters against brute-force references, penalty arithmetic by hand,
+parameter validation, and stop strings split across deltas."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ntransformerd.engine.sampler import (
+    SamplingParams, Sampler, StopMatcher, apply_penalties, candidates,
+)
+
+V = 1000
+
+
+def _logits(seed: int, n: int = V, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+def _run(params: SamplingParams, steps: int = 50, n: int = V) -> list[int]:
+    s = Sampler(params, n)
+    return [s.sample(_logits(100 + i, n), []) for i in range(steps)]
+
+
+# ---- determinism and greedy ---------------------------------------------------------------
+
+def test_same_seed_same_sequence_different_seed_differs():
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    assert _run(p) == _run(p)
+    assert _run(p) != _run(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=8))
+
+
+def test_two_samplers_do_not_share_random_state():
+    p = SamplingParams(temperature=1.0, seed=3)
+    a, b = Sampler(p, V), Sampler(p, V)
+    xs = [_logits(i) for i in range(20)]
+    seq_a = []
+    for x in xs:  # interleave: b drawing must not disturb a's sequence
+        seq_a.append(a.sample(x, []))
+        b.sample(x, [])
+    c = Sampler(p, V)
+    assert [c.sample(x, []) for x in xs] == seq_a
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    x = np.zeros(10, np.float32)
+    x[[3, 7]] = 5.0
+    assert Sampler(SamplingParams.greedy(), 10).sample(x, []) == 3
+    for i in range(5):
+        y = _logits(i)
+        assert Sampler(SamplingParams(temperature=0.0, seed=i), V).sample(y, []) == int(np.argmax(y))
+
+
+def test_top_k_1_equals_greedy():
+    p = SamplingParams(temperature=1.5, top_k=1, top_p=1.0, min_p=0.0, seed=1)
+    s = Sampler(p, V)
+    for i in range(20):
+        y = _logits(i)
+        assert s.sample(y, []) == int(np.argmax(y))
+
+
+def test_draws_follow_the_distribution():
+    x = np.log(np.array([0.5, 0.3, 0.2], np.float32))
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0), 3)
+    counts = np.bincount([s.sample(x, []) for _ in range(4000)], minlength=3) / 4000
+    assert np.allclose(counts, [0.5, 0.3, 0.2], atol=0.03)
+
+
+# ---- filters against brute force ------------------------------------------------------------
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z.astype(np.float64) - z.max())
+    return e / e.sum()
+
+
+def _reference(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The survivors by the definitions, with plain Python loops."""
+    order = sorted(range(len(x)), key=lambda i: (-float(x[i]), i))
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p < 1.0:
+        probs = _softmax(x[order])
+        kept, total = [], 0.0
+        for i, pr in zip(order, probs):
+            kept.append(i)
+            total += pr
+            if total >= top_p:
+                break
+        order = kept
+    if min_p > 0.0:
+        probs = _softmax(x[order])
+        order = [i for i, pr in zip(order, probs) if pr >= min_p * probs.max() * (1 - 1e-6)]
+    return set(order)
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_filters_match_brute_force(case):
+    rng = np.random.default_rng(case)
+    n = int(rng.integers(2, 40))
+    x = (rng.standard_normal(n) * rng.uniform(0.1, 5)).astype(np.float32)
+    if case % 5 == 0:
+        x[rng.integers(0, n, 3)] = x.max()  # ties at the top
+    top_k = int(rng.choice([0, 1, 3, n // 2, n + 5]))
+    top_p = float(rng.choice([1.0, 0.9, 0.5, 0.1]))
+    min_p = float(rng.choice([0.0, 0.05, 0.3]))
+    ids = candidates(x, top_k, top_p, min_p)
+    assert list(ids) == sorted(ids, key=lambda i: (-float(x[i]), i)), "not sorted by logit"
+    assert set(ids.tolist()) == _reference(x, top_k, top_p, min_p), (top_k, top_p, min_p)
+
+
+def test_top_p_keeps_the_token_that_crosses_p():
+    x = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+    assert candidates(x, 0, 0.4, 0.0).tolist() == [0]
+    assert candidates(x, 0, 0.5, 0.0).tolist() == [0, 1]
+    assert candidates(x, 0, 0.85, 0.0).tolist() == [0, 1, 2]
+
+
+def test_min_p_is_relative_to_the_most_likely():
+    x = np.log(np.array([0.5, 0.2, 0.05, 0.25], np.float32))
+    assert candidates(x, 0, 1.0, 0.4).tolist() == [0, 3, 1]  # 0.2 >= 0.4 * 0.5
+    assert candidates(x, 0, 1.0, 0.5).tolist() == [0, 3]
+
+
+def test_sampled_ids_never_leave_the_filtered_set():
+    p = SamplingParams(temperature=2.0, top_k=5, top_p=0.8, min_p=0.1, seed=5)
+    s = Sampler(p, V)
+    for i in range(100):
+        y = _logits(i)
+        assert s.sample(y, []) in set(candidates(y, 5, 0.8, 0.1).tolist())
+
+
+# ---- penalties --------------------------------------------------------------------------------
+
+def test_penalty_arithmetic_by_hand():
+    x = np.array([2.0, -1.0, 0.5, 3.0, 0.0], np.float32)
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, penalty_last_n=4)
+    # last 4 of the history: [1, 0, 0, 4]; id 3 is older and out of the window
+    y = apply_penalties(x.copy(), [3, 1, 0, 0, 4], p)
+    expected = [
+        2.0 / 2.0 - (2 * 0.5 + 0.25),   # id 0: positive -> divided; seen twice
+        -1.0 * 2.0 - (1 * 0.5 + 0.25),  # id 1: negative -> multiplied; seen once
+        0.5,                            # id 2: not seen
+        3.0,                            # id 3: outside the last 4
+        0.0 * 2.0 - (0.5 + 0.25),       # id 4: zero counts as "<= 0"
+    ]
+    assert np.allclose(y, expected)
+
+
+def test_penalty_window_options():
+    x = np.ones(4, np.float32)
+    p = SamplingParams(presence_penalty=1.0, penalty_last_n=0)
+    assert np.array_equal(apply_penalties(x.copy(), [0, 1], p), x)
+    p = SamplingParams(presence_penalty=1.0, penalty_last_n=-1)  # whole history
+    assert apply_penalties(x.copy(), [0] + [3] * 100, p).tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    x = np.array([1.0, 0.9, 0.0], np.float32)
+    assert Sampler(SamplingParams.greedy(), 3).sample(x, [0]) == 0
+    assert Sampler(SamplingParams.greedy(repetition_penalty=1.5), 3).sample(x, [0]) == 1
+
+
+def test_ignore_eos_bans_end_of_generation_ids():
+    x = np.array([0.0, 9.0, 1.0], np.float32)
+    assert Sampler(SamplingParams.greedy(ignore_eos=True), 3, eog_ids={1}).sample(x, []) == 2
+    assert Sampler(SamplingParams.greedy(), 3, eog_ids={1}).sample(x, []) == 1
+
+
+def test_bad_logits_are_rejected():
+    s = Sampler(SamplingParams(), 4)
+    with pytest.raises(ValueError, match="shape"):
+        s.sample(np.zeros(5, np.float32), [])
+    with pytest.raises(ValueError, match="NaN"):
+        s.sample(np.array([0, np.nan, 0, 0], np.float32), [])
+    with pytest.raises(ValueError, match="-inf"):
+        s.sample(np.full(4, -np.inf, np.float32), [])
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.1, "temperature must be in"),
+    ("temperature", math.nan, "temperature must be a finite number"),
+    ("temperature", math.inf, "finite"),
+    ("top_k", -1, "top_k must be in"),
+    ("top_k", 2.5, "top_k must be an integer"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, "top_p"),
+    ("min_p", -0.01, "min_p"),
+    ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("frequency_penalty", 2.5, "frequency_penalty"),
+    ("presence_penalty", math.nan, "presence_penalty"),
+    ("penalty_last_n", -2, "penalty_last_n"),
+    ("max_tokens", 0, "max_tokens"),
+    ("seed", -1, "seed"),
+    ("seed", "7", "seed must be an integer"),
+    ("stop", ("",), "non-empty"),
+    ("stop", ("x",) * 17, "at most 16"),
+    ("ignore_eos", "yes", "ignore_eos"),
+])
+def test_validate_names_the_problem(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_valid_params():
+    p = SamplingParams(stop=["</s>", "\n\n"], seed=2**64 - 1).validate()
+    assert p.stop == ("</s>", "\n\n") and hash(p)
+    assert SamplingParams(stop="END").stop == ("END",)
+
+
+# ---- stop strings -----------------------------------------------------------------------------
+
+def _stream(stops, deltas):
+    m = StopMatcher(stops)
+    out, stopped = [], False
+    for d in deltas:
+        text, stopped = m.feed(d)
+        out.append(text)
+        if stopped:
+            break
+    return out, stopped, m.flush()
+
+
+def test_stop_across_delta_boundaries():
+    out, stopped, rest = _stream(["STOP"], ["hello S", "T", "O", "P and more"])
+    assert out == ["hello ", "", "", ""] and stopped and rest == ""
+    out, stopped, _ = _stream(["<|end|>"], ["a<|e", "nd|>b"])
+    assert "".join(out) == "a" and stopped
+
+
+def test_false_start_is_released():
+    out, stopped, rest = _stream(["STOP"], ["ST", "ART", "S"])
+    assert out == ["", "START", ""] and not stopped and rest == "S"
+
+
+def test_earliest_stop_wins_and_overlaps():
+    out, stopped, _ = _stream(["bc", "abcd"], ["xabcd"])  # "abcd" starts first
+    assert out == ["x"] and stopped
+    out, stopped, _ = _stream(["bc", "abcd"], ["xabce"])
+    assert out == ["xa"] and stopped
+    out, stopped, _ = _stream(["aab"], ["a", "a", "a", "b"])  # "aaab": stop starts at 1
+    assert "".join(out) == "a" and stopped
+
+
+def test_no_stops_passes_text_through():
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False) and m.flush() == ""
+    m = StopMatcher(["x"])
+    assert m.feed("x") == ("", True) and m.feed("more") == ("", True)
+
+
+def test_stop_matcher_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text = "".join(rng.choice(list("ab c"), int(rng.integers(0, 20))))
+        stops = ["".join(rng.choice(list("abc"), int(rng.integers(1, 4)))) for _ in range(2)]
+        cuts = sorted(rng.integers(0, len(text) + 1, 4).tolist())
+        deltas = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        out, stopped, rest = _stream(stops, deltas)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            assert stopped and "".join(out) + rest == text[: min(hits)], (text, stops, deltas)
+        else:
+            assert not stopped and "".join(out) + rest == text, (text, stops, deltas)
