@@ -1,0 +1,1 @@
+"""ntransformerd's serving side: scheduler (continuous batching), servicer (gRPC), sockets, systemd."""

@@ -1,0 +1,37 @@
+"""What can go wrong with a request, as domain errors. servicer.STATUS_CODES maps them to gRPC."""
+
+
+class ServiceError(Exception):
+    """Base: the message is shown to the client as is, so it names the cause and the fix."""
+
+
+class InvalidRequest(ServiceError):
+    """The request itself is wrong (bad number, unknown model, prompt too long)."""
+
+
+class NotReady(ServiceError):
+    """No model is loaded yet, or one is loading."""
+
+
+class QueueFull(ServiceError):
+    """Every slot is busy and the wait queue is full."""
+
+
+class Draining(ServiceError):
+    """The daemon is stopping or draining and admits no new requests."""
+
+
+class ShuttingDown(ServiceError):
+    """An in-flight request was cancelled because the daemon is stopping."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before it finished."""
+
+
+class Cancelled(ServiceError):
+    """The client went away or cancelled."""
+
+
+class EngineFailed(ServiceError):
+    """The engine raised while running this request's batch; the daemon keeps serving."""

@@ -1,0 +1,379 @@
+"""Continuous batching: every live request advances in one `engine.step` per iteration.
+
+The request path, in the order it runs:
+
+    tokenize(input)              → prompt ids            (caller's thread)
+    schedule(ids, params)        → Request, queued       (caller's thread; bounded queue)
+    loop, one thread owning the engine, each iteration:
+        retire()                 finished / cancelled / past-deadline requests leave, slots freed
+        admit()                  queued requests take free KV-cache slots
+        compose()                one decode token per decoding request + prefill chunks, the
+                                 chunks sharing `prefill_chunk` tokens so a long prompt cannot
+                                 stall the others
+        engine.step(batch)       one batched forward
+        sample() → detokenize()  per request whose prompt is done; stream the delta out
+
+Each Request carries its own Sampler, StopMatcher and Detokenizer and follows exactly the rules
+of `engine.generate`, so a request's output is the one it would get alone (up to the engine's
+batch-invariance; see tests/server/test_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
+                                         NotReady, QueueFull, ServiceError, ShuttingDown)
+
+log = logging.getLogger("ntransformerd")
+
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass
+class Output:
+    """One streamed piece: the tokens of one step and the text they complete."""
+
+    token_ids: list[int]
+    text: str
+    prompt_ids: list[int] | None = None  # on the first output
+    finish_reason: str | None = None  # "stop" | "length" | "eos" on the last
+    usage: dict | None = None  # on the last
+
+
+class Request:
+    """One generation, from queued to retired. Written by the scheduler thread, except cancel()."""
+
+    def __init__(self, prompt_ids: list[int], params, *, max_tokens: int, deadline: float | None):
+        self.id = next(_ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_tokens = max_tokens
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.state = "queued"  # queued → prefill → decode → done
+        self.slot = -1
+        self.prefilled = 0  # prompt tokens already in the KV cache
+        self.next_token: int | None = None  # sampled, not yet run through the model
+        self.history = list(prompt_ids)
+        self.generated = 0
+        self.error: ServiceError | None = None  # set by cancel(); delivered by retire()
+        self.outputs: queue.Queue[Output | ServiceError | None] = queue.Queue()
+        self.t_created = time.monotonic()
+        self.t_admitted = self.t_first = self.t_done = None
+        self.sampler = self.stops = self.detok = None
+
+    def cancel(self, error: ServiceError | None = None) -> None:
+        """Ask the scheduler to drop this request at its next iteration (any thread)."""
+        if self.error is None:
+            self.error = error or Cancelled("request cancelled by the client")
+
+    def stream(self) -> Iterator[Output]:
+        """The outputs, in order; raises the ServiceError that ended the request, if any."""
+        while True:
+            item = self.outputs.get()
+            if item is None:
+                return
+            if isinstance(item, ServiceError):
+                raise item
+            yield item
+
+    def usage(self) -> dict:
+        now = self.t_done or time.monotonic()
+        return dict(prompt_tokens=len(self.prompt_ids), completion_tokens=self.generated,
+                    queue_seconds=(self.t_admitted or now) - self.t_created,
+                    prefill_seconds=(self.t_first or now) - (self.t_admitted or now),
+                    decode_seconds=now - (self.t_first or now))
+
+
+class Scheduler:
+    """Owns the engine from one thread; other threads tokenize, schedule, cancel and read status."""
+
+    def __init__(self, *, config, notifier):
+        self.config = config
+        self.notifier = notifier
+        self.engine = None
+        self.state = "no_model"  # no_model | loading | serving | draining | failed
+        self.load_progress, self.load_fraction, self.error = "", 0.0, ""
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._live: list[Request] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.steps = self.requests_total = self.tokens_total = 0
+        self.last_batch = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
+        self.t_start = time.monotonic()
+
+    # ---- lifecycle (daemon thread) --------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def set_loading(self, progress: str, fraction: float) -> None:
+        with self._cv:
+            self.state, self.load_progress, self.load_fraction = "loading", progress, fraction
+
+    def attach(self, engine) -> None:
+        with self._cv:
+            self.engine, self.state, self.error = engine, "serving", ""
+            self.load_progress, self.load_fraction = "loaded", 1.0
+            self._cv.notify_all()
+
+    def detach(self):
+        """Take the engine away (unload); only when nothing is live."""
+        with self._cv:
+            engine, self.engine, self.state = self.engine, None, "no_model"
+            return engine
+
+    def fail(self, message: str) -> None:
+        with self._cv:
+            self.state, self.error = "failed", message
+
+    def drain(self, timeout: float, *, reason: str = "ntransformerd is shutting down") -> tuple[int, int]:
+        """Admit nothing new; let in-flight requests finish for `timeout` s, then cancel the rest."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            if self.state == "serving":
+                self.state = "draining"
+            self._draining_reason = reason
+            before = len(self._queue) + len(self._live)
+            while (self._queue or self._live) and time.monotonic() < end:
+                self._cv.wait(min(0.05, max(0.0, end - time.monotonic())))
+            left = list(self._queue) + list(self._live)
+            for r in left:
+                r.cancel(ShuttingDown(f"{reason}; the request was cancelled after {r.generated} tokens: "
+                                      "retry when it is back (systemctl status ntransformerd)"))
+            self._cv.notify_all()
+            # the loop retires them within one step; if it is stuck, end their streams here
+            end = time.monotonic() + 2.0
+            while (self._queue or self._live) and time.monotonic() < end:
+                self._cv.wait(0.05)
+            for r in list(self._queue) + list(self._live):
+                r.outputs.put(r.error)
+        return before - len(left), len(left)
+
+    def resume(self) -> None:
+        with self._cv:
+            if self.state == "draining":
+                self.state = "serving" if self.engine is not None else "no_model"
+
+    # ---- request path (callers' threads) --------------------------------------------------
+
+    def _ready_engine(self):
+        engine = self.engine
+        if self.state in ("draining",) or self._stop:
+            raise Draining(getattr(self, "_draining_reason", "ntransformerd is draining") +
+                           ": it admits no new requests; retry once it is back (systemctl status ntransformerd)")
+        if engine is None or self.state != "serving":
+            if self.state == "loading":
+                raise NotReady(f"the model is still loading ({self.load_progress}): retry in a few seconds; "
+                               "ntx-client status shows progress")
+            if self.state == "failed":
+                raise NotReady(f"the model failed to load: {self.error}")
+            raise NotReady("no model is loaded: load one with the Admin LoadModel verb (as root)")
+        return engine
+
+    def tokenize(self, *, text: str | None = None, messages: Sequence[dict] | None = None,
+                 ids: Sequence[int] | None = None, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Prompt ids from raw text, chat messages (through the model's template) or ids."""
+        engine = self._ready_engine()
+        tok = engine.tokenizer
+        if ids is not None:
+            bad = [i for i in ids if not 0 <= i < engine.cfg.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is out of range: the vocabulary has "
+                                     f"{engine.cfg.vocab_size} ids (0..{engine.cfg.vocab_size - 1})")
+            return list(ids)
+        if messages is not None:
+            text = render_chat(engine, messages)
+            add_special = False  # the template writes BOS itself where the model wants one
+        return tok.encode(text, parse_special=parse_special, add_special=add_special)
+
+    def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
+                 deadline: float | None = None) -> Request:
+        """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull."""
+        from ntransformerd.engine.sampler import Sampler, StopMatcher
+        from ntransformerd.engine.tokenizer import Detokenizer
+
+        engine = self._ready_engine()
+        n_ctx = engine.max_ctx
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: send at least one token of text")
+        if len(prompt_ids) >= n_ctx:
+            raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens and the context holds {n_ctx}: "
+                                 "shorten it (ntx-client tokenize counts tokens)")
+        if max_tokens is None:
+            max_tokens = self.config.default_max_tokens
+        if not 1 <= max_tokens <= n_ctx:
+            raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
+        req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline)
+        req.sampler = Sampler(params, engine.cfg.vocab_size)
+        req.stops = StopMatcher(list(params.stop or ()))
+        req.detok = Detokenizer(engine.tokenizer)
+        with self._cv:
+            self._ready_engine()
+            if len(self._live) >= self.config.max_batch and len(self._queue) >= self.config.max_queue:
+                raise QueueFull(f"ntransformerd is full: {len(self._live)} requests running and "
+                                f"{len(self._queue)} queued (max_queue {self.config.max_queue}); retry later "
+                                "or raise max_batch / max_queue in /etc/ntransformer/ntransformerd.toml")
+            self._queue.append(req)
+            self.requests_total += 1
+            self._cv.notify_all()
+        return req
+
+    # ---- the loop (scheduler thread) ------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self.notifier.watchdog()  # from here, so a stuck step stops the pings
+            with self._cv:
+                if self._stop:
+                    break
+                self.retire()
+                self.admit()
+                if not self._live:
+                    self._cv.wait(0.5)
+                    continue
+                batch = self.compose()
+            self.run(batch)
+        with self._cv:
+            for r in list(self._queue) + list(self._live):
+                r.cancel(ShuttingDown("ntransformerd stopped"))
+            self.retire()
+
+    def retire(self) -> None:
+        """Requests that finished, were cancelled or ran past their deadline leave the batch."""
+        now = time.monotonic()
+        for r in list(self._queue) + list(self._live):
+            if r.error is None and r.state != "done" and r.deadline is not None and now > r.deadline:
+                r.cancel(DeadlineExceeded(f"the deadline passed after {r.generated} tokens: "
+                                          "give the call a longer timeout or ask for fewer tokens"))
+            if r.error is None and r.state != "done":
+                continue
+            if r in self._queue:
+                self._queue.remove(r)
+            else:
+                self._live.remove(r)
+                if self.engine is not None and r.slot >= 0:
+                    self.engine.close(r.slot)
+            if r.state != "done":
+                r.state = "done"
+                r.outputs.put(r.error)
+            r.outputs.put(None)
+            self._cv.notify_all()
+
+    def admit(self) -> None:
+        """Queued requests take free KV-cache slots, oldest first."""
+        while self._queue and len(self._live) < self.config.max_batch and self.engine.kv.free_slots:
+            r = self._queue.popleft()
+            r.slot, r.state, r.t_admitted = self.engine.open(), "prefill", time.monotonic()
+            self._live.append(r)
+
+    def compose(self) -> list[tuple[Request, list[int], bool]]:
+        """(request, tokens, completes_prompt) for this step: all decode tokens, then prefill
+        chunks from a shared budget of `prefill_chunk` tokens, oldest request first."""
+        batch, budget = [], self.config.prefill_chunk
+        for r in self._live:
+            if r.state == "decode":
+                batch.append((r, [r.next_token], True))
+        for r in self._live:
+            if r.state == "prefill" and budget > 0:
+                chunk = r.prompt_ids[r.prefilled:r.prefilled + budget]
+                budget -= len(chunk)
+                batch.append((r, chunk, r.prefilled + len(chunk) == len(r.prompt_ids)))
+        return batch
+
+    def run(self, batch: list[tuple[Request, list[int], bool]]) -> None:
+        """One engine step for the whole batch, then sample and stream for each request."""
+        engine = self.engine
+        try:
+            logits = engine.step([(r.slot, tokens) for r, tokens, _ in batch])
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
+            log.exception("engine step failed for requests %s", [r.id for r, _, _ in batch])
+            with self._cv:
+                for r, _, _ in batch:
+                    r.cancel(EngineFailed(f"the engine failed on this batch: {e}; the daemon keeps serving, retry"))
+            return
+        n_new = 0
+        for (r, tokens, complete), row in zip(batch, logits):
+            if r.state == "prefill":
+                r.prefilled += len(tokens)
+                if not complete:
+                    continue
+                r.state, r.t_first = "decode", time.monotonic()
+            self.sample_and_stream(engine, r, row)
+            n_new += 1
+        with self._cv:
+            self.steps += 1
+            self.tokens_total += n_new
+            self.last_batch = len(batch)
+            now = time.monotonic()
+            self._recent.append((now, n_new))
+            while self._recent and self._recent[0][0] < now - 5.0:
+                self._recent.popleft()
+
+    def sample_and_stream(self, engine, r: Request, logits) -> None:
+        """sample → detokenize → stop strings → stream; the same rules as engine.generate."""
+        token = r.sampler.sample(logits, r.history)
+        r.history.append(token)
+        r.generated += 1
+        first = r.prompt_ids if r.generated == 1 else None
+        if token in engine.tokenizer.eog_ids and not r.params.ignore_eos:
+            text, _ = r.stops.feed(r.detok.flush())
+            return self.finish(r, token, text + r.stops.flush(), "eos", first)
+        text, stopped = r.stops.feed(r.detok.feed(token))
+        if stopped:
+            return self.finish(r, token, text, "stop", first)
+        if r.generated >= r.max_tokens or engine.length(r.slot) + 1 > engine.max_ctx:
+            text2, _ = r.stops.feed(r.detok.flush())
+            return self.finish(r, token, text + text2 + r.stops.flush(), "length", first)
+        r.next_token = token
+        r.outputs.put(Output([token], text, prompt_ids=first))
+
+    def finish(self, r: Request, token: int, text: str, reason: str, first) -> None:
+        r.t_done = time.monotonic()
+        r.outputs.put(Output([token], text, prompt_ids=first, finish_reason=reason, usage=r.usage()))
+        r.state = "done"  # retire() frees the slot at the top of the next iteration
+
+    # ---- status (any thread) --------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        with self._cv:
+            now = time.monotonic()
+            span = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
+            tps = sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+            reqs = [dict(id=r.id, state=r.state, slot=r.slot, prompt_tokens=len(r.prompt_ids),
+                         generated_tokens=r.generated, age_seconds=now - r.t_created)
+                    for r in list(self._live) + list(self._queue)]
+            steps_per_s = (len(self._recent) - 1) / span if span > 0 else 0.0
+            return dict(state=self.state, load_progress=self.load_progress, load_fraction=self.load_fraction,
+                        error=self.error, live=len(self._live), queued=len(self._queue),
+                        batch=self.last_batch, free_slots=self.engine.kv.free_slots if self.engine else 0,
+                        tokens_per_second=tps, steps_per_second=steps_per_s, steps=self.steps,
+                        requests_total=self.requests_total, tokens_total=self.tokens_total,
+                        uptime=now - self.t_start, requests=reqs)
+
+
+def render_chat(engine, messages: Sequence[dict]) -> str:
+    """The model's chat template over `messages`, with the generation prompt added."""
+    from ntransformerd.engine import chat
+
+    for m in messages:
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequest(f"chat role {m['role']!r} is not one of system, user, assistant, tool")
+    if not messages:
+        raise InvalidRequest("the chat has no messages: send at least one user message")
+    return chat.render(engine, messages)

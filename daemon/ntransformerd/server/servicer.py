@@ -1,0 +1,289 @@
+"""The gRPC face of the daemon: proto messages in, scheduler calls, proto messages out.
+
+Every domain error becomes a gRPC status in one place, STATUS_CODES / abort(); nothing a client
+sends reaches the engine unchecked, and an unexpected exception becomes INTERNAL, not a crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ntransformerd.server import errors
+from ntransformerd.server.scheduler import Scheduler
+from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+
+log = logging.getLogger("ntransformerd")
+
+STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotReady: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Draining: grpc.StatusCode.UNAVAILABLE,
+    errors.ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.EngineFailed: grpc.StatusCode.INTERNAL,
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate, tokenizer, chat template
+}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
+STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "loading": pb.SERVING_STATE_LOADING,
+          "serving": pb.SERVING_STATE_SERVING, "draining": pb.SERVING_STATE_DRAINING,
+          "failed": pb.SERVING_STATE_FAILED}
+MAX_PROMPT_BYTES = 1 << 20
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and message for an exception raised while serving a call."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls], str(exc)
+    log.exception("unexpected error serving a request", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error in ntransformerd ({type(exc).__name__}: {exc}); see its log"
+
+
+def _abort(context, exc: BaseException):
+    code, message = status_of(exc)
+    context.abort(code, message)
+
+
+def rpc(method):
+    """Unary handler: domain errors → abort with their status."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+                raise
+            _abort(context, e)
+    return wrapper
+
+
+def stream_rpc(method):
+    """Server-streaming handler: the same, around the iteration."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+                raise
+            _abort(context, e)
+    return wrapper
+
+
+class _Undecodable:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class DecodeErrorInterceptor(grpc.ServerInterceptor):
+    """A request that is not valid protobuf (e.g. a string field that is not UTF-8) gets
+    INVALID_ARGUMENT instead of grpc's default INTERNAL "Exception deserializing request"."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        deserialize = handler.request_deserializer
+
+        def safe(data: bytes):
+            try:
+                return deserialize(data)
+            except (DecodeError, UnicodeDecodeError, ValueError) as e:
+                return _Undecodable(e)
+
+        def guard(behavior):
+            if behavior is None:
+                return None
+
+            def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"the request is not a valid {details.method} message (string fields must be "
+                                  f"UTF-8): {request.error}")
+                return behavior(request, context)
+            return checked
+
+        return handler._replace(request_deserializer=safe, unary_unary=guard(handler.unary_unary),
+                                unary_stream=guard(handler.unary_stream))
+
+
+def _check_model(name: str, scheduler: Scheduler) -> None:
+    engine = scheduler.engine
+    if name and engine is not None and name not in (model_name(engine), os.path.basename(engine.model.path)):
+        raise errors.InvalidRequest(f"unknown model {name!r}: this daemon serves {model_name(engine)!r} "
+                                    "(ntx-client models); leave model empty for the loaded one")
+
+
+def model_name(engine) -> str:
+    return str(engine.model.metadata.get("general.name") or os.path.basename(engine.model.path))
+
+
+def sampling_params(request: pb.GenerateRequest, max_tokens: int):
+    """The engine's SamplingParams from a request; unset fields keep their defaults."""
+    from ntransformerd.engine.sampler import SamplingParams
+
+    s = request.sampling
+    kw = {f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                     "frequency_penalty", "presence_penalty", "seed") if s.HasField(f)}
+    try:
+        return SamplingParams(**kw, stop=tuple(request.stop), max_tokens=max_tokens,
+                              ignore_eos=request.ignore_eos).validate()
+    except ValueError as e:
+        raise errors.InvalidRequest(f"bad sampling parameter: {e}") from None
+
+
+def _messages(chat: pb.Chat) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, *, scheduler: Scheduler, daemon):
+        self.scheduler = scheduler
+        self.daemon = daemon
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("input")
+        if which is None:
+            raise errors.InvalidRequest("the request has no input: set prompt, chat or prompt_ids")
+        if which == "prompt":
+            if len(request.prompt) > MAX_PROMPT_BYTES:
+                raise errors.InvalidRequest(f"the prompt is over {MAX_PROMPT_BYTES} characters: shorten it")
+            return self.scheduler.tokenize(text=request.prompt)
+        if which == "chat":
+            return self.scheduler.tokenize(messages=_messages(request.chat))
+        return self.scheduler.tokenize(ids=list(request.prompt_ids.ids))
+
+    @stream_rpc
+    def Generate(self, request: pb.GenerateRequest, context):
+        _check_model(request.model, self.scheduler)
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else self.daemon.config.default_max_tokens
+        if max_tokens < 1 or max_tokens > 1 << 31:
+            raise errors.InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..the context length")
+        params = sampling_params(request, max_tokens)
+        prompt_ids = self._prompt_ids(request)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
+        req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline)
+        context.add_callback(req.cancel)  # the client went away: the slot is freed next step
+        for out in req.stream():
+            m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
+            if out.finish_reason:
+                m.finish_reason = FINISH[out.finish_reason]
+                m.usage.CopyFrom(pb.Usage(**out.usage))
+            yield m
+
+    @rpc
+    def Tokenize(self, request: pb.TokenizeRequest, context):
+        _check_model(request.model, self.scheduler)
+        which = request.WhichOneof("input")
+        add = request.add_special if request.HasField("add_special") else True
+        parse = request.parse_special if request.HasField("parse_special") else True
+        if which == "chat":
+            ids = self.scheduler.tokenize(messages=_messages(request.chat), parse_special=parse)
+        else:
+            ids = self.scheduler.tokenize(text=request.text, add_special=add, parse_special=parse)
+        tok = self.scheduler.engine.tokenizer
+        return pb.TokenizeResponse(ids=ids, pieces=[tok.decode([i]) for i in ids])
+
+    @rpc
+    def Detokenize(self, request: pb.DetokenizeRequest, context):
+        _check_model(request.model, self.scheduler)
+        ids = self.scheduler.tokenize(ids=list(request.ids))  # checks the range
+        return pb.DetokenizeResponse(text=self.scheduler.engine.tokenizer.decode(ids))
+
+    @rpc
+    def GetModel(self, request, context):
+        engine = self.scheduler._ready_engine() if self.scheduler.state != "draining" else self.scheduler.engine
+        if engine is None:
+            raise errors.NotReady("no model is loaded")
+        return model_info(engine)
+
+    @rpc
+    def Status(self, request, context):
+        return status_response(self.scheduler, self.daemon)
+
+
+def model_info(engine) -> pb.ModelInfo:
+    md, cfg = engine.model.metadata, engine.cfg
+    scalars = {k: str(v) for k, v in md.items()
+               if isinstance(v, (str, int, float, bool)) and k != "tokenizer.chat_template" and len(str(v)) < 512}
+    layer_bytes = sum(engine.model.layer_bytes(i) for i in range(cfg.n_layers))
+    tier = "vram" if engine.backend_name == "cuda" else "ram"
+    plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=tier, layers=cfg.n_layers, bytes=layer_bytes)],
+                       explanation=f"all {cfg.n_layers} layers resident in {tier} ({engine.backend_name} backend)")
+    return pb.ModelInfo(name=model_name(engine), path=engine.model.path, architecture=str(md.get("general.architecture", "")),
+                        file_bytes=engine.model.file_size, n_layers=cfg.n_layers, context_length=engine.max_ctx,
+                        vocab_size=cfg.vocab_size, backend=engine.backend_name,
+                        has_chat_template=bool(md.get("tokenizer.chat_template")), plan=plan, metadata=scalars,
+                        description=f"{md.get('general.name', '')} {md.get('general.size_label', '')}".strip())
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
+    s, cfg, engine = scheduler.snapshot(), daemon.config, scheduler.engine
+    r = pb.StatusResponse(state=STATES[s["state"]], load_progress=s["load_progress"], load_fraction=s["load_fraction"],
+                          live_requests=s["live"], queued_requests=s["queued"], batch_size=s["batch"],
+                          max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s["free_slots"],
+                          tokens_per_second=s["tokens_per_second"], steps=s["steps"],
+                          requests_total=s["requests_total"], tokens_generated_total=s["tokens_total"],
+                          uptime_seconds=s["uptime"], memory_bytes=_rss_bytes(), error=s["error"], pid=os.getpid(),
+                          requests=[pb.RequestInfo(**q) for q in s["requests"]])
+    if engine is not None:
+        info = model_info(engine)
+        r.model, r.backend = info.name, info.backend
+        for t in info.plan.tiers:  # each step reads every layer once
+            r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
+                        bytes_per_second=t.bytes * s["steps_per_second"])
+    return r
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, *, daemon):
+        self.daemon = daemon
+
+    @rpc
+    def LoadModel(self, request, context):
+        if request.backend and request.backend not in ("cpu", "cuda", "auto"):
+            raise errors.InvalidRequest(f"backend {request.backend!r}: use cpu, cuda or auto")
+        if request.path and not os.path.isfile(request.path):
+            raise errors.InvalidRequest(f"no model file at {request.path}: give the path of a .gguf file")
+        return model_info(self.daemon.load_model(request.path or None, request.backend or None))
+
+    @rpc
+    def UnloadModel(self, request, context):
+        self.daemon.unload_model(request.timeout_seconds or self.daemon.config.drain_timeout)
+        return admin_pb2.UnloadModelResponse()
+
+    @rpc
+    def Drain(self, request, context):
+        finished, cancelled = self.daemon.scheduler.drain(request.timeout_seconds or self.daemon.config.drain_timeout,
+                                                          reason="ntransformerd is draining (admin)")
+        self.daemon.set_health(False)
+        return admin_pb2.DrainResponse(finished=finished, cancelled=cancelled)
+
+    @rpc
+    def Resume(self, request, context):
+        self.daemon.scheduler.resume()
+        self.daemon.set_health(self.daemon.scheduler.state == "serving")
+        return admin_pb2.ResumeResponse()
+
+    @rpc
+    def Shutdown(self, request, context):
+        self.daemon.request_shutdown(request.timeout_seconds or None)
+        return admin_pb2.ShutdownResponse()
