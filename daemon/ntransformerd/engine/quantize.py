@@ -79,17 +79,20 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: flo
         diff = scale[:, None] * L + mn[:, None] - x
         return (w * (np.abs(diff) if use_mad else diff * diff)).sum(axis=1)
 
+    def grid(iscale, centre):  # ggml's L = clamp(nearest_int(iscale * (x - min)), 0, nmax)
+        v = np.clip(iscale[:, None] * (x - centre[:, None]), -1.0, nmax + 1.0)
+        return np.clip(np.rint(v), 0, nmax)
+
     iscale = _safe_div(np.float32(nmax), rng)
-    L = np.clip(_nearest_int(iscale[:, None] * (x - xmin[:, None])), 0, nmax).astype(np.float32)
     scale = _safe_div(np.float32(1.0), iscale)
     mn = xmin.copy()
-    best = err(scale, mn, L)
+    best = err(scale, mn, grid(iscale, xmin))
+    best_is, best_c = iscale, xmin  # the grid that made the best L, to rebuild it once at the end
     for step in range(nstep + 1):
         # ggml re-centres the grid on the best min found so far, so this step depends on it
         iscale = _safe_div(np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax),
                            xmax - mn)
-        v = np.clip(iscale[:, None] * (x - mn[:, None]), -1.0, nmax + 1.0)
-        La = np.clip(_nearest_int(v), 0, nmax).astype(np.float32)
+        La = grid(iscale, mn)
         sum_l = (w * La).sum(axis=1)
         sum_l2 = (w * La * La).sum(axis=1)
         sum_xl = (w * La * x).sum(axis=1)
@@ -100,13 +103,18 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: flo
         this_min = np.where(pos, 0.0, this_min).astype(np.float32)
         this_scale = np.where(pos, _safe_div(sum_xl, sum_l2), this_scale).astype(np.float32)
         cur = err(this_scale, this_min, La)
-        better = (D > 0) & (cur < best)
-        L = np.where(better[:, None], La, L)
+        # ggml takes strictly smaller errors; on a tie within float noise, which grid wins
+        # depends on summation order. Prefer the smaller scale then: it is the same error
+        # for this group and a finer super-block scale for the other groups.
+        tie = (np.abs(cur - best) <= 1e-5 * best) & (this_scale < scale)
+        better = (D > 0) & ((cur < best) | tie)
+        best_is = np.where(better, iscale, best_is)
+        best_c = np.where(better, mn, best_c)
         best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)
     scale = np.where(flat, 0.0, scale).astype(np.float32)
-    L = np.where(flat[:, None], 0.0, L)
+    L = np.where(flat[:, None], 0.0, grid(best_is, best_c))
     return scale, np.where(mn < 0, -mn, 0.0).astype(np.float32), L  # never -0.0: fp16 would keep the sign
 
 
@@ -122,23 +130,30 @@ def _make_qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     zero = np.abs(vmax) < GROUP_MAX_EPS
     w = x * x
 
-    def fit(iscale):
-        L = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(np.float32)
-        return L, (w * x * L).sum(axis=1), (w * L * L).sum(axis=1)
+    wx = w * x
 
-    L, sumlx, suml2 = fit(_safe_div(np.float32(-nmax), vmax))
+    def grid(iscale):
+        return np.clip(np.rint(iscale[:, None] * x), -nmax, nmax - 1)
+
+    def fit(iscale):
+        L = grid(iscale)
+        return (wx * L).sum(axis=1), (w * L * L).sum(axis=1)
+
+    best_is = _safe_div(np.float32(-nmax), vmax)
+    sumlx, suml2 = fit(best_is)
     scale = _safe_div(sumlx, suml2)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        La, slx, sl2 = fit(_safe_div(-(np.float32(nmax) + np.float32(0.1) * np.float32(step)), vmax))
+        iscale = _safe_div(-(np.float32(nmax) + np.float32(0.1) * np.float32(step)), vmax)
+        slx, sl2 = fit(iscale)
         better = (sl2 > 0) & (slx * slx > best * sl2)
-        L = np.where(better[:, None], La, L)
+        best_is = np.where(better, iscale, best_is)
         scale = np.where(better, _safe_div(slx, sl2), scale).astype(np.float32)
         best = np.where(better, scale * slx, best)
     scale = np.where(zero, 0.0, scale).astype(np.float32)
-    L = np.where(zero[:, None], 0.0, L + nmax)
+    L = np.where(zero[:, None], 0.0, grid(best_is) + nmax)
     return scale, L
 
 
