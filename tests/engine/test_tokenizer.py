@@ -242,3 +242,18 @@ def test_spm_without_space_prefix_and_byte_tokens():
 def test_spm_matches_llama_cpp():
     golden = _golden("tokenizer_spm_tiny.json")
     _check_golden(Tokenizer.from_metadata(golden["metadata"]), golden)
+
+
+def test_end_of_generation_heuristics():
+    extra = [("<|eot_id|>", 0.0, 1), ("<|eom_id|>", 0.0, 3), ("<|fim_pad|>", 0.0, 3), ("<|end|>", 0.0, 3)]
+    t = _spm(HAND_VOCAB + extra)
+    eot, eom, pad, end = (t.token_id(x[0]) for x in extra)
+    assert t.eot_id == eot and t.eog_ids == frozenset({2, eot, eom, pad, end})
+    assert t.is_control(eot)  # typed NORMAL in the GGUF, forced CONTROL as llama.cpp does
+    # an explicit eot id in the metadata wins over the text heuristics
+    assert _spm(HAND_VOCAB + extra, **{"tokenizer.ggml.eot_token_id": 3}).eot_id == 3
+    # o200k_harmony: with <|return|> and <|call|>, "<|end|>" ends a message, not the generation
+    harmony = extra + [("<|return|>", 0.0, 3), ("<|call|>", 0.0, 3)]
+    t = _spm(HAND_VOCAB + harmony)
+    assert end not in t.eog_ids and {t.token_id("<|return|>"), t.token_id("<|call|>")} <= t.eog_ids
+    assert t.token_bytes(end, special=False) == b"<|end|>"  # now USER_DEFINED: always shown

@@ -175,8 +175,9 @@ class Tokenizer:
     """Encode text to token ids and back, as llama.cpp does for the same GGUF.
 
     Build with ``Tokenizer.from_metadata(metadata)``. Public attributes: ``vocab_size``,
-    ``bos_id``, ``eos_id`` (``None`` where the model has none), ``eog_ids`` (every id that ends
-    generation), ``add_bos``, ``add_eos``, ``model`` ("gpt2" or "llama"), ``pre``.
+    ``bos_id``, ``eos_id``, ``eot_id``, ``unk_id`` (``None`` where the model has none),
+    ``eog_ids`` (every id that ends generation), ``add_bos``, ``add_eos`` (what add_special
+    adds), ``model`` ("gpt2" or "llama"), ``pre`` (tokenizer.ggml.pre, None for "llama").
     """
 
     def __init__(self) -> None:  # use from_metadata
@@ -278,51 +279,9 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.add_eos_token is true, but the model has no EOS token")
         self._add_space_prefix = add_space_prefix
 
-        # --- end-of-generation set, by llama.cpp's text heuristics. Where llama.cpp takes "the
-        # first" match while walking a hash map (unspecified order), we take the lowest id.
-        def first_of(names: Sequence[str]) -> int | None:
-            ids = [token_to_id[t] for t in names if t in token_to_id]
-            return min(ids) if ids else None
-
-        def force_control(i: int) -> None:
-            if not attrs[i] & ATTR_CONTROL:
-                attrs[i] |= ATTR_CONTROL
-
-        if eot_id is None and (eot_id := first_of(_EOT_TEXTS)) is not None:
-            force_control(eot_id)
-        if eom_id is None and (eom_id := first_of(_EOM_TEXTS)) is not None:
-            force_control(eom_id)
-        if fim_pad is None and (fim_pad := first_of(_FIM_PAD_TEXTS)) is not None:
-            force_control(fim_pad)
-        if fim_rep is None and (fim_rep := first_of(_FIM_REP_TEXTS)) is not None:
-            force_control(fim_rep)
-        if fim_sep is None and (fim_sep := first_of(_FIM_SEP_TEXTS)) is not None:
-            force_control(fim_sep)
-
-        eog = {i for i in (fim_pad, fim_rep, fim_sep) if i is not None}
-        for text in _EOG_TEXTS:
-            i = token_to_id.get(text)
-            if i is not None:
-                eog.add(i)
-                force_control(i)
-        for text in _FORCE_USER_DEFINED:
-            if text in token_to_id:
-                attrs[token_to_id[text]] = ATTR_USER_DEFINED
-        eog.update(i for i in (self.eos_id, eot_id, eom_id) if i is not None)
-        eog_texts = {texts[i]: i for i in eog}
-        # o200k_harmony / solar-open: "<|end|>" ends a message there, not the generation
-        if "<|end|>" in eog_texts and (
-            ("<|return|>" in eog_texts and ("<|call|>" in eog_texts or "<|calls|>" in eog_texts))
-            or (("<|call|>" in eog_texts or "<|calls|>" in eog_texts) and "<|flush|>" in eog_texts)
-        ):
-            eog.discard(eog_texts["<|end|>"])
-            attrs[eog_texts["<|end|>"]] = ATTR_USER_DEFINED
-        # gemma4 / paddleocr: "</s>" is ordinary text there
-        if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
-            eog.discard(eog_texts["</s>"])
-            attrs[eog_texts["</s>"]] = ATTR_NORMAL
-        self.eot_id = eot_id
-        self.eog_ids: frozenset[int] = frozenset(eog)
+        self.eot_id, self.eog_ids = _end_of_generation(
+            texts, token_to_id, attrs, eos_id=self.eos_id, eot_id=eot_id, eom_id=eom_id,
+            fim_ids={"pad": fim_pad, "rep": fim_rep, "sep": fim_sep})
         self._attrs = attrs
 
         # Special tokens cut out of the text before tokenizing, longest text first (llama.cpp's
@@ -338,10 +297,8 @@ class Tokenizer:
             if merges is None:
                 raise TokenizerError("GGUF has no tokenizer.ggml.merges; a gpt2 tokenizer needs them")
             self._hf = _build_hf_bpe(token_to_id, merges, _REGEXES[pre_type.regexes], pre_type.ignore_merges)
-            self._regexes = _REGEXES[pre_type.regexes]
         else:
             self._hf = None
-            self._regexes = ()
             self._byte_ids = [self._spm_byte_token(b) for b in range(256)]
         return self
 
@@ -540,6 +497,51 @@ class Tokenizer:
                                              f"has no byte token <0x{b:02X}>")
                     out.append(bid)
             i = nxt[i]
+
+
+def _end_of_generation(texts: list[str], token_to_id: dict[str, int], attrs: list[int], *,
+                       eos_id: int | None, eot_id: int | None, eom_id: int | None,
+                       fim_ids: dict[str, int | None]) -> tuple[int | None, frozenset[int]]:
+    """(eot id, end-of-generation ids) by llama.cpp's text heuristics (llama_vocab::impl::load),
+    marking the tokens found CONTROL in ``attrs`` as it does. Where llama.cpp takes "the first"
+    match while walking a hash map (unspecified order), the lowest id is taken here."""
+
+    def first_of(names: Sequence[str]) -> int | None:
+        ids = [token_to_id[t] for t in names if t in token_to_id]
+        if not ids:
+            return None
+        attrs[min(ids)] |= ATTR_CONTROL
+        return min(ids)
+
+    if eot_id is None:
+        eot_id = first_of(_EOT_TEXTS)
+    if eom_id is None:
+        eom_id = first_of(_EOM_TEXTS)
+    fim = [fim_ids.get(k) if fim_ids.get(k) is not None else first_of(names)
+           for k, names in (("pad", _FIM_PAD_TEXTS), ("rep", _FIM_REP_TEXTS), ("sep", _FIM_SEP_TEXTS))]
+
+    eog = {i for i in fim if i is not None}
+    for text in _EOG_TEXTS:
+        i = token_to_id.get(text)
+        if i is not None:
+            eog.add(i)
+            attrs[i] |= ATTR_CONTROL
+    for text in _FORCE_USER_DEFINED:
+        if text in token_to_id:
+            attrs[token_to_id[text]] = ATTR_USER_DEFINED
+    eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
+
+    by_text = {texts[i]: i for i in eog}
+    has_call = "<|call|>" in by_text or "<|calls|>" in by_text
+    # o200k_harmony / solar-open: "<|end|>" ends a message there, not the generation
+    if "<|end|>" in by_text and has_call and ("<|return|>" in by_text or "<|flush|>" in by_text):
+        eog.discard(by_text["<|end|>"])
+        attrs[by_text["<|end|>"]] = ATTR_USER_DEFINED
+    # gemma4 / paddleocr: "</s>" is ordinary text there
+    if "<|tool_response>" in by_text and "</s>" in by_text:
+        eog.discard(by_text["</s>"])
+        attrs[by_text["</s>"]] = ATTR_NORMAL
+    return eot_id, frozenset(eog)
 
 
 def _byte_level_decode(text: str) -> bytes:
