@@ -1,11 +1,15 @@
 // Attention over the F16 KV cache (slots, max_ctx, n_kv, head_dim) of one layer.
 //
-// kv_append: row r's k and v (f32, row stride ld) go to the cache at [slot[r], pos[r]].
+// kv_append: row r's k and v (f32, row strides ldk, ldv) go to the cache at [slot[r], pos[r]].
 // attn_partial: one warp per (row, head, split); row r attends causally to positions
 //   split*split_len .. min(pos[r], split end) of its slot, online softmax; writes the split's
 //   max m, sum l and unnormalised output o. Splits beyond pos[r] write m = -inf.
 // attn_combine: one warp per (row, head) merges its splits into out (N, n_heads * head_dim).
 // head_dim is a multiple of 32, at most 256: each lane holds head_dim / 32 dims (lane + 32 i).
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 
 typedef unsigned short u16;
 
@@ -20,15 +24,15 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
-__global__ void kv_append(const float* __restrict__ k, const float* __restrict__ v, int ld,
+__global__ void kv_append(const float* __restrict__ k, int ldk, const float* __restrict__ v, int ldv,
                           u16* kc, u16* vc, const int* __restrict__ slot, const int* __restrict__ pos,
                           int N, int kv_dim, int max_ctx) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)N * kv_dim) return;
     int r = (int)(t / kv_dim), c = (int)(t % kv_dim);
     long long dst = ((long long)slot[r] * max_ctx + pos[r]) * kv_dim + c;
-    kc[dst] = f2h(k[(long long)r * ld + c]);
-    vc[dst] = f2h(v[(long long)r * ld + c]);
+    kc[dst] = f2h(k[(long long)r * ldk + c]);
+    vc[dst] = f2h(v[(long long)r * ldv + c]);
 }
 
 #define MAXD 8

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: build llama-bench in the background, precompile kernels, run the benchmark,
+# the gpu tests, then llama-bench on the same files. Logs and JSON go to $OUT.
+#   (device tool) carry: .whl .llama ; command: bash bench/gpu_run.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/daemon
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+( nice -n 10 bash bench/llamacpp/build.sh /tmp/llama > "$OUT/llama_build.log" 2>&1; echo "rc=$?" >> "$OUT/llama_build.log"; cp /tmp/llama/build.log "$OUT/llama_build_full.log" 2>/dev/null ) &
+t0=$(date +%s)
+python3 -c "from ntransformerd.engine.backends import cuda; print('precompiled', cuda.precompile(12))" 2>&1 | tee "$OUT/precompile.log"
+echo "precompile $(( $(date +%s) - t0 )) s"
+timeout ${BENCH_TIMEOUT:-260} python3 bench/resident.py --dir /tmp/ntx --json "$OUT/resident.json" 2>&1 | tee "$OUT/bench.log"
+echo "bench done at $(( $(date +%s) - t0 )) s"
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu -x --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "tests done at $(( $(date +%s) - t0 )) s"
+for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= "$OUT/llama_build.log" 2>/dev/null && break; sleep 2; done
+cat "$OUT/llama_build.log"
+if [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ]; then
+  timeout 120 bash bench/llamacpp/run.sh /tmp/llama/llama.cpp/build/bin/llama-bench "$OUT/llamabench.json" \
+    /tmp/ntx/llama3-8b-q8_0.gguf /tmp/ntx/llama3-8b-q4_k_m.gguf 2>&1 | tail -5
+  python3 -c "
+import json; r=json.load(open('$OUT/llamabench.json'))
+for x in r: print(x['model_filename'].split('/')[-1], 'pp' if x['n_prompt'] else 'tg', x['n_prompt'] or x['n_gen'], round(x['avg_ts'],1), 'tok/s')
+" | tee "$OUT/llamabench.txt"
+fi
+echo "all done at $(( $(date +%s) - t0 )) s"

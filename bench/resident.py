@@ -1,0 +1,180 @@
+"""Resident-model speed of the CUDA backend on synthetic Llama-3-8B-shaped files.
+
+    python bench/resident.py --dir /tmp/ntx --json out.json [--types q8_0 q4_k_m]
+
+Measures in one run: device-to-device copy bandwidth (bytes read + written) and from it the
+HBM roofline (model bytes / bandwidth) per file; decode tok/s at batch 1, 4, 16 from the
+captured decode step (each step waits for its token ids, as a server does), the same step's
+device time alone (graph replays back to back) and so the Python overhead per step; batch-1
+decode launched kernel by kernel (no graph); prefill tok/s for a 512-token prompt through
+model.forward; and per-matrix matvec times against their byte floors. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
+
+import cupy as cp  # noqa: E402
+
+from ntransformerd.engine import model as llama  # noqa: E402
+from ntransformerd.engine.backends import cuda  # noqa: E402
+from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
+from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
+from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.synth import synthesize  # noqa: E402
+
+
+def gpu_time(fn, reps: int = 20, warm: int = 3) -> float:
+    """Median seconds of fn() on the current stream, timed with events."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    src = cp.empty(nbytes // 4, cp.float32)
+    src[:] = 1.0
+    dst = cp.empty_like(src)
+    t = gpu_time(lambda: dst.__setitem__(Ellipsis, src), reps=10)
+    del src, dst
+    return 2 * nbytes / t  # bytes read + written per second
+
+
+def decode_rates(dec: DecodeGraphs, kv, batch: int, steps: int) -> dict:
+    slots = [kv.alloc() for _ in range(batch)]
+    try:
+        toks = np.arange(batch, dtype=np.int32) + 100
+        for _ in range(4):  # capture + warm-up
+            toks = dec.step(slots, toks)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            toks = dec.step(slots, toks)
+        wall = (time.perf_counter() - t0) / steps
+        # The device alone: replays queued back to back (positions keep advancing).
+        reps = 16
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(dec.stream)
+        for _ in range(reps):
+            dec.launch(slots, toks)
+        b.record(dec.stream)
+        b.synchronize()
+        dev = cp.cuda.get_elapsed_time(a, b) / 1e3 / reps
+    finally:
+        for s in slots:
+            kv.free(s)
+    return {"batch": batch, "step_ms": wall * 1e3, "device_step_ms": dev * 1e3,
+            "tok_s": batch / wall, "python_overhead_frac": max(0.0, 1 - dev / wall)}
+
+
+def prefill_rate(ops, cfg, weights, kv, n: int = 512, reps: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    ts = []
+    for r in range(reps + 1):
+        slot = kv.alloc()
+        batch = Batch.of([Segment(slot, 0, rng.integers(0, cfg.vocab_size, n))])
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        logits = llama.forward(ops, cfg, weights, kv, batch)
+        cp.cuda.Device().synchronize()
+        if r:
+            ts.append(time.perf_counter() - t0)
+        assert np.isfinite(ops.to_host(logits)).all()
+        kv.free(slot)
+    t = float(np.median(ts))
+    return {"tokens": n, "seconds": t, "tok_s": n / t}
+
+
+def matvec_breakdown(weights, cfg, bw: float) -> list[dict]:
+    ly = weights.acquire(cfg.n_layers // 2)
+    rows = []
+    mats = [("qkv" + str(j), t) for j, t in enumerate(ly.qkv)] + [("attn_output", ly.attn_output)] + \
+           [("gate_up" + str(j), t) for j, t in enumerate(ly.gate_up)] + [("ffn_down", ly.ffn_down),
+                                                                       ("output", weights.output)]
+    for name, t in mats:
+        x = cp.random.standard_normal((1, t.shape[1]), dtype=cp.float32)
+        out = cp.empty((1, t.shape[0]), cp.float32)
+        s = gpu_time(lambda: cuda.matvec(x, t, out=out), reps=20)
+        rows.append({"matrix": name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.nbytes,
+                     "us": s * 1e6, "floor_us": t.nbytes / bw * 1e6, "frac_of_bw": t.nbytes / bw / s})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/ntx")
+    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
+    ap.add_argument("--json", default="resident.json")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--max-ctx", type=int, default=1024)
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    res = {"device": dev["name"].decode(), "copy_bw_Bps": copy_bandwidth(), "files": []}
+    bw = res["copy_bw_Bps"]
+    print(f"device {res['device']}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    for ftype in a.types:
+        path = os.path.join(a.dir, f"llama3-8b-{ftype}.gguf")
+        t0 = time.perf_counter()
+        if not os.path.exists(path):
+            synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
+        t_syn = time.perf_counter() - t0
+        model = GGUFModel(path)
+        cfg = model.config
+        t0 = time.perf_counter()
+        ops, weights = cuda.load(model)
+        cp.cuda.Device().synchronize()
+        t_load = time.perf_counter() - t0
+        kv = cuda.kv_cache(cfg, n_slots=32, max_ctx=a.max_ctx)
+        size = os.path.getsize(path)
+        r = {"type": ftype, "path": path, "file_bytes": size, "device_weight_bytes": weights.nbytes,
+             "synth_s": t_syn, "load_s": t_load, "roofline_tok_s": bw / size}
+        print(f"{ftype}: {size / 2**30:.2f} GiB, roofline {r['roofline_tok_s']:.1f} tok/s "
+              f"(synth {t_syn:.1f} s, load {t_load:.1f} s)", flush=True)
+        r["matvec"] = matvec_breakdown(weights, cfg, bw)
+        for m in r["matvec"]:
+            print(f"  matvec {m['matrix']:12s} {m['type']:5s} {m['shape']} {m['us']:8.1f} us "
+                  f"(floor {m['floor_us']:.1f}, {100 * m['frac_of_bw']:.0f}% of bw)", flush=True)
+        dec = DecodeGraphs(ops, weights, kv)
+        r["decode"] = [decode_rates(dec, kv, b, a.steps) for b in (1, 4, 16)]
+        for d in r["decode"]:
+            d["frac_of_roofline"] = d["tok_s"] / d["batch"] / r["roofline_tok_s"] if d["batch"] == 1 else None
+            print(f"  decode B={d['batch']:2d}: {d['tok_s']:8.1f} tok/s, step {d['step_ms']:.3f} ms, "
+                  f"device {d['device_step_ms']:.3f} ms, python {100 * d['python_overhead_frac']:.1f}%", flush=True)
+        eager = DecodeGraphs(ops, weights, kv, use_graphs=False)
+        r["decode_eager_b1"] = decode_rates(eager, kv, 1, 16)
+        print(f"  decode B=1 without graphs: {r['decode_eager_b1']['tok_s']:.1f} tok/s", flush=True)
+        r["prefill"] = prefill_rate(ops, cfg, weights, kv)
+        print(f"  prefill 512: {r['prefill']['tok_s']:.0f} tok/s", flush=True)
+        res["files"].append(r)
+        del dec, eager, ops, weights, kv, model
+        cp.get_default_memory_pool().free_all_blocks()
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n| file | roofline tok/s | decode B=1 | % roofline | B=4 | B=16 | B16/B1 | python % (B=1) | prefill 512 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["files"]:
+        d = {x["batch"]: x for x in r["decode"]}
+        print(f"| {r['type']} | {r['roofline_tok_s']:.0f} | {d[1]['tok_s']:.1f} | {100 * d[1]['frac_of_roofline']:.0f}% "
+              f"| {d[4]['tok_s']:.0f} | {d[16]['tok_s']:.0f} | {d[16]['tok_s'] / d[1]['tok_s']:.1f}x "
+              f"| {100 * d[1]['python_overhead_frac']:.1f}% | {r['prefill']['tok_s']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""The CUDA backend: CuPy arrays and our kernels from `kernels/` (one .cu per op family).
+
+Each op is a thin launcher that checks dtype and shape, then launches; `backends/cpu.py` is the
+reference every launcher is tested against (tests/gpu). Weights stay quantized on the device
+(Q8_0 and Q6_K repacked at load into planes that 16-byte loads can read; the other types as
+their GGUF blocks) and `matmul` dequantizes inside the multiply for up to 32 rows (decode);
+longer chunks (prefill) dequantize the weight to f16 and multiply with cuBLAS. The KV cache is
+F16. The captured decode step (CUDA graphs) lives in cuda_decode.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ntransformerd.engine.backends.cpu import rope_frequencies
+from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig, TensorInfo
+from ntransformerd.engine.model import Batch
+from ntransformerd.engine.quants import BLOCK_DTYPES
+
+try:
+    import cupy as cp
+except ImportError:  # CI and CPU-only hosts
+    cp = None
+
+KERNEL_DIR = os.environ.get("NTX_KERNEL_DIR") or os.path.join(
+    os.path.dirname(__file__), *([os.pardir] * 4), "kernels")
+MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multiply
+MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
+FAST_MATVEC = {Q.Q8_0: "matvec_q8_0", Q.Q4_K: "matvec_q4_k", Q.Q6_K: "matvec_q6_k"}
+
+
+def available() -> bool:
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+_modules: dict[tuple[str, str], object] = {}
+
+
+def kernel(family: str, name: str):
+    """Function `name` (a template instance like 'matvec_q8_0<4>') of kernels/<family>.cu."""
+    key = (family, name)
+    fn = _modules.get(key)
+    if fn is None:
+        with open(os.path.join(KERNEL_DIR, f"{family}.cu")) as f:
+            src = f.read()
+        mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=[name])
+        fn = _modules[key] = mod.get_function(name)
+    return fn
+
+
+def _blocks(n: int, per: int) -> int:
+    return (n + per - 1) // per
+
+
+def _check(x, dtype, ndim: int, what: str):
+    if not isinstance(x, cp.ndarray) or x.dtype != dtype or x.ndim != ndim:
+        raise TypeError(f"{what}: expected a {ndim}-D cupy {np.dtype(dtype).name} array, got "
+                        f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what}: must be C-contiguous")
+
+
+# ---- weights on the device ------------------------------------------------------------------
+
+class CudaTensor:
+    """A 2-D weight (N, K) on the device as its planes (see kernels/quant.cu for the layouts)."""
+
+    def __init__(self, qtype: Q, shape: tuple[int, int], planes: tuple):
+        self.qtype, self.shape, self.planes = qtype, shape, planes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes)
+
+    def rows(self, a: int, b: int) -> "CudaTensor":
+        """Rows a..b as a view (planes are row-major, so a row slice stays contiguous)."""
+        return CudaTensor(self.qtype, (b - a, self.shape[1]), tuple(p[a:b] for p in self.planes))
+
+    def ptrs(self) -> tuple:
+        p = list(self.planes) + [self.planes[0]] * (4 - len(self.planes))
+        return tuple(p)
+
+
+def host_planes(qtype: Q, raw: np.ndarray, shape: tuple[int, int]) -> list[np.ndarray]:
+    """The device layout of a tensor's GGUF bytes (N, row_bytes), as host arrays (N, ·) uint8."""
+    n, k = shape
+    raw = np.ascontiguousarray(raw).reshape(n, -1).view(np.uint8)
+    if qtype == Q.Q8_0:
+        b = raw.view(BLOCK_DTYPES[Q.Q8_0]).reshape(n, k // 32)
+        return [np.ascontiguousarray(b["qs"]).view(np.uint8).reshape(n, k),
+                np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, k // 16)]
+    if qtype == Q.Q6_K:
+        b = raw.view(BLOCK_DTYPES[Q.Q6_K]).reshape(n, k // 256)
+        return [np.ascontiguousarray(b["ql"]).reshape(n, k // 2),
+                np.ascontiguousarray(b["qh"]).reshape(n, k // 4),
+                np.ascontiguousarray(b["scales"]).view(np.uint8).reshape(n, k // 16),
+                np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, k // 128)]
+    return [raw]
+
+
+def _device_alloc(shape, dtype, what: str):
+    try:
+        return cp.empty(shape, dtype)
+    except cp.cuda.memory.OutOfMemoryError:
+        free, total = cp.cuda.runtime.memGetInfo()
+        need = math.prod(shape) * np.dtype(dtype).itemsize
+        raise MemoryError(f"{what}: {need / 2**30:.2f} GiB does not fit on the GPU "
+                          f"({free / 2**30:.2f} of {total / 2**30:.2f} GiB free); use a smaller "
+                          "model, fewer KV slots or a shorter context") from None
+
+
+def upload(infos: list[TensorInfo], what: str) -> CudaTensor:
+    """Tensors of one type stacked by rows (e.g. attn_q, attn_k, attn_v) as one CudaTensor."""
+    qtype, k = infos[0].qtype, infos[0].shape[-1]
+    assert all(t.qtype == qtype and t.shape[-1] == k for t in infos)
+    n = sum(t.shape[0] for t in infos)
+    parts = [host_planes(qtype, t.data, (t.shape[0], k)) for t in infos]
+    planes = []
+    for j in range(len(parts[0])):
+        dev = _device_alloc((n, parts[0][j].shape[1]), np.uint8, what)
+        r = 0
+        for p in parts:
+            dev[r:r + len(p[j])].set(p[j])
+            r += len(p[j])
+        planes.append(dev)
+    return CudaTensor(qtype, (n, k), tuple(planes))
+
+
+class CudaWeights:
+    """Every tensor resident on the device. Layers hand out GGUF-named fields; attn_q/k/v and
+    ffn_gate/up are row views of one stacked tensor where their types agree (`qkv`, `gate_up`),
+    so the captured decode step multiplies each stack once."""
+
+    def __init__(self, model: GGUFModel):
+        self.model, cfg = model, model.config
+        self.token_embd = upload([model.tensor("token_embd.weight")], "token_embd")
+        self.output = self.token_embd if cfg.tied_output else upload([model.tensor("output.weight")], "output")
+        self.output_norm = cp.asarray(model.dequantize("output_norm.weight"))
+        self._layers = [self._load(i) for i in range(cfg.n_layers)]
+
+    def _load(self, i: int) -> types.SimpleNamespace:
+        t = self.model.layer_tensors(i)
+        ns = types.SimpleNamespace(attn_norm=cp.asarray(self.model.dequantize(t["attn_norm"].name)),
+                                   ffn_norm=cp.asarray(self.model.dequantize(t["ffn_norm"].name)))
+        for stack, names in (("qkv", ("attn_q", "attn_k", "attn_v")), ("gate_up", ("ffn_gate", "ffn_up"))):
+            infos = [t[n] for n in names]
+            groups = [[infos[0]]]
+            for info in infos[1:]:  # consecutive tensors of one type share an upload
+                if info.qtype == groups[-1][0].qtype:
+                    groups[-1].append(info)
+                else:
+                    groups.append([info])
+            tensors = [upload(g, f"blk.{i}.{stack}") for g in groups]
+            views = []
+            for g, ct in zip(groups, tensors):
+                r = 0
+                for info in g:
+                    views.append(ct.rows(r, r + info.shape[0]))
+                    r += info.shape[0]
+            for n, v in zip(names, views):
+                setattr(ns, n, v)
+            setattr(ns, stack, tensors)  # the uploads: 1 (fused) to 3 tensors
+        for n in ("attn_output", "ffn_down"):
+            setattr(ns, n, upload([t[n]], f"blk.{i}.{n}"))
+        return ns
+
+    def embed_rows(self, tokens) -> "cp.ndarray":
+        return dequantize_rows(self.token_embd, cp.asarray(tokens, dtype=cp.int32))
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        return self._layers[i]
+
+    def release(self, i: int) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        n = self.token_embd.nbytes + (0 if self.output is self.token_embd else self.output.nbytes)
+        for ly in self._layers:
+            n += sum(t.nbytes for t in ly.qkv + ly.gate_up) + ly.attn_output.nbytes + ly.ffn_down.nbytes
+        return n
+
+
+# ---- launchers ------------------------------------------------------------------------------
+
+def dequantize_rows(w: CudaTensor, rows=None, *, half: bool = False, out=None):
+    """W[rows] (or all of W) as float32, or f16 with half=True: (len(rows), K)."""
+    n, k = w.shape
+    if rows is not None:
+        _check(rows, cp.int32, 1, "dequantize_rows rows")
+    m = n if rows is None else len(rows)
+    dtype = cp.float16 if half else cp.float32
+    if out is None:
+        out = cp.empty((m, k), dtype)
+    _check(out, dtype, 2, "dequantize_rows out")
+    if out.shape != (m, k):
+        raise ValueError(f"dequantize_rows: out {out.shape}, expected {(m, k)}")
+    fn = kernel("quant", f"dequant_rows<{int(w.qtype)},{'true' if half else 'false'}>")
+    subs = m * (k // 32)
+    fn((_blocks(subs, 128),), (128,), (*w.ptrs(), rows if rows is not None else out, np.int32(rows is not None),
+                                       np.int32(m), np.int32(k), out))
+    return out
+
+
+def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None):
+    """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused dequantize-multiply."""
+    n, k = w.shape
+    _check(x, cp.float32, 2, "matvec x")
+    b = x.shape[0] if nb is None else nb
+    if x.shape[1] != k or not 1 <= b <= MATVEC_MAX_ROWS or b > x.shape[0]:
+        raise ValueError(f"matvec: x {x.shape} (rows {b}) against W {w.shape}")
+    if out is None:
+        out = cp.empty((b, n), cp.float32)
+    _check(out, cp.float32, 2, "matvec out")
+    if out.shape[1] != n or out.shape[0] < b:
+        raise ValueError(f"matvec: out {out.shape}, expected ({b}, {n})")
+    if res is not None:
+        _check(res, cp.float32, 2, "matvec res")
+        if res.shape[1] != n or res.shape[0] < b:
+            raise ValueError(f"matvec: res {res.shape}, expected ({b}, {n})")
+    bucket = next(m for m in MATVEC_BUCKETS if m >= b)
+    name = FAST_MATVEC.get(w.qtype)
+    name = f"{name}<{bucket}>" if name else f"matvec_generic<{int(w.qtype)},{bucket}>"
+    fn = kernel("quant", name)
+    fn((_blocks(n, 4),), (128,), (*w.ptrs(), x, res if res is not None else out, np.int32(res is not None),
+                                  out, np.int32(n), np.int32(k), np.int32(b)))
+    return out
+
+
+def matmul(x, w: CudaTensor):
+    """x @ W.T: fused for ≤ 32 rows, else f16 dequantization and cuBLAS (f32 accumulation)."""
+    _check(x, cp.float32, 2, "matmul x")
+    if x.shape[0] <= MATVEC_MAX_ROWS:
+        return matvec(x, w)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: x {x.shape} against W {w.shape}")
+    w16 = dequantize_rows(w, half=True)  # (N, K) f16 scratch from the pool
+    return cp.matmul(x.astype(cp.float16), w16.T).astype(cp.float32)
+
+
+def rms_norm(x, w, eps: float, *, out=None):
+    _check(x, cp.float32, 2, "rms_norm x")
+    _check(w, cp.float32, 1, "rms_norm w")
+    if w.shape[0] != x.shape[1]:
+        raise ValueError(f"rms_norm: x {x.shape}, w {w.shape}")
+    out = cp.empty_like(x) if out is None else out
+    kernel("norm", "rms_norm")((x.shape[0],), (256,), (x, w, out, np.int32(x.shape[1]), np.float32(eps)))
+    return out
+
+
+def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None):
+    """silu(g) * u. g, u are (N, F) arrays, or views into one buffer with row stride ld."""
+    if ld is None:
+        _check(g, cp.float32, 2, "swiglu g")
+        _check(u, cp.float32, 2, "swiglu u")
+        if g.shape != u.shape:
+            raise ValueError(f"swiglu: g {g.shape}, u {u.shape}")
+        n, f, ld = g.shape[0], g.shape[1], g.shape[1]
+    else:
+        f = g.shape[1]
+    out = cp.empty((n, f), cp.float32) if out is None else out
+    kernel("activation", "swiglu")((_blocks(n * f, 256),), (256,), (g, u, out, np.int32(n), np.int32(f), np.int32(ld)))
+    return out
+
+
+def rope_(x, pos, freqs, cfg: LlamaConfig, n_heads: int, *, n: int | None = None, ld: int | None = None):
+    """RoPE in place on rows of x (row stride ld) at positions pos (int32)."""
+    _check(pos, cp.int32, 1, "rope positions")
+    n = x.shape[0] if n is None else n
+    ld = x.shape[1] if ld is None else ld
+    pairs = n * n_heads * (cfg.rope_dim // 2)
+    kernel("rope", "rope")((_blocks(pairs, 256),), (256,), (
+        x, pos, freqs, np.int32(n), np.int32(n_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim),
+        np.int32(ld), np.int32(cfg.rope_neox)))
+    return x
+
+
+def argmax(logits, *, out=None):
+    _check(logits, cp.float32, 2, "argmax logits")
+    out = cp.empty((logits.shape[0],), cp.int32) if out is None else out
+    kernel("sample", "argmax_rows")((logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))
+    return out
+
+
+def attention_splits(n_rows: int, n_heads: int, max_pos: int) -> tuple[int, int]:
+    """(split_len, n_splits): one split when rows × heads already fill the GPU (prefill),
+    else ~32 positions per split so a single sequence's long context spreads over many warps."""
+    if n_rows * n_heads >= 4096:
+        return max_pos + 1, 1
+    split = max(32, -(-(max_pos + 1) // 128))
+    return split, -(-(max_pos + 1) // split)
+
+
+def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, split_len: int, n_splits: int,
+               ldq: int, ldk: int, ldv: int, out, scratch: tuple):
+    """Append k, v at (slot, pos) then causal GQA attention of q's rows; writes out (n, H*hd)."""
+    if cfg.head_dim % 32 or cfg.head_dim > 256:
+        raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    kc, vc = kv_layer.k, kv_layer.v
+    max_ctx = kc.shape[1]
+    kernel("attention", "kv_append")((_blocks(n * cfg.kv_dim, 256),), (256,), (
+        k, np.int32(ldk), v, np.int32(ldv), kc, vc, slots, pos, np.int32(n), np.int32(cfg.kv_dim), np.int32(max_ctx)))
+    pm, pl, po = scratch
+    warps = n * cfg.n_heads
+    kernel("attention", "attn_partial")((_blocks(warps, 4), n_splits), (128,), (
+        q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(max_ctx), np.int32(split_len),
+        np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
+    kernel("attention", "attn_combine")((_blocks(warps, 4),), (128,), (
+        pm, pl, po, out, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits)))
+    return out
+
+
+def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int) -> tuple:
+    s = n * cfg.n_heads * n_splits
+    return (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32))
+
+
+# ---- the op set model.forward calls ---------------------------------------------------------
+
+class CudaOps:
+    name = "cuda"
+
+    def __init__(self, cfg: LlamaConfig, freq_factors: np.ndarray | None = None):
+        self.cfg = cfg
+        self.freqs = cp.asarray(rope_frequencies(cfg, freq_factors))  # (rope_dim/2,) float64
+        self._batch = None  # (batch, slots, positions) of the step in flight
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return cp.asnumpy(x)
+
+    def embed(self, weights, tokens):
+        return weights.embed_rows(tokens)  # (N, D)
+
+    matmul = staticmethod(matmul)
+
+    def rms_norm(self, x, w, eps: float):
+        return rms_norm(cp.ascontiguousarray(x), w, eps)
+
+    @staticmethod
+    def swiglu(g, u):
+        return swiglu(g, u)
+
+    def rope_table(self, positions: np.ndarray):
+        return cp.asarray(np.asarray(positions, np.int32))  # angles are made inside the rope kernel
+
+    def rope(self, x, table, n_heads: int):
+        return rope_(x.copy(), table, self.freqs, self.cfg, n_heads)
+
+    def _rows(self, batch: Batch):
+        if self._batch is None or self._batch[0] is not batch:
+            slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
+            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)))
+        return self._batch[1], self._batch[2]
+
+    def attention(self, q, k, v, kv_layer, batch: Batch):
+        c = self.cfg
+        slots, pos = self._rows(batch)
+        n = q.shape[0]
+        split_len, n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()))
+        out = cp.empty((n, c.q_dim), cp.float32)
+        return attention_(cp.ascontiguousarray(q), cp.ascontiguousarray(k), cp.ascontiguousarray(v), kv_layer,
+                          slots, pos, c, n=n, split_len=split_len, n_splits=n_splits, ldq=c.q_dim,
+                          ldk=c.kv_dim, ldv=c.kv_dim, out=out, scratch=attention_scratch(n, c, n_splits))
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+class CudaKVLayer:
+    """One layer's F16 cache, k and v of shape (slots, max_ctx, Hkv, hd)."""
+
+    def __init__(self, shape):
+        self.k = _device_alloc(shape, cp.float16, "KV cache")
+        self.v = _device_alloc(shape, cp.float16, "KV cache")
+        self.k.fill(0)
+        self.v.fill(0)
+
+    def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return (cp.asnumpy(self.k[slot, :end]).astype(np.float32), cp.asnumpy(self.v[slot, :end]).astype(np.float32))
+
+
+class CudaKVCache:
+    """Slot bookkeeping on the host (as the CPU cache), keys and values on the device. One more
+    slot than asked for is kept as scratch: padded rows of a captured decode step write there."""
+
+    def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16"):
+        if dtype not in ("f16", "f32"):
+            raise ValueError(f"KV cache dtype {dtype!r} is not one of f32, f16")
+        if n_slots < 1 or max_ctx < 1:
+            raise ValueError("the KV cache needs at least one slot and one position")
+        self.n_slots, self.max_ctx, self.dtype = n_slots, max_ctx, "f16"  # always F16 on the GPU
+        self.scratch_slot = n_slots
+        shape = (n_slots + 1, max_ctx, cfg.n_kv_heads, cfg.head_dim)
+        need = 2 * cfg.n_layers * math.prod(shape) * 2
+        free = cp.cuda.runtime.memGetInfo()[0]
+        if need > free:
+            raise MemoryError(f"KV cache of {n_slots} slots × {max_ctx} positions needs {need / 2**30:.2f} GiB, "
+                              f"{free / 2**30:.2f} GiB free on the GPU; lower max_seqs or max_ctx")
+        self.layers = [CudaKVLayer(shape) for _ in range(cfg.n_layers)]
+        self.lengths = np.zeros(n_slots, np.int64)
+        self._free = list(range(n_slots - 1, -1, -1))
+
+    def layer(self, i: int) -> CudaKVLayer:
+        return self.layers[i]
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.n_slots:
+            raise ValueError(f"KV slot {slot} is not in use")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+
+def load(model: GGUFModel) -> tuple[CudaOps, CudaWeights]:
+    if not available():
+        raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU")
+    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
+    return CudaOps(model.config, freq), CudaWeights(model)
+
+
+def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16") -> CudaKVCache:
+    return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+
+
+def kernel_names() -> list[tuple[str, str]]:
+    """Every kernel instance the backend can launch (for precompile)."""
+    types = (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
+    names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
+    for b in MATVEC_BUCKETS:
+        names += [("quant", f"{n}<{b}>") for n in FAST_MATVEC.values()]
+        names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
+    names += [("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
+              ("attention", "kv_append"), ("attention", "attn_partial"), ("attention", "attn_combine")]
+    return names
+
+
+def _compile_one(key: tuple[str, str]) -> str:
+    kernel(*key)
+    return key[1]
+
+
+def precompile(jobs: int = 16) -> int:
+    """Compile every kernel in parallel processes; CuPy's disk cache then serves later loads."""
+    import concurrent.futures
+    import multiprocessing
+    names = kernel_names()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
+        for _ in ex.map(_compile_one, names):
+            pass
+    return len(names)

@@ -1,0 +1,151 @@
+"""The decode step captured as a CUDA graph, one per batch-size bucket.
+
+The same Llama block as model.forward, for one new token per sequence, written against fixed
+device buffers so that the whole step (embedding → 32 blocks → output → argmax) is captured
+once per bucket and replayed: Python then pays one small host→device copy (token, slot,
+position of each row), one graph launch and one device→host copy of the token ids per step.
+Differences from model.forward, all load-time or buffer-level: q/k/v and gate/up of one
+type are stacked and multiplied once; the residual adds are the matvec epilogue (x += W a);
+rows of a bucket beyond the live batch run on the cache's scratch slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntransformerd.engine.backends import cuda as K
+from ntransformerd.engine.backends.cuda import cp
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class _Bufs:
+    pass
+
+
+class DecodeGraphs:
+    def __init__(self, ops: K.CudaOps, weights: K.CudaWeights, kv: K.CudaKVCache, *, use_graphs: bool = True):
+        self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
+        self.use_graphs = use_graphs
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        c = self.cfg
+        self.split_len = max(32, -(-kv.max_ctx // 64))
+        self.n_splits = -(-kv.max_ctx // self.split_len)
+        self._bufs: dict[int, _Bufs] = {}
+        self._graphs: dict[int, object] = {}
+        # Where q, k, v and gate, up land: (stack index, first column) per name.
+        ly = weights.acquire(0)
+        self._cols = {}
+        for stack, names in (("qkv", ("attn_q", "attn_k", "attn_v")), ("gate_up", ("ffn_gate", "ffn_up"))):
+            j, col = 0, 0
+            widths = [t.shape[0] for t in getattr(ly, stack)]
+            for n in names:
+                if col == widths[j]:
+                    j, col = j + 1, 0
+                self._cols[n] = (j, col)
+                col += getattr(ly, n).shape[0]
+        self._widths = {s: [t.shape[0] for t in getattr(ly, s)] for s in ("qkv", "gate_up")}
+        for i in range(c.n_layers):  # every layer must stack the same way
+            li = weights.acquire(i)
+            if [t.shape[0] for t in li.qkv] != self._widths["qkv"] or \
+                    [t.shape[0] for t in li.gate_up] != self._widths["gate_up"]:
+                raise ValueError(f"layer {i} mixes tensor types differently from layer 0; "
+                                 "the captured decode step needs one layout (use model.forward)")
+
+    def _alloc(self, bk: int) -> _Bufs:
+        c, b = self.cfg, _Bufs()
+        f32 = cp.float32
+        b.io = cp.zeros((3, bk), cp.int32)  # token, slot, position of each row
+        b.x = cp.empty((bk, c.d_model), f32)
+        b.h = cp.empty((bk, c.d_model), f32)
+        b.qkv = [cp.empty((bk, w), f32) for w in self._widths["qkv"]]
+        b.gu = [cp.empty((bk, w), f32) for w in self._widths["gate_up"]]
+        b.att = cp.empty((bk, c.q_dim), f32)
+        b.act = cp.empty((bk, c.d_ff), f32)
+        b.scratch = K.attention_scratch(bk, c, self.n_splits)
+        b.logits = cp.empty((bk, c.vocab_size), f32)
+        b.ids = cp.empty((bk,), cp.int32)
+        return b
+
+    def _view(self, bufs: list, name: str):
+        j, col = self._cols[name]
+        buf = bufs[j]
+        return buf[:, col:], buf.shape[1]  # a pointer to the first column, and the row stride
+
+    def _body(self, bk: int, b: _Bufs) -> None:
+        c, w = self.cfg, self.w
+        tok, slot, pos = b.io[0], b.io[1], b.io[2]
+        K.dequantize_rows(w.token_embd, tok, out=b.x)  # (B, D)
+        for i in range(c.n_layers):
+            ly = w.acquire(i)
+            K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h)
+            for t, out in zip(ly.qkv, b.qkv):
+                K.matvec(b.h, t, out=out)  # (B, q+kv+kv) in one to three pieces
+            q, ldq = self._view(b.qkv, "attn_q")
+            k, ldk = self._view(b.qkv, "attn_k")
+            v, ldv = self._view(b.qkv, "attn_v")
+            K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
+            K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
+            K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, split_len=self.split_len,
+                         n_splits=self.n_splits, ldq=ldq, ldk=ldk, ldv=ldv, out=b.att, scratch=b.scratch)
+            K.matvec(b.att, ly.attn_output, out=b.x, res=b.x)  # x += attn @ Wo.T
+            K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h)
+            for t, out in zip(ly.gate_up, b.gu):
+                K.matvec(b.h, t, out=out)
+            g, ldg = self._view(b.gu, "ffn_gate")
+            u, _ = self._view(b.gu, "ffn_up")
+            K.swiglu(g, u, out=b.act, n=bk, ld=ldg)
+            K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x)  # x += swiglu @ Wd.T
+        K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h)
+        K.matvec(b.h, w.output, out=b.logits)
+        K.argmax(b.logits, out=b.ids)
+
+    def _prepare(self, bk: int):
+        if bk in self._bufs:
+            return self._bufs[bk], self._graphs.get(bk)
+        b = self._bufs[bk] = self._alloc(bk)
+        with self.stream:
+            io = np.zeros((3, bk), np.int32)
+            io[1] = self.kv.scratch_slot
+            b.io.set(io)
+            self._body(bk, b)  # compiles and loads every kernel before capture
+            self.stream.synchronize()
+            if self.use_graphs:
+                self.stream.begin_capture()
+                self._body(bk, b)
+                self._graphs[bk] = self.stream.end_capture()
+        return b, self._graphs.get(bk)
+
+    def launch(self, slots, tokens):
+        """Queue one decode step (no wait); returns the bucket's buffers and the live row count."""
+        n = len(slots)
+        bk = next((m for m in BUCKETS if m >= n), None)
+        if bk is None:
+            raise ValueError(f"a decode step takes at most {BUCKETS[-1]} sequences, got {n}")
+        b, graph = self._prepare(bk)
+        slots = np.asarray(slots, np.int64)
+        pos = self.kv.lengths[slots]
+        if (pos >= self.kv.max_ctx).any():
+            raise ValueError(f"a sequence is at the context limit of {self.kv.max_ctx}")
+        io = np.zeros((3, bk), np.int32)
+        io[1] = self.kv.scratch_slot
+        io[0, :n], io[1, :n], io[2, :n] = tokens, slots, pos
+        with self.stream:
+            b.io.set(io)
+            if graph is not None:
+                graph.launch(self.stream)
+            else:
+                self._body(bk, b)
+        self.kv.lengths[slots] += 1
+        return b, n
+
+    def step(self, slots, tokens) -> np.ndarray:
+        """One decode step; the greedy next token of each sequence (int32, host)."""
+        b, n = self.launch(slots, tokens)
+        return b.ids[:n].get(stream=self.stream)
+
+    def logits(self, slots, tokens):
+        """One decode step; the logits (B, V) as a device array."""
+        b, n = self.launch(slots, tokens)
+        self.stream.synchronize()
+        return b.logits[:n]

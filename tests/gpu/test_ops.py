@@ -1,0 +1,100 @@
+"""Norm, RoPE, SwiGLU, attention, argmax launchers against the CPU backend (the reference)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
+from ntransformerd.engine.gguf_file import LlamaConfig  # noqa: E402
+from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
+from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+
+SIZES = (7, 83, 769, 5125, 576, 1536, 4096, 14336)
+
+
+def config(**kw):
+    base = dict(n_layers=1, d_model=256, d_ff=512, n_heads=8, n_kv_heads=2, head_dim=64, vocab_size=100,
+                context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=64, rope_neox=False,
+                rope_scale=1.0, tied_output=True)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("d", SIZES)
+def test_rms_norm(d):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, d)).astype(np.float32) * 3
+    w = rng.standard_normal(d).astype(np.float32)
+    ref = cpu.CpuOps.rms_norm(x, w, 1e-5)
+    out = cp.full((5, d), np.nan, cp.float32)
+    got = cuda.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5, out=out).get()
+    assert rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("f", SIZES)
+def test_swiglu(f):
+    rng = np.random.default_rng()
+    g = rng.standard_normal((3, f)).astype(np.float32) * 4
+    u = rng.standard_normal((3, f)).astype(np.float32)
+    out = cp.full((3, f), np.nan, cp.float32)
+    got = cuda.swiglu(cp.asarray(g), cp.asarray(u), out=out).get()
+    assert rel(got, cpu.CpuOps.swiglu(g, u)) < 1e-6
+
+
+@pytest.mark.parametrize("neox", (False, True))
+@pytest.mark.parametrize("factors", (False, True))
+@pytest.mark.parametrize("head_dim,rope_dim", ((64, 64), (128, 128), (128, 64)))
+def test_rope(neox, factors, head_dim, rope_dim):
+    rng = np.random.default_rng()
+    cfg = config(head_dim=head_dim, rope_dim=rope_dim, rope_neox=neox, rope_base=500000.0, rope_scale=1.0)
+    ff = rng.uniform(1, 8, rope_dim // 2).astype(np.float32) if factors else None
+    ref_ops, ops = cpu.CpuOps(cfg, ff), cuda.CudaOps(cfg, ff)
+    pos = rng.integers(0, 8000, 83)
+    x = rng.standard_normal((83, 8 * head_dim)).astype(np.float32)
+    ref = ref_ops.rope(x, ref_ops.rope_table(pos), 8)
+    got = ops.rope(cp.asarray(x), ops.rope_table(pos), 8).get()
+    assert rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("rows", (7, 83, 5125))
+def test_argmax(rows):
+    rng = np.random.default_rng()
+    v = 49152 if rows < 100 else 769
+    logits = rng.standard_normal((rows, v)).astype(np.float32)
+    logits[0, 5] = logits[0, 9] = 100  # ties go to the lower index
+    out = cp.full((rows,), -1, cp.int32)
+    np.testing.assert_array_equal(cuda.argmax(cp.asarray(logits), out=out).get(), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", ((64, 8, 2), (128, 32, 8), (64, 4, 4)))
+@pytest.mark.parametrize("lens", ([(0, 83)], [(0, 7), (5, 1), (769, 1), (0, 1)], [(100, 1)] * 3, [(4000, 1)]))
+def test_attention(head_dim, n_heads, n_kv, lens):
+    """Prefill chunks and decode tokens in one ragged batch, over an F16 cache with history."""
+    rng = np.random.default_rng()
+    cfg = config(head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv, d_model=head_dim * n_heads,
+                 rope_dim=head_dim)
+    n_slots = len(lens)
+    ref_kv = KVCache(cfg, n_slots=n_slots, max_ctx=4096 + 8, dtype="f16")
+    kv = cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=4096 + 8)
+    for s, (start, _) in enumerate(lens):  # history already in the cache
+        hk = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        hv = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        ref_kv.layer(0).write(s, 0, hk, hv)
+        kv.layer(0).k[s, :start] = cp.asarray(hk)
+        kv.layer(0).v[s, :start] = cp.asarray(hv)
+    batch = Batch.of([Segment(s, start, rng.integers(0, 100, n)) for s, (start, n) in enumerate(lens)])
+    n = len(batch.tokens)
+    q = rng.standard_normal((n, cfg.q_dim)).astype(np.float32)
+    k = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
+    v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
+    ref = cpu.CpuOps(cfg).attention(q, k, v, ref_kv.layer(0), batch)
+    got = cuda.CudaOps(cfg).attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), kv.layer(0), batch).get()
+    assert rel(got, ref) < 1e-4
+    end = max(st + m for st, m in lens)
+    np.testing.assert_array_equal(kv.layer(0).k[:, :end].get(), ref_kv.layer(0).k[:, :end])

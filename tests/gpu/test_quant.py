@@ -1,0 +1,113 @@
+"""kernels/quant.cu against gguf.quants: dequantization bit-exact, fused matvec to fp32 rounding."""
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import quants as gq  # noqa: E402
+
+from ntransformerd.engine.backends import cuda  # noqa: E402
+from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, SUPPORTED_TYPES  # noqa: E402
+
+ROWS = (7, 83, 769)
+WIDTHS_K = (256, 1536, 4096)  # K-quant rows are whole 256-blocks
+WIDTHS_LEGACY = (96, 576, 1536, 4096)
+
+
+def random_tensor(rng, qtype, n, k):
+    """Random GGUF bytes (n, row_bytes) with finite, varied scale fields."""
+    be, bb = QUANT_BLOCKS[qtype]
+    if qtype == Q.F32:
+        return rng.standard_normal((n, k), dtype=np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        x = rng.standard_normal((n, k), dtype=np.float32)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, (n, k // be * bb), dtype=np.uint8)
+    blocks = raw.reshape(-1).view(BLOCK_DTYPES[qtype])
+    for f in ("d", "dmin", "m"):
+        if f in blocks.dtype.names:
+            blocks[f] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+    return raw
+
+
+def widths(qtype):
+    return WIDTHS_K if QUANT_BLOCKS[qtype][0] == 256 else WIDTHS_LEGACY
+
+
+def cases():
+    for q in SUPPORTED_TYPES:
+        for n in ROWS:
+            for k in widths(q):
+                if n * k <= 769 * 4096:
+                    yield q, n, k
+
+
+def to_device(qtype, raw, n, k):
+    return cuda.CudaTensor(qtype, (n, k), tuple(cp.asarray(p) for p in cuda.host_planes(qtype, raw, (n, k))))
+
+
+@pytest.mark.parametrize("qtype,n,k", list(cases()), ids=lambda v: getattr(v, "name", str(v)))
+def test_dequantize_bit_exact(qtype, n, k):
+    rng = np.random.default_rng()
+    raw = random_tensor(rng, qtype, n, k)
+    ref = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float32)
+    w = to_device(qtype, raw, n, k)
+    out = cp.full((n, k), np.nan, cp.float32)
+    got = cuda.dequantize_rows(w, out=out).get()
+    bad = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
+    assert len(bad) == 0, f"{len(bad)} mismatches, first at {bad[0]}: {got[tuple(bad[0])]} vs {ref[tuple(bad[0])]}"
+    rows = rng.integers(0, n, 13).astype(np.int32)
+    out = cp.full((13, k), np.nan, cp.float32)
+    got = cuda.dequantize_rows(w, cp.asarray(rows), out=out).get()
+    np.testing.assert_array_equal(got, ref[rows])
+    half = cuda.dequantize_rows(w, half=True, out=cp.full((n, k), np.nan, cp.float16)).get()
+    np.testing.assert_array_equal(half, ref.astype(np.float16))
+
+
+@pytest.mark.parametrize("qtype,n,k", list(cases()), ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("b", (1, 3, 16, 32))
+def test_matvec(qtype, n, k, b):
+    rng = np.random.default_rng()
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    res = rng.standard_normal((b, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T + res
+    w = to_device(qtype, raw, n, k)
+    out = cp.full((b, n), np.nan, cp.float32)
+    got = cuda.matvec(cp.asarray(x), w, out=out, res=cp.asarray(res)).get()
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    worst = np.unravel_index(np.abs(got - ref).argmax(), ref.shape)
+    assert err < 2e-5, f"relative error {err:.2e}, worst at {worst}: {got[worst]} vs {ref[worst]}"
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0))
+@pytest.mark.parametrize("n,k", ((83, 1536), (769, 4096)))
+def test_matmul_prefill_f16(qtype, n, k):
+    rng = np.random.default_rng()
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((83, k)).astype(np.float32)
+    ref = x @ ref_w.T
+    got = cuda.matmul(cp.asarray(x), to_device(qtype, raw, n, k)).get()
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 3e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("k", (576, 4096, 14336))
+def test_matvec_real_widths(k):
+    """The real model widths for the three benchmark types (rows 7 and 83 keep it quick)."""
+    rng = np.random.default_rng()
+    for qtype in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        if k % QUANT_BLOCKS[qtype][0]:
+            continue
+        for n in (7, 83):
+            raw = random_tensor(rng, qtype, n, k)
+            ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+            x = rng.standard_normal((4, k)).astype(np.float32)
+            got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k),
+                              out=cp.full((4, n), np.nan, cp.float32)).get()
+            ref = x @ ref_w.T
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-5, (qtype.name, n, k)
