@@ -1,0 +1,202 @@
+"""End to end with real processes: ntransformerd on a temporary socket, ntx-client as a user runs it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from conftest import PY, DaemonProcess, solo_ids
+from ntx_client import Client
+from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+
+PROMPT = "The quick brown fox"
+
+
+def cli(daemon, *args, user: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [*(user or []), PY, "-m", "ntx_client.cli", "--socket", daemon.socket, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_json_equals_a_direct_engine_run(daemon, engine):
+    r = cli(daemon, "generate", "--raw", "--temperature", "0", "--ignore-eos", "--max-tokens", "64", "--json", PROMPT)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    last = lines[-1]
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    assert last["prompt_ids"] == prompt_ids
+    assert last["ids"] == solo_ids(engine, prompt_ids, 64, ignore_eos=True)
+    assert len(last["ids"]) == 64 and last["finish_reason"] == "length"
+    assert "".join(c["text"] for c in lines[:-1]) == last["text"]
+    assert [i for c in lines[:-1] for i in c["ids"]] == last["ids"]
+
+
+@pytest.mark.skipif(shutil.which("ntx-model") is None, reason="ntx-model is not installed")
+def test_cli_generate_equals_ntx_model_run(daemon):
+    args = ["--temperature", "0", "--ignore-eos", "--max-tokens", "16", "--json"]
+    ref = subprocess.run(["ntx-model", "run", "--backend", "cpu", "--prompt", PROMPT, *args],
+                         capture_output=True, text=True, timeout=300)
+    if ref.returncode != 0 and "invalid choice" in ref.stderr:
+        pytest.skip("ntx-model has no run command yet")
+    assert ref.returncode == 0, ref.stderr
+    r = cli(daemon, "generate", "--raw", *args, PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["ids"] == json.loads(ref.stdout.splitlines()[-1])["ids"]
+
+
+def test_cli_status_models_tokenize(daemon, engine):
+    r = cli(daemon, "status")
+    assert r.returncode == 0, r.stderr
+    assert "MODEL" in r.stdout and "serving" in r.stdout and "tier ram: 30 layers" in r.stdout
+    r = cli(daemon, "models")
+    assert r.returncode == 0 and "llama" in r.stdout, r.stderr
+    r = cli(daemon, "tokenize", "Hello world")
+    assert r.returncode == 0 and json.loads(r.stdout) == engine.tokenizer.encode("Hello world")
+
+
+def test_cli_unreachable_socket_names_cause_and_fix(tmp_path):
+    r = subprocess.run([PY, "-m", "ntx_client.cli", "--socket", str(tmp_path / "none.sock"), "status"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cannot reach ntransformerd" in r.stderr and "systemctl status ntransformerd" in r.stderr
+
+
+# 8 distinct requests of mixed prompt lengths and max_tokens; each client sends 4 of them
+SPECS = [(PROMPT, 6), ("Hi", 3), ("1, 2, 3, 4,", 8), ("Paris is the capital of", 4),
+         ("def fibonacci(n):\n    " * 6, 5), ("Once upon a time, " * 12, 7), ("<|im_start|>user\nhello", 2),
+         ("The weather today is", 8)]
+
+
+def test_32_clients_x_4_requests_none_lost_none_crossed(daemon, engine):
+    expected = {i: solo_ids(engine, engine.tokenizer.encode(p), n, ignore_eos=True) for i, (p, n) in enumerate(SPECS)}
+
+    def client(k: int) -> list[tuple[int, list[int], str]]:
+        out = []
+        with Client(daemon.socket) as c:
+            for j in range(4):
+                i = (k + 3 * j) % len(SPECS)
+                p, n = SPECS[i]
+                r = c.complete(p, max_tokens=n, temperature=0, ignore_eos=True)
+                out.append((i, r.ids, r.finish_reason))
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(client, range(32)))
+    assert sum(len(r) for r in results) == 128
+    for k, rs in enumerate(results):
+        for i, ids, reason in rs:
+            assert ids == expected[i], f"client {k} request {i}: {ids} != solo {expected[i]}"
+            assert reason == "length"
+    with Client(daemon.socket) as c:
+        s = c.status()
+    assert s.live_requests == 0 and s.queued_requests == 0 and s.free_slots == 8
+
+
+def test_killed_client_frees_its_slot_within_a_step(daemon):
+    proc = subprocess.Popen([PY, "-m", "ntx_client.cli", "--socket", daemon.socket, "generate", "--raw",
+                             "--max-tokens", "500", "--ignore-eos", "--json", "Tell me a long story"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline()  # the first chunk: the request is live
+    with Client(daemon.socket) as c:
+        s = c.status()
+        assert s.live_requests == 1 and s.free_slots == 7
+        proc.kill()
+        proc.wait()
+        steps_at_kill = s.steps
+        end = time.monotonic() + 10
+        while (s := c.status()).live_requests and time.monotonic() < end:
+            time.sleep(0.02)
+    assert s.live_requests == 0 and s.free_slots == 8
+    # the loop checks cancellations before every step: at most the step in flight plus one
+    assert s.steps - steps_at_kill <= 3, f"{s.steps - steps_at_kill} steps ran after the kill"
+
+
+def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    d = DaemonProcess("--max-batch", "8", "--drain-timeout", "2")
+    try:
+        while not os.path.exists(d.socket):
+            assert d.proc.poll() is None, d.log()
+            time.sleep(0.01)
+        ch = grpc.insecure_channel(f"unix:{d.socket}")
+        hs = health_pb2_grpc.HealthStub(ch)
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        seen = set()
+        while True:
+            h = hs.Check(health_pb2.HealthCheckRequest(service="ntransformer.v1.Inference")).status
+            s = stub.Status(pb.StatusRequest())
+            seen.add((s.state, h))
+            if s.state == pb.SERVING_STATE_LOADING:
+                assert s.load_progress and h == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.RpcError) as e:
+                    next(iter(stub.Generate(pb.GenerateRequest(prompt="x"))))
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            if s.state == pb.SERVING_STATE_SERVING:
+                assert h == health_pb2.HealthCheckResponse.SERVING
+                break
+            time.sleep(0.05)
+        assert (pb.SERVING_STATE_LOADING, health_pb2.HealthCheckResponse.NOT_SERVING) in seen
+        # reflection lists the services
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+        rs = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(rs.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"ntransformer.v1.Inference", "grpc.health.v1.Health"} <= names
+
+        streams = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", max_tokens=1000, ignore_eos=True))
+                   for i in range(8)]
+        firsts = [next(s) for s in streams]
+        assert all(f.token_ids for f in firsts)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        codes = []
+        for s in streams:
+            try:
+                for _ in s:
+                    pass
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                assert "shutting down" in e.details(), e.details()
+        rc = d.proc.wait(10)
+        assert time.monotonic() - t0 < 10
+        assert rc == 0, d.log()
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+        assert not os.path.exists(d.socket) and not os.path.exists(d.admin_socket)
+        assert "drained" in d.log()
+    finally:
+        d.cleanup()
+
+
+def _setpriv(uid: int, gid: int, groups: list[int]) -> list[str]:
+    g = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *g, "--"]
+
+
+@pytest.mark.root
+def test_permissions_group_member_ok_others_refused_admin_root_only(daemon):
+    import grp
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not daemon.group:
+        pytest.skip("needs root, setpriv and the group 'users'")
+    st = os.stat(daemon.socket)
+    assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == grp.getgrnam(daemon.group).gr_gid
+    assert oct(os.stat(daemon.admin_socket).st_mode & 0o777) == "0o600"
+    nobody = 65534
+    outsider = cli(daemon, "generate", "--raw", "--max-tokens", "2", "hi", user=_setpriv(nobody, nobody, []))
+    assert outsider.returncode == 1
+    assert "permission denied" in outsider.stderr and "group ntransformer" in outsider.stderr
+    member = _setpriv(nobody, nobody, [grp.getgrnam(daemon.group).gr_gid])
+    ok = cli(daemon, "generate", "--raw", "--temperature", "0", "--max-tokens", "2", "hi", user=member)
+    assert ok.returncode == 0, ok.stderr
+    admin = subprocess.run([*member, PY, "-c", "import sys; from ntx_client import AdminClient\n"
+                            f"AdminClient({daemon.admin_socket!r}).resume()"],
+                           capture_output=True, text=True, timeout=60)
+    assert admin.returncode != 0 and "permission denied" in admin.stderr.lower()
