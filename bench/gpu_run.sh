@@ -14,10 +14,10 @@ python3 -c "from ntransformerd.engine.backends import cuda; print('precompiled',
 echo "precompile $(( $(date +%s) - t0 )) s"
 timeout ${BENCH_TIMEOUT:-260} python3 bench/resident.py --dir /tmp/ntx --json "$OUT/resident.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench done at $(( $(date +%s) - t0 )) s"
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu -x --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
 for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= "$OUT/llama_build.log" 2>/dev/null && break; sleep 2; done
-cat "$OUT/llama_build.log"
+cat "$OUT/llama_build.log"; tail -5 /tmp/llama/cmake.log /tmp/llama/build.log 2>/dev/null | tee "$OUT/llama_tail.log"
 if [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ]; then
   timeout 120 bash bench/llamacpp/run.sh /tmp/llama/llama.cpp/build/bin/llama-bench "$OUT/llamabench.json" \
     /tmp/ntx/llama3-8b-q8_0.gguf /tmp/ntx/llama3-8b-q4_k_m.gguf 2>&1 | tail -5

@@ -33,24 +33,24 @@ class DecodeGraphs:
         self.n_splits = -(-kv.max_ctx // self.split_len)
         self._bufs: dict[int, _Bufs] = {}
         self._graphs: dict[int, object] = {}
-        # Where q, k, v and gate, up land: (stack index, first column) per name.
-        ly = weights.acquire(0)
-        self._cols = {}
+        # Per layer, where q, k, v and gate, up land: (stack, piece index, first column) per name.
+        # Layers may stack differently (Q4_K_M keeps attn_v in Q6_K on some layers only).
+        self._cols = [self._layout(weights.acquire(i)) for i in range(c.n_layers)]
+        self._pieces = sorted({(s, j, t.shape[0]) for i in range(c.n_layers)
+                               for s in ("qkv", "gate_up") for j, t in enumerate(getattr(weights.acquire(i), s))})
+
+    @staticmethod
+    def _layout(ly) -> dict:
+        cols = {}
         for stack, names in (("qkv", ("attn_q", "attn_k", "attn_v")), ("gate_up", ("ffn_gate", "ffn_up"))):
-            j, col = 0, 0
             widths = [t.shape[0] for t in getattr(ly, stack)]
+            j, col = 0, 0
             for n in names:
                 if col == widths[j]:
                     j, col = j + 1, 0
-                self._cols[n] = (j, col)
+                cols[n] = (stack, j, widths[j], col)
                 col += getattr(ly, n).shape[0]
-        self._widths = {s: [t.shape[0] for t in getattr(ly, s)] for s in ("qkv", "gate_up")}
-        for i in range(c.n_layers):  # every layer must stack the same way
-            li = weights.acquire(i)
-            if [t.shape[0] for t in li.qkv] != self._widths["qkv"] or \
-                    [t.shape[0] for t in li.gate_up] != self._widths["gate_up"]:
-                raise ValueError(f"layer {i} mixes tensor types differently from layer 0; "
-                                 "the captured decode step needs one layout (use model.forward)")
+        return cols
 
     def _alloc(self, bk: int) -> _Bufs:
         c, b = self.cfg, _Bufs()
@@ -58,8 +58,7 @@ class DecodeGraphs:
         b.io = cp.zeros((3, bk), cp.int32)  # token, slot, position of each row
         b.x = cp.empty((bk, c.d_model), f32)
         b.h = cp.empty((bk, c.d_model), f32)
-        b.qkv = [cp.empty((bk, w), f32) for w in self._widths["qkv"]]
-        b.gu = [cp.empty((bk, w), f32) for w in self._widths["gate_up"]]
+        b.piece = {key: cp.empty((bk, key[2]), f32) for key in self._pieces}  # matvec outputs
         b.att = cp.empty((bk, c.q_dim), f32)
         b.act = cp.empty((bk, c.d_ff), f32)
         b.scratch = K.attention_scratch(bk, c, self.n_splits)
@@ -67,10 +66,10 @@ class DecodeGraphs:
         b.ids = cp.empty((bk,), cp.int32)
         return b
 
-    def _view(self, bufs: list, name: str):
-        j, col = self._cols[name]
-        buf = bufs[j]
-        return buf[:, col:], buf.shape[1]  # a pointer to the first column, and the row stride
+    def _view(self, b: _Bufs, i: int, name: str):
+        stack, j, width, col = self._cols[i][name]
+        buf = b.piece[(stack, j, width)]
+        return buf[:, col:], width  # a pointer to the first column, and the row stride
 
     def _body(self, bk: int, b: _Bufs) -> None:
         c, w = self.cfg, self.w
@@ -79,21 +78,22 @@ class DecodeGraphs:
         for i in range(c.n_layers):
             ly = w.acquire(i)
             K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h)
-            for t, out in zip(ly.qkv, b.qkv):
-                K.matvec(b.h, t, out=out)  # (B, q+kv+kv) in one to three pieces
-            q, ldq = self._view(b.qkv, "attn_q")
-            k, ldk = self._view(b.qkv, "attn_k")
-            v, ldv = self._view(b.qkv, "attn_v")
+            for j, t in enumerate(ly.qkv):
+                K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])])  # (B, q+kv+kv) in 1 to 3 pieces
+            q, ldq = self._view(b, i, "attn_q")
+            k, ldk = self._view(b, i, "attn_k")
+            v, ldv = self._view(b, i, "attn_v")
             K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
             K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
             K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, split_len=self.split_len,
                          n_splits=self.n_splits, ldq=ldq, ldk=ldk, ldv=ldv, out=b.att, scratch=b.scratch)
             K.matvec(b.att, ly.attn_output, out=b.x, res=b.x)  # x += attn @ Wo.T
             K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h)
-            for t, out in zip(ly.gate_up, b.gu):
-                K.matvec(b.h, t, out=out)
-            g, ldg = self._view(b.gu, "ffn_gate")
-            u, _ = self._view(b.gu, "ffn_up")
+            for j, t in enumerate(ly.gate_up):
+                K.matvec(b.h, t, out=b.piece[("gate_up", j, t.shape[0])])
+            g, ldg = self._view(b, i, "ffn_gate")
+            u, ldu = self._view(b, i, "ffn_up")
+            assert ldg == ldu or ldu == c.d_ff  # one row stride serves both in swiglu
             K.swiglu(g, u, out=b.act, n=bk, ld=ldg)
             K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x)  # x += swiglu @ Wd.T
         K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h)
