@@ -14,6 +14,7 @@ import time
 import pytest
 
 PY = sys.executable
+MAX_BATCH = 16
 SOCKET_GROUP = "users"  # an existing group, so the permissions test needs no new users or groups
 
 
@@ -38,8 +39,9 @@ class DaemonProcess:
         self.admin_socket = os.path.join(self.dir, "admin.sock")
         self.log_path = os.path.join(self.dir, "log")
         self.group = _group_or_empty()
+        self.max_batch = MAX_BATCH
         cmd = [PY, "-m", "ntransformerd.main", "--socket", self.socket, "--backend", "cpu",
-               "--socket-group", self.group, "--config", os.devnull, *flags]
+               "--socket-group", self.group, "--config", os.devnull, "--max-batch", str(MAX_BATCH), *flags]
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -77,8 +79,8 @@ class DaemonProcess:
 
 @pytest.fixture(scope="session")
 def daemon():
-    """One daemon for the session: batch 8, a queue deep enough for 32 clients."""
-    d = DaemonProcess("--max-batch", "8", "--max-queue", "64", "--max-ctx", "1024", "--prefill-chunk", "128")
+    """One daemon for the session, with a queue deep enough for 32 clients."""
+    d = DaemonProcess("--max-queue", "64", "--max-ctx", "1024", "--prefill-chunk", "128")
     try:
         yield d.wait_ready()
     finally:
@@ -90,6 +92,18 @@ def engine():
     """The same model in this process, for solo reference runs."""
     from ntransformerd.engine.engine import Engine, EngineConfig
     return Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=1024, prefill_chunk=128))
+
+
+@pytest.fixture(scope="session")
+def new_daemon():
+    """Start another daemon: new_daemon(*flags) -> DaemonProcess (the caller cleans it up)."""
+    return DaemonProcess
+
+
+@pytest.fixture(scope="session")
+def solo():
+    """solo(engine, prompt_ids, max_tokens, **params) -> ids of engine.generate, greedy."""
+    return solo_ids
 
 
 def solo_ids(engine, prompt_ids, max_tokens: int, **kw) -> list[int]:

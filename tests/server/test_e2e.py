@@ -14,10 +14,10 @@ import time
 import grpc
 import pytest
 
-from conftest import PY, DaemonProcess, solo_ids
 from ntx_client import Client
 from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
+PY = sys.executable
 PROMPT = "The quick brown fox"
 
 
@@ -26,14 +26,14 @@ def cli(daemon, *args, user: list[str] | None = None, timeout: float = 120) -> s
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_generate_json_equals_a_direct_engine_run(daemon, engine):
+def test_cli_generate_json_equals_a_direct_engine_run(daemon, engine, solo):
     r = cli(daemon, "generate", "--raw", "--temperature", "0", "--ignore-eos", "--max-tokens", "64", "--json", PROMPT)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     last = lines[-1]
     prompt_ids = engine.tokenizer.encode(PROMPT)
     assert last["prompt_ids"] == prompt_ids
-    assert last["ids"] == solo_ids(engine, prompt_ids, 64, ignore_eos=True)
+    assert last["ids"] == solo(engine, prompt_ids, 64, ignore_eos=True)
     assert len(last["ids"]) == 64 and last["finish_reason"] == "length"
     assert "".join(c["text"] for c in lines[:-1]) == last["text"]
     assert [i for c in lines[:-1] for i in c["ids"]] == last["ids"]
@@ -70,13 +70,13 @@ def test_cli_unreachable_socket_names_cause_and_fix(tmp_path):
 
 
 # 8 distinct requests of mixed prompt lengths and max_tokens; each client sends 4 of them
-SPECS = [(PROMPT, 6), ("Hi", 3), ("1, 2, 3, 4,", 8), ("Paris is the capital of", 4),
-         ("def fibonacci(n):\n    " * 6, 5), ("Once upon a time, " * 12, 7), ("<|im_start|>user\nhello", 2),
-         ("The weather today is", 8)]
+SPECS = [(PROMPT, 4), ("Hi", 2), ("1, 2, 3, 4,", 5), ("Paris is the capital of", 3),
+         ("def fibonacci(n):\n    " * 6, 4), ("Once upon a time, " * 12, 5), ("<|im_start|>user\nhello", 2),
+         ("The weather today is", 4)]
 
 
-def test_32_clients_x_4_requests_none_lost_none_crossed(daemon, engine):
-    expected = {i: solo_ids(engine, engine.tokenizer.encode(p), n, ignore_eos=True) for i, (p, n) in enumerate(SPECS)}
+def test_32_clients_x_4_requests_none_lost_none_crossed(daemon, engine, solo):
+    expected = {i: solo(engine, engine.tokenizer.encode(p), n, ignore_eos=True) for i, (p, n) in enumerate(SPECS)}
 
     def client(k: int) -> list[tuple[int, list[int], str]]:
         out = []
@@ -97,7 +97,7 @@ def test_32_clients_x_4_requests_none_lost_none_crossed(daemon, engine):
             assert reason == "length"
     with Client(daemon.socket) as c:
         s = c.status()
-    assert s.live_requests == 0 and s.queued_requests == 0 and s.free_slots == 8
+    assert s.live_requests == 0 and s.queued_requests == 0 and s.free_slots == daemon.max_batch
 
 
 def test_killed_client_frees_its_slot_within_a_step(daemon):
@@ -107,21 +107,21 @@ def test_killed_client_frees_its_slot_within_a_step(daemon):
     assert proc.stdout.readline()  # the first chunk: the request is live
     with Client(daemon.socket) as c:
         s = c.status()
-        assert s.live_requests == 1 and s.free_slots == 7
+        assert s.live_requests == 1 and s.free_slots == daemon.max_batch - 1
         proc.kill()
         proc.wait()
         steps_at_kill = s.steps
         end = time.monotonic() + 10
         while (s := c.status()).live_requests and time.monotonic() < end:
             time.sleep(0.02)
-    assert s.live_requests == 0 and s.free_slots == 8
+    assert s.live_requests == 0 and s.free_slots == daemon.max_batch
     # the loop checks cancellations before every step: at most the step in flight plus one
     assert s.steps - steps_at_kill <= 3, f"{s.steps - steps_at_kill} steps ran after the kill"
 
 
-def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams():
+def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(new_daemon):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    d = DaemonProcess("--max-batch", "8", "--drain-timeout", "2")
+    d = new_daemon("--max-batch", "8", "--drain-timeout", "2")
     try:
         while not os.path.exists(d.socket):
             assert d.proc.poll() is None, d.log()

@@ -225,7 +225,7 @@ class Scheduler:
         req.detok = Detokenizer(engine.tokenizer)
         with self._cv:
             self._ready_engine()
-            if len(self._live) >= self.config.max_batch and len(self._queue) >= self.config.max_queue:
+            if len(self._live) + len(self._queue) >= self.config.max_batch + self.config.max_queue:
                 raise QueueFull(f"ntransformerd is full: {len(self._live)} requests running and "
                                 f"{len(self._queue)} queued (max_queue {self.config.max_queue}); retry later "
                                 "or raise max_batch / max_queue in /etc/ntransformer/ntransformerd.toml")

@@ -1,0 +1,172 @@
+"""The scheduler's rules on a fake engine (fast): bounded queue, chunked prefill that does not
+stall decoders, cancellation and deadlines within one step, drain."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+
+from ntransformerd.config import DaemonConfig
+from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.server import errors
+from ntransformerd.server.scheduler import Scheduler
+from ntransformerd.server.systemd import Notifier
+
+
+class FakeEngine:
+    """The engine API the scheduler uses; the next token is a function of the last one."""
+
+    def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
+        self.tokenizer, self.max_ctx = tokenizer, max_ctx
+        self.cfg = types.SimpleNamespace(vocab_size=tokenizer.vocab_size)
+        self.lengths: dict[int, int] = {}
+        self.free = list(range(slots))
+        self.delay = 0.0  # seconds per step
+        self.steps: list[list[tuple[int, int]]] = []  # per step: (slot, n tokens)
+
+    @property
+    def kv(self):
+        return types.SimpleNamespace(free_slots=len(self.free))
+
+    def open(self):
+        slot = self.free.pop(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def close(self, slot):
+        del self.lengths[slot]
+        self.free.append(slot)
+
+    def length(self, slot):
+        return self.lengths[slot]
+
+    def step(self, items):
+        time.sleep(self.delay)
+        self.steps.append([(s, len(t)) for s, t in items])
+        out = np.zeros((len(items), self.cfg.vocab_size), np.float32)
+        for row, (slot, tokens) in enumerate(items):
+            self.lengths[slot] += len(tokens)
+            out[row, 1000 + (tokens[-1] * 7) % 1000] = 1.0  # ids 1000..1999: no end-of-generation
+        return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from ntransformerd.engine.tokenizer import Tokenizer
+    return Tokenizer.from_metadata(default_model.metadata)
+
+
+def make(tokenizer, **cfg):
+    config = DaemonConfig(socket="/tmp/x.sock", **cfg)
+    s = Scheduler(config=config, notifier=Notifier(environ={}))
+    engine = FakeEngine(tokenizer, slots=config.max_batch)
+    s.attach(engine)
+    return s, engine
+
+
+def iterate(s: Scheduler) -> None:
+    """One iteration of the scheduler loop, on this thread."""
+    with s._cv:
+        s.retire()
+        s.admit()
+        batch = s.compose()
+    if batch:
+        s.run(batch)
+
+
+GREEDY = SamplingParams.greedy(ignore_eos=True)
+
+
+def test_queue_past_its_bound_is_queue_full(tokenizer):
+    s, _ = make(tokenizer, max_batch=2, max_queue=1)
+    for _ in range(3):
+        s.schedule([1, 2, 3], GREEDY, max_tokens=4)
+    with pytest.raises(errors.QueueFull, match="max_queue"):
+        s.schedule([1, 2, 3], GREEDY, max_tokens=4)
+
+
+def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer):
+    s, engine = make(tokenizer, max_batch=4, prefill_chunk=8)
+    short = s.schedule([5, 6], GREEDY, max_tokens=30)
+    iterate(s)  # short prefills and samples its first token
+    long = s.schedule(list(range(10, 110)), GREEDY, max_tokens=2)
+    for _ in range(13):
+        iterate(s)
+    assert long.state == "decode" and long.prefilled == 100
+    for step in engine.steps[1:14]:
+        assert (short.slot, 1) in step  # the decoder got its token in every step
+        assert sum(n for slot, n in step if slot == long.slot) <= 8  # the prompt in chunks of 8
+    assert short.generated == 14
+
+
+def test_batched_outputs_equal_solo_outputs(tokenizer):
+    prompts = [[5, 6], list(range(10, 40)), [7], list(range(50, 61))]
+    solo = []
+    for p in prompts:
+        s, _ = make(tokenizer, max_batch=1)
+        r = s.schedule(p, GREEDY, max_tokens=6)
+        while r.state != "done":
+            iterate(s)
+        r.outputs.put(None)
+        solo.append([i for o in r.stream() for i in o.token_ids])
+    s, _ = make(tokenizer, max_batch=4, prefill_chunk=16)
+    reqs = [s.schedule(p, GREEDY, max_tokens=6) for p in prompts]
+    while any(r.state != "done" for r in reqs):
+        iterate(s)
+    for r in reqs:
+        r.outputs.put(None)
+    assert [[i for o in r.stream() for i in o.token_ids] for r in reqs] == solo
+
+
+def test_cancel_frees_the_slot_at_the_next_iteration(tokenizer):
+    s, engine = make(tokenizer, max_batch=2)
+    r = s.schedule([1, 2, 3], GREEDY, max_tokens=100)
+    iterate(s)
+    iterate(s)
+    assert len(engine.free) == 1
+    n = len(engine.steps)
+    r.cancel()
+    iterate(s)
+    assert len(engine.free) == 2 and len(engine.steps) == n  # gone before another step ran
+    with pytest.raises(errors.Cancelled):
+        list(r.stream())
+
+
+def test_deadline_ends_the_request(tokenizer):
+    s, engine = make(tokenizer, max_batch=2)
+    r = s.schedule([1, 2, 3], GREEDY, max_tokens=100, deadline=time.monotonic() + 0.05)
+    iterate(s)
+    time.sleep(0.06)
+    iterate(s)
+    assert len(engine.free) == 2
+    with pytest.raises(errors.DeadlineExceeded, match="deadline"):
+        list(r.stream())
+
+
+def test_not_ready_while_loading_and_without_a_model(tokenizer):
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=Notifier(environ={}))
+    with pytest.raises(errors.NotReady, match="no model"):
+        s.schedule([1], GREEDY, max_tokens=1)
+    s.set_loading("loading layer 3/30", 0.1)
+    with pytest.raises(errors.NotReady, match="loading layer 3/30"):
+        s.tokenize(text="hi")
+
+
+def test_drain_refuses_new_work_and_cancels_what_does_not_finish(tokenizer):
+    s, engine = make(tokenizer, max_batch=2)
+    engine.delay = 0.01
+    r = s.schedule([1, 2, 3], GREEDY, max_tokens=500)  # 5 s of steps
+    s.start()
+    try:
+        finished, cancelled = s.drain(0.2)
+        assert (finished, cancelled) == (0, 1)
+        with pytest.raises(errors.ShuttingDown, match="shutting down"):
+            list(r.stream())
+        with pytest.raises(errors.Draining):
+            s.schedule([1], GREEDY, max_tokens=1)
+    finally:
+        s.stop()
+    assert len(engine.free) == 2
