@@ -260,17 +260,21 @@ def rms_norm(x, w, eps: float, *, out=None):
     return out
 
 
-def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None):
-    """silu(g) * u. g, u are (N, F) arrays, or views into one buffer with row stride ld."""
+def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None, f: int | None = None):
+    """silu(g) * u. g, u are (N, F) arrays, or pointers into buffers with row stride ld (then
+    n and f say the shape)."""
     if ld is None:
         _check(g, cp.float32, 2, "swiglu g")
         _check(u, cp.float32, 2, "swiglu u")
         if g.shape != u.shape:
             raise ValueError(f"swiglu: g {g.shape}, u {u.shape}")
         n, f, ld = g.shape[0], g.shape[1], g.shape[1]
-    else:
-        f = g.shape[1]
+    elif n is None or f is None:
+        raise ValueError("swiglu: with ld, give n and f")
     out = cp.empty((n, f), cp.float32) if out is None else out
+    _check(out, cp.float32, 2, "swiglu out")
+    if out.shape != (n, f):
+        raise ValueError(f"swiglu: out {out.shape}, expected {(n, f)}")
     kernel("activation", "swiglu")((_blocks(n * f, 256),), (256,), (g, u, out, np.int32(n), np.int32(f), np.int32(ld)))
     return out
 

@@ -94,7 +94,7 @@ class DecodeGraphs:
             g, ldg = self._view(b, i, "ffn_gate")
             u, ldu = self._view(b, i, "ffn_up")
             assert ldg == ldu or ldu == c.d_ff  # one row stride serves both in swiglu
-            K.swiglu(g, u, out=b.act, n=bk, ld=ldg)
+            K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff)
             K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x)  # x += swiglu @ Wd.T
         K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h)
         K.matvec(b.h, w.output, out=b.logits)
@@ -131,7 +131,7 @@ class DecodeGraphs:
         io[1] = self.kv.scratch_slot
         io[0, :n], io[1, :n], io[2, :n] = tokens, slots, pos
         with self.stream:
-            b.io.set(io)
+            b.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
             if graph is not None:
                 graph.launch(self.stream)
             else:
