@@ -2,7 +2,7 @@
 # Build llama-bench (CUDA, sm_90) from the slim llama.cpp tarball carried in .llama/.
 # Make the tarball here with bench/llamacpp/make_tarball.sh; on the GPU machine:
 #   bench/llamacpp/build.sh /tmp/llama   → /tmp/llama/build/bin/llama-bench
-set -eo pipefail
+set -xeo pipefail
 dst=${1:-/tmp/llama}
 mkdir -p "$dst"
 tar xzf "$(dirname "$0")/../../.llama/llama.cpp-slim.tar.gz" -C "$dst"
