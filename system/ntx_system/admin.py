@@ -243,22 +243,26 @@ def cmd_verify(args) -> int:
     return EXIT_FAIL if bad else EXIT_OK
 
 
-def _bench(src, nbytes: int) -> dict:
+def _bench(src, nbytes: int, repeat: int = 2) -> dict:
     """Raw sequential read of `nbytes` from the start of the namespace into a registered
-    buffer, MDTS commands with the source's queue depth: comparable to dd iflag=direct."""
-    chunk = 16 << 20
+    buffer, MDTS commands with the source's queue depth: comparable to dd iflag=direct.
+    Best of `repeat` runs (the first also warms the host's cache of the image in a VM)."""
+    chunk = min(64 << 20, nbytes)       # several queue depths per call: the pipeline stays full
     mem, buf = _pinned(chunk)
     region = src.t.dma_map(buf)
     nbytes -= nbytes % src.lba_size
-    t0 = time.perf_counter()
-    pos = 0
-    while pos < nbytes:
-        n = min(chunk, nbytes - pos)
-        src.ctrl.read_into(src.io, pos, n, region, depth=src.queue_depth)
-        pos += n
-    dt = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        pos = 0
+        while pos < nbytes:
+            n = min(chunk, nbytes - pos)
+            src.ctrl.read_into(src.io, pos, n, region, depth=src.queue_depth)
+            pos += n
+        runs.append(nbytes / (time.perf_counter() - t0) / 1e9)
     src.t.dma_free(region)
-    return {"bench_bytes": nbytes, "bench_seconds": dt, "bench_gbps": nbytes / dt / 1e9}
+    return {"bench_bytes": nbytes, "bench_seconds": nbytes / max(runs) / 1e9,
+            "bench_gbps": max(runs), "bench_runs_gbps": runs}
 
 
 # --------------------------------------------------------------------------- main

@@ -72,6 +72,14 @@ class ContiguousDmaRegion(DmaRegion):
         return self.iova_base + offset
 
 
+    def page_iovas(self, offset: int, length: int) -> list[int]:
+        # Contiguous: arithmetic, no per-page lookups (hot path of every read command).
+        first = self.iova(offset)
+        start = self.iova_base + align_down(offset, PAGE_SIZE) + PAGE_SIZE
+        end = self.iova_base + offset + length
+        return [first, *range(start, end, PAGE_SIZE)]
+
+
 class PagedDmaRegion(DmaRegion):
     """Physical pages that are not contiguous (no-IOMMU mode): one address per page."""
 

@@ -53,6 +53,7 @@ cat > /run/tmp/steps1.json <<EOF
  ["stage-wrong", "admin", ["stage", "$M", "--device", "$DATA", "--yes-i-mean-nope"]],
  ["stage", "admin", ["stage", "$M", "--device", "$DATA", "--yes-i-mean-ntxdata"]],
  ["dd", "sh", "dd if=$DATA of=/dev/null bs=1M count=%(bench_mib)d iflag=direct"],
+ ["dd2", "sh", "dd if=$DATA of=/dev/null bs=1M count=%(bench_mib)d iflag=direct"],
  ["bind", "admin", ["bind", "$DATA"]],
  ["driver", "sh", "basename \$(readlink /sys/bus/pci/devices/$PCI/driver)"],
  ["verify", "admin", ["verify", "$PCI", "--json", "--bench-bytes", "%(bench_bytes)d"]],
@@ -174,9 +175,12 @@ def test_no_dmar_faults(guest):
 
 def test_throughput_vs_dd(guest, record_property):
     s = guest["s"]
-    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", s["dd"])
-    assert m, s["dd"]
-    dd_gbps = int(m.group(1)) / float(m.group(2)) / 1e9
+    dd_runs = []
+    for key in ("dd", "dd2"):
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", s[key])
+        assert m, s[key]
+        dd_runs.append(int(m.group(1)) / float(m.group(2)) / 1e9)
+    dd_gbps = max(dd_runs)                  # best of two, as the driver's figure is
     v = json.loads(next(line for line in s["verify"].splitlines() if line.startswith("{")))
     ratio = v["bench_gbps"] / dd_gbps
     record_property("dd_gbps", dd_gbps)
