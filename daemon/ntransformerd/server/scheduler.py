@@ -198,8 +198,7 @@ class Scheduler:
                                      f"{engine.cfg.vocab_size} ids (0..{engine.cfg.vocab_size - 1})")
             return list(ids)
         if messages is not None:
-            text = render_chat(engine, messages)
-            add_special = False  # the template writes BOS itself where the model wants one
+            return encode_chat(engine, messages)
         return tok.encode(text, parse_special=parse_special, add_special=add_special)
 
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
@@ -367,13 +366,12 @@ class Scheduler:
                         uptime=now - self.t_start, requests=reqs)
 
 
-def render_chat(engine, messages: Sequence[dict]) -> str:
-    """The model's chat template over `messages`, with the generation prompt added."""
-    from ntransformerd.engine import chat
-
+def encode_chat(engine, messages: Sequence[dict]) -> list[int]:
+    """Prompt ids of `messages` through the model's chat template, generation prompt added
+    (engine.encode_chat: what `ntx-model run --chat` does)."""
+    if not messages:
+        raise InvalidRequest("the chat has no messages: send at least one user message")
     for m in messages:
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise InvalidRequest(f"chat role {m['role']!r} is not one of system, user, assistant, tool")
-    if not messages:
-        raise InvalidRequest("the chat has no messages: send at least one user message")
-    return chat.render(engine, messages)
+    return engine.encode_chat(messages)

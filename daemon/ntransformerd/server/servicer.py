@@ -188,7 +188,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         add = request.add_special if request.HasField("add_special") else True
         parse = request.parse_special if request.HasField("parse_special") else True
         if which == "chat":
-            ids = self.scheduler.tokenize(messages=_messages(request.chat), parse_special=parse)
+            ids = self.scheduler.tokenize(messages=_messages(request.chat))
         else:
             ids = self.scheduler.tokenize(text=request.text, add_special=add, parse_special=parse)
         tok = self.scheduler.engine.tokenizer
