@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import spec
-from .dma import DmaRegion, align_up
+from .dma import ContiguousDmaRegion, DmaRegion, align_down, align_up
 from .qpair import CommandError, QueuePair, QpairError
 from .quirks import quirks_lookup
 from .spec import PAGE_SIZE, AdminOpcode, IoOpcode
@@ -289,17 +289,24 @@ class Controller:
         assert nbytes % lba_size == 0 and 0 < nbytes <= self.max_transfer, nbytes
         if buf_offset % 4:
             raise ValueError("NVMe PRP1 must be dword aligned: buffer offset % 4 != 0")
-        pages = buf.page_iovas(buf_offset, nbytes)
-        prp1, prp2 = pages[0], 0
-        if len(pages) == 2:
-            prp2 = pages[1]
-        elif len(pages) > 2:
-            if len(pages) - 1 > PAGE_SIZE // 8:
+        first = buf.iova(buf_offset)
+        npages = (buf_offset % PAGE_SIZE + nbytes + PAGE_SIZE - 1) // PAGE_SIZE
+        prp2 = 0
+        if npages == 2:
+            prp2 = buf.iova(align_up(buf_offset + 1, PAGE_SIZE))
+        elif npages > 2:
+            if npages - 1 > PAGE_SIZE // 8:
                 raise ValueError("transfer needs more than one PRP list page")
             cid = qp.peek_cid()
             lst = io.prp_pages.view[cid * PAGE_SIZE:(cid + 1) * PAGE_SIZE].view("<u8")
-            lst[: len(pages) - 1] = pages[1:]
+            if isinstance(buf, ContiguousDmaRegion):     # hot path: arithmetic, no lists
+                start = buf.iova_base + align_down(buf_offset, PAGE_SIZE) + PAGE_SIZE
+                lst[: npages - 1] = np.arange(start, start + (npages - 1) * PAGE_SIZE,
+                                              PAGE_SIZE, dtype=np.uint64)
+            else:
+                lst[: npages - 1] = buf.page_iovas(buf_offset, nbytes)[1:]
             prp2 = io.prp_pages.iova(cid * PAGE_SIZE)
+        prp1 = first
         nlb = nbytes // lba_size
         return qp.submit(opcode, nsid=self.nsid, prp1=prp1, prp2=prp2,
                          cdw10=lba & 0xFFFFFFFF, cdw11=lba >> 32, cdw12=nlb - 1,

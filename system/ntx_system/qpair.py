@@ -139,6 +139,7 @@ class QueuePair:
         self._free_cids = list(range(entries - 2, -1, -1))   # pop() gives 0 first
         self._outstanding: dict[int, _Outstanding] = {}
         self.closed: str | None = None
+        self._earliest_deadline = float("inf")     # lower bound; scanning is only needed past it
         self.unclaimed: dict[int, Completion] = {}   # completed, not yet asked for by wait()
         self.stats = QpairStats()
 
@@ -180,8 +181,10 @@ class QueuePair:
         _SQE.pack_into(self._sq_mem, self.sq_tail * 64, opcode, 0, cid, nsid, 0, 0, 0,
                        prp1, prp2, cdw10, cdw11, cdw12, cdw13, cdw14, cdw15)
         now = self._clock()
-        self._outstanding[cid] = _Outstanding(opcode, now + (timeout_s or self.timeout_s), now,
-                                              context)
+        deadline = now + (timeout_s or self.timeout_s)
+        self._outstanding[cid] = _Outstanding(opcode, deadline, now, context)
+        if deadline < self._earliest_deadline:
+            self._earliest_deadline = deadline
         self.sq_tail = (self.sq_tail + 1) % self.entries
         self.stats.submitted += 1
         self.stats.max_outstanding = max(self.stats.max_outstanding, self.outstanding)
@@ -234,6 +237,10 @@ class QueuePair:
 
     def _check_deadlines(self) -> None:
         now = self._clock()
+        if now <= self._earliest_deadline:
+            return
+        self._earliest_deadline = min((o.deadline for o in self._outstanding.values()),
+                                      default=float("inf"))
         for cid, info in self._outstanding.items():
             if now > info.deadline:
                 self.closed = f"command {cid} timed out"
