@@ -185,3 +185,49 @@ def run_guest(script: str, *, disks: list[NvmeDisk], workdir: str, timeout_s: fl
     body = console.split("NTX-GUEST-START\n", 1)[-1]
     body = body.split("NTX-GUEST-EXIT=", 1)[0]
     return GuestResult(int(m.group(1)) if m else None, body, console, seconds)
+
+
+# --------------------------------------------------------------------------- no-IOMMU vfio.ko
+
+NOIOMMU_FILES = ["vfio_main.c", "iova_bitmap.c", "container.c", "vfio.h"]
+
+
+def noiommu_missing() -> str | None:
+    kver = (guest_kernel() or (None, None))[1]
+    if kver is None:
+        return "no guest kernel"
+    if not glob.glob("/usr/src/linux-source-*.tar.xz"):
+        return "linux-source not installed (apt-get install -y linux-source-6.1)"
+    if not os.path.isdir(f"/lib/modules/{kver}/build"):
+        return f"kernel headers missing (apt-get install -y linux-headers-{kver})"
+    if shutil.which("make") is None or shutil.which("gcc") is None:
+        return "make/gcc missing (they come with linux-headers' dependencies)"
+    return None
+
+
+def build_noiommu_vfio(cache_dir: str) -> str:
+    """vfio.ko of the guest kernel rebuilt with CONFIG_VFIO_NOIOMMU (Debian builds it without),
+    from Debian's linux-source against the matching headers; cached per kernel version."""
+    _, kver = guest_kernel()
+    out = os.path.join(cache_dir, f"vfio-noiommu-{kver}.ko")
+    if os.path.exists(out):
+        return out
+    tarball = sorted(glob.glob("/usr/src/linux-source-*.tar.xz"))[-1]
+    top = os.path.basename(tarball)[: -len(".tar.xz")]
+    work = tempfile.mkdtemp(prefix="ntx-vfio-build-", dir=cache_dir if os.path.isdir(cache_dir)
+                            else None)
+    members = [f"{top}/drivers/vfio/{f}" for f in NOIOMMU_FILES]
+    subprocess.run(["tar", "-xf", tarball, "-C", work, *members], check=True)
+    src = os.path.join(work, top, "drivers/vfio")
+    with open(os.path.join(src, "Kbuild"), "w") as f:
+        f.write("obj-m += vfio.o\nvfio-y := vfio_main.o iova_bitmap.o container.o\n")
+    r = subprocess.run(["make", "-s", "-C", f"/lib/modules/{kver}/build", f"M={src}",
+                        "CONFIG_VFIO_NOIOMMU=y", "KCFLAGS=-DCONFIG_VFIO_NOIOMMU=1", "modules"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"vfio.ko build failed:\n{r.stdout}\n{r.stderr}")
+    os.makedirs(cache_dir, exist_ok=True)
+    shutil.copy(os.path.join(src, "vfio.ko"), out + ".tmp")
+    os.replace(out + ".tmp", out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
