@@ -96,6 +96,20 @@ class Engine:
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
+        self._chat_template = None
+
+    @property
+    def chat_template(self):
+        """The GGUF's chat template, compiled on first use (a broken one fails only chats)."""
+        if self._chat_template is None:
+            from ntransformerd.engine.chat import ChatTemplate
+            self._chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
+        return self._chat_template
+
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+        """Render messages with the chat template and tokenize, special tokens parsed."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, parse_special=True, add_special=True)
 
     @classmethod
     def load(cls, path: str | None = None, *, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -180,7 +194,7 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: 
 
     params.validate()
     tok = engine.tokenizer
-    sampler = Sampler(params, engine.cfg.vocab_size)
+    sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=tok.eog_ids)
     stops = StopMatcher(list(params.stop or ()))
     detok = Detokenizer(tok)
     history = list(prompt_ids)

