@@ -33,7 +33,7 @@ mount -t tmpfs rw /rw; mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot || { echo "NTX-VM-ERROR overlay"; poweroff -f; }
 rm -f /newroot/.dockerenv
 mount -t tmpfs tmp /newroot/tmp
-cp %(work)s/ntx-test.service %(work)s/ntx-test.target /newroot/etc/systemd/system/
+cp /lower%(work)s/ntx-test.service /lower%(work)s/ntx-test.target /newroot/etc/systemd/system/ || { echo "NTX-VM-ERROR cp"; poweroff -f; }
 umount /proc /sys 2>/dev/null; umount /dev 2>/dev/null
 exec switch_root /newroot /lib/systemd/systemd
 """
@@ -121,9 +121,13 @@ def test_service_under_systemd_in_a_vm():
         pytest.skip(why)
     kernel, kver = _kernel()
     work = tempfile.mkdtemp(prefix="ntx-vm-", dir="/var/tmp")  # not /tmp: the guest mounts a tmpfs there
+    model_dir = None
     try:
         from ntransformerd.engine.synth import synthesize
-        model = os.path.join(work, "tiny.gguf")
+        # not in /tmp or /var/tmp either: the unit's PrivateTmp= hides both from the daemon
+        model_dir = tempfile.mkdtemp(prefix="ntx-vm-model-", dir="/var/lib")
+        os.chmod(model_dir, 0o755)
+        model = os.path.join(model_dir, "tiny.gguf")
         synthesize(model, shape="tiny", ftype="q8_0")  # loads in moments even under TCG
         os.chmod(work, 0o755)
         os.chmod(model, 0o644)
@@ -150,12 +154,23 @@ def test_service_under_systemd_in_a_vm():
                "-append", "console=ttyS0 rdinit=/init panic=-1 systemd.unit=ntx-test.target "
                           "systemd.show_status=0 quiet"]
         t0 = time.monotonic()
-        try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=900)
-            console = p.stdout.decode(errors="replace")
-        except subprocess.TimeoutExpired as e:
-            console = (e.stdout or b"").decode(errors="replace") + "\n[guest timed out]"
-        console = console.replace("\r\n", "\n")
+        log = os.path.join(work, "console.log")  # tail it while the guest runs
+        with open(log, "wb") as out:
+            guest = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                while guest.poll() is None:  # stop early if the guest can only wait at a prompt
+                    with open(log, "rb") as f:
+                        seen = f.read()
+                    if b"You are in rescue mode" in seen or b"You are in emergency mode" in seen \
+                            or b"NTX-VM-ERROR" in seen or time.monotonic() - t0 > 600:
+                        break
+                    time.sleep(1)
+            finally:
+                if guest.poll() is None:
+                    guest.kill()
+                guest.wait()
+        with open(log, "rb") as f:
+            console = f.read().decode(errors="replace").replace("\r\n", "\n")
         print(f"guest ran {time.monotonic() - t0:.0f} s")
         tail = "\n".join(console.splitlines()[-60:])
         assert "NTX-VM-VERDICT=ok" in console, tail
@@ -165,3 +180,5 @@ def test_service_under_systemd_in_a_vm():
         assert '"ids"' in console.split("NTX-VM-MEMBER ", 1)[1].split("\n", 1)[0], tail
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)

@@ -31,7 +31,7 @@ def _group_or_empty() -> str:
 class DaemonProcess:
     """`ntransformerd` in a subprocess; .socket, .admin_socket, .proc, .log()."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, env: dict | None = None):
         # 0755, outside pytest's 0700 tmp dirs, so an unprivileged test user can reach the socket
         self.dir = tempfile.mkdtemp(prefix="ntxd-")
         os.chmod(self.dir, 0o755)
@@ -42,7 +42,8 @@ class DaemonProcess:
         self.max_batch = MAX_BATCH
         cmd = [PY, "-m", "ntransformerd.main", "--socket", self.socket, "--backend", "cpu",
                "--socket-group", self.group, "--config", os.devnull, "--max-batch", str(MAX_BATCH), *flags]
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")}
+        env = {**{k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")},
+               **(env or {})}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

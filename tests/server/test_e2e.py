@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -134,8 +135,23 @@ def test_killed_client_frees_its_slot_within_a_step(daemon):
 
 
 def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(new_daemon):
+    import socket as so
+    import threading
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    d = new_daemon("--max-batch", "8", "--drain-timeout", "2")
+    notify_path = tempfile.mktemp(prefix="ntx-notify-")
+    notify = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notes: list[str] = []
+
+    def listen():
+        try:
+            while True:
+                notes.append(notify.recv(4096).decode())
+        except OSError:
+            pass  # closed at the end of the test
+    threading.Thread(target=listen, daemon=True).start()
+    d = new_daemon("--max-batch", "8", "--drain-timeout", "2",
+                   env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"})
     try:
         while not os.path.exists(d.socket):
             assert d.proc.poll() is None, d.log()
@@ -186,8 +202,15 @@ def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(ne
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
         assert not os.path.exists(d.socket) and not os.path.exists(d.admin_socket)
         assert "drained" in d.log()
+        # sd_notify: load progress, then READY, watchdog pings from the loop, STOPPING on SIGTERM
+        ready = next(i for i, n in enumerate(notes) if n.startswith("READY=1"))
+        assert any(n.startswith("STATUS=loading layer") for n in notes[:ready]), notes
+        assert "WATCHDOG=1" in notes
+        assert any(n.startswith("STOPPING=1") for n in notes[ready:]), notes
     finally:
         d.cleanup()
+        notify.close()
+        os.unlink(notify_path)
 
 
 def _setpriv(uid: int, gid: int, groups: list[int]) -> list[str]:
@@ -214,3 +237,24 @@ def test_permissions_group_member_ok_others_refused_admin_root_only(daemon):
                             f"AdminClient({daemon.admin_socket!r}).resume()"],
                            capture_output=True, text=True, timeout=60)
     assert admin.returncode != 0 and "permission denied" in admin.stderr.lower()
+
+
+def test_admin_verbs_drain_resume_unload_load(daemon):
+    from ntx_client import AdminClient, NtxError
+    with AdminClient(daemon.admin_socket, timeout=120) as admin, Client(daemon.socket) as c:
+        assert admin.drain(0.5).cancelled == 0
+        with pytest.raises(NtxError) as e:
+            c.complete("hi", max_tokens=1)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in str(e.value)
+        admin.resume()
+        assert c.complete("hi", max_tokens=1).ids
+        with pytest.raises(NtxError) as e:
+            admin.load_model("/nonexistent.gguf")
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        admin.unload_model()
+        with pytest.raises(NtxError) as e:
+            c.complete("hi", max_tokens=1)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no model" in str(e.value)
+        info = admin.load_model()  # the default model again
+        assert info.n_layers == 30 and c.health() == "SERVING"
+        assert c.complete("hi", max_tokens=1).ids

@@ -28,11 +28,13 @@ class Notifier:
         self.watchdog_interval = int(usec) / 1e6 if on else None
         self._last_watchdog = 0.0
         self._lock = threading.Lock()
-        try:
-            from systemd import daemon as sd_daemon
-            self._sd = sd_daemon
-        except ImportError:
-            self._sd = None
+        self._sd = None
+        if environ is os.environ:  # systemd.daemon reads the process environment itself
+            try:
+                from systemd import daemon as sd_daemon
+                self._sd = sd_daemon
+            except ImportError:
+                pass
 
     @property
     def enabled(self) -> bool:
