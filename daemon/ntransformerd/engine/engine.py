@@ -97,6 +97,8 @@ class Engine:
                                    dtype=config.kv_dtype)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
+        # A backend may replay a captured decode step (CUDA graphs) for one-token segments.
+        self._decoder = backend.decoder(self.ops, self.weights, self.kv) if hasattr(backend, "decoder") else None
 
     @property
     def chat_template(self):
@@ -151,8 +153,12 @@ class Engine:
             if start + tokens.size > self.max_ctx:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
-        batch = Batch.of(segments)
-        logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
+        if self._decoder is not None and not all_logits and all(len(s.tokens) == 1 for s in segments):
+            logits = self._decoder.logits([s.slot for s in segments], [int(s.tokens[0]) for s in segments])
+        else:
+            batch = Batch.of(segments)
+            with self.ops.step_context(batch):
+                logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
         logits = self.ops.to_host(logits)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)

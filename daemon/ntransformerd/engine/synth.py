@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
+from ntransformerd.engine.quantize import FTYPES, plan_types
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
 
 
@@ -48,28 +49,7 @@ SHAPES = {
     "llama3-70b": Shape(n_layers=80, d_model=8192, d_ff=28672, n_heads=64, n_kv_heads=8),
 }
 
-# ftype name → (default tensor type, general.file_type as llama.cpp numbers it)
-FTYPES: dict[str, tuple[Q, int]] = {
-    "f32": (Q.F32, 0), "f16": (Q.F16, 1), "bf16": (Q.BF16, 32), "q4_0": (Q.Q4_0, 2), "q4_1": (Q.Q4_1, 3),
-    "q5_0": (Q.Q5_0, 8), "q5_1": (Q.Q5_1, 9), "q8_0": (Q.Q8_0, 7), "q2_k": (Q.Q2_K, 10),
-    "q3_k": (Q.Q3_K, 12), "q4_k": (Q.Q4_K, 14), "q5_k": (Q.Q5_K, 16), "q6_k": (Q.Q6_K, 18),
-    "q4_k_m": (Q.Q4_K, 15),
-}
 WEIGHT_STD = 0.02
-
-
-def tensor_type(ftype: str, name: str, layer: int | None, n_layers: int) -> Q:
-    """Which type a weight gets under `ftype`; q4_k_m keeps the sensitive tensors in Q6_K."""
-    base = FTYPES[ftype][0]
-    if ftype != "q4_k_m":
-        return base
-    if name == "output.weight":
-        return Q.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and layer is not None:
-        # llama.cpp's use_more_bits: the first and last eighth, and every third layer between
-        if layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2:
-            return Q.Q6_K
-    return base
 
 
 def llama31_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: float = 1.0,
@@ -162,25 +142,23 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
     if ftype not in FTYPES:
         raise ValueError(f"unknown type {ftype!r}; one of {', '.join(FTYPES)}")
     hd = s.d_model // s.n_heads
-    plan: list[tuple[str, tuple[int, ...], Q, int | None]] = [
-        ("token_embd.weight", (s.vocab, s.d_model), tensor_type(ftype, "token_embd.weight", None, s.n_layers), None),
-        ("output_norm.weight", (s.d_model,), Q.F32, None),
-        ("output.weight", (s.vocab, s.d_model), tensor_type(ftype, "output.weight", None, s.n_layers), None),
-    ]
-    if s.llama31_rope:
-        plan.append(("rope_freqs.weight", (hd // 2,), Q.F32, None))
     kv = s.n_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (s.vocab, s.d_model), "output_norm.weight": (s.d_model,),
+        "output.weight": (s.vocab, s.d_model)}
+    if s.llama31_rope:
+        shapes["rope_freqs.weight"] = (hd // 2,)
     for i in range(s.n_layers):
         for name, shp in (("attn_norm", (s.d_model,)), ("attn_q", (s.d_model, s.d_model)),
                           ("attn_k", (kv, s.d_model)), ("attn_v", (kv, s.d_model)),
                           ("attn_output", (s.d_model, s.d_model)), ("ffn_norm", (s.d_model,)),
                           ("ffn_gate", (s.d_ff, s.d_model)), ("ffn_up", (s.d_ff, s.d_model)),
                           ("ffn_down", (s.d_model, s.d_ff))):
-            full = f"blk.{i}.{name}.weight"
-            q = Q.F32 if len(shp) == 1 else tensor_type(ftype, full, i, s.n_layers)
-            if len(shp) == 2 and shp[-1] % QUANT_BLOCKS[q][0]:
-                raise ValueError(f"{full}: row {shp[-1]} is not a multiple of the {q.name} block")
-            plan.append((full, shp, q, i))
+            shapes[f"blk.{i}.{name}.weight"] = shp
+    # The same per-tensor types a real file of this ftype has (llama.cpp's rules, in quantize).
+    types = plan_types([(n, tuple(reversed(shp))) for n, shp in shapes.items()], ftype,
+                       n_layer=s.n_layers, n_gqa=s.n_heads // s.n_kv_heads)
+    plan = [(name, shp, types[name]) for name, shp in shapes.items()]
 
     w = GGUFWriter(out, arch="llama")
     w.add_name(f"synthetic {shape if isinstance(shape, str) else 'custom'} {ftype} seed {seed}")
@@ -202,7 +180,7 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
     gen = _RandomQuant(seed)
     rope = llama31_rope_factors(hd, s.rope_base) if s.llama31_rope else None
     sizes = []
-    for name, shp, q, _ in plan:
+    for name, shp, q in plan:
         block_elems, block_bytes = QUANT_BLOCKS[q]
         nbytes = math.prod(shp) // block_elems * block_bytes
         sizes.append(nbytes)
@@ -211,7 +189,7 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     total, done = sum(sizes), 0
-    for (name, shp, q, _), nbytes in zip(plan, sizes):
+    for (name, shp, q), nbytes in zip(plan, sizes):
         if name == "rope_freqs.weight":
             data = rope
         elif len(shp) == 1:

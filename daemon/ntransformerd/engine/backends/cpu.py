@@ -7,9 +7,11 @@ dequantized to float32 once, at load (or per use for layers that are not kept re
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KVCache, KVLayer
@@ -34,6 +36,18 @@ class CpuOps:
         self.cfg = cfg
         self.freqs = rope_frequencies(cfg, freq_factors)  # (rope_dim/2,) float64
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        self._blas = ThreadpoolController()
+
+    def step_context(self, batch: Batch):
+        """BLAS threads for one step: one for decode-sized batches.
+
+        A matrix-vector product is memory-bound; extra BLAS threads only spin, and when the
+        cores are shared (a daemon beside other work, CI) they made decode 4x slower here.
+        Prefill-sized batches are compute-bound and keep every thread.
+        """
+        if len(batch.tokens) <= 4:
+            return self._blas.limit(limits=1, user_api="blas")
+        return contextlib.nullcontext()
 
     def embed(self, weights, tokens: np.ndarray) -> np.ndarray:
         return weights.embed_rows(tokens)  # (N, D)

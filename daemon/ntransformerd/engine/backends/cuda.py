@@ -10,6 +10,8 @@ F16. The captured decode step (CUDA graphs) lives in cuda_decode.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 import types
@@ -346,6 +348,10 @@ class CudaOps:
     def to_host(x) -> np.ndarray:
         return cp.asnumpy(x)
 
+    @staticmethod
+    def step_context(batch: Batch):
+        return contextlib.nullcontext()
+
     def embed(self, weights, tokens):
         return weights.embed_rows(tokens)  # (N, D)
 
@@ -476,3 +482,9 @@ def precompile(jobs: int = 16) -> int:
         for _ in ex.map(_compile_one, names):
             pass
     return len(names)
+
+
+def decoder(ops: CudaOps, weights: CudaWeights, kv: CudaKVCache):
+    """The graph-replayed decode step the engine uses when every sequence adds one token."""
+    from ntransformerd.engine.backends.cuda_decode import DecodeGraphs
+    return DecodeGraphs(ops, weights, kv)
