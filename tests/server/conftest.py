@@ -14,7 +14,7 @@ import time
 import pytest
 
 PY = sys.executable
-MAX_BATCH = 16
+MAX_BATCH = 32  # all 32 clients of the concurrency test decode together
 SOCKET_GROUP = "users"  # an existing group, so the permissions test needs no new users or groups
 
 
