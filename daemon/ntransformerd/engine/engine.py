@@ -50,6 +50,12 @@ class EngineConfig:
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
     kv_dtype: str = "f32"  # f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
+    # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
+    vram_budget: int | str | None = None  # device memory the engine may use in all
+    ram_budget: int | str | None = None  # pinned host RAM for streamed layers
+    max_vram_layers: int | None = None  # at most this many resident layers
+    stream_depth: int = 2  # device slots in the streaming ring
+    storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
             raise ValueError("max_ctx and prefill_chunk must be positive")
+        if not 1 <= self.stream_depth <= 16:
+            raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
 
 
 class ContextFull(ValueError):
@@ -92,13 +100,16 @@ class Engine:
         self.max_ctx = min(config.max_ctx, self.cfg.context_length)
         backend = _backend_module(config.backend)
         self.backend_name = backend.__name__.rsplit(".", 1)[-1]
-        self.ops, self.weights = backend.load(model)
+        from ntransformerd.engine import tiers
+        self.plan, built = tiers.load(self.backend_name, backend, model, config)  # None, None: all resident
+        self.ops, self.weights = built or backend.load(model)
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
         # A backend may replay a captured decode step (CUDA graphs) for one-token segments.
-        self._decoder = backend.decoder(self.ops, self.weights, self.kv) if hasattr(backend, "decoder") else None
+        self._decoder = (backend.decoder(self.ops, self.weights, self.kv)
+                         if hasattr(backend, "decoder") and not getattr(self.weights, "streamed", False) else None)
 
     @property
     def chat_template(self):

@@ -1,0 +1,76 @@
+"""Tiers: every layer VRAM-resident, in pinned RAM, or on storage, and the stream between them.
+
+    plan, built = tiers.load("cuda", backend_module, model, config)
+    ops, weights = built or backend_module.load(model)
+
+planner.py decides (explainably), sources.py is where bytes come from (one interface for every
+placement), pipeline.py is the slot ring, cpu_stream.py and backends/cuda_stream.py are the
+streamed weights of each backend. When the plan keeps every layer resident, `built` is None and
+the backend loads its own resident weights (and its captured decode step).
+"""
+
+from __future__ import annotations
+
+from ntransformerd.engine.tiers.planner import (PINNED, STORAGE, TIERS, VRAM, Plan, PlanError, fmt_bytes,
+                                                mem_available, parse_size, plan_tiers)
+
+__all__ = ["PINNED", "STORAGE", "TIERS", "VRAM", "Plan", "PlanError", "fmt_bytes", "mem_available",
+           "parse_size", "plan_tiers", "load", "model_plan", "wanted"]
+
+WORKSPACE_MIN = 256 << 20
+
+
+def wanted(config) -> bool:
+    """Did the configuration ask for tiers (any budget or layer cap)?"""
+    return any(getattr(config, f, None) is not None for f in ("vram_budget", "ram_budget", "max_vram_layers"))
+
+
+def _non_layer_bytes(model) -> int:
+    return sum(t.nbytes for n, t in model.tensors.items() if not n.startswith("blk."))
+
+
+def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
+               layer_bytes: list[int] | None = None) -> Plan:
+    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
+    c = model.config
+    max_ctx = min(config.max_ctx, c.context_length)
+    if layer_bytes is None:
+        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
+    if backend == "cuda":  # F16 cache with one scratch slot; prefill dequantizes one weight to F16
+        kv = 2 * c.n_layers * (config.max_seqs + 1) * max_ctx * c.kv_dim * 2
+        biggest = max(c.d_ff * c.d_model, c.q_dim * c.d_model)
+        chunk = config.prefill_chunk
+        work = WORKSPACE_MIN + (2 * biggest if chunk > 32 else 0) + chunk * (3 * c.d_ff + c.vocab_size + 4 * c.d_model) * 4
+    else:
+        kv = 2 * c.n_layers * config.max_seqs * max_ctx * c.kv_dim * (4 if config.kv_dtype == "f32" else 2)
+        work = 0
+    if ram_available is None:
+        ram_available = mem_available()
+    return plan_tiers(layer_bytes, fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
+                      vram_free=vram_free, ram_available=ram_available,
+                      vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
+                      max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
+
+
+def open_storage(config, model):
+    from ntransformerd.engine.tiers.sources import open_source
+    return open_source(getattr(config, "storage", "odirect") or "odirect", model.path)
+
+
+def load(backend: str, module, model, config):
+    """(plan, (ops, weights) or None). None: every layer resident, the backend's own load."""
+    if backend == "cuda":
+        from ntransformerd.engine.backends import cuda_stream
+        plan = cuda_stream.plan(model, config)
+        if plan.all_resident:
+            return plan, None
+        return plan, cuda_stream.load(model, plan, source=open_storage(config, model) if plan.layers(STORAGE) else None)
+    if not wanted(config):
+        return None, None
+    from ntransformerd.engine.backends import cpu
+    from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
+    plan = model_plan(model, config, backend="cpu")
+    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
+    ops = cpu.CpuOps(model.config, freq)
+    source = open_storage(config, model) if plan.layers(STORAGE) else None
+    return plan, (ops, StreamedCpuWeights(model, plan, source=source))

@@ -1,0 +1,254 @@
+"""The tier planner: which layers live in VRAM, which in pinned RAM, which stay on storage.
+
+    plan = plan_tiers(layer_bytes, fixed_bytes=..., kv_bytes=..., workspace_bytes=...,
+                      vram_free=free, ram_available=mem_available(), stream_depth=2)
+    print(plan.explain())
+
+VRAM first holds what every step needs (embedding, output, norms: `fixed_bytes`), the KV cache
+and the workspace; if every layer then fits, every layer is resident and nothing streams.
+Otherwise `stream_depth` slots of the largest streamed layer are set aside and layers are made
+resident in order until the VRAM budget (or `max_vram_layers`) is spent. The rest go to pinned
+RAM while the RAM budget lasts (less `stream_depth` staging buffers when any layer stays on
+storage), and the remainder is read from storage on every step. Every streamed byte crosses
+PCIe once per step whatever the batch, so a step's time is bounded by
+    pinned_bytes / h2d_bw  (+ storage_bytes / disk_bw, which then dominates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+VRAM, PINNED, STORAGE = "vram", "pinned", "storage"
+TIERS = (VRAM, PINNED, STORAGE)
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Defaults for the "expected" figures: the H200 machine's measured pinned H2D and O_DIRECT rates
+# (shared/notes/gpu-machine.md). Only the explanation uses them; the plan itself does not.
+ASSUMED_H2D_BPS = 55e9
+ASSUMED_DISK_BPS = 1.5e9
+RAM_RESERVE = 4 * GiB  # MemAvailable kept for the OS, the page cache and Python
+
+
+class PlanError(ValueError):
+    """A budget that cannot hold what streaming needs; the message says what and how much."""
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'24GiB', '24G', '512MiB', '1.5g', 1234 → bytes (binary units, as nvidia-smi prints)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 24GiB, 512MiB)")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    if n < 0 or n == math.inf:
+        return "unlimited"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def mem_available(path: str = "/proc/meminfo") -> int:
+    """MemAvailable in bytes (what can be allocated without swapping)."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The tier of every layer and what it costs; `explain()` is what `ntx-model run --plan` prints."""
+
+    tiers: tuple[str, ...]  # per layer: vram | pinned | storage
+    layer_bytes: tuple[int, ...]
+    depth: int  # streaming slots on the device (0 when nothing streams)
+    slot_bytes: int  # one slot: the largest streamed layer
+    fixed_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    vram_limit: int  # what the plan was allowed to use on the device
+    ram_limit: int  # what the plan was allowed to pin in host RAM
+    reasons: tuple[str, ...] = ()  # the overrides and limits that shaped it, for explain()
+
+    def layers(self, tier: str) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t == tier]
+
+    def bytes(self, tier: str) -> int:
+        return sum(b for b, t in zip(self.layer_bytes, self.tiers) if t == tier)
+
+    @property
+    def streamed(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t != VRAM]
+
+    @property
+    def all_resident(self) -> bool:
+        return all(t == VRAM for t in self.tiers)
+
+    @property
+    def streamed_bytes_per_step(self) -> int:
+        """Bytes that cross PCIe each step (one decode step, or one prefill chunk), any batch."""
+        return self.bytes(PINNED) + self.bytes(STORAGE)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging buffers for storage reads (pinned)."""
+        return self.depth * self.slot_bytes if self.layers(STORAGE) else 0
+
+    @property
+    def vram_bytes(self) -> int:
+        return self.fixed_bytes + self.kv_bytes + self.workspace_bytes + self.bytes(VRAM) + self.depth * self.slot_bytes
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.bytes(PINNED) + self.staging_bytes
+
+    def expected_tok_s(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> float:
+        """Upper bound on steps per second from the streamed bytes alone (compute not counted)."""
+        t = self.bytes(PINNED) / h2d_bps + self.bytes(STORAGE) / min(disk_bps, h2d_bps)
+        return math.inf if t == 0 else 1.0 / t
+
+    def to_dict(self) -> dict:
+        return {
+            "layers": {t: self.layers(t) for t in TIERS},
+            "bytes": {t: self.bytes(t) for t in TIERS},
+            "depth": self.depth, "slot_bytes": self.slot_bytes,
+            "fixed_bytes": self.fixed_bytes, "kv_bytes": self.kv_bytes, "workspace_bytes": self.workspace_bytes,
+            "vram_bytes": self.vram_bytes, "ram_bytes": self.ram_bytes,
+            "vram_limit": self.vram_limit, "ram_limit": self.ram_limit,
+            "streamed_bytes_per_step": self.streamed_bytes_per_step,
+            "reasons": list(self.reasons),
+        }
+
+    def explain(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> str:
+        def span(ls: list[int]) -> str:
+            if not ls:
+                return "-"
+            out, a = [], ls[0]
+            for p, q in zip(ls, ls[1:] + [None]):
+                if q != p + 1:
+                    out.append(f"{a}" if a == p else f"{a}-{p}")
+                    a = q
+            return ",".join(out)
+
+        n = len(self.tiers)
+        lines = [f"plan for {n} layers ({fmt_bytes(sum(self.layer_bytes))} of layer weights):"]
+        for t, what in ((VRAM, "VRAM-resident"), (PINNED, "pinned RAM"), (STORAGE, "storage")):
+            ls = self.layers(t)
+            lines.append(f"  {what:14s} {len(ls):4d} layers  {fmt_bytes(self.bytes(t)):>12s}  [{span(ls)}]")
+        lines.append(f"  VRAM use       {fmt_bytes(self.vram_bytes)} of {fmt_bytes(self.vram_limit)}: fixed "
+                     f"{fmt_bytes(self.fixed_bytes)}, KV {fmt_bytes(self.kv_bytes)}, workspace "
+                     f"{fmt_bytes(self.workspace_bytes)}, {self.depth} slots x {fmt_bytes(self.slot_bytes)}")
+        lines.append(f"  RAM pinned     {fmt_bytes(self.ram_bytes)} of {fmt_bytes(self.ram_limit)}"
+                     + (f" (incl. {self.depth} staging buffers)" if self.staging_bytes else ""))
+        s = self.streamed_bytes_per_step
+        lines.append(f"  streamed/step  {fmt_bytes(s)} (pinned {fmt_bytes(self.bytes(PINNED))}, storage "
+                     f"{fmt_bytes(self.bytes(STORAGE))}); one pass serves the whole batch")
+        tps = self.expected_tok_s(h2d_bps, disk_bps)
+        if s:
+            lines.append(f"  bound          {tps:.2f} steps/s at {h2d_bps / 1e9:.0f} GB/s H2D, "
+                         f"{disk_bps / 1e9:.1f} GB/s storage")
+        for r in self.reasons:
+            lines.append(f"  note: {r}")
+        return "\n".join(lines)
+
+
+def plan_tiers(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 0, workspace_bytes: int = 0,
+               vram_free: int | None, ram_available: int | None, vram_budget: int | None = None,
+               ram_budget: int | None = None, max_vram_layers: int | None = None, stream_depth: int = 2,
+               ram_reserve: int = RAM_RESERVE, storage_ok: bool = True) -> Plan:
+    """Assign every layer a tier. vram_free/ram_available None mean unlimited (the CPU backend).
+
+    vram_budget caps the device memory the engine may use in all (e.g. 24 GiB emulates an RTX
+    3090 on an H200); ram_budget caps the pinned host RAM; max_vram_layers caps resident layers.
+    """
+    n = len(layer_bytes)
+    if not 1 <= stream_depth <= 16:
+        raise PlanError(f"stream depth {stream_depth} is out of range 1..16")
+    if max_vram_layers is not None and not 0 <= max_vram_layers:
+        raise PlanError(f"max_vram_layers {max_vram_layers} is negative")
+    reasons = []
+    limits = [x for x in (vram_free, vram_budget) if x is not None]
+    vram_limit = min(limits) if limits else math.inf
+    if vram_budget is not None:
+        reasons.append(f"VRAM budget {fmt_bytes(vram_budget)}"
+                       + (f" (free: {fmt_bytes(vram_free)})" if vram_free is not None else ""))
+    rlimits = [x for x in ((None if ram_available is None else max(0, ram_available - ram_reserve)), ram_budget)
+               if x is not None]
+    ram_limit = min(rlimits) if rlimits else math.inf
+    if ram_budget is not None:
+        reasons.append(f"RAM budget {fmt_bytes(ram_budget)}")
+    base = fixed_bytes + kv_bytes + workspace_bytes
+    if base > vram_limit:
+        raise PlanError(f"VRAM budget {fmt_bytes(vram_limit)} cannot hold the fixed weights "
+                        f"({fmt_bytes(fixed_bytes)}), KV cache ({fmt_bytes(kv_bytes)}) and workspace "
+                        f"({fmt_bytes(workspace_bytes)}) = {fmt_bytes(base)}; lower max_seqs or the context, "
+                        "or raise the budget")
+    cap = n if max_vram_layers is None else min(n, max_vram_layers)
+    if max_vram_layers is not None and max_vram_layers < n:
+        reasons.append(f"at most {max_vram_layers} VRAM layers")
+    if cap == n and base + sum(layer_bytes) <= vram_limit:
+        return Plan((VRAM,) * n, tuple(layer_bytes), 0, 0, fixed_bytes, kv_bytes, workspace_bytes,
+                    _int(vram_limit), _int(ram_limit), tuple(reasons))
+
+    # Something streams: set the slots aside first (the largest layer that may stream: any).
+    depth = stream_depth
+    slot = max(layer_bytes)
+    avail = vram_limit - base - depth * slot
+    if avail < 0:
+        raise PlanError(f"VRAM budget {fmt_bytes(vram_limit)} cannot hold even the {depth} streaming slots "
+                        f"of {fmt_bytes(slot)} each on top of {fmt_bytes(base)} (fixed weights, KV cache, "
+                        f"workspace): need at least {fmt_bytes(base + depth * slot)}; raise --vram-budget or "
+                        "lower --stream-depth, max_seqs or the context")
+    tiers = [PINNED] * n
+    used = 0
+    resident = 0
+    for i, b in enumerate(layer_bytes):  # resident in order: the first layers run while the stream fills
+        if resident >= cap or used + b > avail:
+            break
+        tiers[i] = VRAM
+        used += b
+        resident += 1
+    streamed = [i for i in range(n) if tiers[i] != VRAM]
+    if len(streamed) <= depth and streamed and max_vram_layers is None:
+        reasons.append(f"{len(streamed)} streamed layers share {depth} slots")
+
+    # Pinned RAM while it lasts; the rest from storage (which then needs staging buffers).
+    total_streamed = sum(layer_bytes[i] for i in streamed)
+    if total_streamed <= ram_limit:
+        return Plan(tuple(tiers), tuple(layer_bytes), depth, slot, fixed_bytes, kv_bytes, workspace_bytes,
+                    _int(vram_limit), _int(ram_limit), tuple(reasons))
+    if not storage_ok:
+        raise PlanError(f"{fmt_bytes(total_streamed)} of streamed layers do not fit the RAM limit "
+                        f"{fmt_bytes(ram_limit)} and no storage source is allowed")
+    staging = depth * slot
+    if staging > ram_limit:
+        raise PlanError(f"RAM budget {fmt_bytes(ram_limit)} cannot hold even the {depth} storage staging "
+                        f"buffers of {fmt_bytes(slot)} each; raise --ram-budget or lower --stream-depth")
+    room = ram_limit - staging
+    for i in streamed:
+        if layer_bytes[i] <= room:
+            room -= layer_bytes[i]
+        else:
+            tiers[i] = STORAGE
+            room = -1  # keep the storage layers a contiguous tail: reads stay sequential
+    reasons.append(f"{sum(t == STORAGE for t in tiers)} layers do not fit pinned RAM: read from storage each step")
+    return Plan(tuple(tiers), tuple(layer_bytes), depth, slot, fixed_bytes, kv_bytes, workspace_bytes,
+                _int(vram_limit), _int(ram_limit), tuple(reasons))
+
+
+def _int(x: float) -> int:
+    return -1 if x == math.inf else int(x)
