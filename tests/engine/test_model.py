@@ -207,7 +207,7 @@ def test_rms_norm_and_swiglu_reference():
     np.testing.assert_allclose(cpu.CpuOps.swiglu(g, u), [0.0, 3 / (1 + np.exp(-1))], rtol=1e-6)
 
 
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q6_k", "bf16"])
+@pytest.mark.parametrize("ftype", ["q2_k", "q3_k", "q4_k_m", "q5_k", "q6_k", "bf16"])
 def test_synthetic_model_runs(synth_model, ftype):
     m = GGUFModel(synth_model("tiny", ftype))
     e = Engine(m, config=EngineConfig(max_seqs=2, max_ctx=64))
