@@ -82,8 +82,30 @@ def cmd_run(args) -> int:
 
     params = _sampling(args).validate()
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, config=EngineConfig(
-        backend=args.backend, max_seqs=1, max_ctx=args.ctx, kv_dtype=args.kv_dtype))
+    config = EngineConfig(
+        backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
+        vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
+        stream_depth=args.stream_depth, storage=args.storage)
+    if args.plan:  # explain the tier plan and stop (no weights are loaded)
+        from ntransformerd.engine import tiers
+        from ntransformerd.engine.gguf_file import GGUFModel
+        model = GGUFModel(_model_path(args.model))
+        backend = args.backend
+        if backend != "cpu":
+            try:
+                from ntransformerd.engine.backends import cuda, cuda_stream
+                backend = "cuda" if cuda.available() else "cpu"
+            except ImportError:
+                backend = "cpu"
+        try:
+            plan = (cuda_stream.plan(model, config) if backend == "cuda"
+                    else tiers.model_plan(model, config, backend="cpu"))
+        except tiers.PlanError as e:
+            print(f"ntx-model: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"backend": backend, **plan.to_dict()}) if args.json else f"[{backend}] {plan.explain()}")
+        return 0
+    engine = Engine.load(args.model, config=config)
     load_s = time.perf_counter() - t0
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -183,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
     s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="KV cache storage (default f32)")
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
+    s.add_argument("--max-seqs", type=int, default=1, help="KV-cache slots (the plan reserves their cache)")
+    s.add_argument("--plan", action="store_true", help="print the tier plan (VRAM / pinned RAM / storage) and exit")
+    s.add_argument("--vram-budget", metavar="SIZE", help="device memory to use in all, e.g. 24GiB (emulates a smaller GPU)")
+    s.add_argument("--ram-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
+    s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
+    s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
+    s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("quantize", help="requantize a GGUF (e.g. to q4_k_m, or f32 for reference runs)")
