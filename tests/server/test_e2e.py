@@ -169,8 +169,8 @@ def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(ne
                 with pytest.raises(grpc.RpcError) as e:
                     next(iter(stub.Generate(pb.GenerateRequest(prompt="x"))))
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            if s.state == pb.SERVING_STATE_SERVING:
-                assert h == health_pb2.HealthCheckResponse.SERVING
+            if h == health_pb2.HealthCheckResponse.SERVING:  # flips only after the model is attached
+                assert s.state == pb.SERVING_STATE_SERVING
                 break
             time.sleep(0.05)
         assert (pb.SERVING_STATE_LOADING, health_pb2.HealthCheckResponse.NOT_SERVING) in seen
