@@ -108,18 +108,25 @@ def matvec_breakdown(weights, cfg, bw: float) -> list[dict]:
            [("gate_up" + str(j), t) for j, t in enumerate(ly.gate_up)] + [("ffn_down", ly.ffn_down),
                                                                        ("output", weights.output)]
     for name, t in mats:
-        x = cp.random.standard_normal((1, t.shape[1]), dtype=cp.float32)
-        out = cp.empty((1, t.shape[0]), cp.float32)
-        cuda.matvec(x, t, out=out)  # compile/load before capture
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:  # 20 launches replayed from a graph: kernel time without Python's
-            stream.begin_capture()
-            for _ in range(20):
-                cuda.matvec(x, t, out=out)
-            graph = stream.end_capture()
-            s = gpu_time(lambda: graph.launch(stream), reps=10) / 20
-        rows.append({"matrix": name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.nbytes,
-                     "us": s * 1e6, "floor_us": t.nbytes / bw * 1e6, "frac_of_bw": t.nbytes / bw / s})
+        row = {"matrix": name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.nbytes}
+        for b in (1, 16):
+            x = cp.random.standard_normal((b, t.shape[1]), dtype=cp.float32)
+            out = cp.empty((b, t.shape[0]), cp.float32)
+            # the activations quantized once, as the decode step does (norm/swiglu write them)
+            xq = cuda.quantize(x, cuda.QAct(b, t.shape[1])) if t.qtype in cuda.FAST_MATVEC else None
+            cuda.matvec(x, t, out=out, xq=xq)  # compile/load before capture
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:  # 20 launches replayed from a graph: kernel time without Python's
+                stream.begin_capture()
+                for _ in range(20):
+                    cuda.matvec(x, t, out=out, xq=xq)
+                graph = stream.end_capture()
+                s = gpu_time(lambda: graph.launch(stream), reps=10) / 20
+            key = "" if b == 1 else f"_b{b}"
+            row["us" + key] = s * 1e6
+            row["frac_of_bw" + key] = t.nbytes / bw / s
+        row["floor_us"] = t.nbytes / bw * 1e6
+        rows.append(row)
     return rows
 
 
@@ -157,7 +164,8 @@ def main() -> int:
         r["matvec"] = matvec_breakdown(weights, cfg, bw)
         for m in r["matvec"]:
             print(f"  matvec {m['matrix']:12s} {m['type']:5s} {m['shape']} {m['us']:8.1f} us "
-                  f"(floor {m['floor_us']:.1f}, {100 * m['frac_of_bw']:.0f}% of bw)", flush=True)
+                  f"(floor {m['floor_us']:.1f}, {100 * m['frac_of_bw']:.0f}% of bw); B=16 {m['us_b16']:.1f} us "
+                  f"({m['us_b16'] / m['us']:.1f}x B=1)", flush=True)
         dec = DecodeGraphs(ops, weights, kv)
         r["decode"] = [decode_rates(dec, kv, b, a.steps) for b in (1, 4, 16)]
         for d in r["decode"]:

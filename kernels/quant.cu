@@ -175,17 +175,25 @@ __global__ void dequant_rows(const u8* p0, const u8* p1, const u8* p2, const u8*
     long long src = has_rows ? rows[r] : r;
     float v[32];
     deq32<T>(P, src, K, sub, v);
-    if (HALF) {
-        u16* o = (u16*)out + (long long)r * K + sub * 32;
-        for (int i = 0; i < 32; ++i) o[i] = f2h(v[i]);
+    if (HALF) {  // 16-byte stores: a warp's 32 threads write 2 KB in 128 stores, not 1024
+        uint4* o = (uint4*)((u16*)out + (long long)r * K + sub * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w[j] = f2h(v[8 * i + 2 * j]) | ((u32)f2h(v[8 * i + 2 * j + 1]) << 16);
+            o[i] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
     } else {
-        float* o = (float*)out + (long long)r * K + sub * 32;
-        for (int i = 0; i < 32; ++i) o[i] = v[i];
+        float4* o = (float4*)((float*)out + (long long)r * K + sub * 32);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
     }
 }
 
 // ---- fused dequantize-multiply: y[b, n] = sum_k W[n, k] x[b, k] (+ res[b, n]) -------------
-// One warp per output row, 4 rows per 128-thread block; NB is the most batch rows one launch
+// matvec_generic (every type but Q8_0, Q4_K, Q6_K, which use the int8 mvq_* below): one warp
+// per output row, 4 rows per 128-thread block; NB is the most batch rows one launch
 // carries (accumulators in registers), nb ≤ NB the rows it has.
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -217,15 +225,6 @@ __device__ __forceinline__ float dot16(const float* w, const float* x) {
     return s;
 }
 
-// Signed byte k of word u (already xor 0x80808080) as float: the exponent trick, no I2F.
-__device__ __forceinline__ float sbyte_f(u32 ux, int k) {
-    return __int_as_float(__byte_perm(ux, 0x4B000000u, 0x7440 + k)) - 8388736.0f;
-}
-// Unsigned byte k of word u as float (u's bytes < 256).
-__device__ __forceinline__ float ubyte_f(u32 u, int k) {
-    return __int_as_float(__byte_perm(u, 0x4B000000u, 0x7440 + k)) - 8388608.0f;
-}
-
 template <int T, int NB>
 __global__ void __launch_bounds__(128) matvec_generic(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const float* __restrict__ x, const float* res, int has_res,
                                                       float* y, int N, int K, int nb) {
@@ -248,191 +247,270 @@ __global__ void __launch_bounds__(128) matvec_generic(const u8* p0, const u8* p1
     mv_store<NB>(acc, has_res ? res : nullptr, y, N, row, nb);
 }
 
-// Q8_0 on planes: each lane takes 16 consecutive int8 (one 16-byte load), 4 loads in flight.
-template <int NB>
-__global__ void __launch_bounds__(128) matvec_q8_0(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const float* __restrict__ x, const float* res, int has_res,
-                                                   float* y, int N, int K, int nb) {
-    Planes P{p0, p1, p2, p3};
-    int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const uint4* q = (const uint4*)(P.p0 + (long long)row * K);
-    const u16* dd = (const u16*)P.p1 + (long long)row * (K / 32);
-    float acc[NB];
-    for (int b = 0; b < NB; ++b) acc[b] = 0.f;
+// ---- int8 dot-product matvec on quantized activations ---------------------------------------
+// The activation rows x (B, K) are quantized per 32-element group g to two int8 levels,
+//   x ≈ d[g] * (hi + lo / 254),   d = amax / 127,  |error| ≤ d / 508  (about 2^-15 of amax),
+// plus s[g] = the fp32 sum of the group (for the K-quant minimums). Each weight word then costs
+// two dp4a (hi and lo) instead of four fp32 FMAs and conversions, and x is read as 2 bytes per
+// element instead of 4. Each warp takes R rows so every x load serves R rows.
+
+// quant32 (the per-group quantizer) is in quant_act.cuh, prepended by the loader.
+
+// x (N rows, K of them used, row stride ld) → hi, lo (N, K) int8; d, s (N, K/32). One warp per group.
+__global__ void quantize_rows(const float* __restrict__ x, int ld, int N, int K, signed char* hi, signed char* lo,
+                              float* d, float* s) {
+    long long g = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31, gpr = K / 32;
+    if (g >= (long long)N * gpr) return;
+    long long r = g / gpr, k = (g % gpr) * 32 + lane;
+    quant32(x[r * ld + k], hi, lo, d, s, r * K + k, g);
+}
+
+__device__ __forceinline__ float mix(int ih, int il) { return fmaf((float)il, 1.f / 254.f, (float)ih); }
+
+template <int R, int NB>
+__device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res, float* y, int N, int row0, int nb) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            if (b >= nb) break;
+            float s = warp_sum(acc[r][b]);
+            if ((threadIdx.x & 31) == 0 && row0 + r < N)
+                y[(long long)b * N + row0 + r] = s + (res ? res[(long long)b * N + row0 + r] : 0.f);
+        }
+}
+
+#define MVQ_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const signed char *__restrict__ xh, \
+                 const signed char *__restrict__ xl, const float *__restrict__ xd, const float *__restrict__ xs, \
+                 const float *res, int has_res, float *y, int N, int K, int nb
+
+// Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step, U steps in flight.
+template <int R, int NB>
+__global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    if (row0 >= N) return;
+    const uint4* q[R];
+    const u16* dd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        long long row = min(row0 + r, N - 1);
+        q[r] = (const uint4*)(p0 + row * K);
+        dd[r] = (const u16*)p1 + row * (K / 32);
+    }
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     const int nc = K / 16;
-    constexpr int U = 4;
+    constexpr int U = R >= 4 ? 2 : 8 / R;
     for (int c0 = lane; c0 < nc; c0 += 32 * U) {
-        uint4 wq[U];
-        float d[U];
+        uint4 w[U][R];
+        float wd[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int c = c0 + 32 * u;
-            if (c < nc) {
-                wq[u] = __ldg(q + c);
-                d[u] = h2f(__ldg(dd + c / 2));
-            }
+            if (c < nc)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    w[u][r] = __ldg(q[r] + c);
+                    wd[u][r] = h2f(__ldg(dd[r] + (c >> 1)));
+                }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int c = c0 + 32 * u;
             if (c >= nc) break;
-            float w[16];
-            u32 ws[4] = {wq[u].x ^ 0x80808080u, wq[u].y ^ 0x80808080u, wq[u].z ^ 0x80808080u, wq[u].w ^ 0x80808080u};
 #pragma unroll
-            for (int i = 0; i < 16; ++i) w[i] = sbyte_f(ws[i / 4], i % 4);
+            for (int b = 0; b < NB; ++b) {
+                if (b >= nb) break;
+                const uint4 h = __ldg((const uint4*)(xh + (long long)b * K) + c);
+                const uint4 l = __ldg((const uint4*)(xl + (long long)b * K) + c);
+                const float d = __ldg(xd + (long long)b * (K / 32) + (c >> 1));
 #pragma unroll
-            for (int b = 0; b < NB; ++b)
-                if (b < nb) acc[b] = fmaf(d[u], dot16(w, x + (long long)b * K + c * 16), acc[b]);
+                for (int r = 0; r < R; ++r) {
+                    const uint4 v = w[u][r];
+                    int ih = __dp4a((int)v.x, (int)h.x, 0);
+                    ih = __dp4a((int)v.y, (int)h.y, ih);
+                    ih = __dp4a((int)v.z, (int)h.z, ih);
+                    ih = __dp4a((int)v.w, (int)h.w, ih);
+                    int il = __dp4a((int)v.x, (int)l.x, 0);
+                    il = __dp4a((int)v.y, (int)l.y, il);
+                    il = __dp4a((int)v.z, (int)l.z, il);
+                    il = __dp4a((int)v.w, (int)l.w, il);
+                    acc[r][b] = fmaf(wd[u][r] * d, mix(ih, il), acc[r][b]);
+                }
+            }
         }
     }
-    mv_store<NB>(acc, has_res ? res : nullptr, y, N, row, nb);
+    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
-// Q4_K on raw 144-byte blocks (16-byte aligned): 8 lanes per block, each lane one 16-byte slice
-// of qs = 16 low nibbles (sub-block 2g) and 16 high nibbles (sub-block 2g+1).
-template <int NB>
-__global__ void __launch_bounds__(128) matvec_q4_k(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const float* __restrict__ x, const float* res, int has_res,
-                                                   float* y, int N, int K, int nb) {
-    Planes P{p0, p1, p2, p3};
-    int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
+// Q4_K on raw 144-byte blocks: 8 lanes per block; lane (g, h) takes the 16-byte slice h of qs
+// pair g = 16 low nibbles (sub-block 2g, elements 16h..) and 16 high nibbles (sub-block 2g+1).
+// The minimum term uses the group sums s and is added by the h = 0 lane only.
+template <int R, int NB>
+__global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    if (row0 >= N) return;
     const int nblk = K / 256;
-    const uint4* rb = (const uint4*)(P.p0 + (long long)row * nblk * 144);  // 9 uint4 per block
-    float acc[NB];
-    for (int b = 0; b < NB; ++b) acc[b] = 0.f;
+    const uint4* rb[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rb[r] = (const uint4*)(p0 + (long long)min(row0 + r, N - 1) * nblk * 144);
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     const int c = lane & 7, g = c >> 1, h = c & 1;
-    constexpr int U = 2;
+    const float mf = h ? 0.f : 1.f;
+    constexpr int U = R >= 4 ? 1 : 4 / R;
     for (int b0 = lane >> 3; b0 < nblk; b0 += 4 * U) {
-        uint4 hd[U], qv[U];
+        uint4 hd[U][R], qv[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk < nblk) {
-                hd[u] = __ldg(rb + blk * 9);
-                qv[u] = __ldg(rb + blk * 9 + 1 + c);
-            }
+            if (blk < nblk)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    hd[u][r] = __ldg(rb[r] + blk * 9);
+                    qv[u][r] = __ldg(rb[r] + blk * 9 + 1 + c);
+                }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
             if (blk >= nblk) break;
-            float d = h2f((u16)(hd[u].x & 0xFFFF)), dmin = h2f((u16)(hd[u].x >> 16));
-            int sc0, m0, sc1, m1;
-            k_scale_min_regs(hd[u].y, hd[u].z, hd[u].w, 2 * g, sc0, m0);
-            k_scale_min_regs(hd[u].y, hd[u].z, hd[u].w, 2 * g + 1, sc1, m1);
-            float dl0 = d * sc0, dm0 = dmin * m0, dl1 = d * sc1, dm1 = dmin * m1;
-            u32 ws[4] = {qv[u].x, qv[u].y, qv[u].z, qv[u].w};
-            float wl[16], wh[16];
+            float dl0[R], dm0[R], dl1[R], dm1[R];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 lo = ws[i] & 0x0F0F0F0Fu, hi = (ws[i] >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    wl[4 * i + k] = ubyte_f(lo, k);
-                    wh[4 * i + k] = ubyte_f(hi, k);
-                }
+            for (int r = 0; r < R; ++r) {
+                float d = h2f((u16)(hd[u][r].x & 0xFFFF)), dmin = h2f((u16)(hd[u][r].x >> 16));
+                int sc0, m0, sc1, m1;
+                k_scale_min_regs(hd[u][r].y, hd[u][r].z, hd[u][r].w, 2 * g, sc0, m0);
+                k_scale_min_regs(hd[u][r].y, hd[u][r].z, hd[u][r].w, 2 * g + 1, sc1, m1);
+                dl0[r] = d * sc0; dm0[r] = dmin * m0 * mf; dl1[r] = d * sc1; dm1[r] = dmin * m1 * mf;
             }
             const long long k0 = (long long)blk * 256 + 64 * g + 16 * h;
+            const long long s0 = (long long)blk * 8 + 2 * g;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
-                if (b < nb) {
-                    const float* xb = x + (long long)b * K + k0;
-                    const float4* x4 = (const float4*)xb;
-                    float sl = 0.f, sh = 0.f, xl = 0.f, xh = 0.f;
+                if (b >= nb) break;
+                const signed char* xhb = xh + (long long)b * K + k0;
+                const signed char* xlb = xl + (long long)b * K + k0;
+                const uint4 h0 = __ldg((const uint4*)xhb), h1 = __ldg((const uint4*)(xhb + 32));
+                const uint4 l0 = __ldg((const uint4*)xlb), l1 = __ldg((const uint4*)(xlb + 32));
+                const float2 xd2 = __ldg((const float2*)(xd + (long long)b * (K / 32) + s0));
+                const float2 xs2 = __ldg((const float2*)(xs + (long long)b * (K / 32) + s0));
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        float4 a = __ldg(x4 + i), e = __ldg(x4 + 8 + i);  // +32 elements
-                        sl = fmaf(wl[4 * i], a.x, sl); sl = fmaf(wl[4 * i + 1], a.y, sl);
-                        sl = fmaf(wl[4 * i + 2], a.z, sl); sl = fmaf(wl[4 * i + 3], a.w, sl);
-                        sh = fmaf(wh[4 * i], e.x, sh); sh = fmaf(wh[4 * i + 1], e.y, sh);
-                        sh = fmaf(wh[4 * i + 2], e.z, sh); sh = fmaf(wh[4 * i + 3], e.w, sh);
-                        xl += (a.x + a.y) + (a.z + a.w);
-                        xh += (e.x + e.y) + (e.z + e.w);
-                    }
-                    acc[b] += (dl0 * sl - dm0 * xl) + (dl1 * sh - dm1 * xh);
+                for (int r = 0; r < R; ++r) {
+                    const uint4 v = qv[u][r];
+                    const int a0 = v.x & 0x0F0F0F0F, a1 = v.y & 0x0F0F0F0F, a2 = v.z & 0x0F0F0F0F, a3 = v.w & 0x0F0F0F0F;
+                    const int e0 = (v.x >> 4) & 0x0F0F0F0F, e1 = (v.y >> 4) & 0x0F0F0F0F;
+                    const int e2 = (v.z >> 4) & 0x0F0F0F0F, e3 = (v.w >> 4) & 0x0F0F0F0F;
+                    int ih0 = __dp4a(a0, (int)h0.x, 0); ih0 = __dp4a(a1, (int)h0.y, ih0);
+                    ih0 = __dp4a(a2, (int)h0.z, ih0); ih0 = __dp4a(a3, (int)h0.w, ih0);
+                    int il0 = __dp4a(a0, (int)l0.x, 0); il0 = __dp4a(a1, (int)l0.y, il0);
+                    il0 = __dp4a(a2, (int)l0.z, il0); il0 = __dp4a(a3, (int)l0.w, il0);
+                    int ih1 = __dp4a(e0, (int)h1.x, 0); ih1 = __dp4a(e1, (int)h1.y, ih1);
+                    ih1 = __dp4a(e2, (int)h1.z, ih1); ih1 = __dp4a(e3, (int)h1.w, ih1);
+                    int il1 = __dp4a(e0, (int)l1.x, 0); il1 = __dp4a(e1, (int)l1.y, il1);
+                    il1 = __dp4a(e2, (int)l1.z, il1); il1 = __dp4a(e3, (int)l1.w, il1);
+                    float t = fmaf(dl0[r] * xd2.x, mix(ih0, il0), -dm0[r] * xs2.x);
+                    t = fmaf(dl1[r] * xd2.y, mix(ih1, il1), t);
+                    acc[r][b] += fmaf(-dm1[r], xs2.y, t);
                 }
             }
         }
     }
-    mv_store<NB>(acc, has_res ? res : nullptr, y, N, row, nb);
+    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
-// Q6_K on planes: 8 lanes per 256-block; lane (half nh, a) takes l = 8a..8a+7 of that half,
-// i.e. elements l, l+32, l+64, l+96 (ql bytes l and l+32, qh byte l).
-template <int NB>
-__global__ void __launch_bounds__(128) matvec_q6_k(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const float* __restrict__ x, const float* res, int has_res,
-                                                   float* y, int N, int K, int nb) {
-    Planes P{p0, p1, p2, p3};
-    int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
+// Q6_K on planes: 8 lanes per 256-block; lane (half nh, a) takes elements 8a..8a+7 of each of the
+// four 32-element quarters of its half (ql bytes l and l+32, qh byte l, l = 8a..8a+7).
+template <int R, int NB>
+__global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    if (row0 >= N) return;
     const int nblk = K / 256;
-    const u8* ql = P.p0 + (long long)row * (K / 2);
-    const u8* qh = P.p1 + (long long)row * (K / 4);
-    const signed char* scs = (const signed char*)P.p2 + (long long)row * (K / 16);
-    const u16* dd = (const u16*)P.p3 + (long long)row * nblk;
-    float acc[NB];
-    for (int b = 0; b < NB; ++b) acc[b] = 0.f;
+    const u8 *ql[R], *qh[R];
+    const signed char* scs[R];
+    const u16* dd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        long long row = min(row0 + r, N - 1);
+        ql[r] = p0 + row * (K / 2);
+        qh[r] = p1 + row * (K / 4);
+        scs[r] = (const signed char*)p2 + row * (K / 16);
+        dd[r] = (const u16*)p3 + row * nblk;
+    }
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     const int c = lane & 7, nh = c >> 2, a = c & 3;
-    constexpr int U = 2;
+    constexpr int U = R >= 4 ? 1 : 4 / R;
     for (int b0 = lane >> 3; b0 < nblk; b0 += 4 * U) {
-        uint2 l0[U], l1[U], hh[U];
-        u32 sc4[U];
-        float d[U];
+        uint2 l0[U][R], l1[U][R], hh[U][R];
+        u32 sc4[U][R];
+        float d[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk < nblk) {
-                l0[u] = __ldg((const uint2*)(ql + blk * 128 + 64 * nh + 8 * a));
-                l1[u] = __ldg((const uint2*)(ql + blk * 128 + 64 * nh + 32 + 8 * a));
-                hh[u] = __ldg((const uint2*)(qh + blk * 64 + 32 * nh + 8 * a));
-                // scales 8nh + a/2 + {0, 2, 4, 6}
-                const signed char* s = scs + blk * 16 + 8 * nh + (a >> 1);
-                sc4[u] = (u8)s[0] | ((u8)s[2] << 8) | ((u8)s[4] << 16) | ((u32)(u8)s[6] << 24);
-                d[u] = h2f(__ldg(dd + blk));
-            }
+            if (blk < nblk)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    l0[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 8 * a));
+                    l1[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 32 + 8 * a));
+                    hh[u][r] = __ldg((const uint2*)(qh[r] + blk * 64 + 32 * nh + 8 * a));
+                    const signed char* s = scs[r] + blk * 16 + 8 * nh + (a >> 1);  // scales +0, 2, 4, 6
+                    sc4[u][r] = (u8)s[0] | ((u8)s[2] << 8) | ((u8)s[4] << 16) | ((u32)(u8)s[6] << 24);
+                    d[u][r] = h2f(__ldg(dd[r] + blk));
+                }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
             if (blk >= nblk) break;
-            float w[4][8];  // w[quarter][i]: element 32*quarter + 8a + i of this half
-            u32 L0[2] = {l0[u].x, l0[u].y}, L1[2] = {l1[u].x, l1[u].y}, H[2] = {hh[u].x, hh[u].y};
+            int w[R][4][2];  // w[r][quarter][word]: q - 32 as signed bytes
+            float ds[R][4];
 #pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                u32 q0 = (L0[p] & 0x0F0F0F0Fu) | ((H[p] << 4) & 0x30303030u);
-                u32 q1 = (L1[p] & 0x0F0F0F0Fu) | ((H[p] << 2) & 0x30303030u);
-                u32 q2 = ((L0[p] >> 4) & 0x0F0F0F0Fu) | (H[p] & 0x30303030u);
-                u32 q3 = ((L1[p] >> 4) & 0x0F0F0F0Fu) | ((H[p] >> 2) & 0x30303030u);
+            for (int r = 0; r < R; ++r) {
+                u32 L0[2] = {l0[u][r].x, l0[u][r].y}, L1[2] = {l1[u][r].x, l1[u][r].y}, H[2] = {hh[u][r].x, hh[u][r].y};
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    w[0][4 * p + k] = ubyte_f(q0, k) - 32.f;
-                    w[1][4 * p + k] = ubyte_f(q1, k) - 32.f;
-                    w[2][4 * p + k] = ubyte_f(q2, k) - 32.f;
-                    w[3][4 * p + k] = ubyte_f(q3, k) - 32.f;
+                for (int p = 0; p < 2; ++p) {
+                    w[r][0][p] = (int)__vsub4((L0[p] & 0x0F0F0F0Fu) | ((H[p] << 4) & 0x30303030u), 0x20202020u);
+                    w[r][1][p] = (int)__vsub4((L1[p] & 0x0F0F0F0Fu) | ((H[p] << 2) & 0x30303030u), 0x20202020u);
+                    w[r][2][p] = (int)__vsub4(((L0[p] >> 4) & 0x0F0F0F0Fu) | (H[p] & 0x30303030u), 0x20202020u);
+                    w[r][3][p] = (int)__vsub4(((L1[p] >> 4) & 0x0F0F0F0Fu) | ((H[p] >> 2) & 0x30303030u), 0x20202020u);
                 }
-            }
-            float ds[4];
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) ds[qq] = d[u] * (float)(signed char)((sc4[u] >> (8 * qq)) & 0xFF);
+                for (int qq = 0; qq < 4; ++qq) ds[r][qq] = d[u][r] * (float)(signed char)((sc4[u][r] >> (8 * qq)) & 0xFF);
+            }
             const long long k0 = (long long)blk * 256 + 128 * nh + 8 * a;
+            const long long g0 = (long long)blk * 8 + 4 * nh;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
-                if (b < nb) {
-                    const float* xb = x + (long long)b * K + k0;
-                    float s = 0.f;
+                if (b >= nb) break;
+                const signed char* xhb = xh + (long long)b * K + k0;
+                const signed char* xlb = xl + (long long)b * K + k0;
+                const float4 xd4 = __ldg((const float4*)(xd + (long long)b * (K / 32) + g0));
+                const float xdq[4] = {xd4.x, xd4.y, xd4.z, xd4.w};
 #pragma unroll
-                    for (int qq = 0; qq < 4; ++qq) {
-                        float4 v0 = __ldg((const float4*)(xb + 32 * qq)), v1 = __ldg((const float4*)(xb + 32 * qq + 4));
-                        float t = w[qq][0] * v0.x;
-                        t = fmaf(w[qq][1], v0.y, t); t = fmaf(w[qq][2], v0.z, t); t = fmaf(w[qq][3], v0.w, t);
-                        t = fmaf(w[qq][4], v1.x, t); t = fmaf(w[qq][5], v1.y, t); t = fmaf(w[qq][6], v1.z, t);
-                        t = fmaf(w[qq][7], v1.w, t);
-                        s = fmaf(ds[qq], t, s);
+                for (int qq = 0; qq < 4; ++qq) {
+                    const uint2 hv = __ldg((const uint2*)(xhb + 32 * qq)), lv = __ldg((const uint2*)(xlb + 32 * qq));
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        int ih = __dp4a(w[r][qq][0], (int)hv.x, 0);
+                        ih = __dp4a(w[r][qq][1], (int)hv.y, ih);
+                        int il = __dp4a(w[r][qq][0], (int)lv.x, 0);
+                        il = __dp4a(w[r][qq][1], (int)lv.y, il);
+                        acc[r][b] = fmaf(ds[r][qq] * xdq[qq], mix(ih, il), acc[r][b]);
                     }
-                    acc[b] += s;
                 }
             }
         }
     }
-    mv_store<NB>(acc, has_res ? res : nullptr, y, N, row, nb);
+    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }

@@ -47,6 +47,33 @@ def test_swiglu(f):
     assert rel(got, cpu.CpuOps.swiglu(g, u)) < 1e-6
 
 
+def same_qact(a, b):
+    return all((x.get() == y.get()).all() for x, y in zip(a.args(), b.args()))
+
+
+@pytest.mark.parametrize("d", (96, 576, 4096, 14336))
+def test_rms_norm_quantized(d):
+    """The fused quantized output is bit-identical to quantizing the plain output."""
+    rng = np.random.default_rng()
+    x = cp.asarray(rng.standard_normal((5, d)).astype(np.float32) * 3)
+    w = cp.asarray(rng.standard_normal(d).astype(np.float32))
+    q = cuda.QAct(5, d)
+    out = cuda.rms_norm(x, w, 1e-5, out=cp.full((5, d), np.nan, cp.float32), q=q)
+    assert rel(out.get(), cpu.CpuOps.rms_norm(x.get(), w.get(), 1e-5)) < 1e-6
+    assert same_qact(q, cuda.quantize(out, cuda.QAct(5, d)))
+
+
+@pytest.mark.parametrize("f", (96, 1536, 14336))
+def test_swiglu_quantized(f):
+    rng = np.random.default_rng()
+    g = cp.asarray(rng.standard_normal((3, f)).astype(np.float32) * 4)
+    u = cp.asarray(rng.standard_normal((3, f)).astype(np.float32))
+    q = cuda.QAct(3, f)
+    out = cuda.swiglu(g, u, out=cp.full((3, f), np.nan, cp.float32), q=q)
+    assert rel(out.get(), cpu.CpuOps.swiglu(g.get(), u.get())) < 1e-6
+    assert same_qact(q, cuda.quantize(out, cuda.QAct(3, f)))
+
+
 @pytest.mark.parametrize("neox", (False, True))
 @pytest.mark.parametrize("factors", (False, True))
 @pytest.mark.parametrize("head_dim,rope_dim", ((64, 64), (128, 128), (128, 64)))

@@ -6,6 +6,11 @@ reference every launcher is tested against (tests/gpu). Weights stay quantized o
 their GGUF blocks) and `matmul` dequantizes inside the multiply for up to 32 rows (decode);
 longer chunks (prefill) dequantize the weight to f16 and multiply with cuBLAS. The KV cache is
 F16. The captured decode step (CUDA graphs) lives in cuda_decode.py.
+
+For Q8_0, Q4_K and Q6_K the fused multiply reads the activations quantized (QAct: two int8
+levels per element and a scale per 32, about 2^-15 of each group's largest value, see
+kernels/quant_act.cuh) and multiplies with int8 dot products; the CPU reference stays float32
+and the tests compare within that tolerance.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ KERNEL_DIR = os.environ.get("NTX_KERNEL_DIR") or os.path.join(
     os.path.dirname(__file__), *([os.pardir] * 4), "kernels")
 MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multiply
 MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
-FAST_MATVEC = {Q.Q8_0: "matvec_q8_0", Q.Q4_K: "matvec_q4_k", Q.Q6_K: "matvec_q6_k"}
+FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
+ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
+PRELUDE = {"quant": "quant_act.cuh", "norm": "quant_act.cuh", "activation": "quant_act.cuh"}
 
 
 def available() -> bool:
@@ -51,12 +58,15 @@ _modules: dict[tuple[str, str], object] = {}
 
 
 def kernel(family: str, name: str):
-    """Function `name` (a template instance like 'matvec_q8_0<4>') of kernels/<family>.cu."""
+    """Function `name` (a template instance like 'mvq_q8_0<2,1>') of kernels/<family>.cu."""
     key = (family, name)
     fn = _modules.get(key)
     if fn is None:
-        with open(os.path.join(KERNEL_DIR, f"{family}.cu")) as f:
-            src = f.read()
+        src = ""
+        for fn_ in (PRELUDE.get(family), f"{family}.cu"):  # the prelude's text is part of the cache key
+            if fn_:
+                with open(os.path.join(KERNEL_DIR, fn_)) as f:
+                    src += f.read() + "\n"
         mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=[name])
         fn = _modules[key] = mod.get_function(name)
     return fn
@@ -216,8 +226,48 @@ def dequantize_rows(w: CudaTensor, rows=None, *, half: bool = False, out=None):
     return out
 
 
-def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None):
-    """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused dequantize-multiply."""
+class QAct:
+    """Activation rows (rows, K) quantized for the int8 matvecs: hi, lo (rows, K) int8 and
+    d, s (rows, K/32) float32 in one device buffer (layout in kernels/quant_act.cuh)."""
+
+    def __init__(self, rows: int, k: int):
+        if k % 32:
+            raise ValueError(f"QAct: K {k} is not a multiple of 32")
+        self.rows, self.k = rows, k
+        n, g = rows * k, rows * k // 32
+        self.buf = cp.empty(2 * n + 8 * g, cp.uint8)
+        self.hi, self.lo = self.buf[:n].view(cp.int8), self.buf[n:2 * n].view(cp.int8)
+        self.d, self.s = self.buf[2 * n:2 * n + 4 * g].view(cp.float32), self.buf[2 * n + 4 * g:].view(cp.float32)
+
+    def args(self) -> tuple:
+        return (self.hi, self.lo, self.d, self.s)
+
+
+_qscratch: dict[tuple, QAct] = {}
+
+
+def _scratch_qact(rows: int, k: int) -> QAct:
+    key = (cp.cuda.Device().id, rows, k)
+    if key not in _qscratch:
+        _qscratch[key] = QAct(rows, k)
+    return _qscratch[key]
+
+
+def quantize(x, q: QAct, *, n: int | None = None, ld: int | None = None) -> QAct:
+    """q = the first n rows of x (row stride ld, q.k columns) quantized."""
+    n = x.shape[0] if n is None else n
+    ld = x.shape[1] if ld is None else ld
+    if n > q.rows:
+        raise ValueError(f"quantize: {n} rows into a QAct of {q.rows}")
+    groups = n * (q.k // 32)
+    kernel("quant", "quantize_rows")((_blocks(groups, 8),), (256,), (x, np.int32(ld), np.int32(n), np.int32(q.k),
+                                                                    *q.args()))
+    return q
+
+
+def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: QAct | None = None):
+    """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused dequantize-multiply. For the
+    int8 types x is quantized first, unless xq already holds x quantized."""
     n, k = w.shape
     _check(x, cp.float32, 2, "matvec x")
     b = x.shape[0] if nb is None else nb
@@ -233,11 +283,18 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None):
         if res.shape[1] != n or res.shape[0] < b:
             raise ValueError(f"matvec: res {res.shape}, expected ({b}, {n})")
     bucket = next(m for m in MATVEC_BUCKETS if m >= b)
+    res_args = (res if res is not None else out, np.int32(res is not None), out, np.int32(n), np.int32(k), np.int32(b))
     name = FAST_MATVEC.get(w.qtype)
-    name = f"{name}<{bucket}>" if name else f"matvec_generic<{int(w.qtype)},{bucket}>"
-    fn = kernel("quant", name)
-    fn((_blocks(n, 4),), (128,), (*w.ptrs(), x, res if res is not None else out, np.int32(res is not None),
-                                  out, np.int32(n), np.int32(k), np.int32(b)))
+    if name is None:
+        fn = kernel("quant", f"matvec_generic<{int(w.qtype)},{bucket}>")
+        fn((_blocks(n, 4),), (128,), (*w.ptrs(), x, *res_args))
+        return out
+    if xq is None:
+        xq = quantize(x, _scratch_qact(bucket, k), n=b)
+    elif xq.k != k or xq.rows < b:
+        raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
+    r = ROWS_PER_WARP[bucket]
+    kernel("quant", f"{name}<{r},{bucket}>")((_blocks(n, 4 * r),), (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
 
 
@@ -252,19 +309,30 @@ def matmul(x, w: CudaTensor):
     return cp.matmul(x.astype(cp.float16), w16.T).astype(cp.float32)
 
 
-def rms_norm(x, w, eps: float, *, out=None):
+def _q_args(q: QAct | None, n: int, k: int, what: str) -> tuple:
+    if q is None:
+        return (np.intp(0),) * 4 + (np.int32(0),)
+    if q.k != k or q.rows < n:
+        raise ValueError(f"{what}: QAct ({q.rows}, {q.k}) for ({n}, {k})")
+    return (*q.args(), np.int32(1))
+
+
+def rms_norm(x, w, eps: float, *, out=None, q: QAct | None = None):
+    """RMSNorm of x's rows; with q, the result is also quantized into q (for the int8 matvecs)."""
     _check(x, cp.float32, 2, "rms_norm x")
     _check(w, cp.float32, 1, "rms_norm w")
     if w.shape[0] != x.shape[1]:
         raise ValueError(f"rms_norm: x {x.shape}, w {w.shape}")
     out = cp.empty_like(x) if out is None else out
-    kernel("norm", "rms_norm")((x.shape[0],), (256,), (x, w, out, np.int32(x.shape[1]), np.float32(eps)))
+    kernel("norm", "rms_norm")((x.shape[0],), (256,), (x, w, out, np.int32(x.shape[1]), np.float32(eps),
+                                                       *_q_args(q, x.shape[0], x.shape[1], "rms_norm")))
     return out
 
 
-def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None, f: int | None = None):
+def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None, f: int | None = None,
+           q: QAct | None = None):
     """silu(g) * u. g, u are (N, F) arrays, or pointers into buffers with row stride ld (then
-    n and f say the shape)."""
+    n and f say the shape). With q, the result is also quantized into q."""
     if ld is None:
         _check(g, cp.float32, 2, "swiglu g")
         _check(u, cp.float32, 2, "swiglu u")
@@ -277,7 +345,8 @@ def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None, f: in
     _check(out, cp.float32, 2, "swiglu out")
     if out.shape != (n, f):
         raise ValueError(f"swiglu: out {out.shape}, expected {(n, f)}")
-    kernel("activation", "swiglu")((_blocks(n * f, 256),), (256,), (g, u, out, np.int32(n), np.int32(f), np.int32(ld)))
+    kernel("activation", "swiglu")((_blocks(n * f, 256),), (256,), (g, u, out, np.int32(n), np.int32(f), np.int32(ld),
+                                                                   *_q_args(q, n, f, "swiglu")))
     return out
 
 
@@ -460,9 +529,9 @@ def kernel_names() -> list[tuple[str, str]]:
     types = (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
     names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
     for b in MATVEC_BUCKETS:
-        names += [("quant", f"{n}<{b}>") for n in FAST_MATVEC.values()]
+        names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b}>") for n in FAST_MATVEC.values()]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
-    names += [("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
+    names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
               ("attention", "kv_append"), ("attention", "attn_partial"), ("attention", "attn_combine")]
     return names
 

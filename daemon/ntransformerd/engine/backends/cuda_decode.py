@@ -6,7 +6,9 @@ once per bucket and replayed: Python then pays one small host→device copy (tok
 position of each row), one graph launch and one device→host copy of the token ids per step.
 Differences from model.forward, all load-time or buffer-level: q/k/v and gate/up of one
 type are stacked and multiplied once; the residual adds are the matvec epilogue (x += W a);
-rows of a bucket beyond the live batch run on the cache's scratch slot.
+rows of a bucket beyond the live batch run on the cache's scratch slot; RMSNorm and SwiGLU also
+write their output quantized (QAct) for the int8 matvecs; RoPE of q and k is one launch when k
+follows q in the stack.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class DecodeGraphs:
         b.att = cp.empty((bk, c.q_dim), f32)
         b.act = cp.empty((bk, c.d_ff), f32)
         b.scratch = K.attention_scratch(bk, c, self.n_splits)
+        qact = lambda k: K.QAct(bk, k) if k % 32 == 0 else None  # noqa: E731
+        b.hq, b.attq, b.actq = qact(c.d_model), qact(c.q_dim), qact(c.d_ff)  # quantized h, att, act
         b.logits = cp.empty((bk, c.vocab_size), f32)
         b.ids = cp.empty((bk,), cp.int32)
         return b
@@ -77,27 +81,34 @@ class DecodeGraphs:
         K.dequantize_rows(w.token_embd, tok, out=b.x)  # (B, D)
         for i in range(c.n_layers):
             ly = w.acquire(i)
-            K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h)
+            K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h, q=b.hq)
             for j, t in enumerate(ly.qkv):
-                K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])])  # (B, q+kv+kv) in 1 to 3 pieces
+                K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])], xq=b.hq)  # (B, q+kv+kv) in 1 to 3 pieces
             q, ldq = self._view(b, i, "attn_q")
             k, ldk = self._view(b, i, "attn_k")
             v, ldv = self._view(b, i, "attn_v")
-            K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
-            K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
+            cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
+            if cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim:  # k right after q: one launch
+                K.rope_(q, pos, self.ops.freqs, c, c.n_heads + c.n_kv_heads, n=bk, ld=ldq)
+            else:
+                K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
+                K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
             K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, split_len=self.split_len,
                          n_splits=self.n_splits, ldq=ldq, ldk=ldk, ldv=ldv, out=b.att, scratch=b.scratch)
-            K.matvec(b.att, ly.attn_output, out=b.x, res=b.x)  # x += attn @ Wo.T
-            K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h)
+            attq = None
+            if ly.attn_output.qtype in K.FAST_MATVEC:
+                attq = K.quantize(b.att, b.attq)
+            K.matvec(b.att, ly.attn_output, out=b.x, res=b.x, xq=attq)  # x += attn @ Wo.T
+            K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h, q=b.hq)
             for j, t in enumerate(ly.gate_up):
-                K.matvec(b.h, t, out=b.piece[("gate_up", j, t.shape[0])])
+                K.matvec(b.h, t, out=b.piece[("gate_up", j, t.shape[0])], xq=b.hq)
             g, ldg = self._view(b, i, "ffn_gate")
             u, ldu = self._view(b, i, "ffn_up")
             assert ldg == ldu or ldu == c.d_ff  # one row stride serves both in swiglu
-            K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff)
-            K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x)  # x += swiglu @ Wd.T
-        K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h)
-        K.matvec(b.h, w.output, out=b.logits)
+            K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff, q=b.actq)
+            K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x, xq=b.actq)  # x += swiglu @ Wd.T
+        K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h, q=b.hq)
+        K.matvec(b.h, w.output, out=b.logits, xq=b.hq)
         K.argmax(b.logits, out=b.ids)
 
     def _prepare(self, bk: int):
