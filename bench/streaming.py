@@ -76,7 +76,7 @@ def decode_rate(e: Engine, batch: int, steps: int) -> float:
     return batch * steps / dt
 
 
-def prefill_rate(e: Engine, n: int = 512) -> float:
+def prefill_rate(e: Engine, n: int = 240) -> float:
     s = e.open()
     try:
         e.prefill(s, [5] * 8)
@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--splits", type=int, nargs="+", default=[32, 24, 16, 8, 0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--no-70b", action="store_true")
+    ap.add_argument("--deep", type=int, nargs="*", default=[], help="splits also run at --deep-depth, batch 1")
+    ap.add_argument("--deep-depth", type=int, default=4)
     ap.add_argument("--no-odirect", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -161,10 +163,23 @@ def main() -> int:
             save()
         if k == 16:
             pr = prefill_rate(e)
-            out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "prefill_512_tok_s": pr})
-            log(f"  prefill 512 (chunk 512): {pr:.0f} tok/s")
+            out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "prefill_240_tok_s": pr})
+            log(f"  prefill 240 tokens (one chunk): {pr:.0f} tok/s")
         free_engine(e)
         e = None
+
+    for k in args.deep:
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k,
+                                                stream_depth=args.deep_depth))
+        streamed = e.plan.streamed_bytes_per_step
+        bound = bw / streamed
+        r = decode_rate(e, 1, 10)
+        out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "batch": 1, "tok_s": r, "depth": args.deep_depth,
+                            "streamed_bytes": streamed, "pcie_bound_step_s": bound, "ratio_to_bound": r / bound})
+        log(f"8B resident {k}, depth {args.deep_depth}, batch 1: {r:.1f} tok/s ({100 * r / bound:.0f}% of the PCIe bound)")
+        free_engine(e)
+        e = None
+        save()
 
     if not args.no_odirect:
         size = os.path.getsize(p8)
