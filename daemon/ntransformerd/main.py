@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ntransformerd: {e}", file=sys.stderr)
         return 2
     where = setup_logging(cfg.log_level)
+    if cfg.cpu_threads:  # read by OpenBLAS when numpy loads, which is after this line
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, str(cfg.cpu_threads))
     from ntransformerd.server.daemon import Daemon
     from ntransformerd.server.sockets import SocketError
 
