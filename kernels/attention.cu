@@ -3,7 +3,7 @@
 // kv_append: row r's k and v (f32, row strides ldk, ldv) go to the cache at [slot[r], pos[r]].
 // attn_partial: one warp per (row, head, split); row r attends causally to positions
 //   split*split_len .. min(pos[r], split end) of its slot, online softmax; writes the split's
-//   max m, sum l and unnormalised output o. Splits beyond pos[r] write m = -inf.
+//   max m, sum l and unnormalised output o, 8 positions per step. Splits beyond pos[r] write m = -inf.
 // attn_combine: one warp per (row, head) merges its splits into out (N, n_heads * head_dim).
 // head_dim is a multiple of 32, at most 256: each lane holds head_dim / 32 dims (lane + 32 i).
 
@@ -62,18 +62,41 @@ __global__ void __launch_bounds__(128) attn_partial(
     long long kv_dim = (long long)n_kv * head_dim;
     const u16* kb = kc + (long long)slot[r] * max_ctx * kv_dim + kvh * head_dim + lane;
     const u16* vb = vc + (long long)slot[r] * max_ctx * kv_dim + kvh * head_dim + lane;
-    for (int t = t0; t < t1; ++t) {
-        const u16* kt = kb + t * kv_dim;
-        float s = 0.f;
+    // CH positions per step: their K and V loads are independent and issued together, so a
+    // split costs a few memory latencies instead of one per position.
+    constexpr int CH = 8;
+    for (int t = t0; t < t1; t += CH) {
+        float s[CH];
 #pragma unroll
-        for (int i = 0; i < MAXD; ++i) if (i < nd) s = fmaf(qv[i], h2f(kt[32 * i]), s);
-        for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        float mn = fmaxf(m, s);
-        float corr = __expf(m - mn), p = __expf(s - mn);
-        l = l * corr + p;
-        const u16* vt = vb + t * kv_dim;
+        for (int j = 0; j < CH; ++j) {
+            s[j] = 0.f;
+            if (t + j < t1) {
+                const u16* kt = kb + (long long)(t + j) * kv_dim;
 #pragma unroll
-        for (int i = 0; i < MAXD; ++i) if (i < nd) o[i] = fmaf(p, h2f(vt[32 * i]), o[i] * corr);
+                for (int i = 0; i < MAXD; ++i) if (i < nd) s[j] = fmaf(qv[i], h2f(kt[32 * i]), s[j]);
+            }
+        }
+#pragma unroll
+        for (int off = 16; off; off >>= 1)
+#pragma unroll
+            for (int j = 0; j < CH; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+        float mn = m;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) if (t + j < t1) mn = fmaxf(mn, s[j]);
+        float corr = __expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < MAXD; ++i) o[i] *= corr;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            if (t + j < t1) {
+                float p = __expf(s[j] - mn);
+                l += p;
+                const u16* vt = vb + (long long)(t + j) * kv_dim;
+#pragma unroll
+                for (int i = 0; i < MAXD; ++i) if (i < nd) o[i] = fmaf(p, h2f(vt[32 * i]), o[i]);
+            }
+        }
         m = mn;
     }
     if (lane == 0) { pm[pidx] = m; pl[pidx] = l; }
