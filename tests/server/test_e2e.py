@@ -166,9 +166,11 @@ def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(ne
             seen.add((s.state, h))
             if s.state == pb.SERVING_STATE_LOADING:
                 assert s.load_progress and h == health_pb2.HealthCheckResponse.NOT_SERVING
-                with pytest.raises(grpc.RpcError) as e:
-                    next(iter(stub.Generate(pb.GenerateRequest(prompt="x"))))
-                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                try:
+                    list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=1)))
+                    assert stub.Status(pb.StatusRequest()).state == pb.SERVING_STATE_SERVING  # loaded meanwhile
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "loading" in e.details()
             if h == health_pb2.HealthCheckResponse.SERVING:  # flips only after the model is attached
                 assert s.state == pb.SERVING_STATE_SERVING
                 break
