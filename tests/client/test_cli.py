@@ -21,3 +21,22 @@ def test_unreachable_daemon_is_one_line_and_exit_1(command, capsys, tmp_path):
     assert cli.main(["--socket", str(tmp_path / "none.sock"), *command]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ntx-client: cannot reach ntransformerd") and "Traceback" not in err
+
+
+def test_chat_sends_the_whole_history(monkeypatch, capsys):
+    import io
+    from ntx_client.client import Chunk
+
+    sent = []
+
+    class FakeClient:
+        def chat(self, messages, **kw):
+            sent.append([dict(m) for m in messages])
+            yield Chunk(f"reply {len(sent)}", [1])
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ada.\nWhat is my name?\n/bye\nignored\n"))
+    args = cli.parser().parse_args(["chat", "--system", "Be brief."])
+    assert cli.cmd_chat(FakeClient(), args) == 0
+    assert sent[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, I am Ada."},
+                       {"role": "assistant", "content": "reply 1"}, {"role": "user", "content": "What is my name?"}]
+    assert capsys.readouterr().out == "reply 1\nreply 2\n"

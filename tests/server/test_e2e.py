@@ -67,6 +67,16 @@ def test_cli_chat_generate_equals_ntx_model_run_chat(daemon, engine, solo):
     assert last["ids"] == solo(engine, prompt_ids, 8)
 
 
+def test_cli_chat_keeps_history(daemon):
+    r = subprocess.run([PY, "-m", "ntx_client.cli", "--socket", daemon.socket, "chat", "--temperature", "0",
+                        "--max-tokens", "4"], input="Hi, I am Ada.\nWhat is my name?\n/bye\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with Client(daemon.socket) as c:
+        s = c.status()
+    assert len(r.stdout.splitlines()) == 2 and s.requests_total >= 2  # one reply per line; history: test_cli.py
+
+
 def test_cli_status_models_tokenize(daemon, engine):
     r = cli(daemon, "status")
     assert r.returncode == 0, r.stderr
