@@ -1,6 +1,5 @@
 """Connection errors name the cause and the fix."""
 
-import os
 
 import grpc
 import pytest

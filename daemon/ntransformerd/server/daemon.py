@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
