@@ -486,7 +486,7 @@ _SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization
 
 
 def quantize_file(src: str, dst: str, ftype: str, *,
-                  progress: Callable[[int, int, str], None] | None = None) -> None:
+                  progress: Callable[[int, int, str], None] | None = None, n_layers: int | None = None) -> None:
     """Requantize the GGUF at `src` to `ftype` (see FTYPES), writing `dst`.
 
     Metadata is copied (general.file_type and general.quantization_version updated); each
@@ -494,6 +494,8 @@ def quantize_file(src: str, dst: str, ftype: str, *,
     byte for byte; others are dequantized with gguf.quants and requantized, a slab of rows at
     a time, so memory stays near one slab whatever the model size. `progress(done_bytes,
     total_bytes, tensor_name)` is called after each slab with bytes written to `dst`.
+    `n_layers` keeps only the first n blocks (a slice of a real model small enough to carry
+    to a test machine; the rest of the model is unchanged).
     """
     import gguf
 
@@ -508,26 +510,34 @@ def quantize_file(src: str, dst: str, ftype: str, *,
         return f.contents() if f is not None else default
 
     n_layer = int(field(f"{arch}.block_count", 0))
+    tensors = list(reader.tensors)
+    if n_layers is not None:
+        if not 1 <= n_layers <= n_layer:
+            raise ValueError(f"cannot keep {n_layers} layers of a {n_layer}-layer model")
+        tensors = [t for t in tensors if not t.name.startswith("blk.") or _layer_of(t.name) < n_layers]
+        n_layer = n_layers
     n_head = int(field(f"{arch}.attention.head_count", 1))
     n_head_kv = int(field(f"{arch}.attention.head_count_kv", n_head)) or n_head
     ggml_shape = lambda t: tuple(int(v) for v in t.shape)  # noqa: E731 (ne0 first)
-    plan = plan_types([(t.name, ggml_shape(t)) for t in reader.tensors], ftype,
+    plan = plan_types([(t.name, ggml_shape(t)) for t in tensors], ftype,
                       n_layer=n_layer, n_gqa=n_head // n_head_kv)
 
     writer = gguf.GGUFWriter(dst, arch)
     for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key in _SKIP_KEYS:
+        if key.startswith("GGUF.") or key in _SKIP_KEYS or key == f"{arch}.block_count":
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
+    if n_layers is not None or f"{arch}.block_count" in reader.fields:
+        writer.add_block_count(n_layer)
     writer.add_file_type(FTYPES[ftype][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if "general.alignment" in reader.fields:
         writer.data_alignment = int(field("general.alignment", writer.data_alignment))
 
     jobs = []  # (reader tensor, target type, rows, cols, out row bytes)
-    for t in reader.tensors:
+    for t in tensors:
         qtype = plan[t.name]
         shape = ggml_shape(t)
         cols = shape[0]

@@ -158,6 +158,15 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_slice(args) -> int:
+    from ntransformerd.engine.quantize import quantize_file
+
+    src = _model_path(args.input)
+    quantize_file(src, args.output, args.type, n_layers=args.layers,
+                  progress=None if args.quiet else _progress("slice"))
+    return 0
+
+
 def cmd_synth(args) -> int:
     from ntransformerd.engine.synth import synthesize
 
@@ -221,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "q2_k q3_k q4_k q5_k q6_k q4_k_m q5_k_m")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_quantize)
+
+    s = sub.add_parser("slice", help="keep the first N layers of a model (real weights, small enough to carry)")
+    s.add_argument("input", metavar="IN", nargs="?", help="GGUF file (default: the embedded model)")
+    s.add_argument("output", metavar="OUT")
+    s.add_argument("--layers", type=int, required=True, metavar="N")
+    s.add_argument("--type", default="q4_1", metavar="TYPE",
+                   help="tensor types of the slice (default q4_1: the default model's own, copied byte for byte)")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_slice)
 
     s = sub.add_parser("synth", help="write a random-weight model at a real shape (for speed work)")
     s.add_argument("output", metavar="OUT")
