@@ -145,3 +145,15 @@ def test_fuzzed_requests_leave_the_daemon_serving(channel, daemon):
     from ntx_client import Client
     with Client(daemon.socket) as c:
         assert c.health() == "SERVING"
+
+
+def test_model_info_reports_the_engine_tier_plan(default_model):
+    """With a layer cap the CPU engine streams; GetModel/Status show the planner's tiers."""
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.server.servicer import model_info
+
+    e = Engine(default_model, config=EngineConfig(max_seqs=1, max_ctx=64, max_vram_layers=10))
+    plan = model_info(e).plan
+    tiers = {t.name: t.layers for t in plan.tiers}
+    assert tiers.get("resident") == 10 and sum(tiers.values()) == 30, tiers
+    assert "plan for 30 layers" in plan.explanation

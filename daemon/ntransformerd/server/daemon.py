@@ -141,7 +141,8 @@ class Daemon:
                 model.layer_tensors = counted
                 engine = Engine(model, config=EngineConfig(
                     backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
-                    kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk))
+                    kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
+                    vram_budget=c.vram_budget, ram_budget=c.pinned_budget))
                 model.layer_tensors = layer_tensors
             except Exception as e:
                 self.scheduler.fail(f"{e}")

@@ -215,10 +215,20 @@ def model_info(engine) -> pb.ModelInfo:
     md, cfg = engine.model.metadata, engine.cfg
     scalars = {k: str(v) for k, v in md.items()
                if isinstance(v, (str, int, float, bool)) and k != "tokenizer.chat_template" and len(str(v)) < 512}
-    layer_bytes = sum(engine.model.layer_bytes(i) for i in range(cfg.n_layers))
-    tier = "vram" if engine.backend_name == "cuda" else "ram"
-    plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=tier, layers=cfg.n_layers, bytes=layer_bytes)],
-                       explanation=f"all {cfg.n_layers} layers resident in {tier} ({engine.backend_name} backend)")
+    tier_plan = getattr(engine, "plan", None)
+    if tier_plan is not None:  # the engine's own plan (engine.tiers): layers and bytes per tier
+        tiers = []
+        for name in dict.fromkeys(tier_plan.tiers):
+            idx = [i for i, t in enumerate(tier_plan.tiers) if t == name]
+            shown = "resident" if name == "vram" and engine.backend_name == "cpu" else name
+            tiers.append(pb.TierPlan.Tier(name=shown, layers=len(idx),
+                                          bytes=sum(tier_plan.layer_bytes[i] for i in idx)))
+        plan = pb.TierPlan(tiers=tiers, explanation=tier_plan.explain())
+    else:
+        layer_bytes = sum(engine.model.layer_bytes(i) for i in range(cfg.n_layers))
+        tier = "vram" if engine.backend_name == "cuda" else "ram"
+        plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=tier, layers=cfg.n_layers, bytes=layer_bytes)],
+                           explanation=f"all {cfg.n_layers} layers resident in {tier} ({engine.backend_name} backend)")
     return pb.ModelInfo(name=model_name(engine), path=engine.model.path, architecture=str(md.get("general.architecture", "")),
                         file_bytes=engine.model.file_size, n_layers=cfg.n_layers, context_length=engine.max_ctx,
                         vocab_size=cfg.vocab_size, backend=engine.backend_name,
