@@ -154,7 +154,6 @@ def test_context_full_is_an_error(default_model):
 # ---- op-level references -------------------------------------------------------------------
 
 def _ops(neox: bool, rope_dim: int = 16, factors=None):
-    import dataclasses
     from ntransformerd.engine.gguf_file import LlamaConfig
     cfg = LlamaConfig(n_layers=1, d_model=32, d_ff=64, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=10,
                       context_length=64, rms_eps=1e-5, rope_base=10000.0, rope_dim=rope_dim, rope_neox=neox,

@@ -30,22 +30,16 @@ class KVLayer:
                 self.v[slot, :end].astype(np.float32, copy=False))  # (end, Hkv, hd) each
 
 
-class KVCache:
-    """All layers' caches plus the slot bookkeeping: which slots are live and how long."""
+class SlotTable:
+    """Which sequence slots of a cache are live and how many positions each holds.
 
-    def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f32"):
-        if dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
-        if n_slots < 1 or max_ctx < 1:
-            raise ValueError("the KV cache needs at least one slot and one position")
-        self.n_slots, self.max_ctx, self.dtype = n_slots, max_ctx, dtype
-        shape = (n_slots, max_ctx, cfg.n_kv_heads, cfg.head_dim)
-        self.layers = [KVLayer(shape, KV_DTYPES[dtype]) for _ in range(cfg.n_layers)]
+    Shared by every backend's KV cache; one owner (the engine's scheduler thread) calls it.
+    """
+
+    def __init__(self, n_slots: int):
+        self.n_slots = n_slots
         self.lengths = np.zeros(n_slots, np.int64)
         self._free = list(range(n_slots - 1, -1, -1))
-
-    def layer(self, i: int) -> KVLayer:
-        return self.layers[i]
 
     def alloc(self) -> int:
         if not self._free:
@@ -63,3 +57,20 @@ class KVCache:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+
+class KVCache(SlotTable):
+    """All layers' caches (host memory) plus the slot bookkeeping."""
+
+    def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f32"):
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if n_slots < 1 or max_ctx < 1:
+            raise ValueError("the KV cache needs at least one slot and one position")
+        super().__init__(n_slots)
+        self.max_ctx, self.dtype = max_ctx, dtype
+        shape = (n_slots, max_ctx, cfg.n_kv_heads, cfg.head_dim)
+        self.layers = [KVLayer(shape, KV_DTYPES[dtype]) for _ in range(cfg.n_layers)]
+
+    def layer(self, i: int) -> KVLayer:
+        return self.layers[i]

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from .quants import BLOCK_DTYPES, QK_K, QUANT_BLOCKS
+from .quants import BLOCK_DTYPES, QUANT_BLOCKS
 
 GROUP_MAX_EPS = 1e-15  # ggml: a group whose absolute max is below this is all zero
 

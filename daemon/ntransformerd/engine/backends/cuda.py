@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.cpu import rope_frequencies
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig, TensorInfo
+from ntransformerd.engine.kv_cache import SlotTable
 from ntransformerd.engine.model import Batch
 from ntransformerd.engine.quants import BLOCK_DTYPES
 
@@ -471,7 +472,7 @@ class CudaKVLayer:
         return (cp.asnumpy(self.k[slot, :end]).astype(np.float32), cp.asnumpy(self.v[slot, :end]).astype(np.float32))
 
 
-class CudaKVCache:
+class CudaKVCache(SlotTable):
     """Slot bookkeeping on the host (as the CPU cache), keys and values on the device. One more
     slot than asked for is kept as scratch: padded rows of a captured decode step write there."""
 
@@ -480,7 +481,8 @@ class CudaKVCache:
             raise ValueError(f"KV cache dtype {dtype!r} is not one of f32, f16")
         if n_slots < 1 or max_ctx < 1:
             raise ValueError("the KV cache needs at least one slot and one position")
-        self.n_slots, self.max_ctx, self.dtype = n_slots, max_ctx, "f16"  # always F16 on the GPU
+        super().__init__(n_slots)
+        self.max_ctx, self.dtype = max_ctx, "f16"  # always F16 on the GPU
         self.scratch_slot = n_slots
         shape = (n_slots + 1, max_ctx, cfg.n_kv_heads, cfg.head_dim)
         need = 2 * cfg.n_layers * math.prod(shape) * 2
@@ -489,28 +491,9 @@ class CudaKVCache:
             raise MemoryError(f"KV cache of {n_slots} slots × {max_ctx} positions needs {need / 2**30:.2f} GiB, "
                               f"{free / 2**30:.2f} GiB free on the GPU; lower max_seqs or max_ctx")
         self.layers = [CudaKVLayer(shape) for _ in range(cfg.n_layers)]
-        self.lengths = np.zeros(n_slots, np.int64)
-        self._free = list(range(n_slots - 1, -1, -1))
 
     def layer(self, i: int) -> CudaKVLayer:
         return self.layers[i]
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.n_slots:
-            raise ValueError(f"KV slot {slot} is not in use")
-        self.lengths[slot] = 0
-        self._free.append(slot)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
 
 def load(model: GGUFModel) -> tuple[CudaOps, CudaWeights]:
