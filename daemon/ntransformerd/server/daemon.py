@@ -131,11 +131,12 @@ class Daemon:
                 model = GGUFModel(path)
                 n = model.config.n_layers
                 layer_tensors = model.layer_tensors
+                seen: set[int] = set()  # per load: a reload reports its progress again
 
-                def counted(i, _seen=set()):  # the backends fetch each layer's tensors once at load
-                    if i not in _seen:
-                        _seen.add(i)
-                        progress(f"loading layer {len(_seen)}/{n}", 0.05 + 0.9 * len(_seen) / n)
+                def counted(i):  # the backends fetch each layer's tensors once at load
+                    if i not in seen:
+                        seen.add(i)
+                        progress(f"loading layer {len(seen)}/{n}", 0.05 + 0.9 * len(seen) / n)
                     return layer_tensors(i)
 
                 model.layer_tensors = counted
