@@ -420,3 +420,167 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
         starts.append(p)
     assert sum(len(x.tiers) for x in plans) == n
     return MultiPlan(tuple(plans), tuple(starts), tuple(float(b) for b in bws), _int(ram_limit), tuple(reasons))
+
+
+# ---- the pipeline: stages on devices, the activation handed from one to the next -----------------
+
+class Handoff:
+    """The device-to-device step: the activation leaves device `src` for device `dst`.
+
+    Host memory here (the CPU backend: every "device" is host memory), a real copy so the next
+    stage never aliases the last one's buffer; `poison` fills the source with NaN afterwards
+    (tests: any read of the old buffer shows). The CUDA path implements `copy` as
+    cudaMemcpyPeerAsync into a buffer on `dst`, on dst's compute stream after an event recorded
+    on src's, so no host sync sits between the stages.
+    """
+
+    def __init__(self, poison: bool = False):
+        self.poison = poison
+        self.stats = {"copies": 0, "bytes": 0}
+
+    def copy(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
+        y = np.array(x, copy=True, order="C")
+        if self.poison:
+            x.fill(np.nan)
+        self.stats["copies"] += 1
+        self.stats["bytes"] += y.nbytes
+        return y
+
+
+class StageKV:
+    """The KV cache of one stage: only its layers' KVLayer, on its device."""
+
+    def __init__(self, cfg, start: int, stop: int, *, n_slots: int, max_ctx: int, dtype: str = "f32"):
+        from ntransformerd.engine.kv_cache import KV_DTYPES, KVLayer
+        shape = (n_slots, max_ctx, cfg.n_kv_heads, cfg.head_dim)
+        self._layers = {i: KVLayer(shape, KV_DTYPES[dtype]) for i in range(start, stop)}
+
+    def layer(self, i: int):
+        return self._layers[i]
+
+
+@dataclasses.dataclass
+class Stage:
+    """Device `device` runs layers [start, stop) with its own ops, weights and KV cache."""
+
+    device: int
+    start: int
+    stop: int
+    ops: object
+    weights: object  # acquire(i) / release(i) for i in [start, stop); embedding on the first, output on the last
+    kv: object  # .layer(i)
+
+
+class Pipeline:
+    """model.forward over stages: embed on the first, each stage's layers, hand off, output on the last."""
+
+    def __init__(self, stages: list[Stage], cfg, handoff: Handoff | None = None):
+        if not stages or stages[0].start != 0 or stages[-1].stop != cfg.n_layers or any(
+                a.stop != b.start for a, b in zip(stages, stages[1:])):
+            raise ValueError("pipeline stages must cover the layers contiguously, in order")
+        self.stages, self.cfg, self.handoff = list(stages), cfg, handoff or Handoff()
+
+    def forward(self, batch, *, all_logits: bool = False):
+        from ntransformerd.engine.model import block
+        first, last = self.stages[0], self.stages[-1]
+        x = first.ops.embed(first.weights, batch.tokens)  # (N, D) on the first device
+        prev = None
+        for st in self.stages:
+            if prev is not None:
+                x = self.handoff.copy(x, prev.device, st.device)
+            rope = st.ops.rope_table(batch.positions)  # each device its own table
+            for i in range(st.start, st.stop):
+                w = st.weights.acquire(i)
+                x = block(st.ops, self.cfg, x, w, st.kv.layer(i), batch, rope)
+                st.weights.release(i)
+            prev = st
+        if not all_logits:
+            x = x[batch.last_rows]
+        x = last.ops.rms_norm(x, last.weights.output_norm, self.cfg.rms_eps)
+        return last.ops.matmul(x, last.weights.output)
+
+    def close(self) -> None:
+        for st in self.stages:
+            close = getattr(st.weights, "close", None)
+            if close:
+                close()
+
+
+class _Share:
+    """What a stage takes from host weights: embedding, output, and its own resident layers."""
+
+    def __init__(self, base, own: range):
+        self.token_embd, self.output, self.output_norm = base.token_embd, base.output, base.output_norm
+        self._base, self._own = base, own
+
+    def acquire(self, i: int):
+        return self._base.acquire(i) if i in self._own else None
+
+
+def cpu_stages(model, mp: MultiPlan, *, n_slots: int, max_ctx: int, kv_dtype: str = "f32", base=None,
+               sources=None, poison: bool = False) -> list[Stage]:
+    """CPU-backend stages for `mp`: per device its ops, streamed weights (its own slot ring over
+    its own share) and KV cache. base: CpuWeights holding the resident layers (shared host
+    memory); sources[d]: the storage source of device d where its plan reads storage."""
+    from ntransformerd.engine.backends.cpu import CpuOps, CpuWeights
+    from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
+    n = model.config.n_layers
+    base = base or CpuWeights(model, resident=set(mp.layers(VRAM)))
+    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
+    lb = tuple(model.layer_bytes(i) for i in range(n))
+    stages = []
+    for d, ((a, b), p) in enumerate(zip(mp.ranges, mp.devices)):
+        tiers = [VRAM] * n
+        tiers[a:b] = p.tiers  # outside its range nothing is loaded (a stage never acquires it)
+        full = Plan(tuple(tiers), lb, max(p.depth, 1), max(lb), 0, 0, 0, -1, -1)
+        w = StreamedCpuWeights(model, full, source=(sources or {}).get(d), poison=poison,
+                               shared=_Share(base, range(a, b)))
+        kv = StageKV(model.config, a, b, n_slots=n_slots, max_ctx=max_ctx, dtype=kv_dtype)
+        stages.append(Stage(d, a, b, CpuOps(model.config, freq), w, kv))
+    return stages
+
+
+def pipeline_engine(engine, mp: MultiPlan, *, sources=None, poison: bool = False, handoff: Handoff | None = None):
+    """An Engine (CPU backend) that runs `engine`'s model as the pipeline of `mp`: same
+    tokenizer, slots and API; `step` goes through `Pipeline.forward`."""
+    from ntransformerd.engine.engine import ContextFull, Engine
+    from ntransformerd.engine.kv_cache import SlotTable
+    from ntransformerd.engine.model import Batch, Segment
+
+    class PipelineEngine(Engine):
+        def step(self, items, *, all_logits: bool = False):
+            import contextlib
+            segments = []
+            for slot, tokens in items:
+                tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+                if tokens.size == 0:
+                    raise ValueError(f"slot {slot}: no tokens to run")
+                if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+                    raise ValueError(f"slot {slot}: token id out of range [0, {self.cfg.vocab_size})")
+                start = self.length(slot)
+                if start + tokens.size > self.max_ctx:
+                    raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
+                segments.append(Segment(slot, start, tokens))
+            batch = Batch.of(segments)
+            with contextlib.ExitStack() as stack:
+                for st in self.pipeline.stages:
+                    stack.enter_context(st.ops.step_context(batch))
+                logits = self.pipeline.forward(batch, all_logits=all_logits)
+            logits = self.pipeline.stages[-1].ops.to_host(logits)
+            for seg in segments:
+                self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
+            return logits
+
+    if engine.backend_name != "cpu":
+        raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
+    e = PipelineEngine.__new__(PipelineEngine)
+    e.__dict__.update(engine.__dict__)
+    e.kv = SlotTable(engine.kv.n_slots)
+    e._decoder = None
+    e.plan = mp
+    base = engine.weights if not getattr(engine.weights, "streamed", False) else None
+    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
+                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
+    e.weights = None
+    e.pipeline = Pipeline(stages, engine.cfg, handoff)
+    return e
