@@ -183,3 +183,25 @@ def test_parse():
         parse_devices("0,0")
     assert parse_budgets("24GiB,48GiB", 2) == [24 * GiB, 48 * GiB]
     assert parse_budgets("24GiB", 3) == [24 * GiB] * 3
+
+
+def test_cli_plan_devices(synth_model, capsys):
+    from ntransformerd.tools import ntx_model
+    path = synth_model("small", "q4_k_m")
+    args = ["run", path, "--plan", "--prompt", "x", "--backend", "cpu", "--ctx", "64"]
+    assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "26MiB,25MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "over 2 devices" in out and "device 1" in out
+    assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "30MiB", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["device_ids"] == [0, 1] and d["n_devices"] == 2 and len(d["link_bytes"]) == 2
+    assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "64MiB,1KiB"]) == 2
+    assert "device 1" in capsys.readouterr().err
+
+
+def test_engine_refuses_several_devices(synth_model):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    with pytest.raises(ValueError):
+        EngineConfig(devices="0,0").validate()
+    with pytest.raises(RuntimeError, match="not built yet"):
+        Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(devices="0,1", max_ctx=64))

@@ -56,6 +56,9 @@ class EngineConfig:
     max_vram_layers: int | None = None  # at most this many resident layers
     stream_depth: int = 2  # device slots in the streaming ring
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
+    # GPUs to spread the layers over ("0,1" or a tuple); None = one device. Planned (tiers/multi.py),
+    # not run yet: more than one device is refused at load.
+    devices: str | tuple[int, ...] | None = None
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,6 +69,9 @@ class EngineConfig:
             raise ValueError("max_ctx and prefill_chunk must be positive")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
+        if self.devices is not None:
+            from ntransformerd.engine.tiers.multi import parse_devices
+            parse_devices(self.devices)
 
 
 class ContextFull(ValueError):

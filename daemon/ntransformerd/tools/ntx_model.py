@@ -85,7 +85,9 @@ def cmd_run(args) -> int:
     config = EngineConfig(
         backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
         vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
-        stream_depth=args.stream_depth, storage=args.storage)
+        stream_depth=args.stream_depth, storage=args.storage, devices=args.devices)
+    if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
+        return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
         from ntransformerd.engine import tiers
         from ntransformerd.engine.gguf_file import GGUFModel
@@ -142,6 +144,24 @@ def cmd_run(args) -> int:
     else:
         print(f"\n[{finish}; {stats['generated_tokens']} tokens, prefill {stats['prefill_s']:.2f} s, "
               f"decode {stats['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _plan_devices(args, config) -> int:
+    from ntransformerd.engine import tiers
+    from ntransformerd.engine.gguf_file import GGUFModel
+    from ntransformerd.engine.tiers.multi import device_free, parse_devices
+
+    ids = parse_devices(args.devices)
+    model = GGUFModel(_model_path(args.model))
+    backend, free = device_free(ids, args.backend)
+    try:
+        mp = tiers.model_plan_devices(model, config, backend=backend, vram_free=free)
+    except tiers.PlanError as e:
+        print(f"ntx-model: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"backend": backend, "device_ids": list(ids), **mp.to_dict()}) if args.json
+          else f"[{backend}, devices {','.join(map(str, ids))}] {mp.explain()}")
     return 0
 
 
@@ -221,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
     s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
+    s.add_argument("--devices", metavar="IDS", help="GPUs to spread the layers over, e.g. 0,1 (with --plan; "
+                   "--vram-budget then applies per device, or give one per device: 24GiB,48GiB)")
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("quantize", help="requantize a GGUF (e.g. to q4_k_m, or f32 for reference runs)")

@@ -15,7 +15,7 @@ from ntransformerd.engine.tiers.planner import (PINNED, STORAGE, TIERS, VRAM, Pl
                                                 mem_available, parse_size, plan_tiers)
 
 __all__ = ["PINNED", "STORAGE", "TIERS", "VRAM", "Plan", "PlanError", "fmt_bytes", "mem_available",
-           "parse_size", "plan_tiers", "load", "model_plan", "wanted"]
+           "parse_size", "plan_tiers", "load", "model_plan", "model_plan_devices", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
 
@@ -29,13 +29,10 @@ def _non_layer_bytes(model) -> int:
     return sum(t.nbytes for n, t in model.tensors.items() if not n.startswith("blk."))
 
 
-def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
-               layer_bytes: list[int] | None = None) -> Plan:
-    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
+def _kv_work(model, config, backend: str) -> tuple[int, int]:
+    """(KV cache bytes of all layers, workspace bytes) on `backend`."""
     c = model.config
     max_ctx = min(config.max_ctx, c.context_length)
-    if layer_bytes is None:
-        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
     if backend == "cuda":  # F16 cache with one scratch slot; prefill dequantizes one weight to F16
         kv = 2 * c.n_layers * (config.max_seqs + 1) * max_ctx * c.kv_dim * 2
         biggest = max(c.d_ff * c.d_model, c.q_dim * c.d_model)
@@ -44,12 +41,42 @@ def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram
     else:
         kv = 2 * c.n_layers * config.max_seqs * max_ctx * c.kv_dim * (4 if config.kv_dtype == "f32" else 2)
         work = 0
+    return kv, work
+
+
+def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
+               layer_bytes: list[int] | None = None) -> Plan:
+    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
+    c = model.config
+    if layer_bytes is None:
+        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
+    kv, work = _kv_work(model, config, backend)
     if ram_available is None:
         ram_available = mem_available()
     return plan_tiers(layer_bytes, fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
                       vram_free=vram_free, ram_available=ram_available,
                       vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
                       max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
+
+
+def model_plan_devices(model, config, *, backend: str, vram_free: list[int | None], ram_available: int | None = None,
+                       layer_bytes: list[int] | None = None):
+    """The multi-device plan (tiers/multi.py) for `model` over len(vram_free) devices. The
+    embedding lives on the first device, the output and its norm on the last."""
+    from ntransformerd.engine.tiers.multi import plan_devices
+    c = model.config
+    if layer_bytes is None:
+        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
+    kv, work = _kv_work(model, config, backend)
+    if ram_available is None:
+        ram_available = mem_available()
+    fixed = _non_layer_bytes(model)
+    embd = model.tensors["token_embd.weight"].nbytes
+    last = fixed - embd + (embd if c.tied_output else 0)
+    return plan_devices(layer_bytes, fixed_bytes=fixed, fixed_split=(embd, last), kv_bytes=kv, workspace_bytes=work,
+                        vram_free=list(vram_free), ram_available=ram_available, vram_budget=config.vram_budget,
+                        ram_budget=parse_size(config.ram_budget), max_vram_layers=config.max_vram_layers,
+                        stream_depth=config.stream_depth)
 
 
 def open_storage(config, model):
@@ -59,6 +86,11 @@ def open_storage(config, model):
 
 def load(backend: str, module, model, config):
     """(plan, (ops, weights) or None). None: every layer resident, the backend's own load."""
+    from ntransformerd.engine.tiers.multi import parse_devices
+    devices = parse_devices(getattr(config, "devices", None))
+    if devices is not None and len(devices) > 1:
+        raise RuntimeError(f"{len(devices)} devices: `ntx-model run --plan --devices` shows the plan, but the "
+                           "multi-GPU pipeline is not built yet (tiers/multi.py says what it needs)")
     if backend == "cuda":
         from ntransformerd.engine.backends import cuda_stream
         plan = cuda_stream.plan(model, config)

@@ -190,7 +190,7 @@ class MultiPlan:
                          f"{fmt_bytes(p.workspace_bytes)}, {p.depth} slots x {fmt_bytes(p.slot_bytes)}")
             sec = self.link_seconds(disk_bps)[d]
             lines.append(f"    its link       {fmt_bytes(p.streamed_bytes_per_step)}/step"
-                         + (f", {sec * 1e3:.0f} ms at {self.h2d_bps[d] / 1e9:.0f} GB/s" if sec else ""))
+                         + (f", {sec * 1e3:.1f} ms at {self.h2d_bps[d] / 1e9:.0f} GB/s" if sec else ""))
         lines.append(f"  handoff        {self.n_devices - 1} device-to-device activation copies per step "
                      "(rows x d_model floats)")
         lines.append(f"  RAM pinned     {fmt_bytes(self.ram_bytes)} of {fmt_bytes(self.ram_limit)}")
@@ -199,8 +199,8 @@ class MultiPlan:
                      f"{fmt_bytes(self.bytes(STORAGE))}); per link " + ", ".join(fmt_bytes(x) for x in self.link_bytes))
         if total:
             s, m = self.step_seconds(disk_bps)
-            lines.append(f"  bound          {1 / s:.2f} steps/s with the links taking turns (sum {s * 1e3:.0f} ms: "
-                         f"the batch-1 pipeline); {1 / m:.2f} steps/s if they overlapped (max {m * 1e3:.0f} ms)")
+            lines.append(f"  bound          {1 / s:.2f} steps/s with the links taking turns (sum {s * 1e3:.1f} ms: "
+                         f"the batch-1 pipeline); {1 / m:.2f} steps/s if they overlapped (max {m * 1e3:.1f} ms)")
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)
@@ -584,3 +584,21 @@ def pipeline_engine(engine, mp: MultiPlan, *, sources=None, poison: bool = False
     e.weights = None
     e.pipeline = Pipeline(stages, engine.cfg, handoff)
     return e
+
+
+def device_free(ids: Sequence[int], backend: str = "auto") -> tuple[str, list[int | None]]:
+    """(backend, free VRAM per device): cudaMemGetInfo on each GPU when CUDA is there, else
+    ('cpu', unlimited) — the budgets then simulate the devices."""
+    if backend != "cpu":
+        try:
+            from ntransformerd.engine.backends import cuda
+            if cuda.available():
+                import cupy as cp
+                free = []
+                for d in ids:
+                    with cp.cuda.Device(d):
+                        free.append(cp.cuda.runtime.memGetInfo()[0])
+                return "cuda", free
+        except ImportError:
+            pass
+    return "cpu", [None] * len(ids)
