@@ -24,6 +24,11 @@ their layer ranges, the handoff between them); on the CPU backend every "device"
 memory, the handoff is a host copy (the source poisoned afterwards in tests), and the output is
 bit-identical to the one-device run (tests/engine/test_tiers_multi*.py).
 
+The 70B-shaped Q4_K_M (synth, 38.2 GiB of layers) at 24 GiB per GPU: one device keeps 39 layers
+resident and streams 19.6 GiB per token; two devices keep all 80 resident (40 + 40) and stream
+nothing. At 16 GiB per GPU two devices stream 13.9 GiB against 27.6 GiB (about half), 6.5 and
+7.4 GiB per link (tests/engine/test_tiers_multi.py).
+
 What a multi-GPU run still needs (not built, not run: no multi-GPU machine was lent):
   - CUDA: per device (cp.cuda.Device(d)) its own CudaOps, StreamedCudaWeights over its range,
     KV cache for its layers, copy stream, slots and pinned buffers (pinned with
