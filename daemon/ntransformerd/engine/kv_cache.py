@@ -25,6 +25,17 @@ class KVLayer:
         self.k[slot, start:start + len(k)] = k
         self.v[slot, start:start + len(v)] = v
 
+    def write_rows(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """One position for each of several slots: k, v (B, Hkv, hd)."""
+        self.k[slots, positions] = k
+        self.v[slots, positions] = v
+
+    def gather(self, slots: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions [0, end) of several slots as float32 (B, end, Hkv, hd); callers mask each
+        slot's positions past its own length."""
+        return (self.k[slots, :end].astype(np.float32, copy=False),
+                self.v[slots, :end].astype(np.float32, copy=False))
+
     def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         return (self.k[slot, :end].astype(np.float32, copy=False),
                 self.v[slot, :end].astype(np.float32, copy=False))  # (end, Hkv, hd) each

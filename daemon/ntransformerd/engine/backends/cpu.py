@@ -58,7 +58,7 @@ class CpuOps:
 
     @staticmethod
     def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return x @ w.T  # (N, in) @ (in, out) → (N, out); w is stored (out, in) as in GGUF
+        return x @ w  # (N, in) @ (in, out) → (N, out); w prepared by `prepare_matrix` at load
 
     @staticmethod
     def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -87,6 +87,8 @@ class CpuOps:
         return x.reshape(len(x), n_heads * hd)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVLayer, batch: Batch) -> np.ndarray:
+        if len(batch.segments) > 1 and len(batch.tokens) == len(batch.segments):
+            return self._decode_attention(q, k, v, kv, batch)
         c = self.cfg
         g = c.n_heads // c.n_kv_heads
         out = np.empty_like(q)  # (N, H * hd)
@@ -107,6 +109,39 @@ class CpuOps:
             out[r0:r1] = o.reshape(n, c.n_heads * c.head_dim)
         return out
 
+    def _decode_attention(self, q, k, v, kv: KVLayer, batch: Batch) -> np.ndarray:
+        """One new token for each of B sequences: one padded attention instead of B small ones."""
+        c = self.cfg
+        b, g = len(batch.tokens), c.n_heads // c.n_kv_heads
+        slots = np.array([seg.slot for seg in batch.segments])
+        pos = batch.positions  # (B,) where each new token goes
+        kv.write_rows(slots, pos, k.reshape(b, c.n_kv_heads, c.head_dim), v.reshape(b, c.n_kv_heads, c.head_dim))
+        keys, values = kv.gather(slots, int(pos.max()) + 1)  # (B, L, Hkv, hd) each, float32
+        qs = q.reshape(b, c.n_kv_heads, g, c.head_dim)  # (B, Hkv, g, hd)
+        scores = np.einsum("bkgd,blkd->bkgl", qs, keys) * self.scale  # (B, Hkv, g, L)
+        past_end = np.arange(keys.shape[1])[None, :] > pos[:, None]  # (B, L)
+        scores[np.broadcast_to(past_end[:, None, None, :], scores.shape)] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = np.einsum("bkgl,blkd->bkgd", p, values)  # (B, Hkv, g, hd)
+        return o.reshape(b, c.n_heads * c.head_dim)
+
+
+def prepare_matrix(w: np.ndarray) -> np.ndarray:
+    """GGUF's (out, in) float32 weight → contiguous (in, out), once, at load.
+
+    BLAS reads the transposed layout faster for the products decode makes: measured here on one
+    core, (1, 576) x 576→1536 took 234 µs against 341 µs, and the 49152-row output matrix 7.0 ms
+    against 11.6 ms.
+    """
+    return np.ascontiguousarray(w.T)
+
+
+def prepare_layer(tensors: dict[str, np.ndarray]) -> types.SimpleNamespace:
+    """A layer's dequantized tensors as ops.matmul wants them: matrices transposed, norms as is."""
+    return types.SimpleNamespace(**{n: prepare_matrix(a) if a.ndim == 2 else a for n, a in tensors.items()})
+
 
 class CpuWeights:
     """Float32 weights: layers in `resident` are dequantized once, the others on each use.
@@ -119,14 +154,14 @@ class CpuWeights:
         self.model = model
         cfg = model.config
         self.resident = set(range(cfg.n_layers)) if resident is None else set(resident)
-        self.token_embd = model.dequantize("token_embd.weight")  # (V, D)
-        self.output = self.token_embd if cfg.tied_output else model.dequantize("output.weight")  # (V, D)
+        self.token_embd = model.dequantize("token_embd.weight")  # (V, D): rows are looked up
+        self.output = prepare_matrix(self.token_embd if cfg.tied_output else model.dequantize("output.weight"))  # (D, V)
         self.output_norm = model.dequantize("output_norm.weight")  # (D,)
         self._layers = {i: self._load(i) for i in self.resident}
 
     def _load(self, i: int) -> types.SimpleNamespace:
         t = self.model.layer_tensors(i)
-        return types.SimpleNamespace(**{n: self.model.dequantize(t[n].name) for n in LAYER_TENSORS})
+        return prepare_layer({n: self.model.dequantize(t[n].name) for n in LAYER_TENSORS})
 
     def embed_rows(self, tokens: np.ndarray) -> np.ndarray:
         return self.token_embd[tokens]  # (N, D); same values as dequantize_rows, already in memory

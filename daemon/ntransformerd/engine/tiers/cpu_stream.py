@@ -11,7 +11,7 @@ import types
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ntransformerd.engine.backends.cpu import CpuWeights
+from ntransformerd.engine.backends.cpu import CpuWeights, prepare_layer
 from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel
 from ntransformerd.engine.quants import dequantize
 from ntransformerd.engine.tiers.pipeline import Device, LayerStream
@@ -72,11 +72,11 @@ class StreamedCpuWeights(CpuWeights):
         out = {}
         for n in LAYER_TENSORS:
             raw = r.raw(slot, t[n])
-            if t[n].qtype == Q.F32:  # zero-copy: a view of the slot, valid until release
+            if t[n].qtype == Q.F32 and len(t[n].shape) == 1:  # zero-copy: a view of the slot, valid until release
                 out[n] = raw.view(np.float32).reshape(t[n].shape)
             else:
                 out[n] = dequantize(raw, t[n].qtype, t[n].shape)
-        return types.SimpleNamespace(**out)
+        return prepare_layer(out)  # the same layout resident layers have
 
     def acquire(self, i: int) -> types.SimpleNamespace:
         layer = self._layers.get(i)
