@@ -196,6 +196,49 @@ class Engine:
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
 
 
+class Continuation:
+    """What happens after each sampled token of one sequence: end-of-generation, stop strings,
+    the token budget and the context end, with text released whole characters at a time and
+    never the start of a possible stop string. `generate` and the daemon's scheduler both use
+    it, so a request gives the same text whichever ran it. One owner thread.
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None):
+        from ntransformerd.engine.sampler import Sampler, StopMatcher
+        from ntransformerd.engine.tokenizer import Detokenizer
+
+        tok = engine.tokenizer
+        self.params = params
+        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        self.sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=tok.eog_ids)
+        self.stops = StopMatcher(list(params.stop or ()))
+        self.detok = Detokenizer(tok)
+        self.eog_ids = tok.eog_ids
+        self.history = list(prompt_ids)  # prompt + generated: what the penalties look at
+        self.generated = 0
+
+    def sample(self, logits: np.ndarray) -> int:
+        return self.sampler.sample(logits, self.history)
+
+    def push(self, token: int, *, room: bool = True) -> tuple[str, str | None]:
+        """Account for `token`; return (text to emit, finish reason or None).
+
+        room: whether the sequence can take one more position in the KV cache.
+        """
+        self.history.append(token)
+        self.generated += 1
+        if token in self.eog_ids and not self.params.ignore_eos:
+            text, _ = self.stops.feed(self.detok.flush())
+            return text + self.stops.flush(), "eos"
+        text, stopped = self.stops.feed(self.detok.feed(token))
+        if stopped:
+            return text, "stop"
+        if self.generated >= self.max_tokens or not room:
+            tail, _ = self.stops.feed(self.detok.flush())
+            return text + tail + self.stops.flush(), "length"
+        return text, None
+
+
 @dataclasses.dataclass
 class GenerationEvent:
     """One generated token and the text it completes (may be empty mid-character)."""
@@ -212,38 +255,19 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: 
     `params` is a sampler.SamplingParams. If `dump_logits` is a list, the logits of the last
     prompt position are appended to it.
     """
-    from ntransformerd.engine.sampler import Sampler, StopMatcher
-    from ntransformerd.engine.tokenizer import Detokenizer
-
     params.validate()
-    tok = engine.tokenizer
-    sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=tok.eog_ids)
-    stops = StopMatcher(list(params.stop or ()))
-    detok = Detokenizer(tok)
-    history = list(prompt_ids)
+    cont = Continuation(engine, prompt_ids, params)
     slot = engine.open()
     try:
         logits = engine.prefill(slot, prompt_ids)
         if dump_logits is not None:
             dump_logits.append(np.array(logits, dtype=np.float32))
-        n = 0
         while True:
-            token = sampler.sample(logits, history)
-            history.append(token)
-            n += 1
-            if token in tok.eog_ids and not params.ignore_eos:
-                text, _ = stops.feed(detok.flush())
-                yield GenerationEvent(token, text + stops.flush(), "eos")
+            token = cont.sample(logits)
+            text, finish = cont.push(token, room=engine.length(slot) + 1 <= engine.max_ctx)
+            yield GenerationEvent(token, text, finish)
+            if finish:
                 return
-            text, stopped = stops.feed(detok.feed(token))
-            if stopped:
-                yield GenerationEvent(token, text, "stop")
-                return
-            if n >= params.max_tokens or engine.length(slot) + 1 > engine.max_ctx:
-                text2, _ = stops.feed(detok.flush())
-                yield GenerationEvent(token, text + text2 + stops.flush(), "length")
-                return
-            yield GenerationEvent(token, text)
             logits = engine.step([(slot, [token])])[0]
     finally:
         engine.close(slot)

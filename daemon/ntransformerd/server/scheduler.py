@@ -61,13 +61,12 @@ class Request:
         self.slot = -1
         self.prefilled = 0  # prompt tokens already in the KV cache
         self.next_token: int | None = None  # sampled, not yet run through the model
-        self.history = list(prompt_ids)
         self.generated = 0
         self.error: ServiceError | None = None  # set by cancel(); delivered by retire()
         self.outputs: queue.Queue[Output | ServiceError | None] = queue.Queue()
         self.t_created = time.monotonic()
         self.t_admitted = self.t_first = self.t_done = None
-        self.sampler = self.stops = self.detok = None
+        self.cont = None  # engine.Continuation: sampling, stop strings, text; set by schedule()
 
     def cancel(self, error: ServiceError | None = None) -> None:
         """Ask the scheduler to drop this request at its next iteration (any thread)."""
@@ -204,8 +203,7 @@ class Scheduler:
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
                  deadline: float | None = None) -> Request:
         """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull."""
-        from ntransformerd.engine.sampler import Sampler, StopMatcher
-        from ntransformerd.engine.tokenizer import Detokenizer
+        from ntransformerd.engine.engine import Continuation
 
         engine = self._ready_engine()
         n_ctx = engine.max_ctx
@@ -219,9 +217,7 @@ class Scheduler:
         if not 1 <= max_tokens <= n_ctx:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
         req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline)
-        req.sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=engine.tokenizer.eog_ids)
-        req.stops = StopMatcher(list(params.stop or ()))
-        req.detok = Detokenizer(engine.tokenizer)
+        req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens)
         with self._cv:
             self._ready_engine()
             if len(self._live) + len(self._queue) >= self.config.max_batch + self.config.max_queue:
@@ -326,19 +322,12 @@ class Scheduler:
 
     def sample_and_stream(self, engine, r: Request, logits) -> None:
         """sample → detokenize → stop strings → stream; the same rules as engine.generate."""
-        token = r.sampler.sample(logits, r.history)
-        r.history.append(token)
-        r.generated += 1
+        token = r.cont.sample(logits)
+        text, reason = r.cont.push(token, room=engine.length(r.slot) + 1 <= engine.max_ctx)
+        r.generated = r.cont.generated
         first = r.prompt_ids if r.generated == 1 else None
-        if token in engine.tokenizer.eog_ids and not r.params.ignore_eos:
-            text, _ = r.stops.feed(r.detok.flush())
-            return self.finish(r, token, text + r.stops.flush(), "eos", first)
-        text, stopped = r.stops.feed(r.detok.feed(token))
-        if stopped:
-            return self.finish(r, token, text, "stop", first)
-        if r.generated >= r.max_tokens or engine.length(r.slot) + 1 > engine.max_ctx:
-            text2, _ = r.stops.feed(r.detok.flush())
-            return self.finish(r, token, text + text2 + r.stops.flush(), "length", first)
+        if reason is not None:
+            return self.finish(r, token, text, reason, first)
         r.next_token = token
         r.outputs.put(Output([token], text, prompt_ids=first))
 
