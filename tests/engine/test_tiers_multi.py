@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from ntransformerd.engine.quantize import plan_types
 from ntransformerd.engine.quants import QUANT_BLOCKS
-from ntransformerd.engine.synth import SHAPES
+from ntransformerd.engine.synth import SHAPES, tensor_shapes, tensor_types
 from ntransformerd.engine.tiers.multi import parse_budgets, parse_devices, plan_devices
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, PlanError, plan_tiers
 
@@ -20,20 +19,7 @@ GiB, MiB = 1 << 30, 1 << 20
 def shape_sizes(shape: str, ftype: str):
     """(layer bytes, embedding bytes, output bytes) of a synth model, without writing it."""
     s = SHAPES[shape]
-    hd, kv = s.d_model // s.n_heads, s.n_kv_heads * (s.d_model // s.n_heads)
-    shapes = {"token_embd.weight": (s.vocab, s.d_model), "output_norm.weight": (s.d_model,),
-              "output.weight": (s.vocab, s.d_model)}
-    if s.llama31_rope:
-        shapes["rope_freqs.weight"] = (hd // 2,)
-    for i in range(s.n_layers):
-        for name, shp in (("attn_norm", (s.d_model,)), ("attn_q", (s.d_model, s.d_model)),
-                          ("attn_k", (kv, s.d_model)), ("attn_v", (kv, s.d_model)),
-                          ("attn_output", (s.d_model, s.d_model)), ("ffn_norm", (s.d_model,)),
-                          ("ffn_gate", (s.d_ff, s.d_model)), ("ffn_up", (s.d_ff, s.d_model)),
-                          ("ffn_down", (s.d_model, s.d_ff))):
-            shapes[f"blk.{i}.{name}.weight"] = shp
-    types = plan_types([(n, tuple(reversed(shp))) for n, shp in shapes.items()], ftype,
-                       n_layer=s.n_layers, n_gqa=s.n_heads // s.n_kv_heads)
+    shapes, types = tensor_shapes(s), tensor_types(s, ftype)
     nb = {n: math.prod(shp) // QUANT_BLOCKS[types[n]][0] * QUANT_BLOCKS[types[n]][1] for n, shp in shapes.items()}
     lb = [sum(v for k, v in nb.items() if k.startswith(f"blk.{i}.")) for i in range(s.n_layers)]
     embd = nb["token_embd.weight"]

@@ -171,15 +171,19 @@ class Engine:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
         if self._decoder is not None and not all_logits and all(len(s.tokens) == 1 for s in segments):
-            logits = self._decoder.logits([s.slot for s in segments], [int(s.tokens[0]) for s in segments])
+            logits = self.ops.to_host(
+                self._decoder.logits([s.slot for s in segments], [int(s.tokens[0]) for s in segments]))
         else:
-            batch = Batch.of(segments)
-            with self.ops.step_context(batch):
-                logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
-        logits = self.ops.to_host(logits)
+            logits = self._forward(Batch.of(segments), all_logits)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
+
+    def _forward(self, batch: Batch, all_logits: bool) -> np.ndarray:
+        """The model on one batch; host logits. (The multi-device pipeline overrides this.)"""
+        with self.ops.step_context(batch):
+            logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
+        return self.ops.to_host(logits)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""

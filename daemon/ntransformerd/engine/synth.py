@@ -64,6 +64,31 @@ def llama31_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: f
     return out.astype(np.float32)
 
 
+def tensor_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a model of shape `s`, numpy order, in file order."""
+    hd = s.d_model // s.n_heads
+    kv = s.n_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (s.vocab, s.d_model), "output_norm.weight": (s.d_model,),
+        "output.weight": (s.vocab, s.d_model)}
+    if s.llama31_rope:
+        shapes["rope_freqs.weight"] = (hd // 2,)
+    for i in range(s.n_layers):
+        for name, shp in (("attn_norm", (s.d_model,)), ("attn_q", (s.d_model, s.d_model)),
+                          ("attn_k", (kv, s.d_model)), ("attn_v", (kv, s.d_model)),
+                          ("attn_output", (s.d_model, s.d_model)), ("ffn_norm", (s.d_model,)),
+                          ("ffn_gate", (s.d_ff, s.d_model)), ("ffn_up", (s.d_ff, s.d_model)),
+                          ("ffn_down", (s.d_model, s.d_ff))):
+            shapes[f"blk.{i}.{name}.weight"] = shp
+    return shapes
+
+
+def tensor_types(s: Shape, ftype: str) -> dict[str, Q]:
+    """The per-tensor types a real file of this ftype has (llama.cpp's rules, in quantize)."""
+    return plan_types([(n, tuple(reversed(shp))) for n, shp in tensor_shapes(s).items()], ftype,
+                      n_layer=s.n_layers, n_gqa=s.n_heads // s.n_kv_heads)
+
+
 def _calibrate(qtype: Q) -> dict[str, float]:
     """Constant scale fields that give ~zero-mean weights of std WEIGHT_STD for random quants."""
     dt = BLOCK_DTYPES[qtype]
@@ -142,22 +167,7 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
     if ftype not in FTYPES:
         raise ValueError(f"unknown type {ftype!r}; one of {', '.join(FTYPES)}")
     hd = s.d_model // s.n_heads
-    kv = s.n_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (s.vocab, s.d_model), "output_norm.weight": (s.d_model,),
-        "output.weight": (s.vocab, s.d_model)}
-    if s.llama31_rope:
-        shapes["rope_freqs.weight"] = (hd // 2,)
-    for i in range(s.n_layers):
-        for name, shp in (("attn_norm", (s.d_model,)), ("attn_q", (s.d_model, s.d_model)),
-                          ("attn_k", (kv, s.d_model)), ("attn_v", (kv, s.d_model)),
-                          ("attn_output", (s.d_model, s.d_model)), ("ffn_norm", (s.d_model,)),
-                          ("ffn_gate", (s.d_ff, s.d_model)), ("ffn_up", (s.d_ff, s.d_model)),
-                          ("ffn_down", (s.d_model, s.d_ff))):
-            shapes[f"blk.{i}.{name}.weight"] = shp
-    # The same per-tensor types a real file of this ftype has (llama.cpp's rules, in quantize).
-    types = plan_types([(n, tuple(reversed(shp))) for n, shp in shapes.items()], ftype,
-                       n_layer=s.n_layers, n_gqa=s.n_heads // s.n_kv_heads)
+    shapes, types = tensor_shapes(s), tensor_types(s, ftype)
     plan = [(name, shp, types[name]) for name, shp in shapes.items()]
 
     w = GGUFWriter(out, arch="llama")

@@ -44,6 +44,7 @@ What a multi-GPU run still needs (not built, not run: no multi-GPU machine was l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -548,33 +549,16 @@ def cpu_stages(model, mp: MultiPlan, *, n_slots: int, max_ctx: int, kv_dtype: st
 def pipeline_engine(engine, mp: MultiPlan, *, sources=None, poison: bool = False, handoff: Handoff | None = None):
     """An Engine (CPU backend) that runs `engine`'s model as the pipeline of `mp`: same
     tokenizer, slots and API; `step` goes through `Pipeline.forward`."""
-    from ntransformerd.engine.engine import ContextFull, Engine
+    from ntransformerd.engine.engine import Engine
     from ntransformerd.engine.kv_cache import SlotTable
-    from ntransformerd.engine.model import Batch, Segment
 
     class PipelineEngine(Engine):
-        def step(self, items, *, all_logits: bool = False):
-            import contextlib
-            segments = []
-            for slot, tokens in items:
-                tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-                if tokens.size == 0:
-                    raise ValueError(f"slot {slot}: no tokens to run")
-                if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-                    raise ValueError(f"slot {slot}: token id out of range [0, {self.cfg.vocab_size})")
-                start = self.length(slot)
-                if start + tokens.size > self.max_ctx:
-                    raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
-                segments.append(Segment(slot, start, tokens))
-            batch = Batch.of(segments)
+        def _forward(self, batch, all_logits: bool):
             with contextlib.ExitStack() as stack:
                 for st in self.pipeline.stages:
                     stack.enter_context(st.ops.step_context(batch))
                 logits = self.pipeline.forward(batch, all_logits=all_logits)
-            logits = self.pipeline.stages[-1].ops.to_host(logits)
-            for seg in segments:
-                self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
-            return logits
+            return self.pipeline.stages[-1].ops.to_host(logits)
 
     if engine.backend_name != "cpu":
         raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
