@@ -33,6 +33,8 @@ mount -t tmpfs rw /rw; mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot || { echo "NTX-VM-ERROR overlay"; poweroff -f; }
 rm -f /newroot/.dockerenv
 mount -t tmpfs tmp /newroot/tmp
+# a checkout under /tmp (a CI clone) stays visible through the fresh tmpfs
+case "%(root)s" in /tmp/*) mkdir -p /newroot%(root)s && mount -o bind /lower%(root)s /newroot%(root)s ;; esac
 cp /lower%(work)s/ntx-test.service /lower%(work)s/ntx-test.target /newroot/etc/systemd/system/ || { echo "NTX-VM-ERROR cp"; poweroff -f; }
 umount /proc /sys 2>/dev/null; umount /dev 2>/dev/null
 exec switch_root /newroot /lib/systemd/systemd
@@ -61,6 +63,11 @@ bin=%(bindir)s
 fail() { echo "NTX-VM-VERDICT=fail: $*"; systemctl poweroff --no-block; exit 1; }
 cd /
 %(root)s/packaging/install.sh --bindir "$bin" || fail "install.sh"
+case "%(root)s" in /tmp/*|/var/tmp/*)  # PrivateTmp= would hide a checkout there from the daemon
+    mkdir -p /etc/systemd/system/ntransformerd.service.d
+    printf '[Service]\nBindReadOnlyPaths=%(root)s\n' > /etc/systemd/system/ntransformerd.service.d/ntx-test-checkout.conf
+    systemctl daemon-reload ;;
+esac
 cat > /etc/ntransformer/ntransformerd.toml <<CONFIG_END
 model = "%(model)s"
 backend = "cpu"
