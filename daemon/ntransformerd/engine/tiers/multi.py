@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, PINNED, RAM_RESERVE, STORAGE,
-                                                TIERS, VRAM, Plan, PlanError, _int, fmt_bytes, parse_size,
+                                                TIERS, VRAM, Plan, PlanError, _int, fmt_bytes, layer_span, parse_size,
                                                 plan_tiers)
 
 MAX_DEVICES = 16
@@ -186,11 +186,11 @@ class MultiPlan:
         lines = [f"plan for {len(lb)} layers ({fmt_bytes(sum(lb))} of layer weights) over {self.n_devices} devices, "
                  "pipeline order:"]
         for d, ((a, b), p) in enumerate(zip(self.ranges, self.devices)):
-            lines.append(f"  device {d}  layers {_span(list(range(a, b)))} ({b - a})")
+            lines.append(f"  device {d}  layers {layer_span(list(range(a, b)))} ({b - a})")
             for t, what in ((VRAM, "VRAM-resident"), (PINNED, "pinned RAM"), (STORAGE, "storage")):
                 ls = self.layers(t, d)
                 if ls or t == VRAM:
-                    lines.append(f"    {what:14s} {len(ls):4d} layers  {fmt_bytes(p.bytes(t)):>12s}  [{_span(ls)}]")
+                    lines.append(f"    {what:14s} {len(ls):4d} layers  {fmt_bytes(p.bytes(t)):>12s}  [{layer_span(ls)}]")
             lines.append(f"    VRAM use       {fmt_bytes(p.vram_bytes)} of {fmt_bytes(p.vram_limit)}: fixed "
                          f"{fmt_bytes(p.fixed_bytes)}, KV {fmt_bytes(p.kv_bytes)}, workspace "
                          f"{fmt_bytes(p.workspace_bytes)}, {p.depth} slots x {fmt_bytes(p.slot_bytes)}")
@@ -210,17 +210,6 @@ class MultiPlan:
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)
-
-
-def _span(ls: list[int]) -> str:
-    if not ls:
-        return "-"
-    out, a = [], ls[0]
-    for p, q in zip(ls, ls[1:] + [None]):
-        if q != p + 1:
-            out.append(f"{a}" if a == p else f"{a}-{p}")
-            a = q
-    return ",".join(out)
 
 
 class _Short(Exception):

@@ -33,6 +33,18 @@ ASSUMED_DISK_BPS = 1.5e9
 RAM_RESERVE = 4 * GiB  # MemAvailable kept for the OS, the page cache and Python
 
 
+def layer_span(ls: list[int]) -> str:
+    """Layer indices as ranges for the plan's explanation: [0, 1, 2, 5] → "0-2,5"."""
+    if not ls:
+        return "-"
+    out, a = [], ls[0]
+    for p, q in zip(ls, ls[1:] + [None]):
+        if q != p + 1:
+            out.append(f"{a}" if a == p else f"{a}-{p}")
+            a = q
+    return ",".join(out)
+
+
 class PlanError(ValueError):
     """A budget that cannot hold what streaming needs; the message says what and how much."""
 
@@ -134,21 +146,11 @@ class Plan:
         }
 
     def explain(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> str:
-        def span(ls: list[int]) -> str:
-            if not ls:
-                return "-"
-            out, a = [], ls[0]
-            for p, q in zip(ls, ls[1:] + [None]):
-                if q != p + 1:
-                    out.append(f"{a}" if a == p else f"{a}-{p}")
-                    a = q
-            return ",".join(out)
-
         n = len(self.tiers)
         lines = [f"plan for {n} layers ({fmt_bytes(sum(self.layer_bytes))} of layer weights):"]
         for t, what in ((VRAM, "VRAM-resident"), (PINNED, "pinned RAM"), (STORAGE, "storage")):
             ls = self.layers(t)
-            lines.append(f"  {what:14s} {len(ls):4d} layers  {fmt_bytes(self.bytes(t)):>12s}  [{span(ls)}]")
+            lines.append(f"  {what:14s} {len(ls):4d} layers  {fmt_bytes(self.bytes(t)):>12s}  [{layer_span(ls)}]")
         lines.append(f"  VRAM use       {fmt_bytes(self.vram_bytes)} of {fmt_bytes(self.vram_limit)}: fixed "
                      f"{fmt_bytes(self.fixed_bytes)}, KV {fmt_bytes(self.kv_bytes)}, workspace "
                      f"{fmt_bytes(self.workspace_bytes)}, {self.depth} slots x {fmt_bytes(self.slot_bytes)}")
