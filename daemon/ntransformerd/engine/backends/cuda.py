@@ -198,6 +198,40 @@ class CudaWeights:
     def release(self, i: int) -> None:
         pass
 
+    describe = acquire  # layer i's fields, for their shapes and types
+
+    def decode_feed(self) -> "ResidentFeed":
+        return ResidentFeed(self)
+
+
+class ResidentFeed:
+    """How the captured decode step (cuda_decode.py) gets each layer's weights during a step.
+
+    This one serves resident weights; backends/cuda_stream.py has the streamed feeds. begin is
+    called on the step's stream at the start of every step body (inside a capture when the step
+    is captured), acquire/release around each layer's kernels; before_launch/after_launch run on
+    the host around each replay (never captured). capturable: the step may be a CUDA graph."""
+
+    capturable = True
+
+    def __init__(self, weights: CudaWeights):
+        self.weights = weights
+
+    def begin(self, stream) -> None:
+        pass
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        return self.weights.acquire(i)
+
+    def release(self, i: int) -> None:
+        pass
+
+    def before_launch(self, stream) -> None:
+        pass
+
+    def after_launch(self, stream) -> None:
+        pass
+
     @property
     def nbytes(self) -> int:
         n = self.token_embd.nbytes + (0 if self.output is self.token_embd else self.output.nbytes)

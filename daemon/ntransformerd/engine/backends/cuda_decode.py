@@ -28,7 +28,10 @@ class _Bufs:
 class DecodeGraphs:
     def __init__(self, ops: K.CudaOps, weights: K.CudaWeights, kv: K.CudaKVCache, *, use_graphs: bool = True):
         self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
-        self.use_graphs = use_graphs
+        # Where each layer's weights come from during a step: resident, or streamed slots whose
+        # copies are part of the step (backends/cuda_stream.py). Not every feed can be captured.
+        self.feed = weights.decode_feed()
+        self.use_graphs = use_graphs and self.feed.capturable
         self.stream = cp.cuda.Stream(non_blocking=True)
         c = self.cfg
         self.split_len = max(32, -(-kv.max_ctx // 64))
@@ -37,9 +40,10 @@ class DecodeGraphs:
         self._graphs: dict[int, object] = {}
         # Per layer, where q, k, v and gate, up land: (stack, piece index, first column) per name.
         # Layers may stack differently (Q4_K_M keeps attn_v in Q6_K on some layers only).
-        self._cols = [self._layout(weights.acquire(i)) for i in range(c.n_layers)]
-        self._pieces = sorted({(s, j, t.shape[0]) for i in range(c.n_layers)
-                               for s in ("qkv", "gate_up") for j, t in enumerate(getattr(weights.acquire(i), s))})
+        shapes = [weights.describe(i) for i in range(c.n_layers)]
+        self._cols = [self._layout(ly) for ly in shapes]
+        self._pieces = sorted({(s, j, t.shape[0]) for ly in shapes
+                               for s in ("qkv", "gate_up") for j, t in enumerate(getattr(ly, s))})
 
     @staticmethod
     def _layout(ly) -> dict:
@@ -79,8 +83,9 @@ class DecodeGraphs:
         c, w = self.cfg, self.w
         tok, slot, pos = b.io[0], b.io[1], b.io[2]
         K.dequantize_rows(w.token_embd, tok, out=b.x)  # (B, D)
+        self.feed.begin(self.stream)
         for i in range(c.n_layers):
-            ly = w.acquire(i)
+            ly = self.feed.acquire(i)
             K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h, q=b.hq)
             for j, t in enumerate(ly.qkv):
                 K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])], xq=b.hq)  # (B, q+kv+kv) in 1 to 3 pieces
@@ -107,6 +112,7 @@ class DecodeGraphs:
             assert ldg == ldu or ldu == c.d_ff  # one row stride serves both in swiglu
             K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff, q=b.actq)
             K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x, xq=b.actq)  # x += swiglu @ Wd.T
+            self.feed.release(i)
         K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h, q=b.hq)
         K.matvec(b.h, w.output, out=b.logits, xq=b.hq)
         K.argmax(b.logits, out=b.ids)
@@ -119,7 +125,9 @@ class DecodeGraphs:
             io = np.zeros((3, bk), np.int32)
             io[1] = self.kv.scratch_slot
             b.io.set(io)
+            self.feed.before_launch(self.stream)
             self._body(bk, b)  # compiles and loads every kernel before capture
+            self.feed.after_launch(self.stream)
             self.stream.synchronize()
             if self.use_graphs:
                 self.stream.begin_capture()
@@ -142,11 +150,13 @@ class DecodeGraphs:
         io[1] = self.kv.scratch_slot
         io[0, :n], io[1, :n], io[2, :n] = tokens, slots, pos
         with self.stream:
+            self.feed.before_launch(self.stream)
             b.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
             if graph is not None:
                 graph.launch(self.stream)
             else:
                 self._body(bk, b)
+            self.feed.after_launch(self.stream)
         self.kv.lengths[slots] += 1
         return b, n
 

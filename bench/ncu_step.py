@@ -1,0 +1,56 @@
+"""One eager decode step under the profiler (for `ncu --profile-from-start off`).
+
+    ncu --clock-control none --profile-from-start off --csv --metrics ... \
+        python bench/ncu_step.py --file llama3-8b-q4_k_m.gguf --batch 1
+Synthesizes the file if missing, captures and warms the decode step, then runs one eager step
+(the same kernels the graph replays) between cudaProfilerStart/Stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
+
+import cupy as cp  # noqa: E402
+
+from ntransformerd.engine.backends import cuda  # noqa: E402
+from ntransformerd.engine.backends.cuda_decode import BUCKETS, DecodeGraphs  # noqa: E402
+from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
+from ntransformerd.engine.synth import synthesize  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/ntx")
+    ap.add_argument("--type", default="q4_k_m")
+    ap.add_argument("--batch", type=int, default=1)
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    path = os.path.join(a.dir, f"llama3-8b-{a.type}.gguf")
+    if not os.path.exists(path):
+        synthesize(path, shape="llama3-8b", ftype=a.type, seed=0)
+    model = GGUFModel(path)
+    ops, weights = cuda.load(model)
+    kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=1024)
+    dec = DecodeGraphs(ops, weights, kv)
+    slots = [kv.alloc() for _ in range(a.batch)]
+    toks = np.arange(a.batch, dtype=np.int32) + 100
+    for _ in range(24):
+        toks = dec.step(slots, toks)
+    b = dec._bufs[next(m for m in BUCKETS if m >= a.batch)]
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.start()
+    with dec.stream:
+        dec._body(len(b.io[0]), b)
+    dec.stream.synchronize()
+    cp.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Where a captured decode step spends its time, kernel by kernel, in the real sequence.
+
+    python bench/profile_decode.py --dir /tmp/ntx --json out.json [--types q8_0 q4_k_m] [--batch 1 16]
+
+The step's kernels are queued eagerly behind a spin kernel (so the GPU runs them back to back,
+never waiting for Python), with a timing event after each launch; the gap between two events
+is that kernel's time inside the step, L2 state included (weights stream through once, as in
+real decode; a matrix timed alone in a loop would partly hit the 50 MB L2). Kernels are then
+grouped by (name, grid, weight bytes) and compared with their byte floors (bytes / the
+device-to-device bandwidth measured in the same run). The event gaps add ~1 µs per kernel;
+the captured graph's own step time is printed beside the sum for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
+
+import cupy as cp  # noqa: E402
+
+from ntransformerd.engine.backends import cuda  # noqa: E402
+from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
+from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
+from ntransformerd.engine.synth import synthesize  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from resident import copy_bandwidth  # noqa: E402
+
+SPIN = cp.RawKernel(r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}""", "spin")
+
+
+class Recorder:
+    """Wraps cuda.kernel so every launch is followed by an event (when on)."""
+
+    def __init__(self):
+        self.on = False
+        self.launches: list[tuple[str, tuple, int, object]] = []
+        self._orig = cuda.kernel
+
+    def install(self):
+        rec = self
+
+        def kernel(family, name):
+            fn = rec._orig(family, name)
+
+            def launch(grid, block, args):
+                fn(grid, block, args)
+                if rec.on:
+                    ptrs, nbytes = set(), 0
+                    if name.startswith(("mvq_", "matvec_", "dequant_rows")):
+                        for a in args[:4]:  # the weight planes
+                            if isinstance(a, cp.ndarray) and a.data.ptr not in ptrs:
+                                ptrs.add(a.data.ptr)
+                                nbytes += a.nbytes
+                    ev = cp.cuda.Event()
+                    ev.record()
+                    rec.launches.append((name, tuple(grid), nbytes, ev))
+            return launch
+
+        cuda.kernel = kernel
+
+
+def profile(dec: DecodeGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
+    slots = [kv.alloc() for _ in range(batch)]
+    try:
+        toks = np.arange(batch, dtype=np.int32) + 100
+        for _ in range(8):  # capture, warm-up, and some context
+            toks = dec.step(slots, toks)
+        reps = 16
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(dec.stream)
+        for _ in range(reps):
+            dec.launch(slots, toks)
+        b.record(dec.stream)
+        b.synchronize()
+        graph_ms = cp.cuda.get_elapsed_time(a, b) / reps
+        # The same step, eagerly, behind a spin kernel, an event after each launch.
+        buf = dec._bufs[next(m for m in (1, 2, 4, 8, 16, 32) if m >= batch)]
+        runs = []
+        for _ in range(3):
+            with dec.stream:
+                SPIN((1,), (1,), (np.int64(60_000_000),))  # ~30 ms: more than queuing the step takes
+                start = cp.cuda.Event()
+                start.record()
+                rec.launches.clear()
+                rec.on = True
+                dec._body(len(buf.io[0]), buf)
+                rec.on = False
+            dec.stream.synchronize()
+            t, prev = [], start
+            for name, grid, nbytes, ev in rec.launches:
+                t.append(cp.cuda.get_elapsed_time(prev, ev) * 1e3)
+                prev = ev
+            runs.append((list(rec.launches), t))
+        launches = runs[0][0]
+        times = np.median(np.array([r[1] for r in runs]), axis=0)
+    finally:
+        for s in slots:
+            kv.free(s)
+    groups: dict = collections.OrderedDict()
+    for (name, grid, nbytes, _), us in zip(launches, times):
+        g = groups.setdefault((name, grid, nbytes), {"kernel": name, "grid": list(grid), "bytes": nbytes,
+                                                     "count": 0, "us": 0.0})
+        g["count"] += 1
+        g["us"] += float(us)
+    rows = list(groups.values())
+    for g in rows:
+        g["us_each"] = g["us"] / g["count"]
+        g["floor_us_each"] = g["bytes"] / bw * 1e6 if g["bytes"] else None
+    total = float(times.sum())
+    floor = sum(g["bytes"] * g["count"] for g in rows) / bw * 1e3
+    return {"batch": batch, "graph_step_ms": graph_ms, "eager_sum_ms": total / 1e3, "kernels": len(times),
+            "weight_floor_ms": floor, "groups": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/ntx")
+    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--json", default="profile.json")
+    ap.add_argument("--max-ctx", type=int, default=1024)
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    bw = copy_bandwidth()
+    print(f"device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
+    rec = Recorder()
+    rec.install()
+    out = {"copy_bw_Bps": bw, "files": []}
+    for ftype in a.types:
+        path = os.path.join(a.dir, f"llama3-8b-{ftype}.gguf")
+        if not os.path.exists(path):
+            synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
+        model = GGUFModel(path)
+        ops, weights = cuda.load(model)
+        kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=a.max_ctx)
+        dec = DecodeGraphs(ops, weights, kv)
+        f = {"type": ftype, "profiles": []}
+        for b in a.batch:
+            p = profile(dec, kv, b, bw, rec)
+            f["profiles"].append(p)
+            print(f"\n{ftype} B={b}: graph step {p['graph_step_ms']:.3f} ms, eager kernels summed "
+                  f"{p['eager_sum_ms']:.3f} ms over {p['kernels']} kernels, weight floor {p['weight_floor_ms']:.3f} ms")
+            print(f"{'kernel':28s} {'grid':>14s} {'n':>3s} {'total us':>9s} {'each':>7s} {'floor':>7s} {'%bw':>5s}")
+            for g in sorted(p["groups"], key=lambda g: -g["us"]):
+                fl = g["floor_us_each"]
+                print(f"{g['kernel'][:28]:28s} {str(tuple(g['grid'])):>14s} {g['count']:3d} {g['us']:9.1f} "
+                      f"{g['us_each']:7.2f} {fl or 0:7.2f} {100 * fl / g['us_each'] if fl else 0:5.0f}")
+        out["files"].append(f)
+        del dec, ops, weights, kv, model
+        cp.get_default_memory_pool().free_all_blocks()
+    with open(a.json, "w") as fh:
+        json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
