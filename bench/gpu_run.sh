@@ -14,6 +14,8 @@ python3 -c "from ntransformerd.engine.backends import cuda; print('precompiled',
 echo "precompile $(( $(date +%s) - t0 )) s"
 timeout ${BENCH_TIMEOUT:-260} python3 bench/resident.py --dir /tmp/ntx --json "$OUT/resident.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench done at $(( $(date +%s) - t0 )) s"
+timeout ${PROFILE_TIMEOUT:-120} python3 bench/profile_decode.py --dir /tmp/ntx --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -60
+echo "profile done at $(( $(date +%s) - t0 )) s"
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
 for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= "$OUT/llama_build.log" 2>/dev/null && break; sleep 2; done

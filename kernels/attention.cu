@@ -1,28 +1,16 @@
 // Attention over the F16 KV cache (slots, max_ctx, n_kv, head_dim) of one layer.
 //
 // kv_append: row r's k and v (f32, row strides ldk, ldv) go to the cache at [slot[r], pos[r]].
-// attn_partial: one warp per (row, head, split); row r attends causally to positions
-//   split*split_len .. min(pos[r], split end) of its slot, online softmax; writes the split's
-//   max m, sum l and unnormalised output o, 8 positions per step. Splits beyond pos[r] write m = -inf.
-// attn_combine: one warp per (row, head) merges its splits into out (N, n_heads * head_dim).
-// head_dim is a multiple of 32, at most 256: each lane holds head_dim / 32 dims (lane + 32 i).
+// rope_kv (the decode step's): RoPE of q and k in place, and k, v appended to the cache, in one launch.
+// attn_partial<ND>: one warp per (row, head, split). Row r's positions 0..pos[r] are cut into
+//   n_splits splits of ceil((pos[r] + 1) / n_splits) positions, so a short context spreads over
+//   many warps as well as a long one; each warp runs an online softmax over its split, 8 positions
+//   per step, and writes the split's max m, sum l and unnormalised output o. Empty splits write
+//   m = -inf. Lane l holds dims l*ND .. l*ND+ND-1 (ND = head_dim / 32), loaded as one vector.
+// attn_combine: one warp per (row, head) merges the non-empty splits into out (N, n_heads * head_dim)
+//   and, with has_q, writes out quantized for the int8 matvecs (quant_act.cuh, prepended).
+// head_dim is a multiple of 32, at most 256.
 
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-typedef unsigned short u16;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 
 __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __restrict__ v, int ldv,
                           u16* kc, u16* vc, const int* __restrict__ slot, const int* __restrict__ pos,
@@ -37,33 +25,103 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
 
 #define MAXD 8
 
+// RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then k
+// and v to the cache at [slot[r], pos[r]]. Threads: rows × (q pairs + k pairs + v pairs).
+// Angles as in rope.cu (double, like the CPU reference).
+__global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, u16* kc, u16* vc,
+                        const int* __restrict__ slot, const int* __restrict__ pos, const double* __restrict__ freqs,
+                        int N, int n_heads, int n_kv, int head_dim, int rope_dim, int neox, int max_ctx) {
+    const int half = rope_dim / 2, hp = head_dim / 2;
+    const int qk_pairs = (n_heads + n_kv) * hp, per_row = qk_pairs + n_kv * hp;
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)N * per_row) return;
+    const int r = (int)(t / per_row), j = (int)(t % per_row);
+    const int kv_dim = n_kv * head_dim;
+    u16* kcr = kc + ((long long)slot[r] * max_ctx + pos[r]) * kv_dim;
+    if (j >= qk_pairs) {  // v: two elements
+        int e = 2 * (j - qk_pairs);
+        const float* vr = v + (long long)r * ldv;
+        u16* vcr = vc + ((long long)slot[r] * max_ctx + pos[r]) * kv_dim;
+        vcr[e] = f2h(vr[e]);
+        vcr[e + 1] = f2h(vr[e + 1]);
+        return;
+    }
+    const int h = j / hp, p = j % hp;  // head (q heads, then k heads), pair within the head
+    float* x = q + (long long)r * ld + (long long)h * head_dim;
+    int ia, ib;
+    float a, b;
+    if (p < half) {  // a rotated pair
+        ia = neox ? p : 2 * p;
+        ib = neox ? p + half : 2 * p + 1;
+        double s, c;
+        sincos((double)pos[r] * freqs[p], &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        const float x0 = x[ia], x1 = x[ib];
+        a = x0 * cf - x1 * sf;
+        b = x0 * sf + x1 * cf;
+        x[ia] = a;
+        x[ib] = b;
+    } else {  // the unrotated tail (rope_dim < head_dim)
+        ia = 2 * p;
+        ib = 2 * p + 1;
+        a = x[ia];
+        b = x[ib];
+    }
+    if (h >= n_heads) {
+        u16* kh = kcr + (h - n_heads) * head_dim;
+        kh[ia] = f2h(a);
+        kh[ib] = f2h(b);
+    }
+}
+
+// ND consecutive f16 (one vector load) as float.
+template <int ND> __device__ __forceinline__ void load_h(const u16* p, float* out) {
+    if constexpr (ND == 1) {
+        out[0] = h2f(*p);
+    } else if constexpr (ND == 2) {
+        u32 w = *(const u32*)p;
+        out[0] = h2f((u16)(w & 0xFFFF)); out[1] = h2f((u16)(w >> 16));
+    } else if constexpr (ND == 4) {
+        uint2 w = *(const uint2*)p;
+        out[0] = h2f((u16)(w.x & 0xFFFF)); out[1] = h2f((u16)(w.x >> 16));
+        out[2] = h2f((u16)(w.y & 0xFFFF)); out[3] = h2f((u16)(w.y >> 16));
+    } else {
+        uint4 w = *(const uint4*)p;
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { out[2 * i] = h2f((u16)(ws[i] & 0xFFFF)); out[2 * i + 1] = h2f((u16)(ws[i] >> 16)); }
+    }
+}
+
+template <int ND>
 __global__ void __launch_bounds__(128) attn_partial(
         const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ pm,
-        float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv, int head_dim,
-        int max_ctx, int split_len, int n_splits, float scale) {
-    int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    int split = blockIdx.y;
+        float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv, int max_ctx,
+        int n_splits, float scale) {
+    constexpr int HD = 32 * ND;
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int split = blockIdx.y;
     if (warp >= N * n_heads) return;
-    int r = warp / n_heads, h = warp % n_heads;
-    int kvh = h / (n_heads / n_kv);
-    int nd = head_dim >> 5;
-    long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-    int t0 = split * split_len, t1 = min(pos[r] + 1, t0 + split_len);
+    const int r = warp / n_heads, h = warp % n_heads;
+    const int kvh = h / (n_heads / n_kv);
+    const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
+    const int len = pos[r] + 1, sl = (len + n_splits - 1) / n_splits;
+    const int t0 = split * sl, t1 = min(len, t0 + sl);
     if (t0 >= t1) {
         if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
         return;
     }
-    float qv[MAXD], o[MAXD];
-    const float* qr = q + (long long)r * ldq + (long long)h * head_dim;
+    float qv[ND], o[ND];
+    const float* qr = q + (long long)r * ldq + (long long)h * HD + lane * ND;
 #pragma unroll
-    for (int i = 0; i < MAXD; ++i) { qv[i] = i < nd ? qr[lane + 32 * i] * scale : 0.f; o[i] = 0.f; }
+    for (int i = 0; i < ND; ++i) { qv[i] = qr[i] * scale; o[i] = 0.f; }
     float m = -INFINITY, l = 0.f;
-    long long kv_dim = (long long)n_kv * head_dim;
-    const u16* kb = kc + (long long)slot[r] * max_ctx * kv_dim + kvh * head_dim + lane;
-    const u16* vb = vc + (long long)slot[r] * max_ctx * kv_dim + kvh * head_dim + lane;
-    // CH positions per step: their K and V loads are independent and issued together, so a
-    // split costs a few memory latencies instead of one per position.
+    const long long kv_dim = (long long)n_kv * HD;
+    const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
+    const u16* kb = kc + base;
+    const u16* vb = vc + base;
+    // CH positions per step: their K loads (then V loads) are independent and issued together.
     constexpr int CH = 8;
     for (int t = t0; t < t1; t += CH) {
         float s[CH];
@@ -71,9 +129,10 @@ __global__ void __launch_bounds__(128) attn_partial(
         for (int j = 0; j < CH; ++j) {
             s[j] = 0.f;
             if (t + j < t1) {
-                const u16* kt = kb + (long long)(t + j) * kv_dim;
+                float kv[ND];
+                load_h<ND>(kb + (long long)(t + j) * kv_dim, kv);
 #pragma unroll
-                for (int i = 0; i < MAXD; ++i) if (i < nd) s[j] = fmaf(qv[i], h2f(kt[32 * i]), s[j]);
+                for (int i = 0; i < ND; ++i) s[j] = fmaf(qv[i], kv[i], s[j]);
             }
         }
 #pragma unroll
@@ -83,51 +142,66 @@ __global__ void __launch_bounds__(128) attn_partial(
         float mn = m;
 #pragma unroll
         for (int j = 0; j < CH; ++j) if (t + j < t1) mn = fmaxf(mn, s[j]);
-        float corr = __expf(m - mn);
+        const float corr = __expf(m - mn);
         l *= corr;
 #pragma unroll
-        for (int i = 0; i < MAXD; ++i) o[i] *= corr;
+        for (int i = 0; i < ND; ++i) o[i] *= corr;
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
             if (t + j < t1) {
-                float p = __expf(s[j] - mn);
+                const float p = __expf(s[j] - mn);
                 l += p;
-                const u16* vt = vb + (long long)(t + j) * kv_dim;
+                float vv[ND];
+                load_h<ND>(vb + (long long)(t + j) * kv_dim, vv);
 #pragma unroll
-                for (int i = 0; i < MAXD; ++i) if (i < nd) o[i] = fmaf(p, h2f(vt[32 * i]), o[i]);
+                for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[i], o[i]);
             }
         }
         m = mn;
     }
     if (lane == 0) { pm[pidx] = m; pl[pidx] = l; }
-    float* orow = po + pidx * head_dim;
+    float* orow = po + pidx * HD + lane * ND;
 #pragma unroll
-    for (int i = 0; i < MAXD; ++i) if (i < nd) orow[lane + 32 * i] = o[i];
+    for (int i = 0; i < ND; ++i) orow[i] = o[i];
 }
 
 __global__ void __launch_bounds__(128) attn_combine(
         const float* __restrict__ pm, const float* __restrict__ pl, const float* __restrict__ po,
-        float* __restrict__ out, int N, int n_heads, int head_dim, int n_splits) {
-    int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+        float* __restrict__ out, const int* __restrict__ pos, int N, int n_heads, int head_dim, int n_splits,
+        signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
+    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (warp >= N * n_heads) return;
-    long long base = (long long)warp * n_splits;
+    const int r = warp / n_heads;
+    const int len = pos[r] + 1, sl = (len + n_splits - 1) / n_splits;
+    const int active = (len + sl - 1) / sl;  // the non-empty splits
+    const long long base = (long long)warp * n_splits;
     float M = -INFINITY;
-    for (int s = 0; s < n_splits; ++s) M = fmaxf(M, pm[base + s]);
-    int nd = head_dim >> 5;
-    float acc[MAXD], L = 0.f;
+    for (int s = lane; s < active; s += 32) M = fmaxf(M, pm[base + s]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.f;
+    for (int s = lane; s < active; s += 32) L = fmaf(__expf(pm[base + s] - M), pl[base + s], L);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    const int nd = head_dim >> 5;
+    float acc[MAXD];
 #pragma unroll
     for (int i = 0; i < MAXD; ++i) acc[i] = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-        float ms = pm[base + s];
-        if (ms == -INFINITY) continue;
-        float w = __expf(ms - M);
-        L = fmaf(w, pl[base + s], L);
+#pragma unroll 4
+    for (int s = 0; s < active; ++s) {
+        const float w = __expf(pm[base + s] - M);
         const float* os = po + (base + s) * head_dim;
 #pragma unroll
         for (int i = 0; i < MAXD; ++i) if (i < nd) acc[i] = fmaf(w, os[lane + 32 * i], acc[i]);
     }
-    float inv = 1.0f / L;
-    float* orow = out + (long long)warp * head_dim;  // (r, h) → r * n_heads * hd + h * hd
+    const float inv = 1.0f / L;
+    const long long row0 = (long long)warp * head_dim;  // (r, h) → r * n_heads * hd + h * hd
 #pragma unroll
-    for (int i = 0; i < MAXD; ++i) if (i < nd) orow[lane + 32 * i] = acc[i] * inv;
+    for (int i = 0; i < MAXD; ++i) {
+        if (i < nd) {
+            const float v = acc[i] * inv;
+            out[row0 + lane + 32 * i] = v;
+            if (has_q) quant32(v, qh, ql, qd, qs, row0 + lane + 32 * i, (row0 >> 5) + i);  // one 32-group per i
+        }
+    }
 }

@@ -11,20 +11,7 @@
 // Dequantization rounds each product separately (__fmul_rn/__fadd_rn), as numpy does, so the
 // result is bit-identical to gguf.quants.dequantize.
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+// u8/u16/u32, h2f and f2h are in common.cuh (prepended by the loader).
 __device__ __forceinline__ float ld_h(const u8* p) { return h2f((u16)(p[0] | (p[1] << 8))); }
 
 struct Planes {
@@ -513,4 +500,257 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
         }
     }
     mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
+}
+
+// ---- tensor-core matvec for batches (B = 4..32 rows): int8 mma.sync on the QAct levels -----
+// The dp4a kernels above cost two dp4a per weight word per batch row, so at B = 16 they are
+// bound by instruction issue, not bandwidth. Here each group of 32 (Q6_K: 16) weights of 16 rows
+// meets 8 batch rows in one mma.sync (m16n8k32 / m16n8k16, s8 × s8 → s32), once for the hi and
+// once for the lo activation level; the per-group scales are applied to the int32 results.
+// K order inside an mma is free as long as A and B agree: thread t of a quad takes the 8
+// consecutive elements 8t..8t+7 of a group (one 8-byte load for weights and for x), its first
+// register holding 8t..8t+3 and its second 8t+4..8t+7, for A and B alike.
+// Block: MW = 8 warps over the same 32 rows (two 16-row tiles); warp w takes K units w, w + 8,
+// ...; the partial sums meet in shared memory. NT = ceil(B / 8) tiles of 8 batch rows.
+
+#define MW 8
+
+__device__ __forceinline__ void mma_k32(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// The activation fragments of NT batch tiles at element k: W bytes (8 or 4) of hi and lo of
+// batch row nt*8 + g (zeros past nb), and the scale d (and sum s) of that element's group for
+// the two batch rows this thread's results belong to (nt*8 + 2t, + 1).
+template <int NT> struct XFrag {
+    uint2 h[NT], l[NT];
+    float d[NT][2], s[NT][2];
+};
+
+template <int NT, bool SUMS>
+__device__ __forceinline__ void load_x(XFrag<NT>& x, const signed char* __restrict__ xh, const signed char* __restrict__ xl,
+                                       const float* __restrict__ xd, const float* __restrict__ xs, int K, int nb,
+                                       long long k, int bytes) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const long long grp = k >> 5;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int b = nt * 8 + g;
+        if (b < nb) {
+            if (bytes == 8) {
+                x.h[nt] = *(const uint2*)(xh + (long long)b * K + k);
+                x.l[nt] = *(const uint2*)(xl + (long long)b * K + k);
+            } else {
+                x.h[nt].x = *(const u32*)(xh + (long long)b * K + k);
+                x.l[nt].x = *(const u32*)(xl + (long long)b * K + k);
+                x.h[nt].y = x.l[nt].y = 0;
+            }
+        } else {
+            x.h[nt] = x.l[nt] = make_uint2(0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int bc = nt * 8 + 2 * t + j;
+            x.d[nt][j] = bc < nb ? xd[(long long)bc * (K / 32) + grp] : 0.f;
+            x.s[nt][j] = SUMS && bc < nb ? xs[(long long)bc * (K / 32) + grp] : 0.f;
+        }
+    }
+}
+
+// acc[mt][nt][i] += dw[mt][i / 2] * xd * (hi + lo / 254) - mw[mt][i / 2] * xs for one group.
+template <int NT, bool MIN>
+__device__ __forceinline__ void mma_epilogue(float (&acc)[2][NT][4], const int (&ch)[4], const int (&cl)[4], int mt,
+                                             int nt, const float (&dw)[2], const float (&mw)[2], const XFrag<NT>& x) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float v = fmaf(dw[i >> 1] * x.d[nt][i & 1], mix(ch[i], cl[i]), acc[mt][nt][i]);
+        acc[mt][nt][i] = MIN ? fmaf(-mw[i >> 1], x.s[nt][i & 1], v) : v;
+    }
+}
+
+// The warps' partial sums → y (+ res). Every thread of the block must call it.
+template <int NT>
+__device__ __forceinline__ void mma_store(float (&acc)[2][NT][4], const float* res, float* y, int N, int row0, int nb) {
+    __shared__ float red[MW][32][NT * 8];
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][mt * 16 + g + 8 * (i >> 1)][nt * 8 + 2 * t + (i & 1)] = acc[mt][nt][i];
+    __syncthreads();
+    for (int o = threadIdx.x; o < 32 * NT * 8; o += MW * 32) {
+        const int r = o / (NT * 8), b = o % (NT * 8);
+        if (row0 + r >= N || b >= nb) continue;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < MW; ++w) s += red[w][r][b];
+        const long long yi = (long long)b * N + row0 + r;
+        y[yi] = s + (res ? res[yi] : 0.f);
+    }
+}
+
+#define MMA_PROLOGUE                                                                      \
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3; \
+    const int row0 = blockIdx.x * 32;                                                     \
+    long long rows[2][2];                                                                 \
+    for (int mt = 0; mt < 2; ++mt)                                                        \
+        for (int hh = 0; hh < 2; ++hh) rows[mt][hh] = min(row0 + mt * 16 + g + 8 * hh, N - 1); \
+    float acc[2][NT][4];                                                                  \
+    for (int mt = 0; mt < 2; ++mt)                                                        \
+        for (int nt = 0; nt < NT; ++nt)                                                   \
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+// Q8_0 on planes: a K unit is one 32-group.
+template <int NT>
+__global__ void __launch_bounds__(MW * 32) mma_q8_0(MVQ_ARGS) {
+    MMA_PROLOGUE
+    const float nomin[2] = {0.f, 0.f};
+    for (int grp = warp; grp < K / 32; grp += MW) {
+        const long long k = (long long)grp * 32 + 8 * t;
+        uint2 w[2][2];
+        float dw[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                w[mt][hh] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + k));
+                dw[mt][hh] = h2f(__ldg((const u16*)p1 + rows[mt][hh] * (K / 32) + grp));
+            }
+        XFrag<NT> x;
+        load_x<NT, false>(x, xh, xl, xd, xs, K, nb, k, 8);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                int ch[4], cl[4];
+                mma_k32(ch, w[mt][0].x, w[mt][1].x, w[mt][0].y, w[mt][1].y, x.h[nt].x, x.h[nt].y);
+                mma_k32(cl, w[mt][0].x, w[mt][1].x, w[mt][0].y, w[mt][1].y, x.l[nt].x, x.l[nt].y);
+                mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw[mt], nomin, x);
+            }
+    }
+    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
+}
+
+// Q4_K on raw 144-byte blocks: a K unit is one 256-block; its qs pair p (32 bytes) holds
+// sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i.
+template <int NT>
+__global__ void __launch_bounds__(MW * 32) mma_q4_k(MVQ_ARGS) {
+    MMA_PROLOGUE
+    const int nblk = K / 256;
+    for (int blk = warp; blk < nblk; blk += MW) {
+        uint4 hd[2][2];
+        uint2 qv[2][2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const u8* b = p0 + (rows[mt][hh] * nblk + blk) * 144;
+                hd[mt][hh] = __ldg((const uint4*)b);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) qv[mt][hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
+            }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // sub-block
+            const int p = j >> 1, sh = 4 * (j & 1);
+            XFrag<NT> x;
+            load_x<NT, true>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 32 * j + 8 * t, 8);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                float dw[2], mw[2];
+                u32 a[2][2];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    int sc, m;
+                    k_scale_min_regs(hd[mt][hh].y, hd[mt][hh].z, hd[mt][hh].w, j, sc, m);
+                    dw[hh] = h2f((u16)(hd[mt][hh].x & 0xFFFF)) * sc;
+                    mw[hh] = h2f((u16)(hd[mt][hh].x >> 16)) * m;
+                    a[hh][0] = (qv[mt][hh][p].x >> sh) & 0x0F0F0F0Fu;
+                    a[hh][1] = (qv[mt][hh][p].y >> sh) & 0x0F0F0F0Fu;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    int ch[4], cl[4];
+                    mma_k32(ch, a[0][0], a[1][0], a[0][1], a[1][1], x.h[nt].x, x.h[nt].y);
+                    mma_k32(cl, a[0][0], a[1][0], a[0][1], a[1][1], x.l[nt].x, x.l[nt].y);
+                    mma_epilogue<NT, true>(acc, ch, cl, mt, nt, dw, mw, x);
+                }
+            }
+        }
+    }
+    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
+}
+
+// Q6_K on planes: a K unit is one 256-block, in 16-element sub-blocks (one scale each), so
+// k16 mmas; thread t takes elements 4t..4t+3 of each. Sub-block s = nh*8 + quarter*2 + lh holds
+// l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes).
+template <int NT>
+__global__ void __launch_bounds__(MW * 32) mma_q6_k(MVQ_ARGS) {
+    MMA_PROLOGUE
+    const int nblk = K / 256;
+    for (int blk = warp; blk < nblk; blk += MW) {
+        float d[2][2];
+        uint4 sc16[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const long long r = rows[mt][hh];
+                d[mt][hh] = h2f(__ldg((const u16*)p3 + r * nblk + blk));
+                sc16[mt][hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
+            }
+#pragma unroll 1
+        for (int nl = 0; nl < 4; ++nl) {  // (half nh, l-half lh); not unrolled: registers
+            const int nh = nl >> 1, lh = nl & 1;
+            u32 q[2][2][4];  // [mt][hh][quarter]: q - 32 as signed bytes
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const long long r = rows[mt][hh];
+                    const u8* ql = p0 + r * (K / 2) + blk * 128 + nh * 64 + 16 * lh + 4 * t;
+                    const u32 l0 = __ldg((const u32*)ql), l1 = __ldg((const u32*)(ql + 32));
+                    const u32 h = __ldg((const u32*)(p1 + r * (K / 4) + blk * 64 + nh * 32 + 16 * lh + 4 * t));
+                    q[mt][hh][0] = __vsub4((l0 & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), 0x20202020u);
+                    q[mt][hh][1] = __vsub4((l1 & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u), 0x20202020u);
+                    q[mt][hh][2] = __vsub4(((l0 >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), 0x20202020u);
+                    q[mt][hh][3] = __vsub4(((l1 >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
+                }
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {
+                const int s = nh * 8 + qq * 2 + lh;
+                XFrag<NT> x;
+                load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 16 * s + 4 * t, 4);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    float dw[2];
+                    const float nomin[2] = {0.f, 0.f};
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const u32 word = s < 4 ? sc16[mt][hh].x : s < 8 ? sc16[mt][hh].y : s < 12 ? sc16[mt][hh].z : sc16[mt][hh].w;
+                        dw[hh] = d[mt][hh] * (float)(signed char)((word >> (8 * (s & 3))) & 0xFF);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        int ch[4], cl[4];
+                        mma_k16(ch, q[mt][0][qq], q[mt][1][qq], x.h[nt].x);
+                        mma_k16(cl, q[mt][0][qq], q[mt][1][qq], x.l[nt].x);
+                        mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw, nomin, x);
+                    }
+                }
+            }
+        }
+    }
+    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }

@@ -1,8 +1,5 @@
 // Greedy sampling on the device: out[r] = argmax(logits[r]), lowest index on ties (np.argmax).
 
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
 
 __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int V) {
     const float* l = logits + (long long)blockIdx.x * V;

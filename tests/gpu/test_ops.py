@@ -125,3 +125,51 @@ def test_attention(head_dim, n_heads, n_kv, lens):
     assert rel(got, ref) < 1e-4
     end = max(st + m for st, m in lens)
     np.testing.assert_array_equal(kv.layer(0).k[:n_slots, :end].get(), ref_kv.layer(0).k[:, :end])
+
+
+@pytest.mark.parametrize("n_splits", (1, 7, 64))
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,rope_dim,neox", ((64, 8, 2, 64, False), (128, 32, 8, 128, False),
+                                                                 (128, 4, 4, 64, True), (32, 2, 1, 32, True)))
+def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_splits):
+    """The captured step's path: RoPE + cache append in one launch (rope_kv_) on a stacked q|k|v
+    buffer, then attention over any number of splits writing its output quantized too; against
+    the CPU reference's rope + attention, and the quantized output against quantizing it."""
+    rng = np.random.default_rng()
+    cfg = config(head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv, d_model=head_dim * n_heads,
+                 rope_dim=rope_dim, rope_neox=neox, rope_base=500000.0)
+    lens = [(0, 1), (5, 1), (769, 1), (3000, 1)]  # history, one new token each
+    n_slots = len(lens)
+    ref_kv = KVCache(cfg, n_slots=n_slots, max_ctx=3008, dtype="f16")
+    kv = cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=3008)
+    for s, (start, _) in enumerate(lens):
+        hk = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        hv = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        ref_kv.layer(0).write(s, 0, hk, hv)
+        kv.layer(0).k[s, :start] = cp.asarray(hk)
+        kv.layer(0).v[s, :start] = cp.asarray(hv)
+    batch = Batch.of([Segment(s, start, rng.integers(0, 100, 1)) for s, (start, _) in enumerate(lens)])
+    n = len(lens)
+    qkv = rng.standard_normal((n, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+    q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+    ref_ops = cpu.CpuOps(cfg)
+    table = ref_ops.rope_table(batch.positions)
+    ref = ref_ops.attention(ref_ops.rope(q, table, n_heads), ref_ops.rope(k, table, n_kv), v, ref_kv.layer(0), batch)
+
+    ops = cuda.CudaOps(cfg)
+    dq = cp.asarray(qkv)
+    slots = cp.arange(n, dtype=cp.int32)
+    pos = cp.asarray(batch.positions.astype(np.int32))
+    ld = qkv.shape[1]
+    cuda.rope_kv_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], pos, slots, ops.freqs, kv.layer(0), cfg, n=n, ld=ld, ldv=ld)
+    out = cp.full((n, cfg.q_dim), np.nan, cp.float32)
+    qa = cuda.QAct(n, cfg.q_dim)
+    cuda.attention_(dq, dq[:, cfg.q_dim:], dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, cfg, n=n,
+                    n_splits=n_splits, ldq=ld, ldk=ld, ldv=ld, out=out, scratch=cuda.attention_scratch(n, cfg, n_splits),
+                    append=False, q_out=qa)
+    assert rel(out.get(), ref) < 1e-4
+    assert rel(dq[:, :cfg.q_dim].get(), ref_ops.rope(q, table, n_heads)) < 1e-6
+    end = max(st + m for st, m in lens)
+    # k is rotated on both sides (f32 arithmetic may round differently before the f16 store)
+    assert rel(kv.layer(0).k[:n_slots, :end].get().astype(np.float32), ref_kv.layer(0).k[:, :end].astype(np.float32)) < 1e-3
+    np.testing.assert_array_equal(kv.layer(0).v[:n_slots, :end].get(), ref_kv.layer(0).v[:, :end])
+    assert same_qact(qa, cuda.quantize(out, cuda.QAct(n, cfg.q_dim)))

@@ -76,7 +76,7 @@ def test_dequantize_bit_exact(qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype,n,k", list(cases()), ids=lambda v: getattr(v, "name", str(v)))
-@pytest.mark.parametrize("b", (1, 3, 16, 32))
+@pytest.mark.parametrize("b", (1, 2, 3, 8, 9, 16, 32))  # dp4a for 1-2 rows, tensor cores from 3 (bucket 4)
 def test_matvec(qtype, n, k, b):
     rng = np.random.default_rng()
     raw = random_tensor(rng, qtype, n, k)

@@ -9,8 +9,9 @@ F16. The captured decode step (CUDA graphs) lives in cuda_decode.py.
 
 For Q8_0, Q4_K and Q6_K the fused multiply reads the activations quantized (QAct: two int8
 levels per element and a scale per 32, about 2^-15 of each group's largest value, see
-kernels/quant_act.cuh) and multiplies with int8 dot products; the CPU reference stays float32
-and the tests compare within that tolerance.
+kernels/quant_act.cuh) and multiplies with int8 dot products (dp4a for batches of 1-2 rows,
+int8 tensor-core mma.sync from 4 rows); the CPU reference stays float32 and the tests compare
+within that tolerance.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ KERNEL_DIR = os.environ.get("NTX_KERNEL_DIR") or os.path.join(
 MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multiply
 MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
+MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
+MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
-PRELUDE = {"quant": "quant_act.cuh", "norm": "quant_act.cuh", "activation": "quant_act.cuh"}
+PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
+           "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
 
 def available() -> bool:
@@ -64,10 +68,9 @@ def kernel(family: str, name: str):
     fn = _modules.get(key)
     if fn is None:
         src = ""
-        for fn_ in (PRELUDE.get(family), f"{family}.cu"):  # the prelude's text is part of the cache key
-            if fn_:
-                with open(os.path.join(KERNEL_DIR, fn_)) as f:
-                    src += f.read() + "\n"
+        for fn_ in ("common.cuh", *PRELUDE.get(family, ()), f"{family}.cu"):  # all of it is the cache key
+            with open(os.path.join(KERNEL_DIR, fn_)) as f:
+                src += f.read() + "\n"
         mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=[name])
         fn = _modules[key] = mod.get_function(name)
     return fn
@@ -328,6 +331,10 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         xq = quantize(x, _scratch_qact(bucket, k), n=b)
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
+    if bucket >= MMA_MIN_BUCKET:  # 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
+        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((_blocks(n, 32),), (256,), (
+            *w.ptrs(), *xq.args(), *res_args))
+        return out
     r = ROWS_PER_WARP[bucket]
     kernel("quant", f"{name}<{r},{bucket}>")((_blocks(n, 4 * r),), (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
@@ -359,8 +366,8 @@ def rms_norm(x, w, eps: float, *, out=None, q: QAct | None = None):
     if w.shape[0] != x.shape[1]:
         raise ValueError(f"rms_norm: x {x.shape}, w {w.shape}")
     out = cp.empty_like(x) if out is None else out
-    kernel("norm", "rms_norm")((x.shape[0],), (256,), (x, w, out, np.int32(x.shape[1]), np.float32(eps),
-                                                       *_q_args(q, x.shape[0], x.shape[1], "rms_norm")))
+    kernel("norm", "rms_norm")((_blocks(x.shape[1], 1024), x.shape[0]), (1024,), (
+        x, w, out, np.int32(x.shape[1]), np.float32(eps), *_q_args(q, x.shape[0], x.shape[1], "rms_norm")))
     return out
 
 
@@ -404,33 +411,50 @@ def argmax(logits, *, out=None):
     return out
 
 
-def attention_splits(n_rows: int, n_heads: int, max_pos: int) -> tuple[int, int]:
-    """(split_len, n_splits): one split when rows × heads already fill the GPU (prefill),
-    else ~32 positions per split so a single sequence's long context spreads over many warps."""
+ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances
+
+
+def attention_splits(n_rows: int, n_heads: int, max_pos: int) -> int:
+    """How many splits a row's positions are cut into: one when rows × heads already fill the
+    GPU (prefill), else enough that each holds ~16 positions of the longest row, at most 64."""
     if n_rows * n_heads >= 4096:
-        return max_pos + 1, 1
-    split = max(32, -(-(max_pos + 1) // 128))
-    return split, -(-(max_pos + 1) // split)
+        return 1
+    return min(64, -(-(max_pos + 1) // 16))
 
 
-def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, split_len: int, n_splits: int,
-               ldq: int, ldk: int, ldv: int, out, scratch: tuple):
-    """Append k, v at (slot, pos) then causal GQA attention of q's rows; writes out (n, H*hd)."""
+def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
+               ldq: int, ldk: int, ldv: int, out, scratch: tuple, append: bool = True, q_out: QAct | None = None):
+    """Append k, v at (slot, pos) (unless already there: append=False) then causal GQA attention
+    of q's rows; writes out (n, H*hd), and with q_out that output quantized too."""
     if cfg.head_dim % 32 or cfg.head_dim > 256:
         raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
     kc, vc = kv_layer.k, kv_layer.v
     max_ctx = kc.shape[1]
-    kernel("attention", "kv_append")((_blocks(n * cfg.kv_dim, 256),), (256,), (
-        k, np.int32(ldk), v, np.int32(ldv), kc, vc, slots, pos, np.int32(n), np.int32(cfg.kv_dim), np.int32(max_ctx)))
+    if append:
+        kernel("attention", "kv_append")((_blocks(n * cfg.kv_dim, 256),), (256,), (
+            k, np.int32(ldk), v, np.int32(ldv), kc, vc, slots, pos, np.int32(n), np.int32(cfg.kv_dim),
+            np.int32(max_ctx)))
     pm, pl, po = scratch
     warps = n * cfg.n_heads
-    kernel("attention", "attn_partial")((_blocks(warps, 4), n_splits), (128,), (
+    kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((_blocks(warps, 4), n_splits), (128,), (
         q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
-        np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(max_ctx), np.int32(split_len),
-        np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
+        np.int32(cfg.n_kv_heads), np.int32(max_ctx), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
     kernel("attention", "attn_combine")((_blocks(warps, 4),), (128,), (
-        pm, pl, po, out, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits)))
+        pm, pl, po, out, pos, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits),
+        *_q_args(q_out, n, cfg.q_dim, "attention")))
     return out
+
+
+def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, ld: int, ldv: int):
+    """The decode step's RoPE + cache append in one launch: rows of qkv (row stride ld) hold q
+    then k; both are rotated in place, and k and v (rows of v, stride ldv) go to the cache."""
+    kc, vc = kv_layer.k, kv_layer.v
+    _check(pos, cp.int32, 1, "rope_kv positions")
+    per_row = (cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.head_dim // 2)
+    kernel("attention", "rope_kv")((_blocks(n * per_row, 256),), (256,), (
+        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, np.int32(n), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
+        np.int32(kc.shape[1])))
 
 
 def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int) -> tuple:
@@ -484,10 +508,10 @@ class CudaOps:
         c = self.cfg
         slots, pos = self._rows(batch)
         n = q.shape[0]
-        split_len, n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()))
+        n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()))
         out = cp.empty((n, c.q_dim), cp.float32)
         return attention_(cp.ascontiguousarray(q), cp.ascontiguousarray(k), cp.ascontiguousarray(v), kv_layer,
-                          slots, pos, c, n=n, split_len=split_len, n_splits=n_splits, ldq=c.q_dim,
+                          slots, pos, c, n=n, n_splits=n_splits, ldq=c.q_dim,
                           ldk=c.kv_dim, ldv=c.kv_dim, out=out, scratch=attention_scratch(n, c, n_splits))
 
 
@@ -546,10 +570,14 @@ def kernel_names() -> list[tuple[str, str]]:
     types = (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
     names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
     for b in MATVEC_BUCKETS:
-        names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b}>") for n in FAST_MATVEC.values()]
+        if b >= MMA_MIN_BUCKET:
+            names += [("quant", f"{n}<{b // 8 or 1}>") for n in MMA_MATVEC.values()]
+        else:
+            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b}>") for n in FAST_MATVEC.values()]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
-              ("attention", "kv_append"), ("attention", "attn_partial"), ("attention", "attn_combine")]
+              ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
+    names += [("attention", f"attn_partial<{nd}>") for nd in ATTN_ND]
     return names
 
 

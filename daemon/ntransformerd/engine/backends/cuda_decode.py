@@ -6,9 +6,9 @@ once per bucket and replayed: Python then pays one small host→device copy (tok
 position of each row), one graph launch and one device→host copy of the token ids per step.
 Differences from model.forward, all load-time or buffer-level: q/k/v and gate/up of one
 type are stacked and multiplied once; the residual adds are the matvec epilogue (x += W a);
-rows of a bucket beyond the live batch run on the cache's scratch slot; RMSNorm and SwiGLU also
-write their output quantized (QAct) for the int8 matvecs; RoPE of q and k is one launch when k
-follows q in the stack.
+rows of a bucket beyond the live batch run on the cache's scratch slot; RMSNorm, attention and
+SwiGLU also write their output quantized (QAct) for the int8 matvecs; RoPE of q and k and the
+cache append are one launch when k follows q in the stack.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs and self.feed.capturable
         self.stream = cp.cuda.Stream(non_blocking=True)
         c = self.cfg
-        self.split_len = max(32, -(-kv.max_ctx // 64))
-        self.n_splits = -(-kv.max_ctx // self.split_len)
+        self.n_splits = min(64, kv.max_ctx)  # attention splits per (row, head); see kernels/attention.cu
         self._bufs: dict[int, _Bufs] = {}
         self._graphs: dict[int, object] = {}
         # Per layer, where q, k, v and gate, up land: (stack, piece index, first column) per name.
@@ -93,16 +92,15 @@ class DecodeGraphs:
             k, ldk = self._view(b, i, "attn_k")
             v, ldv = self._view(b, i, "attn_v")
             cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
-            if cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim:  # k right after q: one launch
-                K.rope_(q, pos, self.ops.freqs, c, c.n_heads + c.n_kv_heads, n=bk, ld=ldq)
+            fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q: RoPE + append in one launch
+            if fused:
+                K.rope_kv_(q, v, pos, slot, self.ops.freqs, self.kv.layer(i), c, n=bk, ld=ldq, ldv=ldv)
             else:
                 K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
                 K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
-            K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, split_len=self.split_len,
-                         n_splits=self.n_splits, ldq=ldq, ldk=ldk, ldv=ldv, out=b.att, scratch=b.scratch)
-            attq = None
-            if ly.attn_output.qtype in K.FAST_MATVEC:
-                attq = K.quantize(b.att, b.attq)
+            attq = b.attq if ly.attn_output.qtype in K.FAST_MATVEC else None  # attention writes it quantized too
+            K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
+                         ldv=ldv, out=b.att, scratch=b.scratch, append=not fused, q_out=attq)
             K.matvec(b.att, ly.attn_output, out=b.x, res=b.x, xq=attq)  # x += attn @ Wo.T
             K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h, q=b.hq)
             for j, t in enumerate(ly.gate_up):
