@@ -25,6 +25,12 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
 
 #define MAXD 8
 
+// Positions per split for a row of len positions: at least 8 (one step of attn_partial's
+// position loop costs about the same for 1 or 8 positions), else an even share of n_splits.
+__device__ __forceinline__ int split_len(int len, int n_splits) {
+    return max(8, (len + n_splits - 1) / n_splits);
+}
+
 // RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then k
 // and v to the cache at [slot[r], pos[r]]. Threads: rows × (q pairs + k pairs + v pairs).
 // Angles as in rope.cu (double, like the CPU reference).
@@ -106,7 +112,7 @@ __global__ void __launch_bounds__(128) attn_partial(
     const int r = warp / n_heads, h = warp % n_heads;
     const int kvh = h / (n_heads / n_kv);
     const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-    const int len = pos[r] + 1, sl = (len + n_splits - 1) / n_splits;
+    const int len = pos[r] + 1, sl = split_len(len, n_splits);
     const int t0 = split * sl, t1 = min(len, t0 + sl);
     if (t0 >= t1) {
         if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
@@ -165,22 +171,25 @@ __global__ void __launch_bounds__(128) attn_partial(
     for (int i = 0; i < ND; ++i) orow[i] = o[i];
 }
 
+// One 128-thread block per (row, head): the four warps take splits w, w + 4, ... (each lane its
+// dims lane + 32 i), the split weights exp(m_s - M) computed once per split by the lanes, and the
+// warps' sums meet in shared memory.
 __global__ void __launch_bounds__(128) attn_combine(
         const float* __restrict__ pm, const float* __restrict__ pl, const float* __restrict__ po,
         float* __restrict__ out, const int* __restrict__ pos, int N, int n_heads, int head_dim, int n_splits,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (warp >= N * n_heads) return;
-    const int r = warp / n_heads;
-    const int len = pos[r] + 1, sl = (len + n_splits - 1) / n_splits;
-    const int active = (len + sl - 1) / sl;  // the non-empty splits
-    const long long base = (long long)warp * n_splits;
-    float M = -INFINITY;
-    for (int s = lane; s < active; s += 32) M = fmaxf(M, pm[base + s]);
+    const int rh = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = rh / n_heads;
+    const int len = pos[r] + 1, sl = split_len(len, n_splits);
+    const int active = (len + sl - 1) / sl;  // the non-empty splits (≤ n_splits ≤ 64)
+    const long long base = (long long)rh * n_splits;
+    const float m0 = lane < active ? pm[base + lane] : -INFINITY;
+    const float m1 = lane + 32 < active ? pm[base + lane + 32] : -INFINITY;
+    float M = fmaxf(m0, m1);
 #pragma unroll
     for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float L = 0.f;
-    for (int s = lane; s < active; s += 32) L = fmaf(__expf(pm[base + s] - M), pl[base + s], L);
+    const float w0 = lane < active ? __expf(m0 - M) : 0.f, w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
+    float L = (lane < active ? w0 * pl[base + lane] : 0.f) + (lane + 32 < active ? w1 * pl[base + lane + 32] : 0.f);
 #pragma unroll
     for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
     const int nd = head_dim >> 5;
@@ -188,20 +197,26 @@ __global__ void __launch_bounds__(128) attn_combine(
 #pragma unroll
     for (int i = 0; i < MAXD; ++i) acc[i] = 0.f;
 #pragma unroll 4
-    for (int s = 0; s < active; ++s) {
-        const float w = __expf(pm[base + s] - M);
+    for (int s = warp; s < active; s += 4) {
+        const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31);
         const float* os = po + (base + s) * head_dim;
 #pragma unroll
         for (int i = 0; i < MAXD; ++i) if (i < nd) acc[i] = fmaf(w, os[lane + 32 * i], acc[i]);
     }
+    __shared__ float part[4][256];
+#pragma unroll
+    for (int i = 0; i < MAXD; ++i) if (i < nd) part[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    if (warp) return;
     const float inv = 1.0f / L;
-    const long long row0 = (long long)warp * head_dim;  // (r, h) → r * n_heads * hd + h * hd
+    const long long row0 = (long long)rh * head_dim;  // (r, h) → r * n_heads * hd + h * hd
 #pragma unroll
     for (int i = 0; i < MAXD; ++i) {
         if (i < nd) {
-            const float v = acc[i] * inv;
-            out[row0 + lane + 32 * i] = v;
-            if (has_q) quant32(v, qh, ql, qd, qs, row0 + lane + 32 * i, (row0 >> 5) + i);  // one 32-group per i
+            const int d = lane + 32 * i;
+            const float v = (part[0][d] + part[1][d] + part[2][d] + part[3][d]) * inv;
+            out[row0 + d] = v;
+            if (has_q) quant32(v, qh, ql, qd, qs, row0 + d, (row0 >> 5) + i);  // one 32-group per i
         }
     }
 }

@@ -517,14 +517,14 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
 
 __device__ __forceinline__ void mma_k32(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     c[0] = c[1] = c[2] = c[3] = 0;
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void mma_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
     c[0] = c[1] = c[2] = c[3] = 0;
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a0), "r"(a1), "r"(b0));
 }
@@ -612,33 +612,43 @@ __device__ __forceinline__ void mma_store(float (&acc)[2][NT][4], const float* r
         for (int nt = 0; nt < NT; ++nt)                                                   \
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
-// Q8_0 on planes: a K unit is one 32-group.
+// Q8_0 on planes: a K unit is one 32-group; U units' weights are loaded before any is used.
 template <int NT>
-__global__ void __launch_bounds__(MW * 32) mma_q8_0(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
     MMA_PROLOGUE
+    constexpr int U = 4;
     const float nomin[2] = {0.f, 0.f};
-    for (int grp = warp; grp < K / 32; grp += MW) {
-        const long long k = (long long)grp * 32 + 8 * t;
-        uint2 w[2][2];
-        float dw[2][2];
+    const int groups = K / 32;
+    for (int grp0 = warp; grp0 < groups; grp0 += MW * U) {
+        uint2 w[U][2][2];
+        float dw[U][2][2];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int u = 0; u < U; ++u) {
+            const int grp = min(grp0 + MW * u, groups - 1);  // past the end: reloads the last (not used)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                w[mt][hh] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + k));
-                dw[mt][hh] = h2f(__ldg((const u16*)p1 + rows[mt][hh] * (K / 32) + grp));
-            }
-        XFrag<NT> x;
-        load_x<NT, false>(x, xh, xl, xd, xs, K, nb, k, 8);
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+                for (int hh = 0; hh < 2; ++hh) {
+                    w[u][mt][hh] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + (long long)grp * 32 + 8 * t));
+                    dw[u][mt][hh] = h2f(__ldg((const u16*)p1 + rows[mt][hh] * (K / 32) + grp));
+                }
+        }
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                int ch[4], cl[4];
-                mma_k32(ch, w[mt][0].x, w[mt][1].x, w[mt][0].y, w[mt][1].y, x.h[nt].x, x.h[nt].y);
-                mma_k32(cl, w[mt][0].x, w[mt][1].x, w[mt][0].y, w[mt][1].y, x.l[nt].x, x.l[nt].y);
-                mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw[mt], nomin, x);
-            }
+        for (int u = 0; u < U; ++u) {
+            const int grp = grp0 + MW * u;
+            if (grp >= groups) break;
+            XFrag<NT> x;
+            load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)grp * 32 + 8 * t, 8);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    int ch[4], cl[4];
+                    mma_k32(ch, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.h[nt].x, x.h[nt].y);
+                    mma_k32(cl, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.l[nt].x, x.l[nt].y);
+                    mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw[u][mt], nomin, x);
+                }
+        }
     }
     mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
@@ -646,7 +656,7 @@ __global__ void __launch_bounds__(MW * 32) mma_q8_0(MVQ_ARGS) {
 // Q4_K on raw 144-byte blocks: a K unit is one 256-block; its qs pair p (32 bytes) holds
 // sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i.
 template <int NT>
-__global__ void __launch_bounds__(MW * 32) mma_q4_k(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {
@@ -696,7 +706,7 @@ __global__ void __launch_bounds__(MW * 32) mma_q4_k(MVQ_ARGS) {
 // k16 mmas; thread t takes elements 4t..4t+3 of each. Sub-block s = nh*8 + quarter*2 + lh holds
 // l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes).
 template <int NT>
-__global__ void __launch_bounds__(MW * 32) mma_q6_k(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {

@@ -206,6 +206,13 @@ class CudaWeights:
     def decode_feed(self) -> "ResidentFeed":
         return ResidentFeed(self)
 
+    @property
+    def nbytes(self) -> int:
+        n = self.token_embd.nbytes + (0 if self.output is self.token_embd else self.output.nbytes)
+        for ly in self._layers:
+            n += sum(t.nbytes for t in ly.qkv + ly.gate_up) + ly.attn_output.nbytes + ly.ffn_down.nbytes
+        return n
+
 
 class ResidentFeed:
     """How the captured decode step (cuda_decode.py) gets each layer's weights during a step.
@@ -234,13 +241,6 @@ class ResidentFeed:
 
     def after_launch(self, stream) -> None:
         pass
-
-    @property
-    def nbytes(self) -> int:
-        n = self.token_embd.nbytes + (0 if self.output is self.token_embd else self.output.nbytes)
-        for ly in self._layers:
-            n += sum(t.nbytes for t in ly.qkv + ly.gate_up) + ly.attn_output.nbytes + ly.ffn_down.nbytes
-        return n
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -428,6 +428,8 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
     of q's rows; writes out (n, H*hd), and with q_out that output quantized too."""
     if cfg.head_dim % 32 or cfg.head_dim > 256:
         raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    if not 1 <= n_splits <= 64:
+        raise ValueError(f"attention: {n_splits} splits, expected 1 to 64")
     kc, vc = kv_layer.k, kv_layer.v
     max_ctx = kc.shape[1]
     if append:
@@ -439,7 +441,7 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
     kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((_blocks(warps, 4), n_splits), (128,), (
         q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
         np.int32(cfg.n_kv_heads), np.int32(max_ctx), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
-    kernel("attention", "attn_combine")((_blocks(warps, 4),), (128,), (
+    kernel("attention", "attn_combine")((warps,), (128,), (  # a block per (row, head)
         pm, pl, po, out, pos, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits),
         *_q_args(q_out, n, cfg.q_dim, "attention")))
     return out
