@@ -50,6 +50,17 @@ class Recorder:
 
     def install(self):
         rec = self
+        orig_matmul = cuda.CudaOps.matmul
+
+        def matmul(x, w):  # prefill's cuBLAS path (dequantize + GEMM + casts) as one entry
+            out = orig_matmul(x, w)
+            if rec.on:
+                ev = cp.cuda.Event()
+                ev.record()
+                rec.launches.append((f"matmul {w.qtype.name} {x.shape[0]}x{w.shape[1]}->{w.shape[0]}", (), 0, ev))
+            return out
+
+        cuda.CudaOps.matmul = staticmethod(matmul)
 
         def kernel(family, name):
             fn = rec._orig(family, name)
@@ -124,6 +135,43 @@ def profile(dec: DecodeGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict
             "weight_floor_ms": floor, "groups": rows}
 
 
+def profile_prefill(ops, cfg, weights, kv, rec: Recorder, n: int = 512) -> dict:
+    """One 512-token prefill chunk through model.forward, timed op by op the same way."""
+    from ntransformerd.engine import model as llama
+    from ntransformerd.engine.model import Batch, Segment
+    rng = np.random.default_rng(0)
+    runs = []
+    for r in range(3):
+        slot = kv.alloc()
+        batch = Batch.of([Segment(slot, 0, rng.integers(0, cfg.vocab_size, n))])
+        cp.cuda.Device().synchronize()
+        SPIN((1,), (1,), (np.int64(200_000_000),))  # ~100 ms
+        start = cp.cuda.Event()
+        start.record()
+        rec.launches.clear()
+        rec.on = r > 0  # the first run compiles and warms up
+        llama.forward(ops, cfg, weights, kv, batch)
+        rec.on = False
+        end = cp.cuda.Event()
+        end.record()
+        end.synchronize()
+        kv.free(slot)
+        if r:
+            t, prev = [], start
+            for name, grid, nbytes, ev in rec.launches:
+                t.append(cp.cuda.get_elapsed_time(prev, ev) * 1e3)
+                prev = ev
+            runs.append(([x[0] for x in rec.launches], t, cp.cuda.get_elapsed_time(start, end)))
+    names, _, total = runs[0]
+    times = np.median(np.array([r[1] for r in runs]), axis=0)
+    groups: dict = collections.OrderedDict()
+    for name, us in zip(names, times):
+        g = groups.setdefault(name, {"op": name, "count": 0, "us": 0.0})
+        g["count"] += 1
+        g["us"] += float(us)
+    return {"tokens": n, "total_ms": float(np.median([r[2] for r in runs])), "groups": list(groups.values())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/ntx")
@@ -157,6 +205,10 @@ def main() -> int:
                 fl = g["floor_us_each"]
                 print(f"{g['kernel'][:28]:28s} {str(tuple(g['grid'])):>14s} {g['count']:3d} {g['us']:9.1f} "
                       f"{g['us_each']:7.2f} {fl or 0:7.2f} {100 * fl / g['us_each'] if fl else 0:5.0f}")
+        p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec)
+        print(f"\n{ftype} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
+        for g in sorted(p["groups"], key=lambda g: -g["us"])[:14]:
+            print(f"  {g['op'][:44]:44s} {g['count']:4d} {g['us'] / 1e3:8.2f} ms")
         out["files"].append(f)
         del dec, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()

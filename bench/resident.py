@@ -172,13 +172,17 @@ def main() -> int:
             d["frac_of_roofline"] = d["tok_s"] / d["batch"] / r["roofline_tok_s"] if d["batch"] == 1 else None
             print(f"  decode B={d['batch']:2d}: {d['tok_s']:8.1f} tok/s, step {d['step_ms']:.3f} ms, "
                   f"device {d['device_step_ms']:.3f} ms, python {100 * d['python_overhead_frac']:.1f}%", flush=True)
+        plain = DecodeGraphs(ops, weights, kv, pdl=False)
+        r["decode_b1_no_pdl"] = decode_rates(plain, kv, 1, a.steps)
+        print(f"  decode B=1 captured without programmatic dependent launch: "
+              f"{r['decode_b1_no_pdl']['tok_s']:.1f} tok/s (pdl {'on' if dec.pdl else 'refused'} above)", flush=True)
         eager = DecodeGraphs(ops, weights, kv, use_graphs=False)
         r["decode_eager_b1"] = decode_rates(eager, kv, 1, 16)
         print(f"  decode B=1 without graphs: {r['decode_eager_b1']['tok_s']:.1f} tok/s", flush=True)
         r["prefill"] = prefill_rate(ops, cfg, weights, kv)
         print(f"  prefill 512: {r['prefill']['tok_s']:.0f} tok/s", flush=True)
         res["files"].append(r)
-        del dec, eager, ops, weights, kv, model
+        del dec, plain, eager, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)

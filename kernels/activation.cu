@@ -3,6 +3,7 @@
 
 __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out,
                        int N, int F, int ld, signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
+    PDL_ENTRY
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)N * F) return;  // warp-uniform when has_q
     long long r = t / F, c = t % F;

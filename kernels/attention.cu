@@ -15,6 +15,7 @@
 __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __restrict__ v, int ldv,
                           u16* kc, u16* vc, const int* __restrict__ slot, const int* __restrict__ pos,
                           int N, int kv_dim, int max_ctx) {
+    PDL_ENTRY
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)N * kv_dim) return;
     int r = (int)(t / kv_dim), c = (int)(t % kv_dim);
@@ -37,6 +38,7 @@ __device__ __forceinline__ int split_len(int len, int n_splits) {
 __global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, u16* kc, u16* vc,
                         const int* __restrict__ slot, const int* __restrict__ pos, const double* __restrict__ freqs,
                         int N, int n_heads, int n_kv, int head_dim, int rope_dim, int neox, int max_ctx) {
+    PDL_ENTRY
     const int half = rope_dim / 2, hp = head_dim / 2;
     const int qk_pairs = (n_heads + n_kv) * hp, per_row = qk_pairs + n_kv * hp;
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(128) attn_partial(
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ pm,
         float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv, int max_ctx,
         int n_splits, float scale) {
+    PDL_ENTRY
     constexpr int HD = 32 * ND;
     const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const int split = blockIdx.y;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(128) attn_combine(
         const float* __restrict__ pm, const float* __restrict__ pl, const float* __restrict__ po,
         float* __restrict__ out, const int* __restrict__ pos, int N, int n_heads, int head_dim, int n_splits,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
+    PDL_ENTRY
     const int rh = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = rh / n_heads;
     const int len = pos[r] + 1, sl = split_len(len, n_splits);

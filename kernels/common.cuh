@@ -18,3 +18,29 @@ __device__ __forceinline__ u16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+
+// Programmatic dependent launch (sm_90). Launched with the PDL attribute (backends/cuda.py does
+// so inside the captured decode step), a kernel may start while the previous kernel on its
+// stream is still finishing. Every kernel lets its successor launch at once (pdl_launch_next)
+// and waits for its predecessor's completion and writes (pdl_wait) before it touches global
+// memory that kernels write; work on read-only weights may come before the wait. Launched the
+// ordinary way, both are no-ops.
+__device__ __forceinline__ void pdl_launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+#define PDL_ENTRY \
+    pdl_launch_next(); \
+    pdl_wait();
+
+// Start pulling `bytes` at p into L2 (the warp's lanes take 128-byte lines in turn).
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+    for (long long o = (long long)(threadIdx.x & 31) * 128; o < bytes; o += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
+}

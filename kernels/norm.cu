@@ -7,6 +7,7 @@
 __global__ void __launch_bounds__(1024) rms_norm(const float* __restrict__ x, const float* __restrict__ w,
                                                  float* __restrict__ y, int D, float eps, signed char* qh,
                                                  signed char* ql, float* qd, float* qs, int has_q) {
+    PDL_ENTRY
     const float* xr = x + (long long)blockIdx.y * D;
     float s = 0.f;
 #pragma unroll 4

@@ -154,6 +154,7 @@ template <int T> __device__ void deq32(const Planes& P, long long row, int K, in
 template <int T, bool HALF>
 __global__ void dequant_rows(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const int* __restrict__ rows,
                              int has_rows, int n_rows, int K, void* out) {
+    PDL_ENTRY
     Planes P{p0, p1, p2, p3};
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int subs = K / 32;
@@ -215,6 +216,7 @@ __device__ __forceinline__ float dot16(const float* w, const float* x) {
 template <int T, int NB>
 __global__ void __launch_bounds__(128) matvec_generic(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const float* __restrict__ x, const float* res, int has_res,
                                                       float* y, int N, int K, int nb) {
+    PDL_ENTRY
     Planes P{p0, p1, p2, p3};
     int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -246,6 +248,7 @@ __global__ void __launch_bounds__(128) matvec_generic(const u8* p0, const u8* p1
 // x (N rows, K of them used, row stride ld) → hi, lo (N, K) int8; d, s (N, K/32). One warp per group.
 __global__ void quantize_rows(const float* __restrict__ x, int ld, int N, int K, signed char* hi, signed char* lo,
                               float* d, float* s) {
+    PDL_ENTRY
     long long g = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31, gpr = K / 32;
     if (g >= (long long)N * gpr) return;
@@ -285,6 +288,10 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
         q[r] = (const uint4*)(p0 + row * K);
         dd[r] = (const u16*)p1 + row * (K / 32);
     }
+    pdl_launch_next();
+#pragma unroll
+    for (int r = 0; r < R; ++r) prefetch_l2(q[r], min(K, 16384));  // weights: before the wait
+    pdl_wait();
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -345,6 +352,10 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
     const uint4* rb[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rb[r] = (const uint4*)(p0 + (long long)min(row0 + r, N - 1) * nblk * 144);
+    pdl_launch_next();
+#pragma unroll
+    for (int r = 0; r < R; ++r) prefetch_l2(rb[r], min(nblk * 144, 16384));  // weights: before the wait
+    pdl_wait();
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -431,6 +442,13 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
         scs[r] = (const signed char*)p2 + row * (K / 16);
         dd[r] = (const u16*)p3 + row * nblk;
     }
+    pdl_launch_next();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // weights: before the wait
+        prefetch_l2(ql[r], min(K / 2, 8192));
+        prefetch_l2(qh[r], min(K / 4, 4096));
+    }
+    pdl_wait();
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -615,6 +633,7 @@ __device__ __forceinline__ void mma_store(float (&acc)[2][NT][4], const float* r
 // Q8_0 on planes: a K unit is one 32-group; U units' weights are loaded before any is used.
 template <int NT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
+    PDL_ENTRY
     MMA_PROLOGUE
     constexpr int U = 4;
     const float nomin[2] = {0.f, 0.f};
@@ -657,6 +676,7 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
 // sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i.
 template <int NT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
+    PDL_ENTRY
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {
@@ -707,6 +727,7 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
 // l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes).
 template <int NT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
+    PDL_ENTRY
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {

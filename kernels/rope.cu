@@ -4,6 +4,7 @@
 
 __global__ void rope(float* x, const int* __restrict__ pos, const double* __restrict__ freqs, int N,
                      int n_heads, int head_dim, int rope_dim, int ld, int neox) {
+    PDL_ENTRY
     int half = rope_dim / 2;
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)N * n_heads * half) return;

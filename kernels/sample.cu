@@ -2,6 +2,7 @@
 
 
 __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int V) {
+    PDL_ENTRY
     const float* l = logits + (long long)blockIdx.x * V;
     float best = -INFINITY;
     int bi = 0x7fffffff;

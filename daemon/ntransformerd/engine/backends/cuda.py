@@ -59,10 +59,26 @@ def available() -> bool:
 
 # ---- kernels --------------------------------------------------------------------------------
 
-_modules: dict[tuple[str, str], object] = {}
+_modules: dict[tuple[str, str], "Kernel"] = {}
 
 
-def kernel(family: str, name: str):
+class Kernel:
+    """A compiled kernel; calling it launches on the current stream (CuPy's launch), or, while
+    programmatic dependent launch is on (`pdl()`), through cuLaunchKernelEx with the PDL
+    attribute, so that it may start while the previous kernel finishes (every kernel of
+    kernels/ waits for its predecessor's writes: PDL_ENTRY in common.cuh)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, grid, block, args):
+        if _pdl.on:
+            _pdl.launch(self.fn, grid, block, args)
+        else:
+            self.fn(grid, block, args)
+
+
+def kernel(family: str, name: str) -> Kernel:
     """Function `name` (a template instance like 'mvq_q8_0<2,1>') of kernels/<family>.cu."""
     key = (family, name)
     fn = _modules.get(key)
@@ -72,8 +88,77 @@ def kernel(family: str, name: str):
             with open(os.path.join(KERNEL_DIR, fn_)) as f:
                 src += f.read() + "\n"
         mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=[name])
-        fn = _modules[key] = mod.get_function(name)
+        fn = _modules[key] = Kernel(mod.get_function(name))
     return fn
+
+
+class _PDL:
+    """cuLaunchKernelEx through ctypes (CuPy wraps only cuLaunchKernel), with
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION set. Used while capturing the decode
+    step (one launch per kernel per capture), so the ctypes cost never recurs per token."""
+
+    ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    def __init__(self):
+        self.on = False
+        self._lib = None
+
+    def _setup(self):
+        import ctypes
+        c = ctypes
+
+        class Attr(c.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+            _fields_ = [("id", c.c_int), ("pad", c.c_char * 4), ("value", c.c_ubyte * 64)]
+
+        class Config(c.Structure):  # CUlaunchConfig
+            _fields_ = [("gx", c.c_uint), ("gy", c.c_uint), ("gz", c.c_uint), ("bx", c.c_uint), ("by", c.c_uint),
+                        ("bz", c.c_uint), ("smem", c.c_uint), ("stream", c.c_void_p), ("attrs", c.POINTER(Attr)),
+                        ("n_attrs", c.c_uint)]
+
+        lib = c.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [c.POINTER(Config), c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p]
+        lib.cuLaunchKernelEx.restype = c.c_int
+        self._c, self._Attr, self._Config, self._lib = c, Attr, Config, lib
+
+    def _arg(self, a):
+        c = self._c
+        if isinstance(a, cp.ndarray):
+            return c.c_void_p(a.data.ptr)
+        if isinstance(a, np.int32):
+            return c.c_int32(int(a))
+        if isinstance(a, np.float32):
+            return c.c_float(float(a))
+        if isinstance(a, (np.int64, np.intp)):
+            return c.c_int64(int(a))
+        raise TypeError(f"PDL launch: unsupported kernel argument {type(a).__name__}")
+
+    def launch(self, fn, grid, block, args) -> None:
+        if self._lib is None:
+            self._setup()
+        c = self._c
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        attr = self._Attr()
+        attr.id = self.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value[0] = 1  # programmaticStreamSerializationAllowed
+        cfg = self._Config(*grid, *block, 0, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
+        vals = [self._arg(a) for a in args]
+        params = (c.c_void_p * len(vals))(*[c.cast(c.pointer(v), c.c_void_p) for v in vals])
+        err = self._lib.cuLaunchKernelEx(c.byref(cfg), fn.ptr, params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed: CUDA error {err}")
+
+
+_pdl = _PDL()
+
+
+@contextlib.contextmanager
+def pdl(on: bool = True):
+    """Launch kernels with programmatic dependent launch inside this block (sm_90 and later)."""
+    prev, _pdl.on = _pdl.on, on and int(cp.cuda.Device().compute_capability) >= 90
+    try:
+        yield
+    finally:
+        _pdl.on = prev
 
 
 def _blocks(n: int, per: int) -> int:

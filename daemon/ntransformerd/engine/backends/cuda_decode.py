@@ -13,12 +13,16 @@ cache append are one launch when k follows q in the stack.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 
 from ntransformerd.engine.backends import cuda as K
 from ntransformerd.engine.backends.cuda import cp
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+log = logging.getLogger(__name__)
 
 
 class _Bufs:
@@ -26,12 +30,16 @@ class _Bufs:
 
 
 class DecodeGraphs:
-    def __init__(self, ops: K.CudaOps, weights: K.CudaWeights, kv: K.CudaKVCache, *, use_graphs: bool = True):
+    def __init__(self, ops: K.CudaOps, weights: K.CudaWeights, kv: K.CudaKVCache, *, use_graphs: bool = True,
+                 pdl: bool | None = None):
         self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
         # Where each layer's weights come from during a step: resident, or streamed slots whose
         # copies are part of the step (backends/cuda_stream.py). Not every feed can be captured.
         self.feed = weights.decode_feed()
         self.use_graphs = use_graphs and self.feed.capturable
+        # Capture with programmatic dependent launch (each kernel may start while the previous
+        # one drains; NTX_PDL=0 turns it off); a driver that cannot capture it gets plain launches.
+        self.pdl = os.environ.get("NTX_PDL", "1") != "0" if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         c = self.cfg
         self.n_splits = min(64, kv.max_ctx)  # attention splits per (row, head); see kernels/attention.cu
@@ -128,10 +136,31 @@ class DecodeGraphs:
             self.feed.after_launch(self.stream)
             self.stream.synchronize()
             if self.use_graphs:
-                self.stream.begin_capture()
-                self._body(bk, b)
-                self._graphs[bk] = self.stream.end_capture()
+                self._graphs[bk] = self._capture(bk, b)
         return b, self._graphs.get(bk)
+
+    def _capture(self, bk: int, b: _Bufs):
+        if self.pdl:
+            try:
+                with K.pdl():
+                    return self._capture_once(bk, b)
+            except Exception as e:  # noqa: BLE001 (any driver refusal: fall back to plain launches)
+                log.warning("decode step: capture with programmatic dependent launch failed (%s); "
+                            "capturing plain launches", e)
+                self.pdl = False
+        return self._capture_once(bk, b)
+
+    def _capture_once(self, bk: int, b: _Bufs):
+        self.stream.begin_capture()
+        try:
+            self._body(bk, b)
+        except BaseException:
+            try:
+                self.stream.end_capture()
+            except Exception:  # noqa: BLE001 (the capture is already invalid)
+                pass
+            raise
+        return self.stream.end_capture()
 
     def launch(self, slots, tokens):
         """Queue one decode step (no wait); returns the bucket's buffers and the live row count."""
