@@ -5,6 +5,8 @@
 1. the pinned → device ceiling (cudaMemcpyAsync of 1 GiB from page-locked memory), same run;
 2. 8B Q4_K_M with 32, 24, 16, 8, 0 resident layers (rest pinned) at batch 1, 4, 16: decode
    tok/s, streamed bytes per step, and the ratio to the PCIe bound (ceiling / streamed bytes);
+   every split decodes through the captured step, the streamed ones with their layer copies
+   inside its graph (backends/cuda_stream.py GraphFeed); each row says which path ran;
 3. the O_DIRECT tier (every layer from storage) against a plain O_DIRECT reader of the file;
 4. a 70B-shaped Q4_K_M with a 24 GiB VRAM budget, the rest pinned, at batch 1 and 16.
 """
@@ -58,6 +60,17 @@ def free_engine(e) -> None:
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
     cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def decode_path(e: Engine, batch: int) -> str:
+    """Which path the decode steps of `batch` sequences took: 'graph' (one replay per step,
+    streamed copies inside), 'eager step' (the captured step's body launched from Python: storage
+    layers) or 'model.forward' (no decoder)."""
+    from ntransformerd.engine.backends.cuda_decode import BUCKETS
+    d = e._decoder
+    if d is None:
+        return "model.forward"
+    return "graph" if next(m for m in BUCKETS if m >= batch) in d._graphs else "eager step"
 
 
 def decode_rate(e: Engine, batch: int, steps: int) -> float:
@@ -150,16 +163,17 @@ def main() -> int:
         streamed = e.plan.streamed_bytes_per_step
         bound = bw / streamed if streamed else None
         log(f"8B resident {k}: load {load_s:.1f} s, streamed/step {streamed / 2**30:.2f} GiB, "
-            f"PCIe bound {bound and round(bound, 1)} tok/s (batch 1), graphs {e._decoder is not None}")
+            f"PCIe bound {bound and round(bound, 1)} tok/s (batch 1)")
         for b in args.batches:
             steps = 32 if streamed == 0 else (6 if k <= 8 else 10)
             r = decode_rate(e, b, steps)
+            path = decode_path(e, b)
             row = {"model": "8b-q4_k_m", "resident_layers": k, "batch": b, "tok_s": r, "streamed_bytes": streamed,
                    "pcie_bound_step_s": bound, "ratio_to_bound": (r / b / bound) if bound else None,
-                   "load_s": load_s, "graphs": e._decoder is not None}
+                   "load_s": load_s, "path": path}
             out["runs"].append(row)
-            log(f"  batch {b:2d}: {r:8.1f} tok/s" + (f"  ({r / b:.2f} steps/s = {100 * r / b / bound:.0f}% of "
-                                                    f"the PCIe bound)" if bound else ""))
+            log(f"  batch {b:2d}: {r:8.1f} tok/s [{path}]" + (f"  ({r / b:.2f} steps/s = {100 * r / b / bound:.0f}% "
+                                                             f"of the PCIe bound)" if bound else ""))
             save()
         if k == 16:
             pr = prefill_rate(e)
@@ -174,9 +188,12 @@ def main() -> int:
         streamed = e.plan.streamed_bytes_per_step
         bound = bw / streamed
         r = decode_rate(e, 1, 10)
+        path = decode_path(e, 1)
         out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "batch": 1, "tok_s": r, "depth": args.deep_depth,
-                            "streamed_bytes": streamed, "pcie_bound_step_s": bound, "ratio_to_bound": r / bound})
-        log(f"8B resident {k}, depth {args.deep_depth}, batch 1: {r:.1f} tok/s ({100 * r / bound:.0f}% of the PCIe bound)")
+                            "streamed_bytes": streamed, "pcie_bound_step_s": bound, "ratio_to_bound": r / bound,
+                            "path": path})
+        log(f"8B resident {k}, depth {args.deep_depth}, batch 1: {r:.1f} tok/s [{path}] "
+            f"({100 * r / bound:.0f}% of the PCIe bound)")
         free_engine(e)
         e = None
         save()
@@ -197,9 +214,11 @@ def main() -> int:
             e.step([(slot, [2])])
         tier = n * streamed / (time.perf_counter() - t)
         e.close(slot)
+        path = decode_path(e, 1)
         out["odirect"] = {"plain_Bps": plain, "tier_Bps": tier, "ratio": tier / plain, "file_bytes": size,
-                          "stats": e.weights.stream.stats}
-        log(f"O_DIRECT tier (32 storage layers, decode): {tier / 1e9:.2f} GB/s = {100 * tier / plain:.0f}% of plain")
+                          "stats": e.weights.stream.stats, "path": path}
+        log(f"O_DIRECT tier (32 storage layers, decode [{path}]): {tier / 1e9:.2f} GB/s = "
+            f"{100 * tier / plain:.0f}% of plain")
         free_engine(e)
         e = None
         save()
@@ -219,11 +238,12 @@ def main() -> int:
         log(f"70B 24 GiB: load {load_s:.1f} s, streamed/step {streamed / 2**30:.2f} GiB, bound {bound:.2f} tok/s")
         for b in (1, 16):
             r = decode_rate(e, b, 4)
+            path = decode_path(e, b)
             out["runs"].append({"model": "70b-q4_k_m", "vram_budget": "24GiB", "batch": b, "tok_s": r,
                                 "resident_layers": len(e.plan.layers("vram")), "streamed_bytes": streamed,
                                 "pcie_bound_step_s": bound, "ratio_to_bound": r / b / bound, "load_s": load_s,
-                                "plan": e.plan.to_dict()})
-            log(f"  batch {b:2d}: {r:6.2f} tok/s ({100 * r / b / bound:.0f}% of the PCIe bound)")
+                                "plan": e.plan.to_dict(), "path": path})
+            log(f"  batch {b:2d}: {r:6.2f} tok/s [{path}] ({100 * r / b / bound:.0f}% of the PCIe bound)")
             save()
         free_engine(e)
     save()

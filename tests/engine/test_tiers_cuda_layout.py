@@ -1,5 +1,7 @@
 """The CUDA streamed weights' layout and pipeline on a fake CuPy (numpy arrays, memmove copies):
-every field acquire(i) hands out equals what CudaWeights uploads, for every tier, in CI."""
+every field acquire(i) hands out equals what CudaWeights uploads, for every tier, in CI; so do
+the decode step's feeds, their slots taken back and forth with the LayerStream. (Only the data
+and the slot bookkeeping: the event ordering needs the GPU, tests/gpu/test_streaming.py.)"""
 
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ class _Stream:
         pass
 
     def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         pass
 
 
@@ -102,6 +110,79 @@ def test_streamed_cuda_fields_match_cudaweights(fake, synth_model, shape, ftype)
                 _same(a, b)
             w.release(i)
     assert w.stream.stats["reads"] > 0 and w.stream.stats["copies"] >= 3 * len(plan.streamed)
+    w.close()
+
+
+NAMES = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _same_layer(got, want):
+    for nm in NAMES:
+        _same(getattr(got, nm), getattr(want, nm))
+    assert len(got.qkv) == len(want.qkv) and len(got.gate_up) == len(want.gate_up)
+    for a, b in zip(got.qkv + got.gate_up, want.qkv + want.gate_up):
+        _same(a, b)
+
+
+def _shapes(ly):
+    fields = [getattr(ly, nm) for nm in NAMES] + list(ly.qkv) + list(ly.gate_up)
+    return [(getattr(t, "qtype", None), tuple(t.shape)) for t in fields]
+
+
+@pytest.mark.parametrize("tiers,depth", [((PINNED,) * 4, 1), ((PINNED,) * 4, 3), ((VRAM, PINNED, VRAM, PINNED), 2),
+                                         ((PINNED, VRAM, VRAM, VRAM), 2)])
+def test_graph_feed_takes_slots_to_and_from_the_layer_stream(fake, synth_model, depth, tiers):
+    """Decode steps through the GraphFeed interleaved with forward passes through the
+    LayerStream: every layer's fields are right in both, whichever used the slots last."""
+    cuda, cuda_stream = fake
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    n = model.config.n_layers
+    ref = cuda.CudaWeights(model)
+    sizes = [cuda_stream.LayerLayout(model, i).nbytes for i in range(n)]
+    w = cuda_stream.StreamedCudaWeights(model, Plan(tiers, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1),
+                                        poison=True)
+    for i in range(n):
+        assert _shapes(w.describe(i)) == _shapes(ref.acquire(i))
+    feed = w.decode_feed()
+    assert isinstance(feed, cuda_stream.GraphFeed) and feed.capturable
+    step = cuda.cp.cuda.Stream()
+
+    def forward():
+        for i in range(n):
+            _same_layer(w.acquire(i), ref.acquire(i))
+            w.release(i)
+
+    def decode():
+        feed.before_launch(step)
+        feed.begin(step)
+        for i in range(n):
+            _same_layer(feed.acquire(i), ref.acquire(i))
+            feed.release(i)
+        feed.after_launch(step)
+
+    for run in (forward, decode, decode, forward, forward, decode, forward):
+        run()
+    assert w.stream.stats["handoffs"] == 3
+    w.close()
+
+
+def test_decode_feed_with_storage_is_the_layer_stream(fake, synth_model):
+    cuda, cuda_stream = fake
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    sizes = [cuda_stream.LayerLayout(model, i).nbytes for i in range(4)]
+    plan = Plan((VRAM, PINNED, STORAGE, PINNED), tuple(sizes), 2, max(sizes), 0, 0, 0, -1, -1)
+    w = cuda_stream.StreamedCudaWeights(model, plan, source=ODirectSource(model.path, threads=2), poison=True)
+    feed = w.decode_feed()
+    assert isinstance(feed, cuda_stream.LayerStreamFeed) and not feed.capturable
+    ref = cuda.CudaWeights(model)
+    for _step in range(2):
+        feed.before_launch(None)
+        feed.begin(None)
+        for i in range(4):
+            _same_layer(feed.acquire(i), ref.acquire(i))
+            feed.release(i)
+        feed.after_launch(None)
+    assert w.stream.stats["reads"] >= 2 and w.stream.stats["handoffs"] == 0
     w.close()
 
 

@@ -1,5 +1,8 @@
 """Streamed weights on the GPU: output bit-identical to resident weights running the same
-kernels (model.forward, no captured decode), for tier mixes, depths 1-3, with poisoned slots."""
+kernels (model.forward, no captured decode), for tier mixes, depths 1-3, with poisoned slots;
+and the captured decode step on streamed weights (their copies inside the graph, or the eager
+step with storage layers) against the resident engine's captured decode, with prefill chunks
+(model.forward through the LayerStream) between decode steps, so the slots change hands."""
 
 from __future__ import annotations
 
@@ -66,6 +69,110 @@ def test_streamed_equals_resident_on_gpu(small, reference, mix, depth):
 def test_engine_plans_and_streams(small, reference):
     e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
-    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._decoder is None
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._decoder is not None
+    e._decoder = None  # model.forward, as the reference; test_engine_plans_and_decodes_in_graphs has the decoder
     for x, y in zip(_run(e), reference):
         assert np.array_equal(x, y)
+
+
+# ---- the captured decode step on streamed weights ---------------------------------------------
+
+def _decoding_engine(model, mix=None, depth=2, source=None):
+    """An engine decoding through the captured step: resident weights, or streamed ones of `mix`
+    (slots poisoned on release)."""
+    from ntransformerd.engine.backends import cuda, cuda_stream
+    e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40))
+    if mix is not None:
+        sizes = [cuda_stream.LayerLayout(model, i).nbytes for i in range(len(mix))]
+        plan = Plan(mix, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1)
+        e.weights = cuda_stream.StreamedCudaWeights(model, plan, source=source, poison=True)
+        e._decoder = cuda.decoder(e.ops, e.weights, e.kv)
+    return e
+
+
+def _interleaved(e, batch):
+    """Sequences join one at a time: each prompt's prefill chunks (model.forward) run between
+    decode steps (the captured step) of the sequences already going, at every bucket up to
+    `batch`. Returns every step's logits, (rows, V) each."""
+    slots, toks, outs = [], [], []
+
+    def decode(n):
+        for _ in range(n):
+            outs.append(e.step([(s, [t]) for s, t in zip(slots, toks)]))
+            toks[:] = [int(t) for t in np.argmax(outs[-1], axis=1)]
+
+    try:
+        for j in range(batch):
+            slots.append(e.open())
+            prompt = [(7 * j + t) % 1000 + 1 for t in range(45 + 20 * j)]  # chunks of 40 and the rest
+            outs.append(e.prefill(slots[-1], prompt)[None])
+            toks.append(int(np.argmax(outs[-1][0])))
+            decode(2)
+        decode(3)
+        return outs
+    finally:
+        for s in slots:
+            e.close(s)
+
+
+def _assert_close(got, want, what):
+    assert len(got) == len(want), what
+    for n, (x, y) in enumerate(zip(got, want)):
+        assert x.shape == y.shape, (what, n)
+        assert np.array_equal(np.argmax(x, axis=1), np.argmax(y, axis=1)), (what, n)  # greedy tokens
+        err = np.abs(x - y).max() / np.abs(y).max()
+        assert err <= 1e-5, (what, n, err)
+
+
+@pytest.fixture(scope="module")
+def resident_decoded(small):
+    """batch → the resident engine's _interleaved run (its captured decode), made once."""
+    runs = {}
+
+    def get(batch):
+        if batch not in runs:
+            e = _decoding_engine(small)
+            assert e._decoder.use_graphs
+            runs[batch] = _interleaved(e, batch)
+        return runs[batch]
+
+    return get
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("mix", [(PINNED,) * 4, (VRAM, PINNED, VRAM, PINNED), (VRAM, VRAM, VRAM, PINNED)])
+def test_streamed_decode_in_graphs_equals_resident(small, resident_decoded, mix, depth, batch):
+    """Pinned layers: their copies are captured into the decode step's graph."""
+    from ntransformerd.engine.backends.cuda_stream import GraphFeed
+    e = _decoding_engine(small, mix, depth)
+    assert isinstance(e._decoder.feed, GraphFeed) and e._decoder.use_graphs
+    got = _interleaved(e, batch)
+    assert e._decoder._graphs  # the steps replayed a graph
+    assert e.weights.stream.stats["handoffs"] >= 1 + 2 * batch  # the warm-up and every decode step
+    _assert_close(got, resident_decoded(batch), (mix, depth, batch))
+    e.weights.close()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("mix", [(VRAM, PINNED, STORAGE, PINNED), (STORAGE,) * 4])
+def test_streamed_decode_with_storage_runs_eagerly(small, resident_decoded, mix, depth):
+    """Storage layers: the decode step runs eagerly through the LayerStream (reader threads)."""
+    from ntransformerd.engine.backends.cuda_stream import LayerStreamFeed
+    from ntransformerd.engine.tiers.sources import ODirectSource
+    e = _decoding_engine(small, mix, depth, ODirectSource(small.path, threads=4))
+    assert isinstance(e._decoder.feed, LayerStreamFeed) and not e._decoder.use_graphs
+    got = _interleaved(e, 3)
+    assert not e._decoder._graphs and e.weights.stream.stats["reads"] > 0
+    _assert_close(got, resident_decoded(3), (mix, depth))
+    e.weights.close()
+
+
+def test_engine_plans_and_decodes_in_graphs(small, resident_decoded):
+    """The engine's own plan (2 layers resident, 2 pinned) decodes through the graph."""
+    from ntransformerd.engine.backends.cuda_stream import GraphFeed
+    e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
+                                          max_vram_layers=2))
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and isinstance(e._decoder.feed, GraphFeed)
+    _assert_close(_interleaved(e, 3), resident_decoded(3), "engine plan")
+    assert e._decoder._graphs

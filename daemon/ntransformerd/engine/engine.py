@@ -113,9 +113,10 @@ class Engine:
                                    dtype=config.kv_dtype)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
-        # A backend may replay a captured decode step (CUDA graphs) for one-token segments.
+        # A backend may replay a captured decode step (CUDA graphs) for one-token segments; weights
+        # say how it gets their layers (decode_feed: resident, or streamed copies inside the step).
         self._decoder = (backend.decoder(self.ops, self.weights, self.kv)
-                         if hasattr(backend, "decoder") and not getattr(self.weights, "streamed", False) else None)
+                         if hasattr(backend, "decoder") and hasattr(self.weights, "decode_feed") else None)
 
     @property
     def chat_template(self):

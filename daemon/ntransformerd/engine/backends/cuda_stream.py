@@ -10,6 +10,12 @@ same way. CUDA events order the copy stream after the slot's release and the com
 after the copy (tiers/pipeline.py), so the host never waits per layer in steady state.
 
 acquire(i) answers CudaTensor views over the slot, exactly the fields CudaWeights hands out.
+
+The captured decode step (backends/cuda_decode.py) takes its layers through decode_feed():
+with pinned layers only, a GraphFeed puts the copies into the step's CUDA graph (one replay
+per step copies the streamed layers and runs every kernel, no Python per layer), sharing the
+slots with the LayerStream that prefill (model.forward) uses; with storage layers, whose reads
+are host work per layer, the step runs eagerly through the LayerStream (LayerStreamFeed).
 """
 
 from __future__ import annotations
@@ -241,20 +247,36 @@ class StreamedCudaWeights:
     def embed_rows(self, tokens):
         return K.dequantize_rows(self.token_embd, cp.asarray(tokens, dtype=cp.int32))
 
-    def acquire(self, i: int) -> types.SimpleNamespace:
-        ly = self._layers.get(i)
-        if ly is not None:
-            return ly
-        slot = self.stream.acquire(i)
+    def views(self, i: int, slot) -> types.SimpleNamespace:
+        """Layer i's fields over a streaming slot (made once per slot and layer)."""
         key = (id(slot), i)
         ns = self._views.get(key)
         if ns is None:
             ns = self._views[key] = self.layouts[i].views(slot)
         return ns
 
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        ly = self._layers.get(i)
+        if ly is not None:
+            return ly
+        return self.views(i, self.stream.acquire(i))
+
     def release(self, i: int) -> None:
         if i not in self._layers:
             self.stream.release(i)
+
+    def describe(self, i: int) -> types.SimpleNamespace:
+        """Layer i's fields, for their shapes and types (a streamed layer's over slot 0: no data)."""
+        ly = self._layers.get(i)
+        return ly if ly is not None else self.views(i, self.stream.slots[0])
+
+    def decode_feed(self):
+        """How the captured decode step gets each layer (module docstring)."""
+        if self.stream is None:
+            return K.ResidentFeed(self)
+        if self.plan.layers(STORAGE):
+            return LayerStreamFeed(self)
+        return GraphFeed(self)
 
     @property
     def nbytes(self) -> int:
@@ -266,6 +288,105 @@ class StreamedCudaWeights:
             self.stream.close()
         if self.source is not None:
             self.source.close()
+
+
+class GraphFeed:
+    """The streamed layers' copies inside the captured decode step (pinned layers only).
+
+    Position k of a step is streamed layer order[k] (ascending, as the step visits layers), in
+    slot k % depth. begin forks the feed's copy stream off the step's stream and queues the
+    first `depth` copies, so they overlap the resident layers before them; acquire makes the
+    step wait for its layer's copy; release lets the copy of position k + depth into the same
+    slot go. The step waits on every copy, so the copy stream has rejoined it when the capture
+    ends, and one replay copies and computes the whole step.
+
+    The slots are the LayerStream's, which prefill (model.forward) keeps using: before_launch
+    orders the step after what the LayerStream has in flight in them, after_launch makes it copy
+    into them again only after the step. One compute thread, as the LayerStream.
+    """
+
+    capturable = True
+
+    def __init__(self, weights: StreamedCudaWeights):
+        self.w, self.ring = weights, weights.stream
+        self.order, self.depth = self.ring.order, self.ring.depth
+        if self.order != sorted(self.order):
+            raise ValueError(f"streamed layers {self.order} are not in the order the decode step visits them")
+        self._pos = {layer: k for k, layer in enumerate(self.order)}
+        self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        event = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
+        self._fork = event()
+        self._copied = [event() for _ in self.order]  # position → its copy is in the slot
+        self._freed = [event() for _ in self.order]  # position → its slot's kernels are done
+        self._stream = None  # the step's stream (begin)
+
+    def _copy(self, k: int) -> None:
+        layer = self.order[k]
+        cp.cuda.runtime.memcpyAsync(self.ring.slots[k % self.depth].data.ptr, self.w._pinned[layer].ctypes.data,
+                                    self.w.layouts[layer].nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                    self.copy_stream.ptr)
+        self._copied[k].record(self.copy_stream)
+
+    def begin(self, stream) -> None:
+        self._stream = stream
+        self._fork.record(stream)
+        self.copy_stream.wait_event(self._fork)
+        for k in range(min(self.depth, len(self.order))):
+            self._copy(k)
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        k = self._pos.get(i)
+        if k is None:
+            return self.w._layers[i]
+        self._stream.wait_event(self._copied[k])
+        return self.w.views(i, self.ring.slots[k % self.depth])
+
+    def release(self, i: int) -> None:
+        k = self._pos.get(i)
+        if k is None:
+            return
+        if self.ring.poison:
+            with self._stream:
+                self.ring.slots[k % self.depth].fill(0xFF)
+        if k + self.depth < len(self.order):
+            self._freed[k].record(self._stream)
+            self.copy_stream.wait_event(self._freed[k])
+            self._copy(k + self.depth)
+
+    def before_launch(self, stream) -> None:
+        for ev in self.ring.pending_events():
+            stream.wait_event(ev)
+
+    def after_launch(self, stream) -> None:
+        done = cp.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        self.ring.invalidate(done)
+
+
+class LayerStreamFeed:
+    """The decode step's feed when layers come from storage: the LayerStream itself (reader
+    threads, a host decision per layer), so the step runs eagerly, not as a graph; still one
+    launch per kernel of the step instead of model.forward's Python per op."""
+
+    capturable = False
+
+    def __init__(self, weights: StreamedCudaWeights):
+        self.w = weights
+
+    def begin(self, stream) -> None:
+        pass
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        return self.w.acquire(i)
+
+    def release(self, i: int) -> None:
+        self.w.release(i)
+
+    def before_launch(self, stream) -> None:
+        pass
+
+    def after_launch(self, stream) -> None:
+        pass
 
 
 def plan(model: GGUFModel, config) -> Plan:

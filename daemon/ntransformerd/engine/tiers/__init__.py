@@ -6,7 +6,8 @@
 planner.py decides (explainably), sources.py is where bytes come from (one interface for every
 placement), pipeline.py is the slot ring, cpu_stream.py and backends/cuda_stream.py are the
 streamed weights of each backend. When the plan keeps every layer resident, `built` is None and
-the backend loads its own resident weights (and its captured decode step).
+the backend loads its own resident weights. Either way the CUDA engine decodes through its
+captured step, which takes each layer through the weights' decode_feed().
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ step: position k is layer order[k % m] in slot k % depth. For each position:
              into that slot is enqueued right away when its bytes are on the host
 
 Because the order wraps, the first slots of the next step fill while this step finishes.
+
+Between steps another user may write the slots (the captured CUDA decode step copies into them
+inside its graph: GraphFeed in backends/cuda_stream.py). Its stream first waits for
+pending_events() (each slot's release and the copies in flight); after it, invalidate(e) drops
+the copies queued ahead, so the next acquire copies again, into slots free once event e passed.
+
 `Device` is the only part that differs between backends: on the CPU, copies are plain memcpy
 and events are None; on the GPU (backends/cuda_stream.py) they are cudaMemcpyAsync on a copy
 stream and CUDA events. The compute thread never blocks in steady state except on data that is
@@ -90,7 +96,7 @@ class LayerStream:
         self._held: int | None = None  # position acquired and not yet released
         self._pool = (concurrent.futures.ThreadPoolExecutor(readers or depth, thread_name_prefix="ntx-reader")
                       if read is not None and any(host_layer(i) is None for i in order) else None)
-        self.stats = {"copies": 0, "reads": 0, "blocked": 0, "restarts": 0}
+        self.stats = {"copies": 0, "reads": 0, "blocked": 0, "restarts": 0, "handoffs": 0}
         self._lock = threading.Lock()
 
     # ---- positions --------------------------------------------------------------------------
@@ -148,16 +154,20 @@ class LayerStream:
             raise StreamError(f"position {need} (layer {self.layer_at(need)}) could not be copied: "
                               f"{self._copied} copied, {released} released, depth {self.depth}")
 
-    def _restart(self, layer: int) -> None:
-        """Renumber so that the next position is `layer` (the forward pass did not visit layers
-        in order: an error mid-step, or a partial pass). Copies already queued for positions ≥
-        next are redone; the copy stream orders them after the old ones."""
+    def _drain_reads(self) -> None:
+        """Wait out the reads in flight and drop them (their staging entries are refilled)."""
         for fut in self._reads.values():
             try:
                 fut.result()
             except Exception:
                 pass
         self._reads.clear()
+
+    def _restart(self, layer: int) -> None:
+        """Renumber so that the next position is `layer` (the forward pass did not visit layers
+        in order: an error mid-step, or a partial pass). Copies already queued for positions ≥
+        next are redone; the copy stream orders them after the old ones."""
+        self._drain_reads()
         self._base = self._next - self._index[layer]
         self._copied = min(self._copied, self._next)
         self.stats["restarts"] += 1
@@ -190,6 +200,28 @@ class LayerStream:
         self._held = None
         self._next = k + 1
         self._pump()
+
+    # ---- handing the slots to another user between steps ----------------------------------------
+
+    def pending_events(self) -> list:
+        """What a user that writes the slots must wait for first: each slot's last release and
+        the copies queued for positions not acquired yet (no events on the host: empty)."""
+        start = self._next if self._held is None else self._held
+        events = self._slot_free + [self._copy_done[k] for k in range(start, self._copied)]
+        return [e for e in events if e is not None]
+
+    def invalidate(self, after) -> None:
+        """Another user wrote every slot: forget the copies queued ahead (the next acquire copies
+        again) and copy into a slot only once event `after` (or None) passed. A position still
+        held (a forward pass that raised) counts as released."""
+        if self._held is not None:
+            self._next, self._held = self._held + 1, None
+        self._drain_reads()
+        for k in range(self._next, self._copied):
+            self._copy_done.pop(k, None)
+        self._copied = self._next
+        self._slot_free = [after] * self.depth
+        self.stats["handoffs"] += 1
 
     def close(self) -> None:
         if self._pool is not None:
