@@ -27,5 +27,12 @@ if [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ]; then
 import json; r=json.load(open('$OUT/llamabench.json'))
 for x in r: print(x['model_filename'].split('/')[-1], 'pp' if x['n_prompt'] else 'tg', x['n_prompt'] or x['n_gen'], round(x['avg_ts'],1), 'tok/s')
 " | tee "$OUT/llamabench.txt"
+  # partial offload at the streaming splits (layers not on the GPU computed by the host CPU)
+  timeout 150 /tmp/llama/llama.cpp/build/bin/llama-bench -m /tmp/ntx/llama3-8b-q4_k_m.gguf -ngl 0,16,24 -p 0 -n 64 -r 2 \
+    -o json > "$OUT/llamabench_ngl.json" 2>/dev/null
+  python3 -c "
+import json; r=json.load(open('$OUT/llamabench_ngl.json'))
+for x in r: print('q4_k_m -ngl', x['n_gpu_layers'], 'tg', x['n_gen'], round(x['avg_ts'],2), 'tok/s')
+" | tee -a "$OUT/llamabench.txt"
 fi
 echo "all done at $(( $(date +%s) - t0 )) s"

@@ -26,10 +26,11 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
 
 #define MAXD 8
 
-// Positions per split for a row of len positions: at least 8 (one step of attn_partial's
-// position loop costs about the same for 1 or 8 positions), else an even share of n_splits.
+// Positions per split for a row of len positions: an even share of n_splits. (A floor of 8
+// positions made the decode step slower at short contexts: fewer warps, each with more
+// dependent work; measured 2026-11-29.)
 __device__ __forceinline__ int split_len(int len, int n_splits) {
-    return max(8, (len + n_splits - 1) / n_splits);
+    return (len + n_splits - 1) / n_splits;
 }
 
 // RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then k

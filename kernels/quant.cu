@@ -275,7 +275,9 @@ __device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res,
                  const signed char *__restrict__ xl, const float *__restrict__ xd, const float *__restrict__ xs, \
                  const float *res, int has_res, float *y, int N, int K, int nb
 
-// Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step, U steps in flight.
+// Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step. Software-pipelined:
+// the next U steps' weights are in flight while this U's are multiplied, and the first U are
+// loaded before pdl_wait (weights are never written), so they arrive during the previous kernel.
 template <int R, int NB>
 __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
     const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
@@ -288,23 +290,14 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
         q[r] = (const uint4*)(p0 + row * K);
         dd[r] = (const u16*)p1 + row * (K / 32);
     }
-    pdl_launch_next();
-#pragma unroll
-    for (int r = 0; r < R; ++r) prefetch_l2(q[r], min(K, 16384));  // weights: before the wait
-    pdl_wait();
-    float acc[R][NB];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     const int nc = K / 16;
-    constexpr int U = R >= 4 ? 2 : 8 / R;
-    for (int c0 = lane; c0 < nc; c0 += 32 * U) {
-        uint4 w[U][R];
-        float wd[U][R];
+    constexpr int U = R >= 4 ? 1 : 4 / R;
+    uint4 wA[U][R], wB[U][R];
+    float dA[U][R], dB[U][R];
+    auto load = [&](uint4 (&w)[U][R], float (&wd)[U][R], int c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int c = c0 + 32 * u;
+            const int c = c0 + 32 * u;
             if (c < nc)
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
@@ -312,9 +305,16 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
                     wd[u][r] = h2f(__ldg(dd[r] + (c >> 1)));
                 }
         }
+    };
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
+    auto mul = [&](const uint4 (&w)[U][R], const float (&wd)[U][R], int c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int c = c0 + 32 * u;
+            const int c = c0 + 32 * u;
             if (c >= nc) break;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
@@ -337,6 +337,16 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
                 }
             }
         }
+    };
+    pdl_launch_next();
+    load(wA, dA, lane);
+    pdl_wait();
+    for (int c0 = lane; c0 < nc; c0 += 64 * U) {
+        load(wB, dB, c0 + 32 * U);
+        mul(wA, dA, c0);
+        if (c0 + 32 * U >= nc) break;
+        load(wA, dA, c0 + 64 * U);
+        mul(wB, dB, c0 + 32 * U);
     }
     mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
@@ -354,7 +364,7 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
     for (int r = 0; r < R; ++r) rb[r] = (const uint4*)(p0 + (long long)min(row0 + r, N - 1) * nblk * 144);
     pdl_launch_next();
 #pragma unroll
-    for (int r = 0; r < R; ++r) prefetch_l2(rb[r], min(nblk * 144, 16384));  // weights: before the wait
+    for (int r = 0; r < R; ++r) prefetch_l2(rb[r], min(nblk * 144, 2048));  // the first weights: before the wait
     pdl_wait();
     float acc[R][NB];
 #pragma unroll
@@ -445,8 +455,8 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
     pdl_launch_next();
 #pragma unroll
     for (int r = 0; r < R; ++r) {  // weights: before the wait
-        prefetch_l2(ql[r], min(K / 2, 8192));
-        prefetch_l2(qh[r], min(K / 4, 4096));
+        prefetch_l2(ql[r], min(K / 2, 1024));
+        prefetch_l2(qh[r], min(K / 4, 512));
     }
     pdl_wait();
     float acc[R][NB];

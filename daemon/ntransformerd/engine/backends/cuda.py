@@ -143,7 +143,8 @@ class _PDL:
         cfg = self._Config(*grid, *block, 0, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
         vals = [self._arg(a) for a in args]
         params = (c.c_void_p * len(vals))(*[c.cast(c.pointer(v), c.c_void_p) for v in vals])
-        err = self._lib.cuLaunchKernelEx(c.byref(cfg), fn.ptr, params, None)
+        func = getattr(fn, "kernel", fn)  # CuPy's RawKernel holds the driver Function (.ptr: CUfunction)
+        err = self._lib.cuLaunchKernelEx(c.byref(cfg), func.ptr, params, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed: CUDA error {err}")
 
@@ -499,12 +500,14 @@ def argmax(logits, *, out=None):
 ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances
 
 
-def attention_splits(n_rows: int, n_heads: int, max_pos: int) -> int:
-    """How many splits a row's positions are cut into: one when rows × heads already fill the
-    GPU (prefill), else enough that each holds ~16 positions of the longest row, at most 64."""
-    if n_rows * n_heads >= 4096:
-        return 1
-    return min(64, -(-(max_pos + 1) // 16))
+def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 128) -> int:
+    """How many splits a row's positions are cut into (at most 64, see attn_partial): for a few
+    rows, enough that each split holds ~16 positions of the longest row; for a prefill chunk
+    (rows × heads fill the GPU already) ~64 positions each, so that no warp walks a long
+    history alone, within 256 MB of partial results."""
+    per = 16 if n_rows * n_heads < 4096 else 64
+    room = max(1, (256 << 20) // (n_rows * n_heads * (head_dim + 2) * 4))
+    return max(1, min(64, -(-(max_pos + 1) // per), room))
 
 
 def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
@@ -595,7 +598,7 @@ class CudaOps:
         c = self.cfg
         slots, pos = self._rows(batch)
         n = q.shape[0]
-        n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()))
+        n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()), c.head_dim)
         out = cp.empty((n, c.q_dim), cp.float32)
         return attention_(cp.ascontiguousarray(q), cp.ascontiguousarray(k), cp.ascontiguousarray(v), kv_layer,
                           slots, pos, c, n=n, n_splits=n_splits, ldq=c.q_dim,
