@@ -26,11 +26,12 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
 
 #define MAXD 8
 
-// Positions per split for a row of len positions: an even share of n_splits. (A floor of 8
-// positions made the decode step slower at short contexts: fewer warps, each with more
-// dependent work; measured 2026-11-29.)
-__device__ __forceinline__ int split_len(int len, int n_splits) {
-    return (len + n_splits - 1) / n_splits;
+// Positions per split for a row of len positions: an even share of n_splits, and at least 8
+// when there are many (row, head) pairs. Measured on the 8B decode step (H200, 2026-11-29): for
+// 1 row, a floor of 8 made attention slower (fewer warps, each with more dependent work); for
+// 16 rows, no floor made it slower (many warps for one position each).
+__device__ __forceinline__ int split_len(int len, int n_splits, int pairs) {
+    return max(pairs >= 256 ? 8 : 1, (len + n_splits - 1) / n_splits);
 }
 
 // RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then k
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(128) attn_partial(
     const int r = warp / n_heads, h = warp % n_heads;
     const int kvh = h / (n_heads / n_kv);
     const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-    const int len = pos[r] + 1, sl = split_len(len, n_splits);
+    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
     const int t0 = split * sl, t1 = min(len, t0 + sl);
     if (t0 >= t1) {
         if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(128) attn_combine(
     PDL_ENTRY
     const int rh = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = rh / n_heads;
-    const int len = pos[r] + 1, sl = split_len(len, n_splits);
+    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
     const int active = (len + sl - 1) / sl;  // the non-empty splits (≤ n_splits ≤ 64)
     const long long base = (long long)rh * n_splits;
     const float m0 = lane < active ? pm[base + lane] : -INFINITY;

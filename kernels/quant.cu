@@ -538,8 +538,9 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
 // K order inside an mma is free as long as A and B agree: thread t of a quad takes the 8
 // consecutive elements 8t..8t+7 of a group (one 8-byte load for weights and for x), its first
 // register holding 8t..8t+3 and its second 8t+4..8t+7, for A and B alike.
-// Block: MW = 8 warps over the same 32 rows (two 16-row tiles); warp w takes K units w, w + 8,
-// ...; the partial sums meet in shared memory. NT = ceil(B / 8) tiles of 8 batch rows.
+// Block: MW = 8 warps over the same 16 MT rows (MT 16-row tiles: 2, or 1 for matrices of few
+// rows, so that they still spread over every SM); warp w takes K units w, w + 8, ...; the
+// partial sums meet in shared memory. NT = ceil(B / 8) tiles of 8 batch rows.
 
 #define MW 8
 
@@ -596,8 +597,8 @@ __device__ __forceinline__ void load_x(XFrag<NT>& x, const signed char* __restri
 }
 
 // acc[mt][nt][i] += dw[mt][i / 2] * xd * (hi + lo / 254) - mw[mt][i / 2] * xs for one group.
-template <int NT, bool MIN>
-__device__ __forceinline__ void mma_epilogue(float (&acc)[2][NT][4], const int (&ch)[4], const int (&cl)[4], int mt,
+template <int NT, int MT, bool MIN>
+__device__ __forceinline__ void mma_epilogue(float (&acc)[MT][NT][4], const int (&ch)[4], const int (&cl)[4], int mt,
                                              int nt, const float (&dw)[2], const float (&mw)[2], const XFrag<NT>& x) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -607,18 +608,18 @@ __device__ __forceinline__ void mma_epilogue(float (&acc)[2][NT][4], const int (
 }
 
 // The warps' partial sums → y (+ res). Every thread of the block must call it.
-template <int NT>
-__device__ __forceinline__ void mma_store(float (&acc)[2][NT][4], const float* res, float* y, int N, int row0, int nb) {
-    __shared__ float red[MW][32][NT * 8];
+template <int NT, int MT>
+__device__ __forceinline__ void mma_store(float (&acc)[MT][NT][4], const float* res, float* y, int N, int row0, int nb) {
+    __shared__ float red[MW][16 * MT][NT * 8];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) red[warp][mt * 16 + g + 8 * (i >> 1)][nt * 8 + 2 * t + (i & 1)] = acc[mt][nt][i];
     __syncthreads();
-    for (int o = threadIdx.x; o < 32 * NT * 8; o += MW * 32) {
+    for (int o = threadIdx.x; o < 16 * MT * NT * 8; o += MW * 32) {
         const int r = o / (NT * 8), b = o % (NT * 8);
         if (row0 + r >= N || b >= nb) continue;
         float s = 0.f;
@@ -631,17 +632,17 @@ __device__ __forceinline__ void mma_store(float (&acc)[2][NT][4], const float* r
 
 #define MMA_PROLOGUE                                                                      \
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3; \
-    const int row0 = blockIdx.x * 32;                                                     \
-    long long rows[2][2];                                                                 \
-    for (int mt = 0; mt < 2; ++mt)                                                        \
+    const int row0 = blockIdx.x * 16 * MT;                                                \
+    long long rows[MT][2];                                                                \
+    for (int mt = 0; mt < MT; ++mt)                                                       \
         for (int hh = 0; hh < 2; ++hh) rows[mt][hh] = min(row0 + mt * 16 + g + 8 * hh, N - 1); \
-    float acc[2][NT][4];                                                                  \
-    for (int mt = 0; mt < 2; ++mt)                                                        \
+    float acc[MT][NT][4];                                                                 \
+    for (int mt = 0; mt < MT; ++mt)                                                       \
         for (int nt = 0; nt < NT; ++nt)                                                   \
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
 // Q8_0 on planes: a K unit is one 32-group; U units' weights are loaded before any is used.
-template <int NT>
+template <int NT, int MT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
@@ -649,13 +650,13 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
     const float nomin[2] = {0.f, 0.f};
     const int groups = K / 32;
     for (int grp0 = warp; grp0 < groups; grp0 += MW * U) {
-        uint2 w[U][2][2];
-        float dw[U][2][2];
+        uint2 w[U][MT][2];
+        float dw[U][MT][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int grp = min(grp0 + MW * u, groups - 1);  // past the end: reloads the last (not used)
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     w[u][mt][hh] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + (long long)grp * 32 + 8 * t));
@@ -669,31 +670,31 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
             XFrag<NT> x;
             load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)grp * 32 + 8 * t, 8);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     int ch[4], cl[4];
                     mma_k32(ch, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.h[nt].x, x.h[nt].y);
                     mma_k32(cl, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.l[nt].x, x.l[nt].y);
-                    mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw[u][mt], nomin, x);
+                    mma_epilogue<NT, MT, false>(acc, ch, cl, mt, nt, dw[u][mt], nomin, x);
                 }
         }
     }
-    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q4_K on raw 144-byte blocks: a K unit is one 256-block; its qs pair p (32 bytes) holds
 // sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i.
-template <int NT>
+template <int NT, int MT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {
-        uint4 hd[2][2];
-        uint2 qv[2][2][4];
+        uint4 hd[MT][2];
+        uint2 qv[MT][2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const u8* b = p0 + (rows[mt][hh] * nblk + blk) * 144;
@@ -707,7 +708,7 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
             XFrag<NT> x;
             load_x<NT, true>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 32 * j + 8 * t, 8);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
+            for (int mt = 0; mt < MT; ++mt) {
                 float dw[2], mw[2];
                 u32 a[2][2];
 #pragma unroll
@@ -724,27 +725,27 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
                     int ch[4], cl[4];
                     mma_k32(ch, a[0][0], a[1][0], a[0][1], a[1][1], x.h[nt].x, x.h[nt].y);
                     mma_k32(cl, a[0][0], a[1][0], a[0][1], a[1][1], x.l[nt].x, x.l[nt].y);
-                    mma_epilogue<NT, true>(acc, ch, cl, mt, nt, dw, mw, x);
+                    mma_epilogue<NT, MT, true>(acc, ch, cl, mt, nt, dw, mw, x);
                 }
             }
         }
     }
-    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q6_K on planes: a K unit is one 256-block, in 16-element sub-blocks (one scale each), so
 // k16 mmas; thread t takes elements 4t..4t+3 of each. Sub-block s = nh*8 + quarter*2 + lh holds
 // l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes).
-template <int NT>
+template <int NT, int MT>
 __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
     const int nblk = K / 256;
     for (int blk = warp; blk < nblk; blk += MW) {
-        float d[2][2];
-        uint4 sc16[2][2];
+        float d[MT][2];
+        uint4 sc16[MT][2];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const long long r = rows[mt][hh];
@@ -754,9 +755,9 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
 #pragma unroll 1
         for (int nl = 0; nl < 4; ++nl) {  // (half nh, l-half lh); not unrolled: registers
             const int nh = nl >> 1, lh = nl & 1;
-            u32 q[2][2][4];  // [mt][hh][quarter]: q - 32 as signed bytes
+            u32 q[MT][2][4];  // [mt][hh][quarter]: q - 32 as signed bytes
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const long long r = rows[mt][hh];
@@ -774,7 +775,7 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
                 XFrag<NT> x;
                 load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 16 * s + 4 * t, 4);
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < MT; ++mt) {
                     float dw[2];
                     const float nomin[2] = {0.f, 0.f};
 #pragma unroll
@@ -787,11 +788,11 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
                         int ch[4], cl[4];
                         mma_k16(ch, q[mt][0][qq], q[mt][1][qq], x.h[nt].x);
                         mma_k16(cl, q[mt][0][qq], q[mt][1][qq], x.l[nt].x);
-                        mma_epilogue<NT, false>(acc, ch, cl, mt, nt, dw, nomin, x);
+                        mma_epilogue<NT, MT, false>(acc, ch, cl, mt, nt, dw, nomin, x);
                     }
                 }
             }
         }
     }
-    mma_store<NT>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }

@@ -143,3 +143,17 @@ def test_quantize_rows(k):
     assert (np.abs(back - xr) <= d[..., None] * (1 / 508 + 2e-5)).all()  # + float rounding
     np.testing.assert_allclose(s, xr.sum(-1), rtol=1e-4, atol=1e-5 * np.abs(xr).sum(-1).max())
     assert (hi[2, 0] == 0).all() and (lo[2, 0] == 0).all() and d[2, 0] == 0
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("b", (4, 16, 32))
+def test_matvec_tall(qtype, b):
+    """More rows than MMA_ONE_TILE_ROWS: the tensor-core matvecs take 32 rows per block."""
+    rng = np.random.default_rng()
+    n, k = cuda.MMA_ONE_TILE_ROWS + 83, 512
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
+    ref = x @ ref_w.T
+    assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype)

@@ -43,6 +43,7 @@ MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kern
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
+MMA_ONE_TILE_ROWS = 8192  # up to this many rows, 16 rows per block (else 32) so every SM gets work
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
@@ -417,8 +418,9 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         xq = quantize(x, _scratch_qact(bucket, k), n=b)
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
-    if bucket >= MMA_MIN_BUCKET:  # 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
-        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((_blocks(n, 32),), (256,), (
+    if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
+        mt = 1 if n <= MMA_ONE_TILE_ROWS else 2
+        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{bucket // 8 or 1},{mt}>")((_blocks(n, 16 * mt),), (256,), (
             *w.ptrs(), *xq.args(), *res_args))
         return out
     r = ROWS_PER_WARP[bucket]
@@ -661,7 +663,7 @@ def kernel_names() -> list[tuple[str, str]]:
     names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
     for b in MATVEC_BUCKETS:
         if b >= MMA_MIN_BUCKET:
-            names += [("quant", f"{n}<{b // 8 or 1}>") for n in MMA_MATVEC.values()]
+            names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
         else:
             names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b}>") for n in FAST_MATVEC.values()]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
