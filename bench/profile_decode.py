@@ -31,7 +31,7 @@ from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.synth import synthesize  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from resident import copy_bandwidth  # noqa: E402
+from resident import copy_bandwidth, device_step_s  # noqa: E402
 
 SPIN = cp.RawKernel(r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -88,14 +88,7 @@ def profile(dec: DecodeGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict
         toks = np.arange(batch, dtype=np.int32) + 100
         for _ in range(8):  # capture, warm-up, and some context
             toks = dec.step(slots, toks)
-        reps = 16
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(dec.stream)
-        for _ in range(reps):
-            dec.launch(slots, toks)
-        b.record(dec.stream)
-        b.synchronize()
-        graph_ms = cp.cuda.get_elapsed_time(a, b) / reps
+        graph_ms = device_step_s(dec, slots, toks) * 1e3
         # The same step, eagerly, behind a spin kernel, an event after each launch.
         buf = dec._bufs[next(m for m in (1, 2, 4, 8, 16, 32) if m >= batch)]
         runs = []

@@ -57,6 +57,18 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / t  # bytes read + written per second
 
 
+def device_step_s(dec: DecodeGraphs, slots, toks, reps: int = 16) -> float:
+    """Seconds of one decode step on the device alone: replays queued back to back (positions
+    keep advancing)."""
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record(dec.stream)
+    for _ in range(reps):
+        dec.launch(slots, toks)
+    b.record(dec.stream)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / 1e3 / reps
+
+
 def decode_rates(dec: DecodeGraphs, kv, batch: int, steps: int) -> dict:
     slots = [kv.alloc() for _ in range(batch)]
     try:
@@ -67,15 +79,7 @@ def decode_rates(dec: DecodeGraphs, kv, batch: int, steps: int) -> dict:
         for _ in range(steps):
             toks = dec.step(slots, toks)
         wall = (time.perf_counter() - t0) / steps
-        # The device alone: replays queued back to back (positions keep advancing).
-        reps = 16
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(dec.stream)
-        for _ in range(reps):
-            dec.launch(slots, toks)
-        b.record(dec.stream)
-        b.synchronize()
-        dev = cp.cuda.get_elapsed_time(a, b) / 1e3 / reps
+        dev = device_step_s(dec, slots, toks)
     finally:
         for s in slots:
             kv.free(s)

@@ -301,17 +301,18 @@ class CudaWeights:
         return n
 
 
-class ResidentFeed:
+class DecodeFeed:
     """How the captured decode step (cuda_decode.py) gets each layer's weights during a step.
 
-    This one serves resident weights; backends/cuda_stream.py has the streamed feeds. begin is
-    called on the step's stream at the start of every step body (inside a capture when the step
-    is captured), acquire/release around each layer's kernels; before_launch/after_launch run on
-    the host around each replay (never captured). capturable: the step may be a CUDA graph."""
+    begin is called on the step's stream at the start of every step body (inside a capture when
+    the step is captured), acquire/release around each layer's kernels; before_launch and
+    after_launch run on the host around each replay (never captured). capturable: the step may
+    be a CUDA graph. The defaults serve weights that stay put (ResidentFeed);
+    backends/cuda_stream.py has the streamed feeds."""
 
     capturable = True
 
-    def __init__(self, weights: CudaWeights):
+    def __init__(self, weights):
         self.weights = weights
 
     def begin(self, stream) -> None:
@@ -321,13 +322,17 @@ class ResidentFeed:
         return self.weights.acquire(i)
 
     def release(self, i: int) -> None:
-        pass
+        self.weights.release(i)
 
     def before_launch(self, stream) -> None:
         pass
 
     def after_launch(self, stream) -> None:
         pass
+
+
+class ResidentFeed(DecodeFeed):
+    """Every layer resident in VRAM."""
 
 
 # ---- launchers ------------------------------------------------------------------------------

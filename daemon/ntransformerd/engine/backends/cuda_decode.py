@@ -34,8 +34,10 @@ class _Bufs:
 
 
 class DecodeGraphs:
-    def __init__(self, ops: K.CudaOps, weights: K.CudaWeights, kv: K.CudaKVCache, *, use_graphs: bool = True,
+    def __init__(self, ops: K.CudaOps, weights, kv: K.CudaKVCache, *, use_graphs: bool = True,
                  pdl: bool | None = None):
+        """weights: CudaWeights or cuda_stream.StreamedCudaWeights (describe, decode_feed,
+        token_embd, output, output_norm)."""
         self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
         # Where each layer's weights come from during a step: resident, or streamed slots whose
         # copies are part of the step (backends/cuda_stream.py). Not every feed can be captured.

@@ -363,30 +363,13 @@ class GraphFeed:
         self.ring.invalidate(done)
 
 
-class LayerStreamFeed:
+class LayerStreamFeed(K.DecodeFeed):
     """The decode step's feed when layers come from storage: the LayerStream itself (reader
-    threads, a host decision per layer), so the step runs eagerly, not as a graph; still one
-    launch per kernel of the step instead of model.forward's Python per op."""
+    threads, a host decision per layer) through the weights' acquire/release, so the step runs
+    eagerly, not as a graph; still one launch per kernel of the step instead of model.forward's
+    Python per op."""
 
     capturable = False
-
-    def __init__(self, weights: StreamedCudaWeights):
-        self.w = weights
-
-    def begin(self, stream) -> None:
-        pass
-
-    def acquire(self, i: int) -> types.SimpleNamespace:
-        return self.w.acquire(i)
-
-    def release(self, i: int) -> None:
-        self.w.release(i)
-
-    def before_launch(self, stream) -> None:
-        pass
-
-    def after_launch(self, stream) -> None:
-        pass
 
 
 def plan(model: GGUFModel, config) -> Plan:
