@@ -11,7 +11,7 @@ import pytest
 
 from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.tiers import planner
+from ntransformerd.engine.tiers import model_plan, planner
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan, PlanError, plan_tiers
 from ntransformerd.engine.tiers.sources import (MmapSource, ODirectSource, SlowSource, plan_reads)
 from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
@@ -218,6 +218,27 @@ def test_engine_config_streams_beyond_ram_budget(small):
     for x, y in zip(got, ref):
         assert np.array_equal(x, y)
     e.weights.close()
+
+
+@pytest.mark.parametrize("over", [{}, {"max_vram_layers": 1, "stream_depth": 1}])
+def test_load_progress_reports_every_layer_once(small, over):
+    """model.on_layer_loaded sees each layer once as the backend loads it (resident, pinned, or
+    storage once its reads are planned), and nothing while the plan is only being made."""
+    seen = []
+    lb = max(small.layer_bytes(i) for i in range(small.config.n_layers))
+    if over:
+        over = dict(over, ram_budget=lb * 5 // 2)  # VRAM, PINNED, STORAGE, STORAGE
+    small.on_layer_loaded(seen.append)
+    try:
+        model_plan(small, EngineConfig(backend="cpu", **over), backend="cpu")
+        assert seen == []
+        e = _engine(small, **over)
+    finally:
+        small.on_layer_loaded(None)
+    assert sorted(seen) == list(range(small.config.n_layers))
+    if over:
+        assert e.plan.tiers == (VRAM, PINNED, STORAGE, STORAGE)
+        e.weights.close()
 
 
 def test_engine_config_budget_too_small(small):

@@ -94,11 +94,17 @@ def test_streamed_cuda_fields_match_cudaweights(fake, synth_model, shape, ftype)
     cuda, cuda_stream = fake
     model = GGUFModel(synth_model(shape, ftype))
     n = model.config.n_layers
+    loaded = []
+    model.on_layer_loaded(loaded.append)
     ref = cuda.CudaWeights(model)
+    assert loaded == list(range(n))  # load progress: every layer once, in order
+    loaded.clear()
     tiers = ([VRAM, PINNED, STORAGE, STORAGE] * n)[:n] if n > 2 else [PINNED, STORAGE]
     sizes = [cuda_stream.LayerLayout(model, i).nbytes for i in range(n)]
     plan = Plan(tuple(tiers), tuple(sizes), 2, max(sizes), 0, 0, 0, -1, -1)
     w = cuda_stream.StreamedCudaWeights(model, plan, source=ODirectSource(model.path, threads=2), poison=True)
+    model.on_layer_loaded(None)
+    assert sorted(loaded) == list(range(n))  # resident, pinned and storage layers, each once
     names = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     for _step in range(3):
         for i in range(n):

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -205,6 +205,7 @@ class GGUFModel:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._on_layer_loaded: Callable[[int], None] | None = None
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -345,6 +346,17 @@ class GGUFModel:
 
     def layer_tensors(self, i: int) -> dict[str, TensorInfo]:
         return {n: self.tensors[f"blk.{i}.{n}.weight"] for n in LAYER_TENSORS}
+
+    def on_layer_loaded(self, callback: Callable[[int], None] | None) -> None:
+        """Have callback(i) called as a backend finishes loading layer i (load progress); None
+        stops it. Planning and size queries (layer_tensors, layer_bytes) are not loading."""
+        self._on_layer_loaded = callback
+
+    def layer_loaded(self, i: int) -> None:
+        """Backends call this once layer i's weights are in place (or, for a layer streamed from
+        storage, once its reads are planned)."""
+        if self._on_layer_loaded is not None:
+            self._on_layer_loaded(i)
 
     def layer_bytes(self, i: int) -> int:
         return sum(t.nbytes for t in self.layer_tensors(i).values())

@@ -130,21 +130,21 @@ class Daemon:
             try:
                 model = GGUFModel(path)
                 n = model.config.n_layers
-                layer_tensors = model.layer_tensors
                 seen: set[int] = set()  # per load: a reload reports its progress again
 
-                def counted(i):  # the backends fetch each layer's tensors once at load
+                def loaded(i):
                     if i not in seen:
                         seen.add(i)
                         progress(f"loading layer {len(seen)}/{n}", 0.05 + 0.9 * len(seen) / n)
-                    return layer_tensors(i)
 
-                model.layer_tensors = counted
-                engine = Engine(model, config=EngineConfig(
-                    backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
-                    kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
-                    vram_budget=c.vram_budget, ram_budget=c.pinned_budget))
-                model.layer_tensors = layer_tensors
+                model.on_layer_loaded(loaded)
+                try:
+                    engine = Engine(model, config=EngineConfig(
+                        backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
+                        kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
+                        vram_budget=c.vram_budget, ram_budget=c.pinned_budget))
+                finally:
+                    model.on_layer_loaded(None)
             except Exception as e:
                 self.scheduler.fail(f"{e}")
                 self.notifier.status(f"failed to load {path}: {e}")

@@ -157,7 +157,10 @@ class CpuWeights:
         self.token_embd = model.dequantize("token_embd.weight")  # (V, D): rows are looked up
         self.output = prepare_matrix(self.token_embd if cfg.tied_output else model.dequantize("output.weight"))  # (D, V)
         self.output_norm = model.dequantize("output_norm.weight")  # (D,)
-        self._layers = {i: self._load(i) for i in self.resident}
+        self._layers = {}
+        for i in sorted(self.resident):
+            self._layers[i] = self._load(i)
+            model.layer_loaded(i)
 
     def _load(self, i: int) -> types.SimpleNamespace:
         t = self.model.layer_tensors(i)

@@ -251,7 +251,10 @@ class CudaWeights:
         self.token_embd = upload([model.tensor("token_embd.weight")], "token_embd")
         self.output = self.token_embd if cfg.tied_output else upload([model.tensor("output.weight")], "output")
         self.output_norm = cp.asarray(model.dequantize("output_norm.weight"))
-        self._layers = [self._load(i) for i in range(cfg.n_layers)]
+        self._layers = []
+        for i in range(cfg.n_layers):
+            self._layers.append(self._load(i))
+            model.layer_loaded(i)
 
     def _load(self, i: int) -> types.SimpleNamespace:
         t = self.model.layer_tensors(i)

@@ -200,6 +200,7 @@ class StreamedCudaWeights:
                 evs[j % 2].record(stream)
                 self._resident_bufs.append(buf)
                 self._layers[i] = self.layouts[i].views(buf)
+                model.layer_loaded(i)
             stream.synchronize()
             del futs
 
@@ -213,6 +214,7 @@ class StreamedCudaWeights:
 
         for i, buf in pool.map(pin, plan.layers(PINNED)):
             self._pinned[i] = buf
+            model.layer_loaded(i)
         pool.shutdown()
 
         # Storage layers: reader threads read the span, then pack into a pinned staging entry.
@@ -225,6 +227,8 @@ class StreamedCudaWeights:
         if storage:
             align = max(source.alignment, 4096)
             self._reads = {i: plan_reads(model.layer_tensors(i).values(), align) for i in storage}
+            for i in storage:  # read every step: ready once its reads are planned
+                model.layer_loaded(i)
             raw_bytes = max(r.nbytes for r in self._reads.values())
             plain = HostMemory()
             self._raw = [plain.alloc(raw_bytes) for _ in range(plan.depth)]

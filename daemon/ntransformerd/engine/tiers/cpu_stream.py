@@ -38,6 +38,8 @@ class StreamedCpuWeights(CpuWeights):
             self.model, self.resident = model, set(plan.layers(VRAM))
             self.token_embd, self.output, self.output_norm = shared.token_embd, shared.output, shared.output_norm
             self._layers = {i: shared.acquire(i) for i in self.resident}
+            for i in self.resident:
+                model.layer_loaded(i)
         self.plan = plan
         host = host or HostMemory()
         storage = plan.layers(STORAGE)
@@ -54,6 +56,9 @@ class StreamedCpuWeights(CpuWeights):
                 buf = host.alloc(self._reads[i].nbytes)
                 self._reads[i].fill(mm, buf)
                 self._pinned[i] = buf
+                model.layer_loaded(i)
+        for i in storage:  # read every step: ready once its reads are planned
+            model.layer_loaded(i)
         self._staging = [host.alloc(slot_bytes) for _ in range(plan.depth)] if storage else []
         for buf in self._staging:
             source.register(buf)
