@@ -1,5 +1,7 @@
 // Quantized weights: dequantization (bit-exact with gguf.quants) and the fused
-// dequantize-multiply for decode (y = x @ W.T for a small batch of rows x).
+// dequantize-multiply for decode (y = x @ W.T for a small batch of rows x): matvec_generic for
+// every type, and for Q8_0/Q4_K/Q6_K on quantized activations the dp4a kernels mvq_* (1-2 rows)
+// and the int8 tensor-core kernels mma_* (4-32 rows).
 //
 // A weight tensor (N rows of K elements) lives on the device as up to four "planes":
 //   Q8_0: p0 = qs (N, K) int8,  p1 = d (N, K/32) f16            (repacked at load: 16-byte loads)

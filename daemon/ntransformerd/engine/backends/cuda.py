@@ -12,6 +12,11 @@ levels per element and a scale per 32, about 2^-15 of each group's largest value
 kernels/quant_act.cuh) and multiplies with int8 dot products (dp4a for batches of 1-2 rows,
 int8 tensor-core mma.sync from 4 rows); the CPU reference stays float32 and the tests compare
 within that tolerance.
+
+Kernels are compiled on first use (NVRTC, with kernels/common.cuh and the family's headers
+prepended; CuPy caches the binaries on disk; `precompile` builds them all in parallel). Inside
+the captured decode step they may be launched with programmatic dependent launch (`pdl()`,
+through cuLaunchKernelEx), which every kernel of kernels/ is written to allow.
 """
 
 from __future__ import annotations
