@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: build llama-bench in the background, precompile kernels, run the benchmark,
-# the gpu tests, then llama-bench on the same files. Logs and JSON go to $OUT.
+# One device call: build llama-bench in the background, precompile kernels, run the benchmark and
+# the decode profile, then llama-bench on the same files (waiting up to 2*LLAMA_WAIT s for its
+# build), then the gpu tests. Logs and JSON go to $OUT.
 #   (device tool) carry: .whl .llama ; command: bash bench/gpu_run.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -16,9 +17,8 @@ timeout ${BENCH_TIMEOUT:-260} python3 bench/resident.py --dir /tmp/ntx --json "$
 echo "bench done at $(( $(date +%s) - t0 )) s"
 timeout ${PROFILE_TIMEOUT:-120} python3 bench/profile_decode.py --dir /tmp/ntx --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -60
 echo "profile done at $(( $(date +%s) - t0 )) s"
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
-echo "tests done at $(( $(date +%s) - t0 )) s"
-for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= "$OUT/llama_build.log" 2>/dev/null && break; sleep 2; done
+# llama-bench before the tests: the build (16 jobs) does not finish while the tests load every core
+for i in $(seq 1 ${LLAMA_WAIT:-150}); do grep -q rc= "$OUT/llama_build.log" 2>/dev/null && break; sleep 2; done
 cat "$OUT/llama_build.log"; tail -5 /tmp/llama/cmake.log /tmp/llama/build.log 2>/dev/null | tee "$OUT/llama_tail.log"
 if [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ]; then
   timeout 120 bash bench/llamacpp/run.sh /tmp/llama/llama.cpp/build/bin/llama-bench "$OUT/llamabench.json" \
@@ -35,4 +35,6 @@ import json; r=json.load(open('$OUT/llamabench_ngl.json'))
 for x in r: print('q4_k_m -ngl', x['n_gpu_layers'], 'tg', x['n_gen'], round(x['avg_ts'],2), 'tok/s')
 " | tee -a "$OUT/llamabench.txt"
 fi
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "tests done at $(( $(date +%s) - t0 )) s"
 echo "all done at $(( $(date +%s) - t0 )) s"
