@@ -103,14 +103,10 @@ def _tokenize_request(text, messages, add_special, parse_special) -> pb.Tokenize
     return req
 
 
-class Client:
-    """Blocking client. Methods raise ntx_client.NtxError with a message naming cause and fix."""
+class _Channel:
+    """A gRPC channel held by a client: usable as a context manager, closed by close()."""
 
-    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
-        self.socket = paths.socket_path(socket)
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
-        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+    _channel: grpc.Channel
 
     def __enter__(self):
         return self
@@ -120,6 +116,16 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class Client(_Channel):
+    """Blocking client. Methods raise ntx_client.NtxError with a message naming cause and fix."""
+
+    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
+        self.socket = paths.socket_path(socket)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     def _call(self, method, request, timeout=None):
         try:
@@ -231,7 +237,7 @@ class AsyncClient:
         return await self._call(self._stub.Status, pb.StatusRequest())
 
 
-class AdminClient:
+class AdminClient(_Channel):
     """The admin verbs, over the root-only admin socket."""
 
     def __init__(self, socket: str | None = None, *, user_socket: str | None = None, timeout: float | None = None):
@@ -239,15 +245,6 @@ class AdminClient:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(paths.grpc_target(self.socket))
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
 
     def _call(self, method, request):
         try:

@@ -45,15 +45,18 @@ def _kv_work(model, config, backend: str) -> tuple[int, int]:
     return kv, work
 
 
+def _plan_inputs(model, config, backend: str, ram_available: int | None, layer_bytes: list[int] | None):
+    """(layer bytes, KV bytes, workspace bytes, available RAM) for the planners."""
+    if layer_bytes is None:
+        layer_bytes = [model.layer_bytes(i) for i in range(model.config.n_layers)]
+    kv, work = _kv_work(model, config, backend)
+    return layer_bytes, kv, work, mem_available() if ram_available is None else ram_available
+
+
 def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
                layer_bytes: list[int] | None = None) -> Plan:
     """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
-    c = model.config
-    if layer_bytes is None:
-        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
-    kv, work = _kv_work(model, config, backend)
-    if ram_available is None:
-        ram_available = mem_available()
+    layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     return plan_tiers(layer_bytes, fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
                       vram_free=vram_free, ram_available=ram_available,
                       vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
@@ -66,11 +69,7 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
     embedding lives on the first device, the output and its norm on the last."""
     from ntransformerd.engine.tiers.multi import plan_devices
     c = model.config
-    if layer_bytes is None:
-        layer_bytes = [model.layer_bytes(i) for i in range(c.n_layers)]
-    kv, work = _kv_work(model, config, backend)
-    if ram_available is None:
-        ram_available = mem_available()
+    layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     fixed = _non_layer_bytes(model)
     embd = model.tensors["token_embd.weight"].nbytes
     last = fixed - embd + (embd if c.tied_output else 0)
