@@ -226,3 +226,150 @@ __global__ void __launch_bounds__(128) attn_combine(
         }
     }
 }
+
+// ---- prefill: causal attention for chunks of rows on tensor cores ---------------------------
+// attn_chunk<HD>: a block per (tile of ≤ 16 rows of one sequence, HB q heads sharing one kv head);
+// warp w takes q head blockIdx.y * HB + w over the tile's rows, so the K and V tiles that the
+// block stages in shared memory serve 16 × HB query rows. Tiles come from the host (tile_row0,
+// tile_n): their rows share a slot; each row is masked at its own position, the block walks
+// positions 0 .. the tile's largest. Scores and P·V are mma.sync m16n8k16 (f16 × f16 → f32):
+// q (scaled by scale · log2 e) and P are rounded to f16, as the prefill matmuls round x, and the
+// online softmax runs in base 2 in f32. Fragment layouts (PTX ISA, m16n8k16 .f16): lane = 4 g + t;
+// A regs {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}; B regs {(k 2t..2t+1, n g),
+// (k 2t+8.., n g)}; C {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}. An S tile's C registers are
+// P's A registers for the next multiply, so P never leaves the registers.
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+__global__ void __launch_bounds__(256) attn_chunk(
+        const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
+        const int* __restrict__ slot, const int* __restrict__ pos, const int* __restrict__ tile_row0,
+        const int* __restrict__ tile_n, float* __restrict__ out, int ldo, int n_heads, int n_kv, int max_ctx,
+        float scale_log2) {
+    PDL_ENTRY
+    constexpr int KT = 64;          // positions per staged tile
+    constexpr int KS = HD + 8;      // Ks row stride (halves): rows 4 banks apart, conflict-free fragment reads
+    constexpr int VS = KT + 8;      // Vt row stride (halves)
+    __shared__ __align__(16) u16 Ks[KT * KS];  // K tile, (position, dim)
+    __shared__ __align__(16) u16 Vt[HD * VS];  // V tile transposed, (dim, position)
+    const int HB = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = tile_row0[blockIdx.x], nr = tile_n[blockIdx.x];
+    const int h = blockIdx.y * HB + warp, kvh = h / (n_heads / n_kv);
+    const long long kv_dim = (long long)n_kv * HD;
+    const long long cache0 = (long long)slot[r0] * max_ctx * kv_dim + (long long)kvh * HD;
+    const int ra = r0 + min(g, nr - 1), rb = r0 + min(g + 8, nr - 1);  // rows past nr repeat the last, unwritten
+    const int pa = pos[ra], pb = pos[rb];
+    int pmax = 0;
+    for (int i = 0; i < nr; ++i) pmax = max(pmax, pos[r0 + i]);
+
+    u32 qa[HD / 16][4];
+    {
+        const float* qA = q + (long long)ra * ldq + (long long)h * HD + 2 * t;
+        const float* qB = q + (long long)rb * ldq + (long long)h * HD + 2 * t;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const float2 a0 = *(const float2*)(qA + 16 * kk), a1 = *(const float2*)(qB + 16 * kk);
+            const float2 a2 = *(const float2*)(qA + 16 * kk + 8), a3 = *(const float2*)(qB + 16 * kk + 8);
+            qa[kk][0] = pack_h2(a0.x * scale_log2, a0.y * scale_log2);
+            qa[kk][1] = pack_h2(a1.x * scale_log2, a1.y * scale_log2);
+            qa[kk][2] = pack_h2(a2.x * scale_log2, a2.y * scale_log2);
+            qa[kk][3] = pack_h2(a3.x * scale_log2, a3.y * scale_log2);
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
+
+    for (int kt0 = 0; kt0 <= pmax; kt0 += KT) {
+        __syncthreads();  // the previous tile is no longer read
+        // Stage: lane-consecutive positions, so the transposed V stores hit consecutive halves.
+        for (int idx = threadIdx.x; idx < KT * (HD / 8); idx += blockDim.x) {
+            const int p = idx % KT, c = (idx / KT) * 8, pp = kt0 + p;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (pp <= pmax) {  // past the tile's last position: zeros, never the cache's stale (maybe NaN) halves
+                const long long o_ = cache0 + (long long)pp * kv_dim + c;
+                kv4 = *(const uint4*)(kc + o_);
+                vv4 = *(const uint4*)(vc + o_);
+            }
+            *(uint4*)&Ks[p * KS + c] = kv4;
+            const u32 vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                Vt[(c + 2 * i) * VS + p] = (u16)(vw[i] & 0xFFFF);
+                Vt[(c + 2 * i + 1) * VS + p] = (u16)(vw[i] >> 16);
+            }
+        }
+        __syncthreads();
+        float s[KT / 8][4];
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const u16* kr = Ks + (8 * j + g) * KS + 2 * t;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk)
+                mma_f16(s[j], qa[kk], *(const u32*)(kr + 16 * kk), *(const u32*)(kr + 16 * kk + 8));
+        }
+        float xa = -INFINITY, xb = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = kt0 + 8 * j + 2 * t + e;
+                if (p > pa) s[j][e] = -INFINITY;
+                if (p > pb) s[j][2 + e] = -INFINITY;
+                xa = fmaxf(xa, s[j][e]);
+                xb = fmaxf(xb, s[j][2 + e]);
+            }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
+            xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
+        }
+        const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);  // finite: position 0 is in every row's first tile
+        const float ca = exp2f(ma - na), cb = exp2f(mb - nb);
+        ma = na;
+        mb = nb;
+        float sa = 0.f, sb = 0.f;
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j) {
+            s[j][0] = exp2f(s[j][0] - na); s[j][1] = exp2f(s[j][1] - na);
+            s[j][2] = exp2f(s[j][2] - nb); s[j][3] = exp2f(s[j][3] - nb);
+            sa += s[j][0] + s[j][1];
+            sb += s[j][2] + s[j][3];
+        }
+        la = la * ca + sa;
+        lb = lb * cb + sb;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) { o[n][0] *= ca; o[n][1] *= ca; o[n][2] *= cb; o[n][3] *= cb; }
+#pragma unroll
+        for (int c16 = 0; c16 < KT / 16; ++c16) {
+            const u32 pa4[4] = {pack_h2(s[2 * c16][0], s[2 * c16][1]), pack_h2(s[2 * c16][2], s[2 * c16][3]),
+                                pack_h2(s[2 * c16 + 1][0], s[2 * c16 + 1][1]), pack_h2(s[2 * c16 + 1][2], s[2 * c16 + 1][3])};
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                const u16* vr = Vt + (8 * n + g) * VS + 16 * c16 + 2 * t;
+                mma_f16(o[n], pa4, *(const u32*)vr, *(const u32*)(vr + 8));
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        la += __shfl_xor_sync(0xffffffffu, la, off);
+        lb += __shfl_xor_sync(0xffffffffu, lb, off);
+    }
+    const float ia = 1.f / la, ib = 1.f / lb;
+    float* oa = out + (long long)(r0 + g) * ldo + (long long)h * HD + 2 * t;
+    float* ob = out + (long long)(r0 + g + 8) * ldo + (long long)h * HD + 2 * t;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        if (g < nr) *(float2*)(oa + 8 * n) = make_float2(o[n][0] * ia, o[n][1] * ia);
+        if (g + 8 < nr) *(float2*)(ob + 8 * n) = make_float2(o[n][2] * ib, o[n][3] * ib);
+    }
+}

@@ -65,21 +65,33 @@ __device__ __forceinline__ void k_scale_min_regs(u32 a, u32 b, u32 c, int j, int
     }
 }
 
+// 32 bytes from a 16-byte-aligned address in two vector loads; b[i] is byte i.
+struct Bytes32 {
+    u32 w[8];
+    __device__ __forceinline__ int operator[](int i) const { return (w[i >> 2] >> (8 * (i & 3))) & 0xFF; }
+};
+__device__ __forceinline__ Bytes32 ld_bytes32(const u8* p) {
+    const uint4 a = __ldg((const uint4*)p), b = __ldg((const uint4*)(p + 16));
+    return {{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
+}
+
 // The 32 elements of sub-block `sub` (elements 32*sub .. 32*sub+31) of row `row`.
 template <int T> __device__ void deq32(const Planes& P, long long row, int K, int sub, float* out) {
     if (T == 8) {  // Q8_0, planes
-        const signed char* q = (const signed char*)P.p0 + row * K + sub * 32;
+        const Bytes32 q = ld_bytes32(P.p0 + row * K + sub * 32);
         float d = h2f(((const u16*)P.p1)[row * (K / 32) + sub]);
-        for (int i = 0; i < 32; ++i) out[i] = __fmul_rn((float)q[i], d);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) out[i] = __fmul_rn((float)(signed char)q[i], d);
         return;
     }
     if (T == 14) {  // Q6_K, planes
         int blk = sub / 8, j = sub % 8, nh = j / 4, jj = j % 4;
-        const u8* ql = P.p0 + row * (K / 2) + blk * 128 + 64 * nh + 32 * (jj % 2);
-        const u8* qh = P.p1 + row * (K / 4) + blk * 64 + 32 * nh;
+        const Bytes32 ql = ld_bytes32(P.p0 + row * (K / 2) + blk * 128 + 64 * nh + 32 * (jj % 2));
+        const Bytes32 qh = ld_bytes32(P.p1 + row * (K / 4) + blk * 64 + 32 * nh);
         const signed char* sc = (const signed char*)P.p2 + row * (K / 16) + blk * 16 + 8 * nh + 2 * jj;
         float d = h2f(((const u16*)P.p3)[row * (K / 256) + blk]);
         float d0 = __fmul_rn(d, (float)sc[0]), d1 = __fmul_rn(d, (float)sc[1]);
+#pragma unroll
         for (int i = 0; i < 32; ++i) {
             int q = ((ql[i] >> (4 * (jj / 2))) & 0xF) | (((qh[i] >> (2 * jj)) & 3) << 4);
             out[i] = __fmul_rn(i < 16 ? d0 : d1, (float)(q - 32));
@@ -141,7 +153,8 @@ template <int T> __device__ void deq32(const Planes& P, long long row, int K, in
             int sc, m;
             k_scale_min(b + 4, j, sc, m);
             float dl = __fmul_rn(d, (float)sc), dm = __fmul_rn(dmin, (float)m);
-            const u8* qs = b + (T == 12 ? 16 : 48) + 32 * (j / 2);
+            const Bytes32 qs = ld_bytes32(b + (T == 12 ? 16 : 48) + 32 * (j / 2));  // 16-aligned: blocks of 144, 176 B
+#pragma unroll
             for (int i = 0; i < 32; ++i) {
                 int q = (qs[i] >> (4 * (j % 2))) & 0xF;
                 if (T == 13) q |= ((b[16 + i] >> j) & 1) << 4;
@@ -273,6 +286,48 @@ __device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res,
         }
 }
 
+// KS > 1 (few rows, so few warps): the block's four warps share R rows and each takes a quarter
+// of K (whole 32-chunk or 256-block steps); their sums meet in shared memory.
+template <int R, int NB, int KS>
+__device__ __forceinline__ void mvq_finish(float (&acc)[R][NB], const float* res, float* y, int N, int row0, int nb) {
+    if constexpr (KS == 1) {
+        mvq_store<R, NB>(acc, res, y, N, row0, nb);
+    } else {
+        __shared__ float part[KS][R][NB];
+        const int w = threadIdx.x >> 5;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const float v = warp_sum(acc[r][b]);
+                if ((threadIdx.x & 31) == 0) part[w][r][b] = v;
+            }
+        __syncthreads();
+        const int r = threadIdx.x / NB, b = threadIdx.x % NB;
+        if (threadIdx.x < R * NB && b < nb && row0 + r < N) {
+            float v = 0.f;
+#pragma unroll
+            for (int k = 0; k < KS; ++k) v += part[k][r][b];
+            y[(long long)b * N + row0 + r] = v + (res ? res[(long long)b * N + row0 + r] : 0.f);
+        }
+    }
+}
+
+// The warp's first row and its share [*beg, *end) of `units` K steps of `step` (KS = 1: all).
+template <int R, int KS>
+__device__ __forceinline__ int mvq_rows(int units, int step, int& beg, int& end) {
+    if constexpr (KS == 1) {
+        beg = 0;
+        end = units;
+        return (blockIdx.x * 4 + (threadIdx.x >> 5)) * R;
+    } else {
+        const int per = (units + KS * step - 1) / (KS * step) * step;
+        beg = min(units, (int)(threadIdx.x >> 5) * per);
+        end = min(units, beg + per);
+        return blockIdx.x * R;
+    }
+}
+
 #define MVQ_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const signed char *__restrict__ xh, \
                  const signed char *__restrict__ xl, const float *__restrict__ xd, const float *__restrict__ xs, \
                  const float *res, int has_res, float *y, int N, int K, int nb
@@ -280,9 +335,11 @@ __device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res,
 // Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step. Software-pipelined:
 // the next U steps' weights are in flight while this U's are multiplied, and the first U are
 // loaded before pdl_wait (weights are never written), so they arrive during the previous kernel.
-template <int R, int NB>
+template <int R, int NB, int KS>
 __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    const int lane = threadIdx.x & 31, nc = K / 16;
+    int cb, ce;
+    const int row0 = mvq_rows<R, KS>(nc, 32, cb, ce);
     if (row0 >= N) return;
     const uint4* q[R];
     const u16* dd[R];
@@ -292,7 +349,6 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
         q[r] = (const uint4*)(p0 + row * K);
         dd[r] = (const u16*)p1 + row * (K / 32);
     }
-    const int nc = K / 16;
     constexpr int U = R >= 4 ? 1 : 4 / R;
     uint4 wA[U][R], wB[U][R];
     float dA[U][R], dB[U][R];
@@ -300,7 +356,7 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
-            if (c < nc)
+            if (c < ce)
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     w[u][r] = __ldg(q[r] + c);
@@ -317,7 +373,7 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
-            if (c >= nc) break;
+            if (c >= ce) break;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 if (b >= nb) break;
@@ -341,32 +397,33 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
         }
     };
     pdl_launch_next();
-    load(wA, dA, lane);
+    load(wA, dA, cb + lane);
     pdl_wait();
-    for (int c0 = lane; c0 < nc; c0 += 64 * U) {
+    for (int c0 = cb + lane; c0 < ce; c0 += 64 * U) {
         load(wB, dB, c0 + 32 * U);
         mul(wA, dA, c0);
-        if (c0 + 32 * U >= nc) break;
+        if (c0 + 32 * U >= ce) break;
         load(wA, dA, c0 + 64 * U);
         mul(wB, dB, c0 + 32 * U);
     }
-    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mvq_finish<R, NB, KS>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q4_K on raw 144-byte blocks: 8 lanes per block; lane (g, h) takes the 16-byte slice h of qs
 // pair g = 16 low nibbles (sub-block 2g, elements 16h..) and 16 high nibbles (sub-block 2g+1).
 // The minimum term uses the group sums s and is added by the h = 0 lane only.
-template <int R, int NB>
+template <int R, int NB, int KS>
 __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    const int lane = threadIdx.x & 31, nblk = K / 256;
+    int bb, be;
+    const int row0 = mvq_rows<R, KS>(nblk, 1, bb, be);
     if (row0 >= N) return;
-    const int nblk = K / 256;
     const uint4* rb[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rb[r] = (const uint4*)(p0 + (long long)min(row0 + r, N - 1) * nblk * 144);
     pdl_launch_next();
 #pragma unroll
-    for (int r = 0; r < R; ++r) prefetch_l2(rb[r], min(nblk * 144, 2048));  // the first weights: before the wait
+    for (int r = 0; r < R; ++r) prefetch_l2(rb[r] + bb * 9, min((be - bb) * 144, 2048));  // the first weights: before the wait
     pdl_wait();
     float acc[R][NB];
 #pragma unroll
@@ -376,12 +433,12 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
     const int c = lane & 7, g = c >> 1, h = c & 1;
     const float mf = h ? 0.f : 1.f;
     constexpr int U = R >= 4 ? 1 : 4 / R;
-    for (int b0 = lane >> 3; b0 < nblk; b0 += 4 * U) {
+    for (int b0 = bb + (lane >> 3); b0 < be; b0 += 4 * U) {
         uint4 hd[U][R], qv[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk < nblk)
+            if (blk < be)
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     hd[u][r] = __ldg(rb[r] + blk * 9);
@@ -391,7 +448,7 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk >= nblk) break;
+            if (blk >= be) break;
             float dl0[R], dm0[R], dl1[R], dm1[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -433,16 +490,17 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
             }
         }
     }
-    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mvq_finish<R, NB, KS>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q6_K on planes: 8 lanes per 256-block; lane (half nh, a) takes elements 8a..8a+7 of each of the
 // four 32-element quarters of its half (ql bytes l and l+32, qh byte l, l = 8a..8a+7).
-template <int R, int NB>
+template <int R, int NB, int KS>
 __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31, row0 = warp * R;
+    const int lane = threadIdx.x & 31, nblk = K / 256;
+    int bb, be;
+    const int row0 = mvq_rows<R, KS>(nblk, 1, bb, be);
     if (row0 >= N) return;
-    const int nblk = K / 256;
     const u8 *ql[R], *qh[R];
     const signed char* scs[R];
     const u16* dd[R];
@@ -457,8 +515,8 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
     pdl_launch_next();
 #pragma unroll
     for (int r = 0; r < R; ++r) {  // weights: before the wait
-        prefetch_l2(ql[r], min(K / 2, 1024));
-        prefetch_l2(qh[r], min(K / 4, 512));
+        prefetch_l2(ql[r] + bb * 128, min((be - bb) * 128, 1024));
+        prefetch_l2(qh[r] + bb * 64, min((be - bb) * 64, 512));
     }
     pdl_wait();
     float acc[R][NB];
@@ -468,14 +526,14 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
         for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     const int c = lane & 7, nh = c >> 2, a = c & 3;
     constexpr int U = R >= 4 ? 1 : 4 / R;
-    for (int b0 = lane >> 3; b0 < nblk; b0 += 4 * U) {
+    for (int b0 = bb + (lane >> 3); b0 < be; b0 += 4 * U) {
         uint2 l0[U][R], l1[U][R], hh[U][R];
         u32 sc4[U][R];
         float d[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk < nblk)
+            if (blk < be)
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     l0[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 8 * a));
@@ -489,7 +547,7 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int blk = b0 + 4 * u;
-            if (blk >= nblk) break;
+            if (blk >= be) break;
             int w[R][4][2];  // w[r][quarter][word]: q - 32 as signed bytes
             float ds[R][4];
 #pragma unroll
@@ -529,7 +587,7 @@ __global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
             }
         }
     }
-    mvq_store<R, NB>(acc, has_res ? res : nullptr, y, N, row0, nb);
+    mvq_finish<R, NB, KS>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // ---- tensor-core matvec for batches (B = 4..32 rows): int8 mma.sync on the QAct levels -----

@@ -122,7 +122,9 @@ def test_attention(head_dim, n_heads, n_kv, lens):
     v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
     ref = cpu.CpuOps(cfg).attention(q, k, v, ref_kv.layer(0), batch)
     got = cuda.CudaOps(cfg).attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), kv.layer(0), batch).get()
-    assert rel(got, ref) < 1e-4
+    # A batch with a prefill chunk runs attn_chunk (f16 q and P on tensor cores): CHUNK_TOL.
+    chunk = max(m for _, m in lens) >= cuda.CHUNK_ROWS and head_dim in cuda.CHUNK_HEAD_DIMS
+    assert rel(got, ref) < (CHUNK_TOL if chunk else 1e-4)
     end = max(st + m for st, m in lens)
     np.testing.assert_array_equal(kv.layer(0).k[:n_slots, :end].get(), ref_kv.layer(0).k[:, :end])
 
@@ -173,3 +175,49 @@ def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_split
     assert rel(kv.layer(0).k[:n_slots, :end].get().astype(np.float32), ref_kv.layer(0).k[:, :end].astype(np.float32)) < 1e-3
     np.testing.assert_array_equal(kv.layer(0).v[:n_slots, :end].get(), ref_kv.layer(0).v[:, :end])
     assert same_qact(qa, cuda.quantize(out, cuda.QAct(n, cfg.q_dim)))
+
+
+# attn_chunk rounds q (scaled) and the softmax weights P to f16 (2^-11 relative each) before its
+# tensor-core products, as prefill's matmuls round their inputs; over random N(0, 1) q, k, v the
+# output's relative error is a few 1e-4. A wrong fragment, mask or rescale gives O(1).
+CHUNK_TOL = 2e-3
+
+
+@pytest.mark.parametrize("head_dim", cuda.CHUNK_HEAD_DIMS)
+@pytest.mark.parametrize("n_heads,n_kv", ((8, 2), (32, 8), (9, 3), (4, 4), (16, 2)))
+@pytest.mark.parametrize("lens", ([(0, 83)], [(0, 16), (37, 40), (5, 1)], [(700, 33), (0, 7)], [(0, 300)]))
+def test_attention_chunk(head_dim, n_heads, n_kv, lens):
+    """Prefill chunks (ragged, with history, tiles of every fill) on tensor cores against the CPU
+    reference; every output row written (poisoned before), the cache left as the reference's."""
+    rng = np.random.default_rng()
+    cfg = config(head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv, d_model=head_dim * n_heads,
+                 rope_dim=head_dim)
+    n_slots = len(lens) + 1  # slot 0 unused: tiles must address their own slot
+    ref_kv = KVCache(cfg, n_slots=n_slots, max_ctx=1024, dtype="f16")
+    kv = cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=1024)
+    kv.layer(0).k.fill(cp.nan)  # stale cache contents past the history must never reach the output
+    kv.layer(0).v.fill(cp.nan)
+    for s, (start, _) in enumerate(lens, 1):
+        hk = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        hv = rng.standard_normal((start, n_kv, head_dim)).astype(np.float16)
+        ref_kv.layer(0).write(s, 0, hk, hv)
+        kv.layer(0).k[s, :start] = cp.asarray(hk)
+        kv.layer(0).v[s, :start] = cp.asarray(hv)
+    batch = Batch.of([Segment(s, start, rng.integers(0, 100, n)) for s, (start, n) in enumerate(lens, 1)])
+    n = len(batch.tokens)
+    q = rng.standard_normal((n, cfg.q_dim)).astype(np.float32)
+    k = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
+    v = rng.standard_normal((n, cfg.kv_dim)).astype(np.float32)
+    ref = cpu.CpuOps(cfg).attention(q, k, v, ref_kv.layer(0), batch)
+    slots = cp.asarray(np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32))
+    pos = cp.asarray(batch.positions.astype(np.int32))
+    cuda.kv_append_(cp.asarray(k), cp.asarray(v), kv.layer(0), slots, pos, cfg, n=n, ldk=cfg.kv_dim, ldv=cfg.kv_dim)
+    tiles = cuda.chunk_tiles(batch.offsets, batch.positions)
+    assert tiles[1].sum() == n and tiles[1].max() <= cuda.CHUNK_ROWS
+    out = cp.full((n, cfg.q_dim), cp.nan, cp.float32)
+    got = cuda.attention_chunk_(cp.asarray(q), kv.layer(0), slots, pos, cp.asarray(tiles), cfg, ldq=cfg.q_dim,
+                                out=out).get()
+    assert np.isfinite(got).all()
+    assert rel(got, ref) < CHUNK_TOL
+    per_row = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert per_row.max() < 5 * CHUNK_TOL  # one wrong tile must not hide in the whole's norm

@@ -50,6 +50,10 @@ MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
 MMA_ONE_TILE_ROWS = 8192  # up to this many rows, 16 rows per block (else 32) so every SM gets work
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
+# A dp4a matvec of fewer warps than this (rows / rows per warp; the H200 holds 8448 at once)
+# splits K over its block's four warps instead, so few-row matrices still keep every SM's loads
+# in flight (kernels/quant.cu, mvq_finish).
+SPLIT_K_WARPS = int(os.environ.get("NTX_SPLIT_K_WARPS", "4096"))  # 0: never split (for benchmarks)
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -437,7 +441,9 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
             *w.ptrs(), *xq.args(), *res_args))
         return out
     r = ROWS_PER_WARP[bucket]
-    kernel("quant", f"{name}<{r},{bucket}>")((_blocks(n, 4 * r),), (128,), (*w.ptrs(), *xq.args(), *res_args))
+    ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
+    kernel("quant", f"{name}<{r},{bucket},{ks}>")((_blocks(n, r * 4 // ks),), (128,), (
+        *w.ptrs(), *xq.args(), *res_args))
     return out
 
 
@@ -525,6 +531,14 @@ def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 12
     return max(1, min(64, -(-(max_pos + 1) // per), room))
 
 
+def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldk: int, ldv: int):
+    """Rows of k and v (row strides ldk, ldv) to the cache at (slot, pos)."""
+    kc = kv_layer.k
+    kernel("attention", "kv_append")((_blocks(n * cfg.kv_dim, 256),), (256,), (
+        k, np.int32(ldk), v, np.int32(ldv), kc, kv_layer.v, slots, pos, np.int32(n), np.int32(cfg.kv_dim),
+        np.int32(kc.shape[1])))
+
+
 def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
                ldq: int, ldk: int, ldv: int, out, scratch: tuple, append: bool = True, q_out: QAct | None = None):
     """Append k, v at (slot, pos) (unless already there: append=False) then causal GQA attention
@@ -536,9 +550,7 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
     kc, vc = kv_layer.k, kv_layer.v
     max_ctx = kc.shape[1]
     if append:
-        kernel("attention", "kv_append")((_blocks(n * cfg.kv_dim, 256),), (256,), (
-            k, np.int32(ldk), v, np.int32(ldv), kc, vc, slots, pos, np.int32(n), np.int32(cfg.kv_dim),
-            np.int32(max_ctx)))
+        kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ldk, ldv=ldv)
     pm, pl, po = scratch
     warps = n * cfg.n_heads
     kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((_blocks(warps, 4), n_splits), (128,), (
@@ -560,6 +572,44 @@ def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, l
         qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, np.int32(n), np.int32(cfg.n_heads),
         np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
         np.int32(kc.shape[1])))
+
+
+CHUNK_ROWS = 16  # rows per attn_chunk tile; a segment this long makes attention a prefill chunk's
+CHUNK_HEAD_DIMS = (64, 128)  # the attn_chunk instances
+
+
+def chunk_heads(cfg: LlamaConfig) -> int:
+    """q heads per attn_chunk block: the most (≤ 8) that share one kv head and divide its group."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    return max(d for d in range(1, 9) if group % d == 0)
+
+
+def chunk_tiles(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """(2, T) int32: first row and row count of each ≤ CHUNK_ROWS-row tile of each segment, the
+    tiles with the longest histories first (they take the longest; the GPU starts them first)."""
+    starts, counts, last = [], [], []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        for r in range(int(a), int(b), CHUNK_ROWS):
+            m = min(CHUNK_ROWS, int(b) - r)
+            starts.append(r)
+            counts.append(m)
+            last.append(int(positions[r:r + m].max()))
+    order = np.argsort(-np.asarray(last), kind="stable")
+    return np.stack([np.asarray(starts)[order], np.asarray(counts)[order]]).astype(np.int32)
+
+
+def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: int, out):
+    """Causal GQA attention of q's rows (their k, v already in the cache) on tensor cores, tile by
+    tile (chunk_tiles); f16 q and P, f32 accumulation. Writes out (n, H*hd)."""
+    if cfg.head_dim not in CHUNK_HEAD_DIMS:
+        raise ValueError(f"attention_chunk: head_dim {cfg.head_dim} not in {CHUNK_HEAD_DIMS}")
+    hb = chunk_heads(cfg)
+    t = cp.asarray(tiles)  # (2, T) int32 (already on the device from CudaOps)
+    kc, vc = kv_layer.k, kv_layer.v
+    kernel("attention", f"attn_chunk<{cfg.head_dim}>")((tiles.shape[1], cfg.n_heads // hb), (32 * hb,), (
+        q, np.int32(ldq), kc, vc, slots, pos, t[0], t[1], out, np.int32(out.shape[1]), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.float32(math.log2(math.e) / math.sqrt(cfg.head_dim))))
+    return out
 
 
 def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int) -> tuple:
@@ -604,15 +654,24 @@ class CudaOps:
         return rope_(x.copy(), table, self.freqs, self.cfg, n_heads)
 
     def _rows(self, batch: Batch):
+        """Slots, positions and (for a prefill chunk, else None) attention tiles of the batch's
+        rows, on the device: made once per step, used by every layer."""
         if self._batch is None or self._batch[0] is not batch:
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
-            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)))
-        return self._batch[1], self._batch[2]
+            chunk = self.cfg.head_dim in CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= CHUNK_ROWS
+            tiles = cp.asarray(chunk_tiles(batch.offsets, batch.positions)) if chunk else None
+            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles)
+        return self._batch[1:]
 
     def attention(self, q, k, v, kv_layer, batch: Batch):
         c = self.cfg
-        slots, pos = self._rows(batch)
+        slots, pos, tiles = self._rows(batch)
         n = q.shape[0]
+        if tiles is not None:  # a prefill chunk: tensor cores
+            kv_append_(cp.ascontiguousarray(k), cp.ascontiguousarray(v), kv_layer, slots, pos, c, n=n,
+                       ldk=c.kv_dim, ldv=c.kv_dim)
+            return attention_chunk_(cp.ascontiguousarray(q), kv_layer, slots, pos, tiles, c, ldq=c.q_dim,
+                                    out=cp.empty((n, c.q_dim), cp.float32))
         n_splits = attention_splits(n, c.n_heads, int(batch.positions.max()), c.head_dim)
         out = cp.empty((n, c.q_dim), cp.float32)
         return attention_(cp.ascontiguousarray(q), cp.ascontiguousarray(k), cp.ascontiguousarray(v), kv_layer,
@@ -678,11 +737,12 @@ def kernel_names() -> list[tuple[str, str]]:
         if b >= MMA_MIN_BUCKET:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
         else:
-            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b}>") for n in FAST_MATVEC.values()]
+            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b},{ks}>") for n in FAST_MATVEC.values() for ks in (1, 4)]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
               ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
     names += [("attention", f"attn_partial<{nd}>") for nd in ATTN_ND]
+    names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
     return names
 
 

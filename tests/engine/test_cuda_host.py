@@ -1,0 +1,33 @@
+"""Host-side planning of the CUDA backend that needs no GPU: prefill attention tiles and heads."""
+import numpy as np
+import pytest
+
+from ntransformerd.engine.backends import cuda
+from ntransformerd.engine.gguf_file import LlamaConfig
+from ntransformerd.engine.model import Batch, Segment
+
+
+@pytest.mark.parametrize("lens", ([(0, 83)], [(0, 16), (37, 40), (5, 1)], [(700, 33), (0, 7)], [(9, 1)] * 5))
+def test_chunk_tiles(lens):
+    """Every row in exactly one tile of ≤ CHUNK_ROWS rows of one segment; longest histories first."""
+    batch = Batch.of([Segment(s, start, np.zeros(n, np.int64)) for s, (start, n) in enumerate(lens)])
+    tiles = cuda.chunk_tiles(batch.offsets, batch.positions)
+    assert tiles.dtype == np.int32 and tiles.shape[0] == 2
+    rows = np.concatenate([np.arange(a, a + m) for a, m in tiles.T])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(len(batch.tokens)))
+    seg = np.searchsorted(batch.offsets, np.arange(len(batch.tokens)), side="right") - 1
+    last = []
+    for a, m in tiles.T:
+        assert 1 <= m <= cuda.CHUNK_ROWS
+        assert len(set(seg[a:a + m])) == 1  # one slot per tile
+        last.append(batch.positions[a:a + m].max())
+    assert last == sorted(last, reverse=True)
+
+
+def test_chunk_heads():
+    base = dict(n_layers=1, d_model=64, d_ff=64, n_heads=8, n_kv_heads=2, head_dim=64, vocab_size=10,
+                context_length=64, rms_eps=1e-5, rope_base=1e4, rope_dim=64, rope_neox=False, rope_scale=1.0,
+                tied_output=True)
+    for heads, kv, want in ((8, 2, 4), (32, 8, 4), (9, 3, 3), (4, 4, 1), (64, 8, 8), (32, 2, 8), (24, 2, 6)):
+        cfg = LlamaConfig(**{**base, "n_heads": heads, "n_kv_heads": kv})
+        assert cuda.chunk_heads(cfg) == want
