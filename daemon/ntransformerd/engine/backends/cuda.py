@@ -80,12 +80,16 @@ class Kernel:
 
     def __init__(self, fn):
         self.fn = fn
+        self._smem_max = 48 << 10  # dynamic shared memory allowed without opting in
 
-    def __call__(self, grid, block, args):
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        if shared_mem > self._smem_max:  # opt in once (sm_90: up to 227 KB per block)
+            self.fn.max_dynamic_shared_size_bytes = shared_mem
+            self._smem_max = shared_mem
         if _pdl.on:
-            _pdl.launch(self.fn, grid, block, args)
+            _pdl.launch(self.fn, grid, block, args, shared_mem)
         else:
-            self.fn(grid, block, args)
+            self.fn(grid, block, args, shared_mem=shared_mem)
 
 
 def kernel(family: str, name: str) -> Kernel:
@@ -142,7 +146,7 @@ class _PDL:
             return c.c_int64(int(a))
         raise TypeError(f"PDL launch: unsupported kernel argument {type(a).__name__}")
 
-    def launch(self, fn, grid, block, args) -> None:
+    def launch(self, fn, grid, block, args, shared_mem: int = 0) -> None:
         if self._lib is None:
             self._setup()
         c = self._c
@@ -150,7 +154,7 @@ class _PDL:
         attr = self._Attr()
         attr.id = self.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value[0] = 1  # programmaticStreamSerializationAllowed
-        cfg = self._Config(*grid, *block, 0, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
+        cfg = self._Config(*grid, *block, shared_mem, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
         vals = [self._arg(a) for a in args]
         params = (c.c_void_p * len(vals))(*[c.cast(c.pointer(v), c.c_void_p) for v in vals])
         func = getattr(fn, "kernel", fn)  # CuPy's RawKernel holds the driver Function (.ptr: CUfunction)
@@ -437,14 +441,22 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
     if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
         mt = 1 if n <= MMA_ONE_TILE_ROWS else 2
-        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{bucket // 8 or 1},{mt}>")((_blocks(n, 16 * mt),), (256,), (
-            *w.ptrs(), *xq.args(), *res_args))
+        nt = bucket // 8 or 1
+        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((_blocks(n, 16 * mt),), (256,), (
+            *w.ptrs(), *xq.args(), *res_args), shared_mem=mma_shared_bytes(nt))
         return out
     r = ROWS_PER_WARP[bucket]
     ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
     kernel("quant", f"{name}<{r},{bucket},{ks}>")((_blocks(n, r * 4 // ks),), (128,), (
         *w.ptrs(), *xq.args(), *res_args))
     return out
+
+
+def mma_shared_bytes(nt: int) -> int:
+    """Dynamic shared memory of an mma_* block: each of its 8 warps stages the activations of
+    one K unit, hi and lo rows of 288 bytes and d, s of 8 groups, for 8 * nt batch rows
+    (kernels/quant.cu, XStage)."""
+    return 8 * (2 * 8 * nt * 288 + 2 * 8 * nt * 8 * 4)
 
 
 def matmul(x, w: CudaTensor):
