@@ -65,11 +65,11 @@ class Recorder:
         def kernel(family, name):
             fn = rec._orig(family, name)
 
-            def launch(grid, block, args):
-                fn(grid, block, args)
+            def launch(grid, block, args, shared_mem=0):
+                fn(grid, block, args, shared_mem=shared_mem)
                 if rec.on:
                     ptrs, nbytes = set(), 0
-                    if name.startswith(("mvq_", "matvec_", "dequant_rows")):
+                    if name.startswith(("mvq_", "mma_", "matvec_", "dequant_rows")):
                         for a in args[:4]:  # the weight planes
                             if isinstance(a, cp.ndarray) and a.data.ptr not in ptrs:
                                 ptrs.add(a.data.ptr)

@@ -286,6 +286,8 @@ __device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res,
         }
 }
 
+// MB: the blocks per SM the registers must allow (launch bounds): more resident warps keep more
+// loads in flight, at the price of registers (no spills for the instances the backend uses).
 // KS > 1 (few rows, so few warps): the block's four warps share R rows and each takes a quarter
 // of K (whole 32-chunk or 256-block steps); their sums meet in shared memory.
 template <int R, int NB, int KS>
@@ -335,8 +337,8 @@ __device__ __forceinline__ int mvq_rows(int units, int step, int& beg, int& end)
 // Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step. Software-pipelined:
 // the next U steps' weights are in flight while this U's are multiplied, and the first U are
 // loaded before pdl_wait (weights are never written), so they arrive during the previous kernel.
-template <int R, int NB, int KS>
-__global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
+template <int R, int NB, int KS, int MB>
+__global__ void __launch_bounds__(128, MB) mvq_q8_0(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nc = K / 16;
     int cb, ce;
     const int row0 = mvq_rows<R, KS>(nc, 32, cb, ce);
@@ -412,8 +414,8 @@ __global__ void __launch_bounds__(128) mvq_q8_0(MVQ_ARGS) {
 // Q4_K on raw 144-byte blocks: 8 lanes per block; lane (g, h) takes the 16-byte slice h of qs
 // pair g = 16 low nibbles (sub-block 2g, elements 16h..) and 16 high nibbles (sub-block 2g+1).
 // The minimum term uses the group sums s and is added by the h = 0 lane only.
-template <int R, int NB, int KS>
-__global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
+template <int R, int NB, int KS, int MB>
+__global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nblk = K / 256;
     int bb, be;
     const int row0 = mvq_rows<R, KS>(nblk, 1, bb, be);
@@ -495,8 +497,8 @@ __global__ void __launch_bounds__(128) mvq_q4_k(MVQ_ARGS) {
 
 // Q6_K on planes: 8 lanes per 256-block; lane (half nh, a) takes elements 8a..8a+7 of each of the
 // four 32-element quarters of its half (ql bytes l and l+32, qh byte l, l = 8a..8a+7).
-template <int R, int NB, int KS>
-__global__ void __launch_bounds__(128) mvq_q6_k(MVQ_ARGS) {
+template <int R, int NB, int KS, int MB>
+__global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nblk = K / 256;
     int bb, be;
     const int row0 = mvq_rows<R, KS>(nblk, 1, bb, be);
@@ -656,75 +658,6 @@ __device__ __forceinline__ void load_x(XFrag<NT>& x, const signed char* __restri
     }
 }
 
-// The activations of one 256-element K block staged in the warp's own slice of shared memory
-// (cp.async through L1, issued right after the weight loads, so the block's activations cost one
-// memory latency, not one per sub-block): hi and lo rows of XS_STRIDE bytes (256 + 32: a half-warp's 8-byte
-// fragment reads fall in distinct banks), then d and s (8 groups per batch row). Batch rows past
-// nb are not copied; smem_x reads them as zeros.
-#define XS_STRIDE 288
-template <int NT> struct XStage {
-    static constexpr int ROWS = NT * 8;
-    static constexpr int BYTES = 2 * ROWS * XS_STRIDE + 2 * ROWS * 8 * 4;  // per warp
-};
-
-__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
-    const u32 d = (u32)__cvta_generic_to_shared(dst);
-    if (bytes == 16)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-    __syncwarp();
-}
-
-template <int NT, int E = 256>
-__device__ __forceinline__ void stage_x(u8* sm, const signed char* __restrict__ xh, const signed char* __restrict__ xl,
-                                        const float* __restrict__ xd, const float* __restrict__ xs, int K, int nb, int unit) {
-    constexpr int ROWS = XStage<NT>::ROWS, C = E / 16, G = E / 32;
-    const int lane = threadIdx.x & 31, rows = min(nb, ROWS), k0 = unit * E;
-    for (int i = lane; i < 2 * rows * C; i += 32) {  // 16-byte pieces of hi then lo
-        const int lv = i / (rows * C), b = (i / C) % rows, c = i % C;
-        if (k0 + 16 * c < K)
-            cp_async(sm + (lv * ROWS + b) * XS_STRIDE + 16 * c, (lv ? xl : xh) + (long long)b * K + k0 + 16 * c, 16);
-    }
-    float* sd = (float*)(sm + 2 * ROWS * XS_STRIDE);
-    for (int i = lane; i < 2 * rows * G; i += 32) {  // d then s: 4-byte pieces (rows of K/32 floats need not be 16-aligned)
-        const int lv = i / (rows * G), b = (i / G) % rows, c = i % G;
-        if (k0 + 32 * c < K) cp_async(sd + (lv * ROWS + b) * 8 + c, (lv ? xs : xd) + (long long)b * (K / 32) + k0 / 32 + c, 4);
-    }
-}
-
-// load_x from a staged block: element offset e (0..255) within it.
-template <int NT, bool SUMS>
-__device__ __forceinline__ void smem_x(XFrag<NT>& x, const u8* sm, int nb, int e, int bytes) {
-    constexpr int ROWS = XStage<NT>::ROWS;
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    const float* sd = (const float*)(sm + 2 * ROWS * XS_STRIDE);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int b = nt * 8 + g;
-        if (b < nb) {
-            if (bytes == 8) {
-                x.h[nt] = *(const uint2*)(sm + b * XS_STRIDE + e);
-                x.l[nt] = *(const uint2*)(sm + (ROWS + b) * XS_STRIDE + e);
-            } else {
-                x.h[nt] = make_uint2(*(const u32*)(sm + b * XS_STRIDE + e), 0);
-                x.l[nt] = make_uint2(*(const u32*)(sm + (ROWS + b) * XS_STRIDE + e), 0);
-            }
-        } else {
-            x.h[nt] = x.l[nt] = make_uint2(0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int bc = nt * 8 + 2 * t + j;
-            x.d[nt][j] = bc < nb ? sd[bc * 8 + (e >> 5)] : 0.f;
-            x.s[nt][j] = SUMS && bc < nb ? sd[(ROWS + bc) * 8 + (e >> 5)] : 0.f;
-        }
-    }
-}
-
 // acc[mt][nt][i] += dw[mt][i / 2] * xd * (hi + lo / 254) - mw[mt][i / 2] * xs for one group.
 template <int NT, int MT, bool MIN>
 __device__ __forceinline__ void mma_epilogue(float (&acc)[MT][NT][4], const int (&ch)[4], const int (&cl)[4], int mt,
@@ -770,115 +703,72 @@ __device__ __forceinline__ void mma_store(float (&acc)[MT][NT][4], const float* 
         for (int nt = 0; nt < NT; ++nt)                                                   \
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
-// Q8_0 on planes: a K unit is 128 elements (four 32-groups), its weights loaded at once (and,
-// where registers allow, the next unit's while this one multiplies) and its activations staged
-// as for Q4_K (stage_x with E = 128).
-template <int MT> struct Q8Regs {
-    uint2 w[MT][2][4];
-    float d[MT][2][4];
-};
-
+// Q8_0 on planes: a K unit is one 32-group; U units' weights are loaded before any is used.
 template <int NT, int MT>
-__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q8_0(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : MT == 1 ? 3 : 2) mma_q8_0(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
-    extern __shared__ __align__(16) u8 xsm[];
-    u8* sm = xsm + warp * XStage<NT>::BYTES;
-    const int groups = K / 32, units = (groups + 3) / 4;
-    auto load = [&](Q8Regs<MT>& q, int u) {
-        if (u >= units) return;
+    constexpr int U = 4;
+    const float nomin[2] = {0.f, 0.f};
+    const int groups = K / 32;
+    for (int grp0 = warp; grp0 < groups; grp0 += MW * U) {
+        uint2 w[U][MT][2];
+        float dw[U][MT][2];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int u = 0; u < U; ++u) {
+            const int grp = min(grp0 + MW * u, groups - 1);  // past the end: reloads the last (not used)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int gi = 0; gi < 4; ++gi) {
-                    const int grp = min(4 * u + gi, groups - 1);  // past the end: reloads the last (not used)
-                    q.w[mt][hh][gi] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + (long long)grp * 32 + 8 * t));
-                    q.d[mt][hh][gi] = h2f(__ldg((const u16*)p1 + rows[mt][hh] * (K / 32) + grp));
+                for (int hh = 0; hh < 2; ++hh) {
+                    w[u][mt][hh] = __ldg((const uint2*)(p0 + rows[mt][hh] * K + (long long)grp * 32 + 8 * t));
+                    dw[u][mt][hh] = h2f(__ldg((const u16*)p1 + rows[mt][hh] * (K / 32) + grp));
                 }
-    };
-    auto mul = [&](const Q8Regs<MT>& q, int u) {
-        const float nomin[2] = {0.f, 0.f};
-        stage_x<NT, 128>(sm, xh, xl, xd, xs, K, nb, u);
-        cp_async_wait();
+        }
 #pragma unroll
-        for (int gi = 0; gi < 4; ++gi) {
-            if (4 * u + gi >= groups) break;
+        for (int u = 0; u < U; ++u) {
+            const int grp = grp0 + MW * u;
+            if (grp >= groups) break;
             XFrag<NT> x;
-            smem_x<NT, false>(x, sm, nb, 32 * gi + 8 * t, 8);
+            load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)grp * 32 + 8 * t, 8);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float dw[2] = {q.d[mt][0][gi], q.d[mt][1][gi]};
-                const uint2 w0 = q.w[mt][0][gi], w1 = q.w[mt][1][gi];
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     int ch[4], cl[4];
-                    mma_k32(ch, w0.x, w1.x, w0.y, w1.y, x.h[nt].x, x.h[nt].y);
-                    mma_k32(cl, w0.x, w1.x, w0.y, w1.y, x.l[nt].x, x.l[nt].y);
-                    mma_epilogue<NT, MT, false>(acc, ch, cl, mt, nt, dw, nomin, x);
+                    mma_k32(ch, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.h[nt].x, x.h[nt].y);
+                    mma_k32(cl, w[u][mt][0].x, w[u][mt][1].x, w[u][mt][0].y, w[u][mt][1].y, x.l[nt].x, x.l[nt].y);
+                    mma_epilogue<NT, MT, false>(acc, ch, cl, mt, nt, dw[u][mt], nomin, x);
                 }
-            }
-        }
-        __syncwarp();  // every lane is done with the slice before the next unit's copies land
-    };
-    Q8Regs<MT> qa;
-    if constexpr (MT == 1 && NT <= 2) {  // registers for two buffers
-        Q8Regs<MT> qb;
-        load(qa, warp);
-        for (int u = warp; u < units; u += 2 * MW) {
-            load(qb, u + MW);
-            mul(qa, u);
-            if (u + MW >= units) break;
-            load(qa, u + 2 * MW);
-            mul(qb, u + MW);
-        }
-    } else {
-        for (int u = warp; u < units; u += MW) {
-            load(qa, u);
-            mul(qa, u);
         }
     }
     mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q4_K on raw 144-byte blocks: a K unit is one 256-block; its qs pair p (32 bytes) holds
-// sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i. With one
-// row tile (MT = 1) a warp's next block's weights are loaded while this one multiplies (two
-// register buffers); its activations are staged in shared memory (stage_x). Dynamic shared
-// memory: MW * XStage<NT>::BYTES.
-template <int MT> struct Q4KRegs {
-    uint4 hd[MT][2];
-    uint2 qv[MT][2][4];
-};
-
+// sub-block 2p in the low nibbles and 2p + 1 in the high ones, element i at byte i.
 template <int NT, int MT>
-__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : MT == 1 ? 3 : 2) mma_q4_k(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
-    extern __shared__ __align__(16) u8 xsm[];
-    u8* sm = xsm + warp * XStage<NT>::BYTES;
     const int nblk = K / 256;
-    auto load = [&](Q4KRegs<MT>& q, int blk) {
-        if (blk >= nblk) return;
+    for (int blk = warp; blk < nblk; blk += MW) {
+        uint4 hd[MT][2];
+        uint2 qv[MT][2][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const u8* b = p0 + (rows[mt][hh] * nblk + blk) * 144;
-                q.hd[mt][hh] = __ldg((const uint4*)b);
+                hd[mt][hh] = __ldg((const uint4*)b);
 #pragma unroll
-                for (int p = 0; p < 4; ++p) q.qv[mt][hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
+                for (int p = 0; p < 4; ++p) qv[mt][hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
             }
-    };
-    auto mul = [&](const Q4KRegs<MT>& q, int blk) {
-        stage_x<NT>(sm, xh, xl, xd, xs, K, nb, blk);
-        cp_async_wait();
 #pragma unroll
         for (int j = 0; j < 8; ++j) {  // sub-block
             const int p = j >> 1, sh = 4 * (j & 1);
             XFrag<NT> x;
-            smem_x<NT, true>(x, sm, nb, 32 * j + 8 * t, 8);
+            load_x<NT, true>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 32 * j + 8 * t, 8);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float dw[2], mw[2];
@@ -886,11 +776,11 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     int sc, m;
-                    k_scale_min_regs(q.hd[mt][hh].y, q.hd[mt][hh].z, q.hd[mt][hh].w, j, sc, m);
-                    dw[hh] = h2f((u16)(q.hd[mt][hh].x & 0xFFFF)) * sc;
-                    mw[hh] = h2f((u16)(q.hd[mt][hh].x >> 16)) * m;
-                    a[hh][0] = (q.qv[mt][hh][p].x >> sh) & 0x0F0F0F0Fu;
-                    a[hh][1] = (q.qv[mt][hh][p].y >> sh) & 0x0F0F0F0Fu;
+                    k_scale_min_regs(hd[mt][hh].y, hd[mt][hh].z, hd[mt][hh].w, j, sc, m);
+                    dw[hh] = h2f((u16)(hd[mt][hh].x & 0xFFFF)) * sc;
+                    mw[hh] = h2f((u16)(hd[mt][hh].x >> 16)) * m;
+                    a[hh][0] = (qv[mt][hh][p].x >> sh) & 0x0F0F0F0Fu;
+                    a[hh][1] = (qv[mt][hh][p].y >> sh) & 0x0F0F0F0Fu;
                 }
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
@@ -901,124 +791,69 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q4_k(MVQ_ARGS) {
                 }
             }
         }
-        __syncwarp();  // every lane is done with the slice before the next block's copies land
-    };
-    Q4KRegs<MT> qa;
-    if constexpr (MT == 1) {  // registers for two buffers
-        Q4KRegs<MT> qb;
-        load(qa, warp);
-        for (int blk = warp; blk < nblk; blk += 2 * MW) {
-            load(qb, blk + MW);
-            mul(qa, blk);
-            if (blk + MW >= nblk) break;
-            load(qa, blk + 2 * MW);
-            mul(qb, blk + MW);
-        }
-    } else {
-        for (int blk = warp; blk < nblk; blk += MW) {
-            load(qa, blk);
-            mul(qa, blk);
-        }
     }
     mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
 
 // Q6_K on planes: a K unit is one 256-block, in 16-element sub-blocks (one scale each), so
 // k16 mmas; thread t takes elements 4t..4t+3 of each. Sub-block s = nh*8 + quarter*2 + lh holds
-// l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes). A block's
-// weight words are all loaded at once (and, for MT = NT = 1, the next block's while this one
-// multiplies: registers); activations staged as for Q4_K.
-template <int MT> struct Q6KRegs {
-    u16 d[MT][2];
-    uint4 sc[MT][2];
-    u32 l0[MT][2][4], l1[MT][2][4], h[MT][2][4];  // [mt][hh][nl]
-};
-
+// l = 16 lh .. 16 lh + 15 of quarter `quarter` of half nh (the layout deq32 decodes).
 template <int NT, int MT>
-__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : 2) mma_q6_k(MVQ_ARGS) {
+__global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : MT == 1 ? 3 : 2) mma_q6_k(MVQ_ARGS) {
     PDL_ENTRY
     MMA_PROLOGUE
-    extern __shared__ __align__(16) u8 xsm[];
-    u8* sm = xsm + warp * XStage<NT>::BYTES;
     const int nblk = K / 256;
-    auto load = [&](Q6KRegs<MT>& q, int blk) {
-        if (blk >= nblk) return;
+    for (int blk = warp; blk < nblk; blk += MW) {
+        float d[MT][2];
+        uint4 sc16[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const long long r = rows[mt][hh];
-                q.d[mt][hh] = __ldg((const u16*)p3 + r * nblk + blk);
-                q.sc[mt][hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
-#pragma unroll
-                for (int nl = 0; nl < 4; ++nl) {  // (half nh, l-half lh)
-                    const int nh = nl >> 1, lh = nl & 1;
-                    const u8* ql = p0 + r * (K / 2) + blk * 128 + nh * 64 + 16 * lh + 4 * t;
-                    q.l0[mt][hh][nl] = __ldg((const u32*)ql);
-                    q.l1[mt][hh][nl] = __ldg((const u32*)(ql + 32));
-                    q.h[mt][hh][nl] = __ldg((const u32*)(p1 + r * (K / 4) + blk * 64 + nh * 32 + 16 * lh + 4 * t));
-                }
+                d[mt][hh] = h2f(__ldg((const u16*)p3 + r * nblk + blk));
+                sc16[mt][hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
             }
-    };
-    auto mul = [&](const Q6KRegs<MT>& q, int blk) {
-        stage_x<NT>(sm, xh, xl, xd, xs, K, nb, blk);
-        cp_async_wait();
-        const float nomin[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nl = 0; nl < 4; ++nl) {
+#pragma unroll 1
+        for (int nl = 0; nl < 4; ++nl) {  // (half nh, l-half lh); not unrolled: registers
             const int nh = nl >> 1, lh = nl & 1;
-            u32 w[MT][2][4];  // [mt][hh][quarter]: q - 32 as signed bytes
+            u32 q[MT][2][4];  // [mt][hh][quarter]: q - 32 as signed bytes
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const u32 l0 = q.l0[mt][hh][nl], l1 = q.l1[mt][hh][nl], h = q.h[mt][hh][nl];
-                    w[mt][hh][0] = __vsub4((l0 & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), 0x20202020u);
-                    w[mt][hh][1] = __vsub4((l1 & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u), 0x20202020u);
-                    w[mt][hh][2] = __vsub4(((l0 >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), 0x20202020u);
-                    w[mt][hh][3] = __vsub4(((l1 >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
+                    const long long r = rows[mt][hh];
+                    const u8* ql = p0 + r * (K / 2) + blk * 128 + nh * 64 + 16 * lh + 4 * t;
+                    const u32 l0 = __ldg((const u32*)ql), l1 = __ldg((const u32*)(ql + 32));
+                    const u32 h = __ldg((const u32*)(p1 + r * (K / 4) + blk * 64 + nh * 32 + 16 * lh + 4 * t));
+                    q[mt][hh][0] = __vsub4((l0 & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), 0x20202020u);
+                    q[mt][hh][1] = __vsub4((l1 & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u), 0x20202020u);
+                    q[mt][hh][2] = __vsub4(((l0 >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), 0x20202020u);
+                    q[mt][hh][3] = __vsub4(((l1 >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
                 }
 #pragma unroll
             for (int qq = 0; qq < 4; ++qq) {
                 const int s = nh * 8 + qq * 2 + lh;
                 XFrag<NT> x;
-                smem_x<NT, false>(x, sm, nb, 16 * s + 4 * t, 4);
+                load_x<NT, false>(x, xh, xl, xd, xs, K, nb, (long long)blk * 256 + 16 * s + 4 * t, 4);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     float dw[2];
+                    const float nomin[2] = {0.f, 0.f};
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        const uint4 sc = q.sc[mt][hh];
-                        const u32 word = s < 4 ? sc.x : s < 8 ? sc.y : s < 12 ? sc.z : sc.w;
-                        dw[hh] = h2f(q.d[mt][hh]) * (float)(signed char)((word >> (8 * (s & 3))) & 0xFF);
+                        const u32 word = s < 4 ? sc16[mt][hh].x : s < 8 ? sc16[mt][hh].y : s < 12 ? sc16[mt][hh].z : sc16[mt][hh].w;
+                        dw[hh] = d[mt][hh] * (float)(signed char)((word >> (8 * (s & 3))) & 0xFF);
                     }
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         int ch[4], cl[4];
-                        mma_k16(ch, w[mt][0][qq], w[mt][1][qq], x.h[nt].x);
-                        mma_k16(cl, w[mt][0][qq], w[mt][1][qq], x.l[nt].x);
+                        mma_k16(ch, q[mt][0][qq], q[mt][1][qq], x.h[nt].x);
+                        mma_k16(cl, q[mt][0][qq], q[mt][1][qq], x.l[nt].x);
                         mma_epilogue<NT, MT, false>(acc, ch, cl, mt, nt, dw, nomin, x);
                     }
                 }
             }
-        }
-        __syncwarp();  // every lane is done with the slice before the next block's copies land
-    };
-    Q6KRegs<MT> qa;
-    if constexpr (MT == 1 && NT == 1) {  // registers for two buffers
-        Q6KRegs<MT> qb;
-        load(qa, warp);
-        for (int blk = warp; blk < nblk; blk += 2 * MW) {
-            load(qb, blk + MW);
-            mul(qa, blk);
-            if (blk + MW >= nblk) break;
-            load(qa, blk + 2 * MW);
-            mul(qb, blk + MW);
-        }
-    } else {
-        for (int blk = warp; blk < nblk; blk += MW) {
-            load(qa, blk);
-            mul(qa, blk);
         }
     }
     mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);

@@ -48,12 +48,18 @@ MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kern
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
-MMA_ONE_TILE_ROWS = 8192  # up to this many rows, 16 rows per block (else 32) so every SM gets work
+MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))  # up to this many rows, 16 rows per block (else 32) so every SM gets work
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
 # A dp4a matvec of fewer warps than this (rows / rows per warp; the H200 holds 8448 at once)
 # splits K over its block's four warps instead, so few-row matrices still keep every SM's loads
 # in flight (kernels/quant.cu, mvq_finish).
 SPLIT_K_WARPS = int(os.environ.get("NTX_SPLIT_K_WARPS", "4096"))  # 0: never split (for benchmarks)
+# Blocks per SM the one-row (bucket 1) dp4a matvecs are compiled to allow (their registers then
+# fit: Q8_0 in 64 without spills, the K-quants in 80); 1 leaves the compiler free
+# (NTX_MVQ_MIN_BLOCKS=1 for benchmarks). Occupancy, not instruction issue, held them back.
+MVQ_MIN_BLOCKS = {Q.Q8_0: 8, Q.Q4_K: 6, Q.Q6_K: 6}
+if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
+    MVQ_MIN_BLOCKS = dict.fromkeys(MVQ_MIN_BLOCKS, int(os.environ["NTX_MVQ_MIN_BLOCKS"]))
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -443,20 +449,14 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         mt = 1 if n <= MMA_ONE_TILE_ROWS else 2
         nt = bucket // 8 or 1
         kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((_blocks(n, 16 * mt),), (256,), (
-            *w.ptrs(), *xq.args(), *res_args), shared_mem=mma_shared_bytes(nt))
+            *w.ptrs(), *xq.args(), *res_args))
         return out
     r = ROWS_PER_WARP[bucket]
     ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
-    kernel("quant", f"{name}<{r},{bucket},{ks}>")((_blocks(n, r * 4 // ks),), (128,), (
+    mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
+    kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")((_blocks(n, r * 4 // ks),), (128,), (
         *w.ptrs(), *xq.args(), *res_args))
     return out
-
-
-def mma_shared_bytes(nt: int) -> int:
-    """Dynamic shared memory of an mma_* block: each of its 8 warps stages the activations of
-    one K unit, hi and lo rows of 288 bytes and d, s of 8 groups, for 8 * nt batch rows
-    (kernels/quant.cu, XStage)."""
-    return 8 * (2 * 8 * nt * 288 + 2 * 8 * nt * 8 * 4)
 
 
 def matmul(x, w: CudaTensor):
@@ -749,7 +749,8 @@ def kernel_names() -> list[tuple[str, str]]:
         if b >= MMA_MIN_BUCKET:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
         else:
-            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b},{ks}>") for n in FAST_MATVEC.values() for ks in (1, 4)]
+            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
+                      for t, n in FAST_MATVEC.items() for ks in (1, 4)]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
               ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
