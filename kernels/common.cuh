@@ -19,6 +19,15 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// Two floats as an f16 pair (lo in the low half), and the f16 tensor-core multiply
+// D = A·B + D (m16n8k16, f32 accumulators; fragment layouts in attention.cu's attn_chunk).
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Programmatic dependent launch (sm_90). Launched with the PDL attribute (backends/cuda.py does
 // so inside the captured decode step), a kernel may start while the previous kernel on its
 // stream is still finishing. Every kernel lets its successor launch at once (pdl_launch_next)

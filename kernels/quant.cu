@@ -858,3 +858,232 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : MT == 1 ? 3 : 2) mma_q6
     }
     mma_store<NT, MT>(acc, has_res ? res : nullptr, y, N, row0, nb);
 }
+
+// ---- f16 tensor-core matvec for batches of K-quants (B = 4..32 rows): mmh_* ---------------
+// The int8 kernels above spend most of their instructions on the per-group epilogue (two
+// activation levels, a float scale per 32 or 16 weights). Here the weights are dequantized in
+// registers to f16 with their scales applied (exact small integers minus 1024, times the
+// scale, one rounding), the activations are staged once per block of 256 K elements in shared
+// memory as f16, and m16n8k16 mmas accumulate in f32 with no epilogue. Precision is prefill's
+// (f16 weights and activations, f32 sums), not the int8 kernels' (about 2^-15).
+// Block: 8 warps, 16 rows each (128 rows); gridDim.y = KS splits the K blocks. With KS > 1 the
+// splits write partial sums to part (KS, nb, N) and the last block of a row tile to finish
+// (a counter per tile, reset by it) adds them in split order: deterministic.
+// Fragments: thread (g, t) holds 4 consecutive elements e0..e3 of each k16 step, as the pairs
+// (e0, e2) and (e1, e3) (k order is free inside an mma when A and B agree); the staged
+// activations are stored in that order, so one 16-byte read gives a thread two steps of B.
+#define MH_ROWS 128
+#define MH_XS (256 * 2 + 64)  // bytes per staged batch row (≡ 64 mod 128: conflict-free 16-byte reads)
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 h2dup(float f) {
+    const u32 h = f2h(f);
+    return h | (h << 16);
+}
+// Bytes q0..q3 of v (each < 256) as f16 pairs (1024 + q0, 1024 + q2), (1024 + q1, 1024 + q3).
+__device__ __forceinline__ void bytes_h2(u32 v, u32& p02, u32& p13) {
+    p02 = (v & 0x00FF00FFu) | 0x64006400u;
+    p13 = ((v >> 8) & 0x00FF00FFu) | 0x64006400u;
+}
+
+// x[b, k0 .. k0 + 256) as f16 for the block's batch rows (zeros past nb), each 4 elements
+// stored (0, 2, 1, 3).
+template <int NT>
+__device__ __forceinline__ void mh_stage(u8* xs, const float* __restrict__ x, int K, int nb, int k0) {
+    for (int i = threadIdx.x; i < NT * 8 * 64; i += blockDim.x) {
+        const int b = i >> 6, c = (i & 63) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (b < nb) v = *(const float4*)(x + (long long)b * K + k0 + c);
+        *(uint2*)(xs + b * MH_XS + c * 2) = make_uint2(pack_h2(v.x, v.z), pack_h2(v.y, v.w));
+    }
+}
+
+// The block's results: straight to y (one split), else through part and the tile's counter.
+template <int NT>
+__device__ __forceinline__ void mh_finish(float (&acc)[NT][4], const float* res, float* y, int N, int nb, float* part,
+                                          int* cnt) {
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int row0 = blockIdx.x * MH_ROWS, ksn = gridDim.y;
+    float* dst = ksn == 1 ? y : part + (long long)blockIdx.y * nb * N;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = row0 + 16 * warp + g + 8 * (i >> 1), b = nt * 8 + 2 * t + (i & 1);
+            if (r < N && b < nb) {
+                const long long o = (long long)b * N + r;
+                dst[o] = acc[nt][i] + (ksn == 1 && res ? res[o] : 0.f);
+            }
+        }
+    if (ksn == 1) return;
+    __shared__ int last;
+    __threadfence();  // this block's partials visible before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == ksn - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < MH_ROWS * nb; i += blockDim.x) {
+        const int r = row0 + i % MH_ROWS, b = i / MH_ROWS;
+        if (r >= N) continue;
+        const long long o = (long long)b * N + r;
+        float s = 0.f;
+        for (int k = 0; k < ksn; ++k) s += __ldcg(part + (long long)k * nb * N + o);
+        y[o] = s + (res ? res[o] : 0.f);
+    }
+    if (threadIdx.x == 0) cnt[blockIdx.x] = 0;  // ready for the next launch (graph replays)
+}
+
+#define MH_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const float *__restrict__ x, \
+                const float *res, int has_res, float *y, int N, int K, int nb, float *part, int *cnt
+#define MH_PROLOGUE                                                                            \
+    __shared__ __align__(16) u8 xs[NT * 8 * MH_XS];                                            \
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;      \
+    const int nblk = K / 256, per = (nblk + gridDim.y - 1) / gridDim.y;                         \
+    const int blk0 = blockIdx.y * per, blk1 = min(nblk, blk0 + per);                           \
+    long long rows[2];                                                                         \
+    for (int hh = 0; hh < 2; ++hh) rows[hh] = min(blockIdx.x * MH_ROWS + 16 * warp + g + 8 * hh, N - 1); \
+    float acc[NT][4];                                                                          \
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+// Q4_K on raw 144-byte blocks: thread t takes bytes 8t..8t+7 of each 32-byte qs pair p, i.e.
+// elements 8t.. of sub-block 2p (low nibbles) and of 2p + 1 (high nibbles); w = q·(d·sc) − dmin·m.
+template <int NT>
+__global__ void __launch_bounds__(256, 2) mmh_q4_k(MH_ARGS) {
+    PDL_ENTRY
+    MH_PROLOGUE
+    for (int blk = blk0; blk < blk1; ++blk) {
+        uint4 hd[2];
+        uint2 qv[2][4];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // issued first: they arrive while x is staged
+            const u8* b = p0 + (rows[hh] * nblk + blk) * 144;
+            hd[hh] = __ldg((const uint4*)b);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) qv[hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
+        }
+        __syncthreads();  // the previous block's activations are no longer read
+        mh_stage<NT>(xs, x, K, nb, blk * 256);
+        __syncthreads();
+        u32 sc[2][2], mn[2][2];  // [hh][j < 4 ? 0 : 1]: the 6-bit scales and minimums, a byte each
+        float d[2], dm[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 a = hd[hh].y, b = hd[hh].z, c = hd[hh].w;
+            sc[hh][0] = a & 0x3F3F3F3Fu;
+            mn[hh][0] = b & 0x3F3F3F3Fu;
+            sc[hh][1] = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+            mn[hh][1] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+            d[hh] = h2f((u16)(hd[hh].x & 0xFFFF));
+            dm[hh] = h2f((u16)(hd[hh].x >> 16));
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // sub-block
+            const int p = j >> 1, sh = 4 * (j & 1);
+            u32 s2[2], o2[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int sj = (sc[hh][j >> 2] >> (8 * (j & 3))) & 0xFF, mj = (mn[hh][j >> 2] >> (8 * (j & 3))) & 0xFF;
+                s2[hh] = h2dup(d[hh] * (float)sj);
+                o2[hh] = h2dup(-dm[hh] * (float)mj);
+            }
+            uint4 xf[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xs + (nt * 8 + g) * MH_XS + (32 * j + 8 * t) * 2);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                u32 a[4];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32 nib = ((st ? qv[hh][p].y : qv[hh][p].x) >> sh) & 0x0F0F0F0Fu;
+                    u32 p02, p13;
+                    bytes_h2(nib, p02, p13);
+                    a[hh] = hfma2(hsub2(p02, 0x64006400u), s2[hh], o2[hh]);
+                    a[2 + hh] = hfma2(hsub2(p13, 0x64006400u), s2[hh], o2[hh]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+            }
+        }
+    }
+    mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
+}
+
+// Q6_K on planes: thread t takes bytes 8t..8t+7 of each half's ql (both 32-byte runs) and qh,
+// i.e. elements 8t.. of its four quarters; w = (q − 32)·(d·sc), sc that of the element's
+// 16-element sub-block (t < 2: the first of the quarter's two).
+template <int NT>
+__global__ void __launch_bounds__(256, 2) mmh_q6_k(MH_ARGS) {
+    PDL_ENTRY
+    MH_PROLOGUE
+    for (int blk = blk0; blk < blk1; ++blk) {
+        uint2 l0[2][2], l1[2][2], qh[2][2];  // [hh][half]
+        uint4 scv[2];
+        u16 dv[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // issued first: they arrive while x is staged
+            const long long r = rows[hh];
+#pragma unroll
+            for (int nh = 0; nh < 2; ++nh) {
+                const u8* ql = p0 + r * (K / 2) + blk * 128 + 64 * nh + 8 * t;
+                l0[hh][nh] = __ldg((const uint2*)ql);
+                l1[hh][nh] = __ldg((const uint2*)(ql + 32));
+                qh[hh][nh] = __ldg((const uint2*)(p1 + r * (K / 4) + blk * 64 + 32 * nh + 8 * t));
+            }
+            scv[hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
+            dv[hh] = __ldg((const u16*)p3 + r * nblk + blk);
+        }
+        __syncthreads();  // the previous block's activations are no longer read
+        mh_stage<NT>(xs, x, K, nb, blk * 256);
+        __syncthreads();
+#pragma unroll
+        for (int nh = 0; nh < 2; ++nh)
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {  // quarter: elements 128 nh + 32 qq + 8t ..
+                u32 s2[2];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const uint4 v = scv[hh];
+                    const u32 w = nh ? (qq < 2 ? v.z : v.w) : (qq < 2 ? v.x : v.y);  // scales 8nh + 2qq, + 1
+                    const int sc = (signed char)((w >> (8 * (2 * (qq & 1) + (t >> 1)))) & 0xFF);
+                    s2[hh] = h2dup(h2f(dv[hh]) * (float)sc);
+                }
+                uint4 xf[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    xf[nt] = *(const uint4*)(xs + (nt * 8 + g) * MH_XS + (128 * nh + 32 * qq + 8 * t) * 2);
+#pragma unroll
+                for (int st = 0; st < 2; ++st) {
+                    u32 a[4];
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const u32 L = st ? (qq & 1 ? l1[hh][nh].y : l0[hh][nh].y) : (qq & 1 ? l1[hh][nh].x : l0[hh][nh].x);
+                        const u32 H = st ? qh[hh][nh].y : qh[hh][nh].x;
+                        const u32 q = ((L >> (4 * (qq >> 1))) & 0x0F0F0F0Fu) | (((H >> (2 * qq)) << 4) & 0x30303030u);
+                        u32 p02, p13;
+                        bytes_h2(q, p02, p13);
+                        a[hh] = hmul2(hsub2(p02, 0x64206420u), s2[hh]);  // 1056 = 1024 + 32
+                        a[2 + hh] = hmul2(hsub2(p13, 0x64206420u), s2[hh]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+                }
+            }
+    }
+    mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
+}

@@ -39,9 +39,15 @@ def random_tensor(rng, qtype, n, k):
 # products that is a few 1e-5 of the output's scale, with tails past 1e-4 on some draws (seen:
 # 1.14e-4 for Q4_K, K = 1536, 7 rows), hence 2e-4.
 MATVEC_TOL = 2e-4
+# The f16 tensor-core matvecs (K-quants, batches of 3+: cuda.F16_MATVEC) round each weight and
+# activation to f16 (2^-11 relative) before f32 sums: over random signs about 7e-4 of the
+# outputs' scale, as prefill's f16 matmul (test_matmul_prefill_f16).
+F16_MATVEC_TOL = 3e-3
 
 
-def tol(qtype):
+def tol(qtype, b=1):
+    if b >= 3 and qtype in cuda.F16_MATVEC:
+        return F16_MATVEC_TOL
     return MATVEC_TOL if qtype in cuda.FAST_MATVEC else 2e-5
 
 
@@ -93,7 +99,7 @@ def test_matvec(qtype, n, k, b):
     got = cuda.matvec(cp.asarray(x), w, out=out, res=cp.asarray(res)).get()
     err = np.abs(got - ref).max() / np.abs(ref).max()
     worst = np.unravel_index(np.abs(got - ref).argmax(), ref.shape)
-    assert err < tol(qtype), f"relative error {err:.2e}, worst at {worst}: {got[worst]} vs {ref[worst]}"
+    assert err < tol(qtype, b), f"relative error {err:.2e}, worst at {worst}: {got[worst]} vs {ref[worst]}"
 
 
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0))
@@ -123,7 +129,7 @@ def test_matvec_real_widths(k):
             got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k),
                               out=cp.full((4, n), np.nan, cp.float32)).get()
             ref = x @ ref_w.T
-            assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype), (qtype.name, n, k)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, 4), (qtype.name, n, k)
 
 
 @pytest.mark.parametrize("k", (32, 96, 4096, 14336))
@@ -156,4 +162,26 @@ def test_matvec_tall(qtype, b):
     x = rng.standard_normal((b, k)).astype(np.float32)
     got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
     ref = x @ ref_w.T
-    assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, b)
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("b", (3, 16, 32))
+def test_matvec_f16_split_k(qtype, b):
+    """The f16 tensor-core matvec over several row tiles whose K splits meet in the scratch
+    partials: right twice in a row (each launch must leave the tile counters at zero), with the
+    residual added once, and the same bits both times (the splits add up in a fixed order)."""
+    rng = np.random.default_rng()
+    n, k = 2 * cuda.MMH_ROWS + 37, 14336  # 3 row tiles, 56 K blocks: the launcher splits K
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    w = to_device(qtype, raw, n, k)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    res = rng.standard_normal((b, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T + res
+    outs = []
+    for _ in range(2):
+        out = cp.full((b, n), np.nan, cp.float32)
+        outs.append(cuda.matvec(cp.asarray(x), w, out=out, res=cp.asarray(res)).get())
+        assert np.abs(outs[-1] - ref).max() / np.abs(ref).max() < F16_MATVEC_TOL
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -47,6 +47,11 @@ MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multi
 MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
+# From bucket 4, the K-quants dequantize to f16 in registers for f16 tensor-core products
+# (kernels/quant.cu, mmh_*: prefill's precision; NTX_F16_MMA=0 keeps the int8 mma_* kernels).
+F16_MATVEC = {Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"} if os.environ.get("NTX_F16_MMA", "1") != "0" else {}
+MMH_ROWS = 128  # rows per mmh block
+MMH_PART_FLOATS = 32 * 131072  # split-K partial sums: batch rows × (splits × N), 16 MB per stream
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
 MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))  # up to this many rows, 16 rows per block (else 32) so every SM gets work
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
@@ -445,6 +450,13 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         xq = quantize(x, _scratch_qact(bucket, k), n=b)
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
+    if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC:
+        tiles, nblk = _blocks(n, MMH_ROWS), k // 256
+        ks = max(1, min(8, nblk, -(-2 * _sm_count() // tiles), MMH_PART_FLOATS // (32 * n)))
+        part, cnt = _mmh_scratch()
+        kernel("quant", f"{F16_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((tiles, ks), (256,), (
+            *w.ptrs(), x, *res_args, part, cnt))
+        return out
     if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
         mt = 1 if n <= MMA_ONE_TILE_ROWS else 2
         nt = bucket // 8 or 1
@@ -457,6 +469,27 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")((_blocks(n, r * 4 // ks),), (128,), (
         *w.ptrs(), *xq.args(), *res_args))
     return out
+
+
+_mmh: dict[tuple, tuple] = {}
+
+
+def _sm_count() -> int:
+    key = ("sm", cp.cuda.Device().id)
+    if key not in _mmh:
+        _mmh[key] = cp.cuda.Device().attributes["MultiProcessorCount"]
+    return _mmh[key]
+
+
+def _mmh_scratch() -> tuple:
+    """Split-K partial sums and per-tile counters (zeroed; each launch leaves them zero) of the
+    mmh kernels, one set per stream, so that launches on different streams never share them.
+    Fixed once made: captured graphs hold their addresses."""
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    if key not in _mmh:
+        _mmh[key] = (_device_alloc((MMH_PART_FLOATS,), cp.float32, "matvec split-K scratch"),
+                     cp.zeros((MMH_PART_FLOATS // MMH_ROWS,), cp.int32))
+    return _mmh[key]
 
 
 def matmul(x, w: CudaTensor):
@@ -748,6 +781,7 @@ def kernel_names() -> list[tuple[str, str]]:
     for b in MATVEC_BUCKETS:
         if b >= MMA_MIN_BUCKET:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
+            names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_MATVEC.values()]
         else:
             names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
                       for t, n in FAST_MATVEC.items() for ks in (1, 4)]
