@@ -900,15 +900,61 @@ __device__ __forceinline__ void bytes_h2(u32 v, u32& p02, u32& p13) {
     p13 = ((v >> 8) & 0x00FF00FFu) | 0x64006400u;
 }
 
-// x[b, k0 .. k0 + 256) as f16 for the block's batch rows (zeros past nb), each 4 elements
-// stored (0, 2, 1, 3).
+// x[b, k0 .. k0 + 256) for the block's batch rows (zeros past nb): loaded into registers (this
+// thread's NT * 2 float4s), later stored to shared memory as f16, each 4 elements as (0, 2, 1, 3).
+template <int NT> struct XRegs {
+    float4 v[NT * 2];
+};
 template <int NT>
-__device__ __forceinline__ void mh_stage(u8* xs, const float* __restrict__ x, int K, int nb, int k0) {
-    for (int i = threadIdx.x; i < NT * 8 * 64; i += blockDim.x) {
-        const int b = i >> 6, c = (i & 63) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (b < nb) v = *(const float4*)(x + (long long)b * K + k0 + c);
+__device__ __forceinline__ void mh_load_x(XRegs<NT>& r, const float* __restrict__ x, int K, int nb, int k0) {
+#pragma unroll
+    for (int i = 0; i < NT * 2; ++i) {
+        const int idx = threadIdx.x + 256 * i, b = idx >> 6, c = (idx & 63) * 4;
+        r.v[i] = b < nb ? __ldg((const float4*)(x + (long long)b * K + k0 + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+template <int NT>
+__device__ __forceinline__ void mh_store_x(const XRegs<NT>& r, u8* xs) {
+#pragma unroll
+    for (int i = 0; i < NT * 2; ++i) {
+        const int idx = threadIdx.x + 256 * i, b = idx >> 6, c = (idx & 63) * 4;
+        const float4 v = r.v[i];
         *(uint2*)(xs + b * MH_XS + c * 2) = make_uint2(pack_h2(v.x, v.z), pack_h2(v.y, v.w));
+    }
+}
+
+// The K loop of an mmh block, software-pipelined: while block blk multiplies (its weights in
+// registers, its activations in one of two shared buffers), block blk + 1's weights and
+// activations are in flight. load(W&, blk) issues a block's weight loads; mul(const W&, xs, blk)
+// multiplies it.
+template <int NT, class W, class Load, class Mul>
+__device__ __forceinline__ void mh_loop(const float* __restrict__ x, int K, int nb, int blk0, int blk1,
+                                        u8 (&xs)[2][NT * 8 * MH_XS], Load load, Mul mul) {
+    W wa, wb;
+    XRegs<NT> xr;
+    if (blk0 < blk1) {
+        load(wa, blk0);
+        mh_load_x<NT>(xr, x, K, nb, blk0 * 256);
+        mh_store_x<NT>(xr, xs[0]);
+    }
+    __syncthreads();
+    for (int blk = blk0; blk < blk1; blk += 2) {
+        const bool b1 = blk + 1 < blk1, b2 = blk + 2 < blk1;
+        if (b1) {
+            load(wb, blk + 1);
+            mh_load_x<NT>(xr, x, K, nb, (blk + 1) * 256);
+        }
+        mul(wa, xs[0], blk);
+        if (b1) mh_store_x<NT>(xr, xs[1]);
+        __syncthreads();
+        if (!b1) break;
+        if (b2) {
+            load(wa, blk + 2);
+            mh_load_x<NT>(xr, x, K, nb, (blk + 2) * 256);
+        }
+        mul(wb, xs[1], blk + 1);
+        if (b2) mh_store_x<NT>(xr, xs[0]);
+        __syncthreads();
     }
 }
 
@@ -951,7 +997,7 @@ __device__ __forceinline__ void mh_finish(float (&acc)[NT][4], const float* res,
 #define MH_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const float *__restrict__ x, \
                 const float *res, int has_res, float *y, int N, int K, int nb, float *part, int *cnt
 #define MH_PROLOGUE                                                                            \
-    __shared__ __align__(16) u8 xs[NT * 8 * MH_XS];                                            \
+    __shared__ __align__(16) u8 xs[2][NT * 8 * MH_XS];                                         \
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;      \
     const int nblk = K / 256, per = (nblk + gridDim.y - 1) / gridDim.y;                         \
     const int blk0 = blockIdx.y * per, blk1 = min(nblk, blk0 + per);                           \
@@ -962,34 +1008,36 @@ __device__ __forceinline__ void mh_finish(float (&acc)[NT][4], const float* res,
 
 // Q4_K on raw 144-byte blocks: thread t takes bytes 8t..8t+7 of each 32-byte qs pair p, i.e.
 // elements 8t.. of sub-block 2p (low nibbles) and of 2p + 1 (high nibbles); w = q·(d·sc) − dmin·m.
+struct MhQ4K {
+    uint4 hd[2];
+    uint2 qv[2][4];
+};
+
 template <int NT>
-__global__ void __launch_bounds__(256, 2) mmh_q4_k(MH_ARGS) {
+__global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q4_k(MH_ARGS) {
     PDL_ENTRY
     MH_PROLOGUE
-    for (int blk = blk0; blk < blk1; ++blk) {
-        uint4 hd[2];
-        uint2 qv[2][4];
+    auto load = [&](MhQ4K& w, int blk) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // issued first: they arrive while x is staged
+        for (int hh = 0; hh < 2; ++hh) {
             const u8* b = p0 + (rows[hh] * nblk + blk) * 144;
-            hd[hh] = __ldg((const uint4*)b);
+            w.hd[hh] = __ldg((const uint4*)b);
 #pragma unroll
-            for (int p = 0; p < 4; ++p) qv[hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
+            for (int p = 0; p < 4; ++p) w.qv[hh][p] = __ldg((const uint2*)(b + 16 + 32 * p + 8 * t));
         }
-        __syncthreads();  // the previous block's activations are no longer read
-        mh_stage<NT>(xs, x, K, nb, blk * 256);
-        __syncthreads();
+    };
+    auto mul = [&](const MhQ4K& w, const u8* xb, int) {
         u32 sc[2][2], mn[2][2];  // [hh][j < 4 ? 0 : 1]: the 6-bit scales and minimums, a byte each
         float d[2], dm[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const u32 a = hd[hh].y, b = hd[hh].z, c = hd[hh].w;
+            const u32 a = w.hd[hh].y, b = w.hd[hh].z, c = w.hd[hh].w;
             sc[hh][0] = a & 0x3F3F3F3Fu;
             mn[hh][0] = b & 0x3F3F3F3Fu;
             sc[hh][1] = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
             mn[hh][1] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-            d[hh] = h2f((u16)(hd[hh].x & 0xFFFF));
-            dm[hh] = h2f((u16)(hd[hh].x >> 16));
+            d[hh] = h2f((u16)(w.hd[hh].x & 0xFFFF));
+            dm[hh] = h2f((u16)(w.hd[hh].x >> 16));
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {  // sub-block
@@ -1003,13 +1051,13 @@ __global__ void __launch_bounds__(256, 2) mmh_q4_k(MH_ARGS) {
             }
             uint4 xf[NT];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xs + (nt * 8 + g) * MH_XS + (32 * j + 8 * t) * 2);
+            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (32 * j + 8 * t) * 2);
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 u32 a[4];
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const u32 nib = ((st ? qv[hh][p].y : qv[hh][p].x) >> sh) & 0x0F0F0F0Fu;
+                    const u32 nib = ((st ? w.qv[hh][p].y : w.qv[hh][p].x) >> sh) & 0x0F0F0F0Fu;
                     u32 p02, p13;
                     bytes_h2(nib, p02, p13);
                     a[hh] = hfma2(hsub2(p02, 0x64006400u), s2[hh], o2[hh]);
@@ -1019,37 +1067,40 @@ __global__ void __launch_bounds__(256, 2) mmh_q4_k(MH_ARGS) {
                 for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
             }
         }
-    }
+    };
+    mh_loop<NT, MhQ4K>(x, K, nb, blk0, blk1, xs, load, mul);
     mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
 }
 
 // Q6_K on planes: thread t takes bytes 8t..8t+7 of each half's ql (both 32-byte runs) and qh,
 // i.e. elements 8t.. of its four quarters; w = (q − 32)·(d·sc), sc that of the element's
 // 16-element sub-block (t < 2: the first of the quarter's two).
+struct MhQ6K {
+    uint2 l0[2][2], l1[2][2], qh[2][2];  // [hh][half]
+    uint4 sc[2];
+    u16 d[2];
+};
+
 template <int NT>
-__global__ void __launch_bounds__(256, 2) mmh_q6_k(MH_ARGS) {
+__global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q6_k(MH_ARGS) {
     PDL_ENTRY
     MH_PROLOGUE
-    for (int blk = blk0; blk < blk1; ++blk) {
-        uint2 l0[2][2], l1[2][2], qh[2][2];  // [hh][half]
-        uint4 scv[2];
-        u16 dv[2];
+    auto load = [&](MhQ6K& w, int blk) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // issued first: they arrive while x is staged
+        for (int hh = 0; hh < 2; ++hh) {
             const long long r = rows[hh];
 #pragma unroll
             for (int nh = 0; nh < 2; ++nh) {
                 const u8* ql = p0 + r * (K / 2) + blk * 128 + 64 * nh + 8 * t;
-                l0[hh][nh] = __ldg((const uint2*)ql);
-                l1[hh][nh] = __ldg((const uint2*)(ql + 32));
-                qh[hh][nh] = __ldg((const uint2*)(p1 + r * (K / 4) + blk * 64 + 32 * nh + 8 * t));
+                w.l0[hh][nh] = __ldg((const uint2*)ql);
+                w.l1[hh][nh] = __ldg((const uint2*)(ql + 32));
+                w.qh[hh][nh] = __ldg((const uint2*)(p1 + r * (K / 4) + blk * 64 + 32 * nh + 8 * t));
             }
-            scv[hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
-            dv[hh] = __ldg((const u16*)p3 + r * nblk + blk);
+            w.sc[hh] = __ldg((const uint4*)(p2 + r * (K / 16) + blk * 16));
+            w.d[hh] = __ldg((const u16*)p3 + r * nblk + blk);
         }
-        __syncthreads();  // the previous block's activations are no longer read
-        mh_stage<NT>(xs, x, K, nb, blk * 256);
-        __syncthreads();
+    };
+    auto mul = [&](const MhQ6K& w, const u8* xb, int) {
 #pragma unroll
         for (int nh = 0; nh < 2; ++nh)
 #pragma unroll
@@ -1057,22 +1108,22 @@ __global__ void __launch_bounds__(256, 2) mmh_q6_k(MH_ARGS) {
                 u32 s2[2];
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const uint4 v = scv[hh];
-                    const u32 w = nh ? (qq < 2 ? v.z : v.w) : (qq < 2 ? v.x : v.y);  // scales 8nh + 2qq, + 1
-                    const int sc = (signed char)((w >> (8 * (2 * (qq & 1) + (t >> 1)))) & 0xFF);
-                    s2[hh] = h2dup(h2f(dv[hh]) * (float)sc);
+                    const uint4 v = w.sc[hh];
+                    const u32 sw = nh ? (qq < 2 ? v.z : v.w) : (qq < 2 ? v.x : v.y);  // scales 8nh + 2qq, + 1
+                    const int sc = (signed char)((sw >> (8 * (2 * (qq & 1) + (t >> 1)))) & 0xFF);
+                    s2[hh] = h2dup(h2f(w.d[hh]) * (float)sc);
                 }
                 uint4 xf[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
-                    xf[nt] = *(const uint4*)(xs + (nt * 8 + g) * MH_XS + (128 * nh + 32 * qq + 8 * t) * 2);
+                    xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (128 * nh + 32 * qq + 8 * t) * 2);
 #pragma unroll
                 for (int st = 0; st < 2; ++st) {
                     u32 a[4];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        const u32 L = st ? (qq & 1 ? l1[hh][nh].y : l0[hh][nh].y) : (qq & 1 ? l1[hh][nh].x : l0[hh][nh].x);
-                        const u32 H = st ? qh[hh][nh].y : qh[hh][nh].x;
+                        const u32 L = st ? (qq & 1 ? w.l1[hh][nh].y : w.l0[hh][nh].y) : (qq & 1 ? w.l1[hh][nh].x : w.l0[hh][nh].x);
+                        const u32 H = st ? w.qh[hh][nh].y : w.qh[hh][nh].x;
                         const u32 q = ((L >> (4 * (qq >> 1))) & 0x0F0F0F0Fu) | (((H >> (2 * qq)) << 4) & 0x30303030u);
                         u32 p02, p13;
                         bytes_h2(q, p02, p13);
@@ -1084,6 +1135,7 @@ __global__ void __launch_bounds__(256, 2) mmh_q6_k(MH_ARGS) {
                         mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
                 }
             }
-    }
+    };
+    mh_loop<NT, MhQ6K>(x, K, nb, blk0, blk1, xs, load, mul);
     mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
 }
