@@ -2,7 +2,8 @@
 # One device call: build llama-bench in the background, precompile kernels, run the benchmark and
 # the decode profile, then llama-bench on the same files (waiting up to 2*LLAMA_WAIT s for its
 # build), then the gpu tests. Logs and JSON go to $OUT.
-#   (device tool) carry: .whl .llama ; command: bash bench/gpu_run.sh
+#   (device tool) carry: .whl .llama .gpu-data ; command: bash bench/gpu_run.sh
+#   LLAMA_NGL=0 skips llama-bench's partial-offload runs (the streaming comparison).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,9 +29,9 @@ import json; r=json.load(open('$OUT/llamabench.json'))
 for x in r: print(x['model_filename'].split('/')[-1], 'pp' if x['n_prompt'] else 'tg', x['n_prompt'] or x['n_gen'], round(x['avg_ts'],1), 'tok/s')
 " | tee "$OUT/llamabench.txt"
   # partial offload at the streaming splits (layers not on the GPU computed by the host CPU)
-  timeout 150 /tmp/llama/llama.cpp/build/bin/llama-bench -m /tmp/ntx/llama3-8b-q4_k_m.gguf -ngl 0,16,24 -p 0 -n 64 -r 2 \
+  [ "${LLAMA_NGL:-1}" = 0 ] || timeout 150 /tmp/llama/llama.cpp/build/bin/llama-bench -m /tmp/ntx/llama3-8b-q4_k_m.gguf -ngl 0,16,24 -p 0 -n 64 -r 2 \
     -o json > "$OUT/llamabench_ngl.json" 2>/dev/null
-  python3 -c "
+  [ "${LLAMA_NGL:-1}" = 0 ] || python3 -c "
 import json; r=json.load(open('$OUT/llamabench_ngl.json'))
 for x in r: print('q4_k_m -ngl', x['n_gpu_layers'], 'tg', x['n_gen'], round(x['avg_ts'],2), 'tok/s')
 " | tee -a "$OUT/llamabench.txt"

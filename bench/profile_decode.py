@@ -69,7 +69,7 @@ class Recorder:
                 fn(grid, block, args, shared_mem=shared_mem)
                 if rec.on:
                     ptrs, nbytes = set(), 0
-                    if name.startswith(("mvq_", "mma_", "matvec_", "dequant_rows")):
+                    if name.startswith(("mvq_", "mma_", "mmh_", "matvec_", "dequant_rows")):
                         for a in args[:4]:  # the weight planes
                             if isinstance(a, cp.ndarray) and a.data.ptr not in ptrs:
                                 ptrs.add(a.data.ptr)

@@ -1,7 +1,8 @@
 // Quantized weights: dequantization (bit-exact with gguf.quants) and the fused
 // dequantize-multiply for decode (y = x @ W.T for a small batch of rows x): matvec_generic for
 // every type, and for Q8_0/Q4_K/Q6_K on quantized activations the dp4a kernels mvq_* (1-2 rows)
-// and the int8 tensor-core kernels mma_* (4-32 rows).
+// and the int8 tensor-core kernels mma_* (4-32 rows), and on f32 activations the f16
+// tensor-core kernels mmh_* (4-32 rows of whole 256-blocks; the backend's choice for those).
 //
 // A weight tensor (N rows of K elements) lives on the device as up to four "planes":
 //   Q8_0: p0 = qs (N, K) int8,  p1 = d (N, K/32) f16            (repacked at load: 16-byte loads)
@@ -1137,5 +1138,59 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q6_k(MH_ARGS) {
             }
     };
     mh_loop<NT, MhQ6K>(x, K, nb, blk0, blk1, xs, load, mul);
+    mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
+}
+
+// Q8_0 on planes: thread t takes bytes 8t..8t+7 of each 32-group (one 8-byte load), the
+// block's 8 scales one 16-byte load; w = q·d (q + 128 as an unsigned byte: 1024 + 128 + q).
+struct MhQ8 {
+    uint2 q[2][8];  // [hh][group]
+    uint4 d[2];     // 8 f16 scales
+};
+
+template <int NT>
+__global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q8_0(MH_ARGS) {
+    PDL_ENTRY
+    MH_PROLOGUE
+    auto load = [&](MhQ8& w, int blk) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+            for (int gi = 0; gi < 8; ++gi) w.q[hh][gi] = __ldg((const uint2*)(p0 + rows[hh] * K + blk * 256 + 32 * gi + 8 * t));
+            w.d[hh] = __ldg((const uint4*)((const u16*)p1 + rows[hh] * (K / 32) + blk * 8));
+        }
+    };
+    auto mul = [&](const MhQ8& w, const u8* xb, int) {
+#pragma unroll
+        for (int gi = 0; gi < 8; ++gi) {
+            u32 d2[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const uint4 v = w.d[hh];
+                const u32 dw = (gi >> 1) == 0 ? v.x : (gi >> 1) == 1 ? v.y : (gi >> 1) == 2 ? v.z : v.w;
+                const u32 h = (gi & 1) ? dw >> 16 : dw & 0xFFFF;
+                d2[hh] = h | (h << 16);
+            }
+            uint4 xf[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (32 * gi + 8 * t) * 2);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                u32 a[4];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32 u = (st ? w.q[hh][gi].y : w.q[hh][gi].x) ^ 0x80808080u;
+                    u32 p02, p13;
+                    bytes_h2(u, p02, p13);
+                    a[hh] = hmul2(hsub2(p02, 0x64806480u), d2[hh]);  // 1152 = 1024 + 128
+                    a[2 + hh] = hmul2(hsub2(p13, 0x64806480u), d2[hh]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+            }
+        }
+    };
+    mh_loop<NT, MhQ8>(x, K, nb, blk0, blk1, xs, load, mul);
     mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
 }

@@ -79,12 +79,18 @@ def test_captured_decode_matches_forward(model):
     run(ops, w, kv_a, cfg, segs, all_logits=False)
     run(ops, w, kv_b, cfg, segs, all_logits=False)
     toks = rng.integers(0, cfg.vocab_size, 5)
+    # The two paths split attention differently, so their activations differ by ~1e-7. The f16
+    # matvecs of batched decode (cuda.F16_MATVEC) round activations to f16: such a
+    # difference moves a rounding now and then, ~2e-5 of a matvec's output (measured on the H200),
+    # ~1e-4 at the logits after a few layers; the int8 kernels' finer steps keep it below 1e-5.
+    f16 = any(model.tensor(t.name).qtype in cuda.F16_MATVEC for t in model.reader.tensors)
+    tol = 1e-3 if f16 else 1e-4
     for step in range(6):
         live = [0, 2, 3] if step % 2 else [0, 1, 2, 3, 4]  # buckets 4 and 8, padded rows
         ref = run(ops, w, kv_a, cfg, [Segment(i, int(kv_a.lengths[i]), [int(toks[i])]) for i in live],
                   all_logits=False)
         got = dec.logits(live, toks[live]).get()
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
         ids = got.argmax(-1)
         toks[live] = ids
     assert (kv_a.lengths == kv_b.lengths).all()

@@ -39,14 +39,15 @@ def random_tensor(rng, qtype, n, k):
 # products that is a few 1e-5 of the output's scale, with tails past 1e-4 on some draws (seen:
 # 1.14e-4 for Q4_K, K = 1536, 7 rows), hence 2e-4.
 MATVEC_TOL = 2e-4
-# The f16 tensor-core matvecs (K-quants, batches of 3+: cuda.F16_MATVEC) round each weight and
-# activation to f16 (2^-11 relative) before f32 sums: over random signs about 7e-4 of the
-# outputs' scale, as prefill's f16 matmul (test_matmul_prefill_f16).
+# The f16 tensor-core matvecs (batches of 3+, rows of whole 256-blocks: cuda.F16_MATVEC) round
+# each weight (after its scales, themselves rounded to f16) and activation to f16 (2^-11
+# relative) before f32 sums: measured 3.3-4.5e-4 of the output norm on the H200, as prefill's
+# f16 matmul (test_matmul_prefill_f16).
 F16_MATVEC_TOL = 3e-3
 
 
-def tol(qtype, b=1):
-    if b >= 3 and qtype in cuda.F16_MATVEC:
+def tol(qtype, b=1, k=256):
+    if b >= 3 and qtype in cuda.F16_MATVEC and k % 256 == 0:
         return F16_MATVEC_TOL
     return MATVEC_TOL if qtype in cuda.FAST_MATVEC else 2e-5
 
@@ -99,7 +100,7 @@ def test_matvec(qtype, n, k, b):
     got = cuda.matvec(cp.asarray(x), w, out=out, res=cp.asarray(res)).get()
     err = np.abs(got - ref).max() / np.abs(ref).max()
     worst = np.unravel_index(np.abs(got - ref).argmax(), ref.shape)
-    assert err < tol(qtype, b), f"relative error {err:.2e}, worst at {worst}: {got[worst]} vs {ref[worst]}"
+    assert err < tol(qtype, b, k), f"relative error {err:.2e}, worst at {worst}: {got[worst]} vs {ref[worst]}"
 
 
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0))
@@ -129,7 +130,7 @@ def test_matvec_real_widths(k):
             got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k),
                               out=cp.full((4, n), np.nan, cp.float32)).get()
             ref = x @ ref_w.T
-            assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, 4), (qtype.name, n, k)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, 4, k), (qtype.name, n, k)
 
 
 @pytest.mark.parametrize("k", (32, 96, 4096, 14336))
@@ -154,18 +155,19 @@ def test_quantize_rows(k):
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
 @pytest.mark.parametrize("b", (4, 16, 32))
 def test_matvec_tall(qtype, b):
-    """More rows than MMA_ONE_TILE_ROWS: the tensor-core matvecs take 32 rows per block."""
+    """More rows than MMA_ONE_TILE_ROWS: the int8 tensor-core matvecs take 32 rows per block
+    (Q8_0 rows of 576, not whole 256-blocks, stay on them); the f16 ones, many row tiles."""
     rng = np.random.default_rng()
-    n, k = cuda.MMA_ONE_TILE_ROWS + 83, 512
+    n, k = cuda.MMA_ONE_TILE_ROWS + 83, 576 if qtype == Q.Q8_0 else 512
     raw = random_tensor(rng, qtype, n, k)
     ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = rng.standard_normal((b, k)).astype(np.float32)
     got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
     ref = x @ ref_w.T
-    assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, b)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < tol(qtype, b, k)
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
 @pytest.mark.parametrize("b", (3, 16, 32))
 def test_matvec_f16_split_k(qtype, b):
     """The f16 tensor-core matvec over several row tiles whose K splits meet in the scratch

@@ -7,11 +7,13 @@ their GGUF blocks) and `matmul` dequantizes inside the multiply for up to 32 row
 longer chunks (prefill) dequantize the weight to f16 and multiply with cuBLAS. The KV cache is
 F16. The captured decode step (CUDA graphs) lives in cuda_decode.py.
 
-For Q8_0, Q4_K and Q6_K the fused multiply reads the activations quantized (QAct: two int8
-levels per element and a scale per 32, about 2^-15 of each group's largest value, see
-kernels/quant_act.cuh) and multiplies with int8 dot products (dp4a for batches of 1-2 rows,
-int8 tensor-core mma.sync from 4 rows); the CPU reference stays float32 and the tests compare
-within that tolerance.
+For Q8_0, Q4_K and Q6_K the fused multiply of 1-2 rows reads the activations quantized (QAct:
+two int8 levels per element and a scale per 32, about 2^-15 of each group's largest value, see
+kernels/quant_act.cuh) and multiplies with int8 dot products (dp4a); from 4 rows (batch bucket
+4), rows of whole 256-blocks are dequantized to f16 in registers and multiplied on f16 tensor
+cores (mmh_*, K split over blocks for few-row matrices), at prefill's precision; other widths use
+int8 tensor-core mma.sync on QAct. The CPU reference stays float32 and the tests compare within
+each path's tolerance. Prefill attention runs on tensor cores too (attn_chunk).
 
 Kernels are compiled on first use (NVRTC, with kernels/common.cuh and the family's headers
 prepended; CuPy caches the binaries on disk; `precompile` builds them all in parallel). Inside
@@ -47,9 +49,12 @@ MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multi
 MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
-# From bucket 4, the K-quants dequantize to f16 in registers for f16 tensor-core products
-# (kernels/quant.cu, mmh_*: prefill's precision; NTX_F16_MMA=0 keeps the int8 mma_* kernels).
-F16_MATVEC = {Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"} if os.environ.get("NTX_F16_MMA", "1") != "0" else {}
+# From bucket 4, rows of whole 256-element blocks dequantize to f16 in registers for f16
+# tensor-core products (kernels/quant.cu, mmh_*): prefill's precision (about 2^-11 of each
+# weight and activation) instead of the int8 kernels' 2^-15, and 1.3-1.9x faster at batch 16
+# (bench/RESULTS.md). NTX_F16_MMA=0 keeps the int8 mma_* kernels (rows of other widths always do).
+F16_MATVEC = ({Q.Q8_0: "mmh_q8_0", Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"}
+              if os.environ.get("NTX_F16_MMA", "1") != "0" else {})
 MMH_ROWS = 128  # rows per mmh block
 MMH_PART_FLOATS = 32 * 131072  # split-K partial sums: batch rows × (splits × N), 16 MB per stream
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
@@ -450,7 +455,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         xq = quantize(x, _scratch_qact(bucket, k), n=b)
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
-    if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC:
+    if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and k % 256 == 0:
         tiles, nblk = _blocks(n, MMH_ROWS), k // 256
         ks = max(1, min(8, nblk, -(-2 * _sm_count() // tiles), MMH_PART_FLOATS // (32 * n)))
         part, cnt = _mmh_scratch()
