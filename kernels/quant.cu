@@ -76,6 +76,14 @@ __device__ __forceinline__ Bytes32 ld_bytes32(const u8* p) {
     return {{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
 }
 
+// All eight from the three words at once, a byte per sub-block: sc[0] = scales 0-3, sc[1] = 4-7.
+__device__ __forceinline__ void k_scales_packed(u32 a, u32 b, u32 c, u32 (&sc)[2], u32 (&m)[2]) {
+    sc[0] = a & 0x3F3F3F3Fu;
+    m[0] = b & 0x3F3F3F3Fu;
+    sc[1] = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    m[1] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+}
+
 // The 32 elements of sub-block `sub` (elements 32*sub .. 32*sub+31) of row `row`.
 template <int T> __device__ void deq32(const Planes& P, long long row, int K, int sub, float* out) {
     if (T == 8) {  // Q8_0, planes
@@ -456,9 +464,12 @@ __global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_ARGS) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float d = h2f((u16)(hd[u][r].x & 0xFFFF)), dmin = h2f((u16)(hd[u][r].x >> 16));
-                int sc0, m0, sc1, m1;
-                k_scale_min_regs(hd[u][r].y, hd[u][r].z, hd[u][r].w, 2 * g, sc0, m0);
-                k_scale_min_regs(hd[u][r].y, hd[u][r].z, hd[u][r].w, 2 * g + 1, sc1, m1);
+                u32 scp[2], mp[2];  // sub-blocks 2g, 2g + 1: bytes 2(g & 1), + 1 of word g >> 1
+                k_scales_packed(hd[u][r].y, hd[u][r].z, hd[u][r].w, scp, mp);
+                const u32 sw = g < 2 ? scp[0] : scp[1], mw = g < 2 ? mp[0] : mp[1];
+                const int sh = 16 * (g & 1);
+                const int sc0 = (sw >> sh) & 0xFF, sc1 = (sw >> (sh + 8)) & 0xFF;
+                const int m0 = (mw >> sh) & 0xFF, m1 = (mw >> (sh + 8)) & 0xFF;
                 dl0[r] = d * sc0; dm0[r] = dmin * m0 * mf; dl1[r] = d * sc1; dm1[r] = dmin * m1 * mf;
             }
             const long long k0 = (long long)blk * 256 + 64 * g + 16 * h;
@@ -542,8 +553,10 @@ __global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_ARGS) {
                     l0[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 8 * a));
                     l1[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 32 + 8 * a));
                     hh[u][r] = __ldg((const uint2*)(qh[r] + blk * 64 + 32 * nh + 8 * a));
-                    const signed char* s = scs[r] + blk * 16 + 8 * nh + (a >> 1);  // scales +0, 2, 4, 6
-                    sc4[u][r] = (u8)s[0] | ((u8)s[2] << 8) | ((u8)s[4] << 16) | ((u32)(u8)s[6] << 24);
+                    // the quarter scales 8nh + (a >> 1) + 0, 2, 4, 6: one 8-byte load, bytes 0 2 of each word
+                    const uint2 sv = __ldg((const uint2*)(scs[r] + blk * 16 + 8 * nh));
+                    const int sh = 8 * (a >> 1);
+                    sc4[u][r] = __byte_perm(sv.x >> sh, sv.y >> sh, 0x6420);
                     d[u][r] = h2f(__ldg(dd[r] + blk));
                 }
         }
@@ -1032,11 +1045,7 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q4_k(MH_ARGS) {
         float d[2], dm[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const u32 a = w.hd[hh].y, b = w.hd[hh].z, c = w.hd[hh].w;
-            sc[hh][0] = a & 0x3F3F3F3Fu;
-            mn[hh][0] = b & 0x3F3F3F3Fu;
-            sc[hh][1] = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
-            mn[hh][1] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+            k_scales_packed(w.hd[hh].y, w.hd[hh].z, w.hd[hh].w, sc[hh], mn[hh]);
             d[hh] = h2f((u16)(w.hd[hh].x & 0xFFFF));
             dm[hh] = h2f((u16)(w.hd[hh].x >> 16));
         }
