@@ -31,3 +31,19 @@ def test_chunk_heads():
     for heads, kv, want in ((8, 2, 4), (32, 8, 4), (9, 3, 3), (4, 4, 1), (64, 8, 8), (32, 2, 8), (24, 2, 6)):
         cfg = LlamaConfig(**{**base, "n_heads": heads, "n_kv_heads": kv})
         assert cuda.chunk_heads(cfg) == want
+
+
+@pytest.mark.parametrize("sms", (1, 16, 132, 1000))
+def test_mmh_grid(sms):
+    """Split-K launches of the f16 matvecs stay inside their scratch (partials for 32 batch rows,
+    one counter per row tile), take whole K blocks, and give every SM work where K allows."""
+    for n in (1, 7, 128, 129, 1024, 4096, 6144, 14336, 28672, 65536, 65537, 131072, 152064):
+        for k in (256, 512, 4096, 14336, 28672):
+            tiles, ks = cuda.mmh_grid(n, k, sms)
+            assert tiles * cuda.MMH_ROWS >= n > (tiles - 1) * cuda.MMH_ROWS
+            assert 1 <= ks <= min(8, k // 256)
+            if ks > 1:
+                assert ks * 32 * n <= cuda.MMH_PART_FLOATS
+                assert tiles <= cuda.MMH_PART_FLOATS // cuda.MMH_ROWS  # the counters _mmh_scratch makes
+            if k // 256 >= 8 and 32 * 8 * n <= cuda.MMH_PART_FLOATS:
+                assert tiles * ks >= min(2 * sms, 8 * tiles)

@@ -456,8 +456,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
     if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and k % 256 == 0:
-        tiles, nblk = _blocks(n, MMH_ROWS), k // 256
-        ks = max(1, min(8, nblk, -(-2 * _sm_count() // tiles), MMH_PART_FLOATS // (32 * n)))
+        tiles, ks = mmh_grid(n, k, _sm_count())
         part, cnt = _mmh_scratch()
         kernel("quant", f"{F16_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((tiles, ks), (256,), (
             *w.ptrs(), x, *res_args, part, cnt))
@@ -474,6 +473,14 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")((_blocks(n, r * 4 // ks),), (128,), (
         *w.ptrs(), *xq.args(), *res_args))
     return out
+
+
+def mmh_grid(n: int, k: int, sm_count: int) -> tuple[int, int]:
+    """(row tiles, K splits) of an mmh launch for an (n, k) weight: about two blocks per SM where
+    K allows, at most 8 splits, and never more partial sums (32 batch rows) than the scratch holds."""
+    tiles = -(-n // MMH_ROWS)
+    ks = max(1, min(8, k // 256, -(-2 * sm_count // tiles), MMH_PART_FLOATS // (32 * n)))
+    return tiles, ks
 
 
 _mmh: dict[tuple, tuple] = {}
