@@ -187,3 +187,19 @@ def test_matvec_f16_split_k(qtype, b):
         outs.append(cuda.matvec(cp.asarray(x), w, out=out, res=cp.asarray(res)).get())
         assert np.abs(outs[-1] - ref).max() / np.abs(ref).max() < F16_MATVEC_TOL
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("b", (3, 16, 32))
+def test_matvec_int8_mma(qtype, b, monkeypatch):
+    """With NTX_F16_MMA=0 (no f16 matvecs) batches run the int8 tensor-core kernels on QAct
+    activations: MATVEC_TOL, as before the f16 path existed."""
+    monkeypatch.setattr(cuda, "F16_MATVEC", {})
+    rng = np.random.default_rng()
+    n, k = 769, 4096
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
+    ref = x @ ref_w.T
+    assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL
