@@ -108,16 +108,22 @@ class Kernel:
             self.fn(grid, block, args, shared_mem=shared_mem)
 
 
+def kernel_source(family: str) -> str:
+    """kernels/<family>.cu as compiled: common.cuh and the family's headers first (all of it is
+    CuPy's cache key)."""
+    src = ""
+    for fn in ("common.cuh", *PRELUDE.get(family, ()), f"{family}.cu"):
+        with open(os.path.join(KERNEL_DIR, fn)) as f:
+            src += f.read() + "\n"
+    return src
+
+
 def kernel(family: str, name: str) -> Kernel:
     """Function `name` (a template instance like 'mvq_q8_0<2,1>') of kernels/<family>.cu."""
     key = (family, name)
     fn = _modules.get(key)
     if fn is None:
-        src = ""
-        for fn_ in ("common.cuh", *PRELUDE.get(family, ()), f"{family}.cu"):  # all of it is the cache key
-            with open(os.path.join(KERNEL_DIR, fn_)) as f:
-                src += f.read() + "\n"
-        mod = cp.RawModule(code=src, options=("--std=c++17",), name_expressions=[name])
+        mod = cp.RawModule(code=kernel_source(family), options=("--std=c++17",), name_expressions=[name])
         fn = _modules[key] = Kernel(mod.get_function(name))
     return fn
 
