@@ -1,5 +1,5 @@
-"""Every kernel instance the CUDA backend can launch compiles for the H200 (sm_90) with NVRTC,
-on a machine without a GPU: NVRTC is a library (the `nvidia-cuda-nvrtc` wheel of the test
+"""Every kernel instance the CUDA backend can launch compiles with NVRTC for the H200 (sm_90)
+and for the RTX 3090 class (sm_86: the 24 GB cards the tiers are for), on a machine without a GPU: NVRTC is a library (the `nvidia-cuda-nvrtc` wheel of the test
 extra, the device's CUDA 13.0), so a kernel that does not compile fails here, in CI, not on the
 next GPU machine. ptxas's report also holds the launch-bounds claims of backends/cuda.py: the
 one-row dp4a matvecs fit the blocks per SM they are compiled for without spilling."""
@@ -30,11 +30,10 @@ def _nvrtc():
 
 LIB = _nvrtc()
 pytestmark = pytest.mark.skipif(LIB is None, reason="NVRTC (the nvidia-cuda-nvrtc wheel) is not installed")
-OPTIONS = (b"--std=c++17", b"-arch=sm_90", b"--ptxas-options=-v")
 
 
-def compile_family(family: str, names: list[str]) -> dict[str, tuple[int, int]]:
-    """{instance: (registers, spill store bytes)} for `names` of kernels/<family>.cu."""
+def compile_family(family: str, names: list[str], arch: str) -> dict[str, tuple[int, int]]:
+    """{instance: (registers, spill store bytes)} for `names` of kernels/<family>.cu on `arch`."""
     c = ctypes
     prog = c.c_void_p()
     src = cuda.kernel_source(family).encode()
@@ -42,14 +41,15 @@ def compile_family(family: str, names: list[str]) -> dict[str, tuple[int, int]]:
     try:
         for n in names:
             assert LIB.nvrtcAddNameExpression(prog, n.encode()) == 0
-        opts = (c.c_char_p * len(OPTIONS))(*OPTIONS)
-        rc = LIB.nvrtcCompileProgram(prog, len(OPTIONS), opts)
+        options = (b"--std=c++17", f"-arch={arch}".encode(), b"--ptxas-options=-v")
+        opts = (c.c_char_p * len(options))(*options)
+        rc = LIB.nvrtcCompileProgram(prog, len(options), opts)
         size = c.c_size_t()
         LIB.nvrtcGetProgramLogSize(prog, c.byref(size))
         log = c.create_string_buffer(size.value)
         LIB.nvrtcGetProgramLog(prog, log)
         text = log.value.decode(errors="replace")
-        assert rc == 0, f"{family}.cu does not compile:\n{text[:4000]}"
+        assert rc == 0, f"{family}.cu does not compile for {arch}:\n{text[:4000]}"
         lowered = {}
         for n in names:
             p = c.c_char_p()
@@ -72,14 +72,14 @@ def compile_family(family: str, names: list[str]) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def report() -> dict[tuple[str, str], tuple[int, int]]:
+@pytest.fixture(scope="module", params=["sm_90", "sm_86"])
+def report(request) -> dict[tuple[str, str], tuple[int, int]]:
     by_family: dict[str, list[str]] = {}
     for family, name in cuda.kernel_names():
         by_family.setdefault(family, []).append(name)
     rep = {}
     for family, names in by_family.items():
-        for name, v in compile_family(family, names).items():
+        for name, v in compile_family(family, names, request.param).items():
             rep[(family, name)] = v
     return rep
 
