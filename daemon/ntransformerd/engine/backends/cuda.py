@@ -58,7 +58,8 @@ F16_MATVEC = ({Q.Q8_0: "mmh_q8_0", Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"}
 MMH_ROWS = 128  # rows per mmh block
 MMH_PART_FLOATS = 32 * 131072  # split-K partial sums: batch rows × (splits × N), 16 MB per stream
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
-MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))  # up to this many rows, 16 rows per block (else 32) so every SM gets work
+# Up to this many rows the int8 mma kernels take 16 rows per block (else 32), so every SM gets work.
+MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
 # A dp4a matvec of fewer warps than this (rows / rows per warp; the H200 holds 8448 at once)
 # splits K over its block's four warps instead, so few-row matrices still keep every SM's loads
@@ -435,7 +436,8 @@ def quantize(x, q: QAct, *, n: int | None = None, ld: int | None = None) -> QAct
 
 def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: QAct | None = None):
     """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused dequantize-multiply. For the
-    int8 types x is quantized first, unless xq already holds x quantized."""
+    int8 kernels x is quantized first, unless xq already holds x quantized; the f16 ones
+    (F16_MATVEC, from bucket 4) read x itself and ignore xq."""
     n, k = w.shape
     _check(x, cp.float32, 2, "matvec x")
     b = x.shape[0] if nb is None else nb
@@ -457,16 +459,16 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         fn = kernel("quant", f"matvec_generic<{int(w.qtype)},{bucket}>")
         fn((_blocks(n, 4),), (128,), (*w.ptrs(), x, *res_args))
         return out
-    if xq is None:
-        xq = quantize(x, _scratch_qact(bucket, k), n=b)
-    elif xq.k != k or xq.rows < b:
-        raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
-    if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and k % 256 == 0:
+    if bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and k % 256 == 0:  # reads x itself, not xq
         tiles, ks = mmh_grid(n, k, _sm_count())
         part, cnt = _mmh_scratch()
         kernel("quant", f"{F16_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((tiles, ks), (256,), (
             *w.ptrs(), x, *res_args, part, cnt))
         return out
+    if xq is None:
+        xq = quantize(x, _scratch_qact(bucket, k), n=b)
+    elif xq.k != k or xq.rows < b:
+        raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
     if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
         mt = 1 if n <= MMA_ONE_TILE_ROWS else 2
         nt = bucket // 8 or 1
