@@ -51,8 +51,9 @@ FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
 # From bucket 4, rows of whole 256-element blocks dequantize to f16 in registers for f16
 # tensor-core products (kernels/quant.cu, mmh_*): prefill's precision (about 2^-11 of each
-# weight and activation) instead of the int8 kernels' 2^-15, and 1.3-1.9x faster at batch 16
-# (bench/RESULTS.md). NTX_F16_MMA=0 keeps the int8 mma_* kernels (rows of other widths always do).
+# weight and activation) instead of the int8 kernels' 2^-15; the batch-16 step 1.17x (Q8_0) and
+# 1.24x (Q4_K_M) faster, Q6_K matrices 1.9x (bench/RESULTS.md). NTX_F16_MMA=0 keeps the int8
+# mma_* kernels (rows of other widths always do).
 F16_MATVEC = ({Q.Q8_0: "mmh_q8_0", Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"}
               if os.environ.get("NTX_F16_MMA", "1") != "0" else {})
 MMH_ROWS = 128  # rows per mmh block
