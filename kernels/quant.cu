@@ -914,6 +914,29 @@ __device__ __forceinline__ void bytes_h2(u32 v, u32& p02, u32& p13) {
     p13 = ((v >> 8) & 0x00FF00FFu) | 0x64006400u;
 }
 
+// Row hh (g or g + 8) of a k16 step's A fragment from four biased bytes (1024 + bias + q each, as
+// f16): (q) · s, plus o with OFFSET.
+template <bool OFFSET>
+__device__ __forceinline__ void mh_arow(u32 (&a)[4], int hh, u32 bytes, u32 bias2, u32 s2, u32 o2) {
+    u32 p02, p13;
+    bytes_h2(bytes, p02, p13);
+    a[hh] = OFFSET ? hfma2(hsub2(p02, bias2), s2, o2) : hmul2(hsub2(p02, bias2), s2);
+    a[2 + hh] = OFFSET ? hfma2(hsub2(p13, bias2), s2, o2) : hmul2(hsub2(p13, bias2), s2);
+}
+// The B fragments of every batch tile for elements e .. e + 7 of the staged block (two k16 steps).
+template <int NT>
+__device__ __forceinline__ void mh_xfrag(uint4 (&xf)[NT], const u8* xb, int e) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + e * 2);
+}
+// One k16 step (st = 0, 1 of the fragments' two) against every batch tile.
+template <int NT>
+__device__ __forceinline__ void mh_mma(float (&acc)[NT][4], const u32 (&a)[4], const uint4 (&xf)[NT], int st) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+}
+
 // x[b, k0 .. k0 + 256) for the block's batch rows (zeros past nb): loaded into registers (this
 // thread's NT * 2 float4s), later stored to shared memory as f16, each 4 elements as (0, 2, 1, 3).
 template <int NT> struct XRegs {
@@ -1060,21 +1083,15 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q4_k(MH_ARGS) {
                 o2[hh] = h2dup(-dm[hh] * (float)mj);
             }
             uint4 xf[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (32 * j + 8 * t) * 2);
+            mh_xfrag<NT>(xf, xb, 32 * j + 8 * t);
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 u32 a[4];
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const u32 nib = ((st ? w.qv[hh][p].y : w.qv[hh][p].x) >> sh) & 0x0F0F0F0Fu;
-                    u32 p02, p13;
-                    bytes_h2(nib, p02, p13);
-                    a[hh] = hfma2(hsub2(p02, 0x64006400u), s2[hh], o2[hh]);
-                    a[2 + hh] = hfma2(hsub2(p13, 0x64006400u), s2[hh], o2[hh]);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+                for (int hh = 0; hh < 2; ++hh)
+                    mh_arow<true>(a, hh, ((st ? w.qv[hh][p].y : w.qv[hh][p].x) >> sh) & 0x0F0F0F0Fu, 0x64006400u, s2[hh],
+                                  o2[hh]);
+                mh_mma<NT>(acc, a, xf, st);
             }
         }
     };
@@ -1124,9 +1141,7 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q6_k(MH_ARGS) {
                     s2[hh] = h2dup(h2f(w.d[hh]) * (float)sc);
                 }
                 uint4 xf[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (128 * nh + 32 * qq + 8 * t) * 2);
+                mh_xfrag<NT>(xf, xb, 128 * nh + 32 * qq + 8 * t);
 #pragma unroll
                 for (int st = 0; st < 2; ++st) {
                     u32 a[4];
@@ -1135,14 +1150,9 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q6_k(MH_ARGS) {
                         const u32 L = st ? (qq & 1 ? w.l1[hh][nh].y : w.l0[hh][nh].y) : (qq & 1 ? w.l1[hh][nh].x : w.l0[hh][nh].x);
                         const u32 H = st ? w.qh[hh][nh].y : w.qh[hh][nh].x;
                         const u32 q = ((L >> (4 * (qq >> 1))) & 0x0F0F0F0Fu) | (((H >> (2 * qq)) << 4) & 0x30303030u);
-                        u32 p02, p13;
-                        bytes_h2(q, p02, p13);
-                        a[hh] = hmul2(hsub2(p02, 0x64206420u), s2[hh]);  // 1056 = 1024 + 32
-                        a[2 + hh] = hmul2(hsub2(p13, 0x64206420u), s2[hh]);
+                        mh_arow<false>(a, hh, q, 0x64206420u, s2[hh], 0);  // 1056 = 1024 + 32
                     }
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+                    mh_mma<NT>(acc, a, xf, st);
                 }
             }
     };
@@ -1181,22 +1191,14 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q8_0(MH_ARGS) {
                 d2[hh] = h | (h << 16);
             }
             uint4 xf[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) xf[nt] = *(const uint4*)(xb + (nt * 8 + g) * MH_XS + (32 * gi + 8 * t) * 2);
+            mh_xfrag<NT>(xf, xb, 32 * gi + 8 * t);
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 u32 a[4];
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const u32 u = (st ? w.q[hh][gi].y : w.q[hh][gi].x) ^ 0x80808080u;
-                    u32 p02, p13;
-                    bytes_h2(u, p02, p13);
-                    a[hh] = hmul2(hsub2(p02, 0x64806480u), d2[hh]);  // 1152 = 1024 + 128
-                    a[2 + hh] = hmul2(hsub2(p13, 0x64806480u), d2[hh]);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
+                for (int hh = 0; hh < 2; ++hh)  // 1152 = 1024 + 128
+                    mh_arow<false>(a, hh, (st ? w.q[hh][gi].y : w.q[hh][gi].x) ^ 0x80808080u, 0x64806480u, d2[hh], 0);
+                mh_mma<NT>(acc, a, xf, st);
             }
         }
     };
