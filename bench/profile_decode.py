@@ -65,8 +65,8 @@ class Recorder:
         def kernel(family, name):
             fn = rec._orig(family, name)
 
-            def launch(grid, block, args, shared_mem=0):
-                fn(grid, block, args, shared_mem=shared_mem)
+            def launch(grid, block, args):
+                fn(grid, block, args)
                 if rec.on:
                     ptrs, nbytes = set(), 0
                     if name.startswith(("mvq_", "mma_", "mmh_", "matvec_", "dequant_rows")):

@@ -98,16 +98,12 @@ class Kernel:
 
     def __init__(self, fn):
         self.fn = fn
-        self._smem_max = 48 << 10  # dynamic shared memory allowed without opting in
 
-    def __call__(self, grid, block, args, shared_mem: int = 0):
-        if shared_mem > self._smem_max:  # opt in once (sm_90: up to 227 KB per block)
-            self.fn.max_dynamic_shared_size_bytes = shared_mem
-            self._smem_max = shared_mem
+    def __call__(self, grid, block, args):
         if _pdl.on:
-            _pdl.launch(self.fn, grid, block, args, shared_mem)
+            _pdl.launch(self.fn, grid, block, args)
         else:
-            self.fn(grid, block, args, shared_mem=shared_mem)
+            self.fn(grid, block, args)
 
 
 def kernel_source(family: str) -> str:
@@ -170,7 +166,7 @@ class _PDL:
             return c.c_int64(int(a))
         raise TypeError(f"PDL launch: unsupported kernel argument {type(a).__name__}")
 
-    def launch(self, fn, grid, block, args, shared_mem: int = 0) -> None:
+    def launch(self, fn, grid, block, args) -> None:
         if self._lib is None:
             self._setup()
         c = self._c
@@ -178,7 +174,7 @@ class _PDL:
         attr = self._Attr()
         attr.id = self.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value[0] = 1  # programmaticStreamSerializationAllowed
-        cfg = self._Config(*grid, *block, shared_mem, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
+        cfg = self._Config(*grid, *block, 0, cp.cuda.get_current_stream().ptr, c.pointer(attr), 1)
         vals = [self._arg(a) for a in args]
         params = (c.c_void_p * len(vals))(*[c.cast(c.pointer(v), c.c_void_p) for v in vals])
         func = getattr(fn, "kernel", fn)  # CuPy's RawKernel holds the driver Function (.ptr: CUfunction)
@@ -492,14 +488,15 @@ def mmh_grid(n: int, k: int, sm_count: int) -> tuple[int, int]:
     return tiles, ks
 
 
-_mmh: dict[tuple, tuple] = {}
+_sm_counts: dict[int, int] = {}
+_mmh: dict[tuple[int, int], tuple] = {}
 
 
 def _sm_count() -> int:
-    key = ("sm", cp.cuda.Device().id)
-    if key not in _mmh:
-        _mmh[key] = cp.cuda.Device().attributes["MultiProcessorCount"]
-    return _mmh[key]
+    dev = cp.cuda.Device()
+    if dev.id not in _sm_counts:
+        _sm_counts[dev.id] = dev.attributes["MultiProcessorCount"]
+    return _sm_counts[dev.id]
 
 
 def _mmh_scratch() -> tuple:
