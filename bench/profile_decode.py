@@ -172,6 +172,7 @@ def main() -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--json", default="profile.json")
     ap.add_argument("--max-ctx", type=int, default=1024)
+    ap.add_argument("--no-prefill", action="store_true", help="decode steps only")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     bw = copy_bandwidth()
@@ -198,10 +199,11 @@ def main() -> int:
                 fl = g["floor_us_each"]
                 print(f"{g['kernel'][:28]:28s} {str(tuple(g['grid'])):>14s} {g['count']:3d} {g['us']:9.1f} "
                       f"{g['us_each']:7.2f} {fl or 0:7.2f} {100 * fl / g['us_each'] if fl else 0:5.0f}")
-        p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec)
-        print(f"\n{ftype} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
-        for g in sorted(p["groups"], key=lambda g: -g["us"])[:14]:
-            print(f"  {g['op'][:44]:44s} {g['count']:4d} {g['us'] / 1e3:8.2f} ms")
+        if not a.no_prefill:
+            p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec)
+            print(f"\n{ftype} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
+            for g in sorted(p["groups"], key=lambda g: -g["us"])[:14]:
+                print(f"  {g['op'][:44]:44s} {g['count']:4d} {g['us'] / 1e3:8.2f} ms")
         out["files"].append(f)
         del dec, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
