@@ -77,6 +77,7 @@ class Recorder:
                     ev = cp.cuda.Event()
                     ev.record()
                     rec.launches.append((name, tuple(grid), nbytes, ev))
+            launch.blocks_per_sm = fn.blocks_per_sm
             return launch
 
         cuda.kernel = kernel

@@ -227,6 +227,185 @@ __global__ void __launch_bounds__(128) attn_combine(
     }
 }
 
+// ---- the decode step's attention in one launch --------------------------------------------
+// attn_decode<ND> = rope_kv + attn_partial + attn_combine: grid and warps as attn_partial (a warp
+// per (row, head, split)), rows of qkv holding q then k (row stride ld), v at row stride ldv.
+// A warp rotates its q head in registers (the angles of its row in a per-warp table; q is not
+// written back). The warps whose split holds the new position (pos[r]) rotate its k head too and
+// take k and v from registers, rounded through f16 as the cache holds them; the first q head of
+// each kv group also writes them to the cache. Every other position comes from the cache
+// (written by earlier steps, never by this launch). Partials go to the scratch as attn_partial's;
+// the last block of each grid column to finish (cnt[blockIdx.x] counts them; that block resets
+// it, so graph replays find it zero) merges every split of its four heads as attn_combine does.
+
+// Element d of the head in s (head_dim floats) after RoPE with the angles cs[p] = (cos, sin) of
+// pair p (rope.cu's pairing and arithmetic).
+__device__ __forceinline__ float rope_elem(const float* s, const float2* cs, int d, int rope_dim, int neox) {
+    if (d >= rope_dim) return s[d];  // the unrotated tail
+    const int half = rope_dim / 2;
+    const int p = neox ? (d < half ? d : d - half) : d >> 1;
+    const int ia = neox ? p : 2 * p, ib = neox ? p + half : 2 * p + 1;
+    const float x0 = s[ia], x1 = s[ib], cf = cs[p].x, sf = cs[p].y;
+    return d == ia ? x0 * cf - x1 * sf : x0 * sf + x1 * cf;
+}
+
+template <int ND>
+__global__ void __launch_bounds__(128) attn_decode(
+        const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u16* kc, u16* vc,
+        const int* __restrict__ slot, const int* __restrict__ pos, const double* __restrict__ freqs,
+        float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
+        int N, int n_heads, int n_kv, int max_ctx, int n_splits, float scale, int rope_dim, int neox,
+        signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
+    PDL_ENTRY
+    constexpr int HD = 32 * ND;
+    __shared__ float sx[4][HD];
+    __shared__ float2 scs[4][HD / 2];
+    __shared__ int last;
+    const int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * 4 + wib, split = blockIdx.y;
+    if (warp < N * n_heads) {
+        const int r = warp / n_heads, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
+        const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
+        const int p_now = pos[r], len = p_now + 1, sl = split_len(len, n_splits, N * n_heads);
+        const int t0 = split * sl, t1 = min(len, t0 + sl);
+        if (t0 >= t1) {
+            if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
+        } else {
+            float* s = sx[wib];
+            float2* cs = scs[wib];
+            for (int p = lane; p < rope_dim / 2; p += 32) {
+                double sn, c;
+                sincos((double)p_now * freqs[p], &sn, &c);
+                cs[p] = make_float2((float)c, (float)sn);
+            }
+            const float* qr = qkv + (long long)r * ld + (long long)h * HD;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) s[lane * ND + i] = qr[lane * ND + i];
+            __syncwarp();
+            float qv[ND], o[ND], kn[ND], vn[ND];
+#pragma unroll
+            for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(s, cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
+            const bool has_new = t1 == len;  // this split ends at the new position
+            const long long kv_dim = (long long)n_kv * HD;
+            if (has_new) {
+                __syncwarp();
+                const float* kr = qkv + (long long)r * ld + (long long)n_heads * HD + (long long)kvh * HD;
+                const float* vr = v + (long long)r * ldv + (long long)kvh * HD;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) s[lane * ND + i] = kr[lane * ND + i];
+                __syncwarp();
+                const long long dst = ((long long)slot[r] * max_ctx + p_now) * kv_dim + kvh * HD + lane * ND;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) {
+                    const u16 kh = f2h(rope_elem(s, cs, lane * ND + i, rope_dim, neox)), vh = f2h(vr[lane * ND + i]);
+                    kn[i] = h2f(kh);
+                    vn[i] = h2f(vh);
+                    if (h % group == 0) { kc[dst + i] = kh; vc[dst + i] = vh; }
+                }
+            }
+            float m = -INFINITY, l = 0.f;
+            const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
+            const u16* kb = kc + base;
+            const u16* vb = vc + base;
+            const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
+            constexpr int CH = 8;
+            for (int t = t0; t < tc; t += CH) {
+                float sc[CH];
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    sc[j] = 0.f;
+                    if (t + j < tc) {
+                        float kv[ND];
+                        load_h<ND>(kb + (long long)(t + j) * kv_dim, kv);
+#pragma unroll
+                        for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[i], sc[j]);
+                    }
+                }
+#pragma unroll
+                for (int off = 16; off; off >>= 1)
+#pragma unroll
+                    for (int j = 0; j < CH; ++j) sc[j] += __shfl_xor_sync(0xffffffffu, sc[j], off);
+                float mn = m;
+#pragma unroll
+                for (int j = 0; j < CH; ++j) if (t + j < tc) mn = fmaxf(mn, sc[j]);
+                const float corr = __expf(m - mn);
+                l *= corr;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) o[i] *= corr;
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    if (t + j < tc) {
+                        const float p = __expf(sc[j] - mn);
+                        l += p;
+                        float vv[ND];
+                        load_h<ND>(vb + (long long)(t + j) * kv_dim, vv);
+#pragma unroll
+                        for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[i], o[i]);
+                    }
+                }
+                m = mn;
+            }
+            if (has_new) {
+                float sn = 0.f;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) sn = fmaf(qv[i], kn[i], sn);
+#pragma unroll
+                for (int off = 16; off; off >>= 1) sn += __shfl_xor_sync(0xffffffffu, sn, off);
+                const float mn = fmaxf(m, sn), corr = __expf(m - mn), p = __expf(sn - mn);
+                l = l * corr + p;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vn[i], o[i] * corr);
+                m = mn;
+            }
+            if (lane == 0) { pm[pidx] = m; pl[pidx] = l; }
+            float* orow = po + pidx * HD + lane * ND;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) orow[i] = o[i];
+        }
+    }
+    // The last block of this column merges the splits of its heads.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
+    if (warp >= N * n_heads) return;
+    const int r = warp / n_heads;
+    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
+    const int active = (len + sl - 1) / sl;
+    const long long base = (long long)warp * n_splits;
+    const float m0 = lane < active ? __ldcg(pm + base + lane) : -INFINITY;
+    const float m1 = lane + 32 < active ? __ldcg(pm + base + lane + 32) : -INFINITY;
+    float M = fmaxf(m0, m1);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float w0 = lane < active ? __expf(m0 - M) : 0.f, w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
+    float L = (lane < active ? w0 * __ldcg(pl + base + lane) : 0.f) +
+              (lane + 32 < active ? w1 * __ldcg(pl + base + lane + 32) : 0.f);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    float acc[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+#pragma unroll 4
+    for (int sp = 0; sp < active; ++sp) {
+        const float w = __shfl_sync(0xffffffffu, sp < 32 ? w0 : w1, sp & 31);
+        const float* os = po + (base + sp) * HD;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] = fmaf(w, __ldcg(os + lane + 32 * i), acc[i]);
+    }
+    const float inv = 1.0f / L;
+    const long long row0 = (long long)warp * HD;  // (r, h) → r * n_heads * hd + h * hd
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const float val = acc[i] * inv;
+        out[row0 + lane + 32 * i] = val;
+        if (has_q) quant32(val, qh, ql, qd, qs, row0 + lane + 32 * i, (row0 >> 5) + i);  // one 32-group per i
+    }
+}
+
 // ---- prefill: causal attention for chunks of rows on tensor cores ---------------------------
 // attn_chunk<HD>: a block per (tile of ≤ 16 rows of one sequence, HB q heads sharing one kv head);
 // warp w takes q head blockIdx.y * HB + w over the tile's rows, so the K and V tiles that the

@@ -47,3 +47,16 @@ def test_mmh_grid(sms):
                 assert tiles <= cuda.MMH_PART_FLOATS // cuda.MMH_ROWS  # the counters _mmh_scratch makes
             if k // 256 >= 8 and 32 * 8 * n <= cuda.MMH_PART_FLOATS:
                 assert tiles * ks >= min(2 * sms, 8 * tiles)
+
+
+def test_reads_qact():
+    """The decode step skips quantizing activations nobody reads: the int8 matvecs (batch 1-2,
+    and Q8_0 rows of 576) read QAct, the f16 ones (whole 256-blocks from bucket 4) and the generic
+    ones do not."""
+    Q = cuda.Q
+    t = lambda q, k: type("T", (), {"qtype": q, "shape": (64, k)})()  # noqa: E731
+    assert cuda.reads_qact([t(Q.Q4_K, 4096)], 1) and cuda.reads_qact([t(Q.Q8_0, 4096)], 2)
+    if cuda.F16_MATVEC:
+        assert not cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q6_K, 4096)], 16)
+        assert cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q8_0, 576)], 4)  # one int8 reader is enough
+    assert not cuda.reads_qact([t(Q.Q4_0, 4096), t(Q.F16, 4096)], 1)

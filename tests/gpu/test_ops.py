@@ -129,13 +129,17 @@ def test_attention(head_dim, n_heads, n_kv, lens):
     np.testing.assert_array_equal(kv.layer(0).k[:n_slots, :end].get(), ref_kv.layer(0).k[:, :end])
 
 
+@pytest.mark.parametrize("one_launch", (True, False))
 @pytest.mark.parametrize("n_splits", (1, 7, 64))
 @pytest.mark.parametrize("head_dim,n_heads,n_kv,rope_dim,neox", ((64, 8, 2, 64, False), (128, 32, 8, 128, False),
-                                                                 (128, 4, 4, 64, True), (32, 2, 1, 32, True)))
-def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_splits):
-    """The captured step's path: RoPE + cache append in one launch (rope_kv_) on a stacked q|k|v
-    buffer, then attention over any number of splits writing its output quantized too; against
-    the CPU reference's rope + attention, and the quantized output against quantizing it."""
+                                                                 (128, 4, 4, 64, True), (32, 2, 1, 32, True),
+                                                                 (256, 6, 2, 96, False), (96, 9, 3, 96, True)))
+def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_splits, one_launch):
+    """The captured step's path on a stacked q|k|v buffer: attention_decode_ (RoPE, cache append,
+    attention and the merge of the splits in one launch), or RoPE + append (rope_kv_) then
+    attention_; over any number of splits, writing the output quantized too. Against the CPU
+    reference's rope + attention, and the quantized output against quantizing it; the one-launch
+    kernel run twice (its split counters must come back to zero) gives the same output."""
     rng = np.random.default_rng()
     cfg = config(head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv, d_model=head_dim * n_heads,
                  rope_dim=rope_dim, rope_neox=neox, rope_base=500000.0)
@@ -162,14 +166,24 @@ def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_split
     slots = cp.arange(n, dtype=cp.int32)
     pos = cp.asarray(batch.positions.astype(np.int32))
     ld = qkv.shape[1]
-    cuda.rope_kv_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], pos, slots, ops.freqs, kv.layer(0), cfg, n=n, ld=ld, ldv=ld)
     out = cp.full((n, cfg.q_dim), np.nan, cp.float32)
     qa = cuda.QAct(n, cfg.q_dim)
-    cuda.attention_(dq, dq[:, cfg.q_dim:], dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, cfg, n=n,
-                    n_splits=n_splits, ldq=ld, ldk=ld, ldv=ld, out=out, scratch=cuda.attention_scratch(n, cfg, n_splits),
-                    append=False, q_out=qa)
+    scratch = cuda.attention_scratch(n, cfg, n_splits)
+    if one_launch:
+        for _ in range(2):
+            first = out.copy()
+            out.fill(np.nan)
+            cuda.attention_decode_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, ops.freqs, cfg, n=n,
+                                   n_splits=n_splits, ld=ld, ldv=ld, out=out, scratch=scratch, q_out=qa)
+        cp.testing.assert_array_equal(out, first)
+        assert not scratch[3].any()
+        np.testing.assert_array_equal(dq.get(), qkv)  # q and k rotated in registers only
+    else:
+        cuda.rope_kv_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], pos, slots, ops.freqs, kv.layer(0), cfg, n=n, ld=ld, ldv=ld)
+        cuda.attention_(dq, dq[:, cfg.q_dim:], dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, cfg, n=n,
+                        n_splits=n_splits, ldq=ld, ldk=ld, ldv=ld, out=out, scratch=scratch, append=False, q_out=qa)
+        assert rel(dq[:, :cfg.q_dim].get(), ref_ops.rope(q, table, n_heads)) < 1e-6
     assert rel(out.get(), ref) < 1e-4
-    assert rel(dq[:, :cfg.q_dim].get(), ref_ops.rope(q, table, n_heads)) < 1e-6
     end = max(st + m for st, m in lens)
     # k is rotated on both sides (f32 arithmetic may round differently before the f16 store)
     assert rel(kv.layer(0).k[:n_slots, :end].get().astype(np.float32), ref_kv.layer(0).k[:, :end].astype(np.float32)) < 1e-3

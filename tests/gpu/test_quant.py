@@ -203,3 +203,25 @@ def test_matvec_int8_mma(qtype, b, monkeypatch):
     got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
     ref = x @ ref_w.T
     assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("b", (1, 2))
+@pytest.mark.parametrize("persistent", (True, False))
+def test_matvec_row_groups_grid_stride(qtype, b, persistent, monkeypatch):
+    """The dp4a matvecs hand row groups out grid-stride: with the grid cut to what one SM holds
+    (as if the GPU had one SM) every block loops over many groups, and each row is written once,
+    right, with its residual; and with a block per four groups (NTX_MVQ_PERSISTENT=0) the same."""
+    monkeypatch.setattr(cuda, "_sm_count", lambda: 1)
+    monkeypatch.setattr(cuda, "MVQ_PERSISTENT", persistent)
+    monkeypatch.setattr(cuda, "SPLIT_K_WARPS", 0)  # no split-K: its grid is not persistent
+    rng = np.random.default_rng()
+    n, k = 5125, 1536
+    raw = random_tensor(rng, qtype, n, k)
+    ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    res = rng.standard_normal((b, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T + res
+    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32),
+                      res=cp.asarray(res)).get()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL

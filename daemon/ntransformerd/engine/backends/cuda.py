@@ -72,6 +72,9 @@ SPLIT_K_WARPS = int(os.environ.get("NTX_SPLIT_K_WARPS", "4096"))  # 0: never spl
 MVQ_MIN_BLOCKS = {Q.Q8_0: 8, Q.Q4_K: 6, Q.Q6_K: 6}
 if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
     MVQ_MIN_BLOCKS = dict.fromkeys(MVQ_MIN_BLOCKS, int(os.environ["NTX_MVQ_MIN_BLOCKS"]))
+# The dp4a matvecs without split-K launch only as many blocks as the SMs hold at once, each
+# looping over row groups (no tail wave, no block start per group); 0: a block per 4 row groups.
+MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -98,6 +101,22 @@ class Kernel:
 
     def __init__(self, fn):
         self.fn = fn
+        self._occupancy: dict[int, int] = {}
+
+    def blocks_per_sm(self, threads: int) -> int:
+        """How many blocks of `threads` one SM holds at once (registers, shared memory, limits)."""
+        got = self._occupancy
+        if threads not in got:
+            import ctypes
+            lib = ctypes.CDLL("libcuda.so.1")
+            n = ctypes.c_int()
+            func = getattr(self.fn, "kernel", self.fn)
+            err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(func.ptr),
+                                                                  ctypes.c_int(threads), ctypes.c_size_t(0))
+            if err:
+                raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: CUDA error {err}")
+            got[threads] = max(1, n.value)
+        return got[threads]
 
     def __call__(self, grid, block, args):
         if _pdl.on:
@@ -475,9 +494,19 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     r = ROWS_PER_WARP[bucket]
     ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
     mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
-    kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")((_blocks(n, r * 4 // ks),), (128,), (
-        *w.ptrs(), *xq.args(), *res_args))
+    fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
+    grid = _blocks(n, r * 4 // ks)
+    if ks == 1 and MVQ_PERSISTENT:  # the kernels take row groups grid-stride
+        grid = min(grid, fn.blocks_per_sm(128) * _sm_count())
+    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
+
+
+def reads_qact(weights, bucket: int) -> bool:
+    """Whether a matvec of any of these weights at this batch bucket reads quantized (QAct)
+    activations: the int8 kernels do, the f16 ones (F16_MATVEC) and the generic ones do not."""
+    return any(t.qtype in FAST_MATVEC and not (bucket >= MMA_MIN_BUCKET and t.qtype in F16_MATVEC and t.shape[1] % 256 == 0)
+               for t in weights)
 
 
 def mmh_grid(n: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -614,7 +643,7 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
     max_ctx = kc.shape[1]
     if append:
         kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ldk, ldv=ldv)
-    pm, pl, po = scratch
+    pm, pl, po = scratch[:3]
     warps = n * cfg.n_heads
     kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((_blocks(warps, 4), n_splits), (128,), (
         q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
@@ -635,6 +664,30 @@ def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, l
         qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, np.int32(n), np.int32(cfg.n_heads),
         np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
         np.int32(kc.shape[1])))
+
+
+def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int, n_splits: int, ld: int,
+                      ldv: int, out, scratch: tuple, q_out: QAct | None = None):
+    """The decode step's attention in one launch (attn_decode: rope_kv_ + attention_): rows of
+    qkv (row stride ld) hold q then k, rows of v stride ldv; q and k are rotated in registers
+    (qkv is not written), k and v go to the cache at (slot, pos), and out (n, H*hd) gets the
+    attention output, with q_out quantized too. scratch is attention_scratch(n, cfg, n_splits)'s."""
+    if cfg.head_dim % 32 or cfg.head_dim > 256:
+        raise ValueError(f"attention_decode: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    if not 1 <= n_splits <= 64:
+        raise ValueError(f"attention_decode: {n_splits} splits, expected 1 to 64")
+    _check(pos, cp.int32, 1, "attention_decode positions")
+    pm, pl, po, cnt = scratch
+    warps = n * cfg.n_heads
+    if cnt.size < _blocks(warps, 4) or pm.size < warps * n_splits:
+        raise ValueError(f"attention_decode: scratch too small for {n} rows, {n_splits} splits")
+    kc, vc = kv_layer.k, kv_layer.v
+    kernel("attention", f"attn_decode<{cfg.head_dim // 32}>")((_blocks(warps, 4), n_splits), (128,), (
+        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, pm, pl, po, cnt, out, np.int32(n),
+        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.int32(n_splits),
+        np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
+        *_q_args(q_out, n, cfg.q_dim, "attention")))
+    return out
 
 
 CHUNK_ROWS = 16  # rows per attn_chunk tile; a segment this long makes attention a prefill chunk's
@@ -676,8 +729,11 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
 
 
 def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int) -> tuple:
+    """Split partials (max, sum, output) for n rows, and attn_decode's per-column counters (zero;
+    each launch leaves them zero)."""
     s = n * cfg.n_heads * n_splits
-    return (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32))
+    return (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32),
+            cp.zeros((_blocks(n * cfg.n_heads, 4),), cp.int32))
 
 
 # ---- the op set model.forward calls ---------------------------------------------------------
@@ -806,7 +862,7 @@ def kernel_names() -> list[tuple[str, str]]:
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
               ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
-    names += [("attention", f"attn_partial<{nd}>") for nd in ATTN_ND]
+    names += [("attention", f"{k}<{nd}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")]
     names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
     return names
 

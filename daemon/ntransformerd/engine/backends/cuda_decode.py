@@ -99,34 +99,39 @@ class DecodeGraphs:
         self.feed.begin(self.stream)
         for i in range(c.n_layers):
             ly = self.feed.acquire(i)
-            K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h, q=b.hq)
+            # Producers quantize their output only where an int8 matvec reads it (K.reads_qact).
+            hq = b.hq if K.reads_qact(ly.qkv, bk) else None
+            K.rms_norm(b.x, ly.attn_norm, c.rms_eps, out=b.h, q=hq)
             for j, t in enumerate(ly.qkv):
-                K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])], xq=b.hq)  # (B, q+kv+kv) in 1 to 3 pieces
+                K.matvec(b.h, t, out=b.piece[("qkv", j, t.shape[0])], xq=hq)  # (B, q+kv+kv) in 1 to 3 pieces
             q, ldq = self._view(b, i, "attn_q")
             k, ldk = self._view(b, i, "attn_k")
             v, ldv = self._view(b, i, "attn_v")
             cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
-            fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q: RoPE + append in one launch
-            if fused:
-                K.rope_kv_(q, v, pos, slot, self.ops.freqs, self.kv.layer(i), c, n=bk, ld=ldq, ldv=ldv)
+            attq = b.attq if K.reads_qact([ly.attn_output], bk) else None  # attention writes it quantized too
+            if cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim:  # k right after q: RoPE, append, attention in one launch
+                K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=self.n_splits,
+                                    ld=ldq, ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
             else:
                 K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
                 K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
-            attq = b.attq if ly.attn_output.qtype in K.FAST_MATVEC else None  # attention writes it quantized too
-            K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
-                         ldv=ldv, out=b.att, scratch=b.scratch, append=not fused, q_out=attq)
+                K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
+                             ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
             K.matvec(b.att, ly.attn_output, out=b.x, res=b.x, xq=attq)  # x += attn @ Wo.T
-            K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h, q=b.hq)
+            hq = b.hq if K.reads_qact(ly.gate_up, bk) else None
+            K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h, q=hq)
             for j, t in enumerate(ly.gate_up):
-                K.matvec(b.h, t, out=b.piece[("gate_up", j, t.shape[0])], xq=b.hq)
+                K.matvec(b.h, t, out=b.piece[("gate_up", j, t.shape[0])], xq=hq)
             g, ldg = self._view(b, i, "ffn_gate")
             u, ldu = self._view(b, i, "ffn_up")
             assert ldg == ldu or ldu == c.d_ff  # one row stride serves both in swiglu
-            K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff, q=b.actq)
-            K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x, xq=b.actq)  # x += swiglu @ Wd.T
+            actq = b.actq if K.reads_qact([ly.ffn_down], bk) else None
+            K.swiglu(g, u, out=b.act, n=bk, ld=ldg, f=c.d_ff, q=actq)
+            K.matvec(b.act, ly.ffn_down, out=b.x, res=b.x, xq=actq)  # x += swiglu @ Wd.T
             self.feed.release(i)
-        K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h, q=b.hq)
-        K.matvec(b.h, w.output, out=b.logits, xq=b.hq)
+        hq = b.hq if K.reads_qact([w.output], bk) else None
+        K.rms_norm(b.x, w.output_norm, c.rms_eps, out=b.h, q=hq)
+        K.matvec(b.h, w.output, out=b.logits, xq=hq)
         K.argmax(b.logits, out=b.ids)
 
     def _prepare(self, bk: int):
