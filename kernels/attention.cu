@@ -95,6 +95,9 @@ template <int ND> __device__ __forceinline__ void load_h(const u16* p, float* ou
         uint2 w = *(const uint2*)p;
         out[0] = h2f((u16)(w.x & 0xFFFF)); out[1] = h2f((u16)(w.x >> 16));
         out[2] = h2f((u16)(w.y & 0xFFFF)); out[3] = h2f((u16)(w.y >> 16));
+    } else if constexpr (ND != 8) {  // head_dim 96, 160, ...: no vector load fits
+#pragma unroll
+        for (int i = 0; i < ND; ++i) out[i] = h2f(p[i]);
     } else {
         uint4 w = *(const uint4*)p;
         const u32 ws[4] = {w.x, w.y, w.z, w.w};
@@ -258,7 +261,7 @@ __global__ void __launch_bounds__(128) attn_decode(
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
     PDL_ENTRY
     constexpr int HD = 32 * ND;
-    __shared__ float sx[4][HD];
+    __shared__ float sq[4][HD], sk[4][HD];
     __shared__ float2 scs[4][HD / 2];
     __shared__ int last;
     const int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -271,33 +274,36 @@ __global__ void __launch_bounds__(128) attn_decode(
         if (t0 >= t1) {
             if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
         } else {
-            float* s = sx[wib];
+            const bool has_new = t1 == len;  // this split ends at the new position
+            // Every global load first (q; k and v of the new position), the angles while they fly.
+            const float* qr = qkv + (long long)r * ld + (long long)h * HD + lane * ND;
+            const float* kr = qkv + (long long)r * ld + (long long)(n_heads + kvh) * HD + lane * ND;
+            const float* vr = v + (long long)r * ldv + (long long)kvh * HD + lane * ND;
+            float qx[ND], kx[ND], vn[ND];
+#pragma unroll
+            for (int i = 0; i < ND; ++i) {
+                qx[i] = qr[i];
+                kx[i] = has_new ? kr[i] : 0.f;
+                vn[i] = has_new ? vr[i] : 0.f;
+            }
             float2* cs = scs[wib];
             for (int p = lane; p < rope_dim / 2; p += 32) {
                 double sn, c;
                 sincos((double)p_now * freqs[p], &sn, &c);
                 cs[p] = make_float2((float)c, (float)sn);
             }
-            const float* qr = qkv + (long long)r * ld + (long long)h * HD;
 #pragma unroll
-            for (int i = 0; i < ND; ++i) s[lane * ND + i] = qr[lane * ND + i];
+            for (int i = 0; i < ND; ++i) { sq[wib][lane * ND + i] = qx[i]; sk[wib][lane * ND + i] = kx[i]; }
             __syncwarp();
-            float qv[ND], o[ND], kn[ND], vn[ND];
+            float qv[ND], o[ND], kn[ND];
 #pragma unroll
-            for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(s, cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
-            const bool has_new = t1 == len;  // this split ends at the new position
+            for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(sq[wib], cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
             const long long kv_dim = (long long)n_kv * HD;
             if (has_new) {
-                __syncwarp();
-                const float* kr = qkv + (long long)r * ld + (long long)n_heads * HD + (long long)kvh * HD;
-                const float* vr = v + (long long)r * ldv + (long long)kvh * HD;
-#pragma unroll
-                for (int i = 0; i < ND; ++i) s[lane * ND + i] = kr[lane * ND + i];
-                __syncwarp();
                 const long long dst = ((long long)slot[r] * max_ctx + p_now) * kv_dim + kvh * HD + lane * ND;
 #pragma unroll
                 for (int i = 0; i < ND; ++i) {
-                    const u16 kh = f2h(rope_elem(s, cs, lane * ND + i, rope_dim, neox)), vh = f2h(vr[lane * ND + i]);
+                    const u16 kh = f2h(rope_elem(sk[wib], cs, lane * ND + i, rope_dim, neox)), vh = f2h(vn[i]);
                     kn[i] = h2f(kh);
                     vn[i] = h2f(vh);
                     if (h % group == 0) { kc[dst + i] = kh; vc[dst + i] = vh; }
@@ -363,14 +369,19 @@ __global__ void __launch_bounds__(128) attn_decode(
             for (int i = 0; i < ND; ++i) orow[i] = o[i];
         }
     }
-    // The last block of this column merges the splits of its heads.
-    __threadfence();
+    // The last block of this column merges the splits of its heads. The barrier orders the
+    // block's writes before thread 0's fence (cumulative), which orders them before its count.
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
+        if (last) {
+            __threadfence();
+            cnt[blockIdx.x] = 0;
+        }
+    }
     __syncthreads();
     if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
     if (warp >= N * n_heads) return;
     const int r = warp / n_heads;
     const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);

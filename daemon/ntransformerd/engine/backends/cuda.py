@@ -75,6 +75,12 @@ if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
 # The dp4a matvecs without split-K launch only as many blocks as the SMs hold at once, each
 # looping over row groups (no tail wave, no block start per group); 0: a block per 4 row groups.
 MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
+# The decode step's attention as one launch (attn_decode) instead of rope_kv + attn_partial +
+# attn_combine; 0: the three (for benchmarks).
+ATTN_ONE_LAUNCH = os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0"
+# L2 room (MB) the dp4a matvecs fill with the row groups after the ones in hand (up to 3 rounds
+# of the grid ahead, the first before waiting on the previous kernel); 0: no prefetch.
+MVQ_PREFETCH_MB = int(os.environ.get("NTX_MVQ_PREFETCH_MB", "0"))
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -496,9 +502,9 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
     fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
     grid = _blocks(n, r * 4 // ks)
-    if ks == 1 and MVQ_PERSISTENT:  # the kernels take row groups grid-stride
+    if MVQ_PERSISTENT:  # the kernels take row groups grid-stride
         grid = min(grid, fn.blocks_per_sm(128) * _sm_count())
-    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
+    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args, np.int32(MVQ_PREFETCH_MB)))
     return out
 
 

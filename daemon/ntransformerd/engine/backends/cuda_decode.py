@@ -109,9 +109,14 @@ class DecodeGraphs:
             v, ldv = self._view(b, i, "attn_v")
             cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
             attq = b.attq if K.reads_qact([ly.attn_output], bk) else None  # attention writes it quantized too
-            if cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim:  # k right after q: RoPE, append, attention in one launch
+            fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q
+            if fused and K.ATTN_ONE_LAUNCH:  # RoPE, append, attention in one launch
                 K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=self.n_splits,
                                     ld=ldq, ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
+            elif fused:  # RoPE + append in one launch
+                K.rope_kv_(q, v, pos, slot, self.ops.freqs, self.kv.layer(i), c, n=bk, ld=ldq, ldv=ldv)
+                K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
+                             ldv=ldv, out=b.att, scratch=b.scratch, append=False, q_out=attq)
             else:
                 K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
                 K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
