@@ -241,6 +241,12 @@ __global__ void __launch_bounds__(128) attn_combine(
 // the last block of each grid column to finish (cnt[blockIdx.x] counts them; that block resets
 // it, so graph replays find it zero) merges every split of its four heads as attn_combine does.
 
+// attn_decode's positions per split: at least 8 (a warp loads 8 positions at once, so up to 8
+// cost about what one does, and the merge, in one block, reads fewer splits).
+__device__ __forceinline__ int decode_split_len(int len, int n_splits) {
+    return max(8, (len + n_splits - 1) / n_splits);
+}
+
 // Element d of the head in s (head_dim floats) after RoPE with the angles cs[p] = (cos, sin) of
 // pair p (rope.cu's pairing and arithmetic).
 __device__ __forceinline__ float rope_elem(const float* s, const float2* cs, int d, int rope_dim, int neox) {
@@ -269,7 +275,7 @@ __global__ void __launch_bounds__(128) attn_decode(
     if (warp < N * n_heads) {
         const int r = warp / n_heads, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
         const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-        const int p_now = pos[r], len = p_now + 1, sl = split_len(len, n_splits, N * n_heads);
+        const int p_now = pos[r], len = p_now + 1, sl = decode_split_len(len, n_splits);
         const int t0 = split * sl, t1 = min(len, t0 + sl);
         if (t0 >= t1) {
             if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
@@ -314,18 +320,23 @@ __global__ void __launch_bounds__(128) attn_decode(
             const u16* kb = kc + base;
             const u16* vb = vc + base;
             const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
-            constexpr int CH = 8;
+            // CH positions per step, their K and V loads all issued before any is used.
+            constexpr int CH = ND >= 8 ? 4 : 8;
             for (int t = t0; t < tc; t += CH) {
+                float kv[CH][ND], vv[CH][ND];
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    const long long tj = min(t + j, tc - 1);  // past tc: a valid row, never used
+                    load_h<ND>(kb + tj * kv_dim, kv[j]);
+                    load_h<ND>(vb + tj * kv_dim, vv[j]);
+                }
                 float sc[CH];
 #pragma unroll
                 for (int j = 0; j < CH; ++j) {
                     sc[j] = 0.f;
-                    if (t + j < tc) {
-                        float kv[ND];
-                        load_h<ND>(kb + (long long)(t + j) * kv_dim, kv);
+                    if (t + j < tc)
 #pragma unroll
-                        for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[i], sc[j]);
-                    }
+                        for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[j][i], sc[j]);
                 }
 #pragma unroll
                 for (int off = 16; off; off >>= 1)
@@ -343,10 +354,8 @@ __global__ void __launch_bounds__(128) attn_decode(
                     if (t + j < tc) {
                         const float p = __expf(sc[j] - mn);
                         l += p;
-                        float vv[ND];
-                        load_h<ND>(vb + (long long)(t + j) * kv_dim, vv);
 #pragma unroll
-                        for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[i], o[i]);
+                        for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[j][i], o[i]);
                     }
                 }
                 m = mn;
@@ -384,7 +393,7 @@ __global__ void __launch_bounds__(128) attn_decode(
     if (!last) return;
     if (warp >= N * n_heads) return;
     const int r = warp / n_heads;
-    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
+    const int len = pos[r] + 1, sl = decode_split_len(len, n_splits);
     const int active = (len + sl - 1) / sl;
     const long long base = (long long)warp * n_splits;
     const float m0 = lane < active ? __ldcg(pm + base + lane) : -INFINITY;

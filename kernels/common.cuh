@@ -48,9 +48,6 @@ __device__ __forceinline__ void pdl_wait() {
     pdl_launch_next(); \
     pdl_wait();
 
-// Start pulling the 128-byte line holding p into L2 (a hint: no result depends on it).
-__device__ __forceinline__ void prefetch_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // Start pulling `bytes` at p into L2 (the warp's lanes take 128-byte lines in turn).
 __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
     for (long long o = (long long)(threadIdx.x & 31) * 128; o < bytes; o += 32 * 128)

@@ -344,37 +344,21 @@ __device__ __forceinline__ int mvq_rows(int units, int step, int& beg, int& end)
 // once (a persistent grid: no tail wave, no block start-up per group) or to one group per warp.
 template <int R, int KS> __device__ __forceinline__ int mvq_stride() { return gridDim.x * (KS == 1 ? 4 : 1) * R; }
 
-// How many row groups ahead of the one in hand a warp pulls into L2 (prefetch hints, issued
-// before pdl_wait for the first ones, so they load while the previous kernel finishes): as many
-// rounds of the whole grid (stride rows of row_bytes) as fit in pf_mb MB, at most 3; 0: none.
-__device__ __forceinline__ int mvq_ahead(int pf_mb, int stride, long long row_bytes) {
-    const long long round = (long long)stride * row_bytes;
-    return pf_mb > 0 ? (int)min(3LL, ((long long)pf_mb << 20) / max(round, 1LL)) : 0;
-}
-
 #define MVQ_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const signed char *__restrict__ xh, \
                  const signed char *__restrict__ xl, const float *__restrict__ xd, const float *__restrict__ xs, \
                  const float *res, int has_res, float *y, int N, int K, int nb
-#define MVQ_PF_ARGS MVQ_ARGS, int pf_mb
 
 // Q8_0 on planes: lane takes 16 int8 (one 16-byte load) per row per step. Software-pipelined:
 // the next U steps' weights are in flight while this U's are multiplied, and the first U are
 // loaded before pdl_wait (weights are never written), so they arrive during the previous kernel.
 template <int R, int NB, int KS, int MB>
-__global__ void __launch_bounds__(128, MB) mvq_q8_0(MVQ_PF_ARGS) {
+__global__ void __launch_bounds__(128, MB) mvq_q8_0(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nc = K / 16;
     int cb, ce;
     const int row_first = mvq_rows<R, KS>(nc, 32, cb, ce);
     if (row_first >= N) return;
-    const int stride = mvq_stride<R, KS>(), ahead = mvq_ahead(pf_mb, stride, K + K / 16);
+    const int stride = mvq_stride<R, KS>();
     pdl_launch_next();
-    // Only before the loop (a prefetch inside it costs the registers that MB leaves no room for):
-    // the warp's share of the next `ahead` groups' qs (their d, 1/16 of it, is not worth it).
-    for (int j = 1; j <= ahead; ++j)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (row_first + j * stride + r < N)
-                prefetch_l2(p0 + (long long)(row_first + j * stride + r) * K + 16 * cb, 16LL * (ce - cb));
     for (int row0 = row_first; row0 < N; row0 += stride) {
         const uint4* q[R];
         const u16* dd[R];
@@ -448,21 +432,14 @@ __global__ void __launch_bounds__(128, MB) mvq_q8_0(MVQ_PF_ARGS) {
 // pair g = 16 low nibbles (sub-block 2g, elements 16h..) and 16 high nibbles (sub-block 2g+1).
 // The minimum term uses the group sums s and is added by the h = 0 lane only.
 template <int R, int NB, int KS, int MB>
-__global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_PF_ARGS) {
+__global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nblk = K / 256;
     int bb, be;
     const int row_first = mvq_rows<R, KS>(nblk, 1, bb, be);
     if (row_first >= N) return;
-    const int stride = mvq_stride<R, KS>(), ahead = mvq_ahead(pf_mb, stride, nblk * 144LL);
-    auto pf = [&](int g0) {  // the warp's share of row group g0
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (g0 + r < N) prefetch_l2(p0 + ((long long)(g0 + r) * nblk + bb) * 144, (be - bb) * 144LL);
-    };
+    const int stride = mvq_stride<R, KS>();
     pdl_launch_next();
-    for (int j = 1; j <= ahead; ++j) pf(row_first + j * stride);
-    for (int row0 = row_first, it = 0; row0 < N; row0 += stride, ++it) {
-        if (it && ahead) pf(row0 + ahead * stride);
+    for (int row0 = row_first; row0 < N; row0 += stride) {
         const uint4* rb[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) rb[r] = (const uint4*)(p0 + (long long)min(row0 + r, N - 1) * nblk * 144);
@@ -478,14 +455,6 @@ __global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_PF_ARGS) {
         const float mf = h ? 0.f : 1.f;
         constexpr int U = R >= 4 ? 1 : 4 / R;
         for (int b0 = bb + (lane >> 3); b0 < be; b0 += 4 * U) {
-            if (pf_mb)  // the next step's blocks (two lines each) into L2 while this one's load
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int nx = b0 + 4 * U + 4 * u;
-                    if (nx < be && c < 2)
-#pragma unroll
-                        for (int r = 0; r < R; ++r) prefetch_line(rb[r] + nx * 9 + 8 * c);
-                }
             uint4 hd[U][R], qv[U][R];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -552,27 +521,14 @@ __global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_PF_ARGS) {
 // Q6_K on planes: 8 lanes per 256-block; lane (half nh, a) takes elements 8a..8a+7 of each of the
 // four 32-element quarters of its half (ql bytes l and l+32, qh byte l, l = 8a..8a+7).
 template <int R, int NB, int KS, int MB>
-__global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_PF_ARGS) {
+__global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_ARGS) {
     const int lane = threadIdx.x & 31, nblk = K / 256;
     int bb, be;
     const int row_first = mvq_rows<R, KS>(nblk, 1, bb, be);
     if (row_first >= N) return;
-    const int stride = mvq_stride<R, KS>(), ahead = mvq_ahead(pf_mb, stride, nblk * 210LL);
-    auto pf = [&](int g0) {  // the warp's share of row group g0 in each plane
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (g0 + r < N) {
-                const long long row = g0 + r;
-                prefetch_l2(p0 + (row * nblk + bb) * 128, (be - bb) * 128LL);
-                prefetch_l2(p1 + (row * nblk + bb) * 64, (be - bb) * 64LL);
-                prefetch_l2(p2 + (row * nblk + bb) * 16, (be - bb) * 16LL);
-                prefetch_l2(p3 + (row * nblk + bb) * 2, (be - bb) * 2LL);
-            }
-    };
+    const int stride = mvq_stride<R, KS>();
     pdl_launch_next();
-    for (int j = 1; j <= ahead; ++j) pf(row_first + j * stride);
-    for (int row0 = row_first, it = 0; row0 < N; row0 += stride, ++it) {
-        if (it && ahead) pf(row0 + ahead * stride);
+    for (int row0 = row_first; row0 < N; row0 += stride) {
         const u8 *ql[R], *qh[R];
         const signed char* scs[R];
         const u16* dd[R];
@@ -598,16 +554,6 @@ __global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_PF_ARGS) {
         const int c = lane & 7, nh = c >> 2, a = c & 3;
         constexpr int U = R >= 4 ? 1 : 4 / R;
         for (int b0 = bb + (lane >> 3); b0 < be; b0 += 4 * U) {
-            if (pf_mb)  // the next step's blocks into L2 while this one's load: a plane per lane
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int nx = b0 + 4 * U + 4 * u;
-                    if (nx < be && c < 4)
-#pragma unroll
-                        for (int r = 0; r < R; ++r)
-                            prefetch_line(c == 0 ? (const void*)(ql[r] + nx * 128) : c == 1 ? (const void*)(qh[r] + nx * 64)
-                                          : c == 2 ? (const void*)(scs[r] + nx * 16) : (const void*)(dd[r] + nx));
-                }
             uint2 l0[U][R], l1[U][R], hh[U][R];
             u32 sc4[U][R];
             float d[U][R];

@@ -207,17 +207,16 @@ def test_matvec_int8_mma(qtype, b, monkeypatch):
 
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
 @pytest.mark.parametrize("b", (1, 2))
-@pytest.mark.parametrize("persistent,split_k,prefetch_mb", ((True, False, 0), (True, True, 0), (True, False, 24),
-                                                            (True, True, 24), (False, False, 0), (False, True, 24)))
-def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, prefetch_mb, monkeypatch):
+@pytest.mark.parametrize("persistent", (True, False))
+@pytest.mark.parametrize("split_k", (True, False))
+def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, monkeypatch):
     """The dp4a matvecs hand row groups out grid-stride: with the grid cut to what one SM holds
-    (as if the GPU had one SM) every block loops over many groups, with or without split-K and
-    with the L2 prefetch of the groups ahead, and each row is written once, right, with its
-    residual; with a block per group (NTX_MVQ_PERSISTENT=0) the same."""
+    (as if the GPU had one SM) every block loops over many groups, with or without split-K, and
+    each row is written once, right, with its residual; with a block per group
+    (NTX_MVQ_PERSISTENT=0) the same."""
     monkeypatch.setattr(cuda, "_sm_count", lambda: 1)
     monkeypatch.setattr(cuda, "MVQ_PERSISTENT", persistent)
     monkeypatch.setattr(cuda, "SPLIT_K_WARPS", 1 << 30 if split_k else 0)
-    monkeypatch.setattr(cuda, "MVQ_PREFETCH_MB", prefetch_mb)
     rng = np.random.default_rng()
     n, k = 5125, 1536
     raw = random_tensor(rng, qtype, n, k)

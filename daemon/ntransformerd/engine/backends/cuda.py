@@ -78,9 +78,6 @@ MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
 # The decode step's attention as one launch (attn_decode) instead of rope_kv + attn_partial +
 # attn_combine; 0: the three (for benchmarks).
 ATTN_ONE_LAUNCH = os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0"
-# L2 room (MB) the dp4a matvecs fill with the row groups after the ones in hand (up to 3 rounds
-# of the grid ahead, the first before waiting on the previous kernel); 0: no prefetch.
-MVQ_PREFETCH_MB = int(os.environ.get("NTX_MVQ_PREFETCH_MB", "0"))
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -504,7 +501,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     grid = _blocks(n, r * 4 // ks)
     if MVQ_PERSISTENT:  # the kernels take row groups grid-stride
         grid = min(grid, fn.blocks_per_sm(128) * _sm_count())
-    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args, np.int32(MVQ_PREFETCH_MB)))
+    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
 
 
