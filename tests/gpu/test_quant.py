@@ -205,12 +205,12 @@ def test_matvec_int8_mma(qtype, b, monkeypatch):
     assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL
 
 
-@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K))  # only Q8_0's grid is persistent
 @pytest.mark.parametrize("b", (1, 2))
 @pytest.mark.parametrize("persistent", (True, False))
 @pytest.mark.parametrize("split_k", (True, False))
 def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, monkeypatch):
-    """The dp4a matvecs hand row groups out grid-stride: with the grid cut to what one SM holds
+    """The Q8_0 dp4a matvec hands row groups out grid-stride: with the grid cut to what one SM holds
     (as if the GPU had one SM) every block loops over many groups, with or without split-K, and
     each row is written once, right, with its residual; with a block per group
     (NTX_MVQ_PERSISTENT=0) the same."""

@@ -72,8 +72,8 @@ SPLIT_K_WARPS = int(os.environ.get("NTX_SPLIT_K_WARPS", "4096"))  # 0: never spl
 MVQ_MIN_BLOCKS = {Q.Q8_0: 8, Q.Q4_K: 6, Q.Q6_K: 6}
 if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
     MVQ_MIN_BLOCKS = dict.fromkeys(MVQ_MIN_BLOCKS, int(os.environ["NTX_MVQ_MIN_BLOCKS"]))
-# The dp4a matvecs without split-K launch only as many blocks as the SMs hold at once, each
-# looping over row groups (no tail wave, no block start per group); 0: a block per 4 row groups.
+# The Q8_0 dp4a matvec launches only as many blocks as the SMs hold at once, each looping over
+# row groups (no tail wave, no block start per group); 0: a block per group (kernels/quant.cu).
 MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
 # The decode step's attention as one launch (attn_decode) instead of rope_kv + attn_partial +
 # attn_combine; 0: the three (for benchmarks).
@@ -499,7 +499,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
     mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
     fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
     grid = _blocks(n, r * 4 // ks)
-    if MVQ_PERSISTENT:  # the kernels take row groups grid-stride
+    if MVQ_PERSISTENT and w.qtype == Q.Q8_0:  # mvq_q8_0 takes row groups grid-stride
         grid = min(grid, fn.blocks_per_sm(128) * _sm_count())
     fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
