@@ -1,7 +1,9 @@
 // Attention over the F16 KV cache (slots, max_ctx, n_kv, head_dim) of one layer.
 //
 // kv_append: row r's k and v (f32, row strides ldk, ldv) go to the cache at [slot[r], pos[r]].
-// rope_kv (the decode step's): RoPE of q and k in place, and k, v appended to the cache, in one launch.
+// attn_decode<ND> (the captured decode step's): RoPE, cache append, attn_partial and attn_combine
+//   in one launch (below). The separate kernels serve eager steps and NTX_ATTN_ONE_LAUNCH=0:
+// rope_kv: RoPE of q and k in place, and k, v appended to the cache, in one launch.
 // attn_partial<ND>: one warp per (row, head, split). Row r's positions 0..pos[r] are cut into
 //   n_splits splits of ceil((pos[r] + 1) / n_splits) positions, so a short context spreads over
 //   many warps as well as a long one; each warp runs an online softmax over its split, 8 positions
@@ -106,6 +108,25 @@ template <int ND> __device__ __forceinline__ void load_h(const u16* p, float* ou
     }
 }
 
+// One step of the online softmax over positions t .. t+CH-1, those before t_end real: the lanes' partial scores
+// summed across the warp (every lane gets them), then l and o rescaled from the running max m
+// to the new one, which is returned (m itself is left for the caller to update).
+template <int CH, int ND>
+__device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end, float m, float& l, float (&o)[ND]) {
+#pragma unroll
+    for (int off = 16; off; off >>= 1)
+#pragma unroll
+        for (int j = 0; j < CH; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+    float mn = m;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) if (t + j < t_end) mn = fmaxf(mn, s[j]);
+    const float corr = __expf(m - mn);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) o[i] *= corr;
+    return mn;
+}
+
 template <int ND>
 __global__ void __launch_bounds__(128) attn_partial(
         const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
@@ -149,17 +170,7 @@ __global__ void __launch_bounds__(128) attn_partial(
                 for (int i = 0; i < ND; ++i) s[j] = fmaf(qv[i], kv[i], s[j]);
             }
         }
-#pragma unroll
-        for (int off = 16; off; off >>= 1)
-#pragma unroll
-            for (int j = 0; j < CH; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
-        float mn = m;
-#pragma unroll
-        for (int j = 0; j < CH; ++j) if (t + j < t1) mn = fmaxf(mn, s[j]);
-        const float corr = __expf(m - mn);
-        l *= corr;
-#pragma unroll
-        for (int i = 0; i < ND; ++i) o[i] *= corr;
+        const float mn = online_rescale<CH, ND>(s, t, t1, m, l, o);
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
             if (t + j < t1) {
@@ -179,6 +190,25 @@ __global__ void __launch_bounds__(128) attn_partial(
     for (int i = 0; i < ND; ++i) orow[i] = o[i];
 }
 
+// The merge weights of `active` (≤ 64) splits of one (row, head) whose partials start at base:
+// lane i's splits i and i + 32 get w0, w1 = exp(m - M) (M the largest m), and every lane gets
+// L = the sum of w * l. CG: read through L2 only (partials written earlier by this same grid).
+template <bool CG>
+__device__ __forceinline__ void split_weights(const float* pm, const float* pl, long long base, int active, int lane,
+                                              float& w0, float& w1, float& L) {
+    auto ld = [](const float* p) { return CG ? __ldcg(p) : *p; };
+    const float m0 = lane < active ? ld(pm + base + lane) : -INFINITY;
+    const float m1 = lane + 32 < active ? ld(pm + base + lane + 32) : -INFINITY;
+    float M = fmaxf(m0, m1);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    w0 = lane < active ? __expf(m0 - M) : 0.f;
+    w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
+    L = (lane < active ? w0 * ld(pl + base + lane) : 0.f) + (lane + 32 < active ? w1 * ld(pl + base + lane + 32) : 0.f);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+}
+
 // One 128-thread block per (row, head): the four warps take splits w, w + 4, ... (each lane its
 // dims lane + 32 i), the split weights exp(m_s - M) computed once per split by the lanes, and the
 // warps' sums meet in shared memory.
@@ -192,15 +222,8 @@ __global__ void __launch_bounds__(128) attn_combine(
     const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
     const int active = (len + sl - 1) / sl;  // the non-empty splits (≤ n_splits ≤ 64)
     const long long base = (long long)rh * n_splits;
-    const float m0 = lane < active ? pm[base + lane] : -INFINITY;
-    const float m1 = lane + 32 < active ? pm[base + lane + 32] : -INFINITY;
-    float M = fmaxf(m0, m1);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float w0 = lane < active ? __expf(m0 - M) : 0.f, w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
-    float L = (lane < active ? w0 * pl[base + lane] : 0.f) + (lane + 32 < active ? w1 * pl[base + lane + 32] : 0.f);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    float w0, w1, L;
+    split_weights<false>(pm, pl, base, active, lane, w0, w1, L);
     const int nd = head_dim >> 5;
     float acc[MAXD];
 #pragma unroll
@@ -338,17 +361,7 @@ __global__ void __launch_bounds__(128) attn_decode(
 #pragma unroll
                         for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[j][i], sc[j]);
                 }
-#pragma unroll
-                for (int off = 16; off; off >>= 1)
-#pragma unroll
-                    for (int j = 0; j < CH; ++j) sc[j] += __shfl_xor_sync(0xffffffffu, sc[j], off);
-                float mn = m;
-#pragma unroll
-                for (int j = 0; j < CH; ++j) if (t + j < tc) mn = fmaxf(mn, sc[j]);
-                const float corr = __expf(m - mn);
-                l *= corr;
-#pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] *= corr;
+                const float mn = online_rescale<CH, ND>(sc, t, tc, m, l, o);
 #pragma unroll
                 for (int j = 0; j < CH; ++j) {
                     if (t + j < tc) {
@@ -396,16 +409,8 @@ __global__ void __launch_bounds__(128) attn_decode(
     const int len = pos[r] + 1, sl = decode_split_len(len, n_splits);
     const int active = (len + sl - 1) / sl;
     const long long base = (long long)warp * n_splits;
-    const float m0 = lane < active ? __ldcg(pm + base + lane) : -INFINITY;
-    const float m1 = lane + 32 < active ? __ldcg(pm + base + lane + 32) : -INFINITY;
-    float M = fmaxf(m0, m1);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float w0 = lane < active ? __expf(m0 - M) : 0.f, w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
-    float L = (lane < active ? w0 * __ldcg(pl + base + lane) : 0.f) +
-              (lane + 32 < active ? w1 * __ldcg(pl + base + lane + 32) : 0.f);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    float w0, w1, L;
+    split_weights<true>(pm, pl, base, active, lane, w0, w1, L);
     float acc[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[i] = 0.f;
