@@ -263,6 +263,8 @@ __global__ void __launch_bounds__(128) attn_combine(
 // (written by earlier steps, never by this launch). Partials go to the scratch as attn_partial's;
 // the last block of each grid column to finish (cnt[blockIdx.x] counts them; that block resets
 // it, so graph replays find it zero) merges every split of its four heads as attn_combine does.
+// Blocks past the last non-empty split of their rows return at once (a grid sized for the
+// longest context is mostly such blocks while contexts are short).
 
 // attn_decode's positions per split: at least 8 (a warp loads 8 positions at once, so up to 8
 // cost about what one does, and the merge, in one block, reads fewer splits).
@@ -295,6 +297,19 @@ __global__ void __launch_bounds__(128) attn_decode(
     __shared__ int last;
     const int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int warp = blockIdx.x * 4 + wib, split = blockIdx.y;
+    // The grid has n_splits splits for the longest context; a block past the last non-empty split
+    // of all its rows (its four warps may be different rows) has nothing to do and leaves at
+    // once, and the merge waits for the `need` blocks before it only.
+    int need = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const int wg = blockIdx.x * 4 + w;
+        if (wg < N * n_heads) {
+            const int ln = pos[wg / n_heads] + 1, sw = decode_split_len(ln, n_splits);
+            need = max(need, (ln + sw - 1) / sw);
+        }
+    }
+    if (split >= need) return;
     if (warp < N * n_heads) {
         const int r = warp / n_heads, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
         const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
@@ -396,7 +411,7 @@ __global__ void __launch_bounds__(128) attn_decode(
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
+        last = atomicAdd(cnt + blockIdx.x, 1) == need - 1;
         if (last) {
             __threadfence();
             cnt[blockIdx.x] = 0;
