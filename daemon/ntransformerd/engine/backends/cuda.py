@@ -78,6 +78,9 @@ MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
 # The decode step's attention as one launch (attn_decode) instead of rope_kv + attn_partial +
 # attn_combine; 0: the three (for benchmarks).
 ATTN_ONE_LAUNCH = os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0"
+# Up to this batch bucket: at 16 rows the three kernels were faster (Q4_K_M step 4.71 vs 4.87 ms;
+# at 1 row 2.46 vs 2.42, H200, same run).
+ATTN_ONE_LAUNCH_MAX_BUCKET = 2
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 

@@ -110,7 +110,7 @@ class DecodeGraphs:
             cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
             attq = b.attq if K.reads_qact([ly.attn_output], bk) else None  # attention writes it quantized too
             fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q
-            if fused and K.ATTN_ONE_LAUNCH:  # RoPE, append, attention in one launch
+            if fused and K.ATTN_ONE_LAUNCH and bk <= K.ATTN_ONE_LAUNCH_MAX_BUCKET:  # RoPE, append, attention: one launch
                 K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=self.n_splits,
                                     ld=ldq, ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
             elif fused:  # RoPE + append in one launch
