@@ -677,12 +677,14 @@ def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, 
     """The decode step's attention in one launch (attn_decode: rope_kv_ + attention_): rows of
     qkv (row stride ld) hold q then k, rows of v stride ldv; q and k are rotated in registers
     (qkv is not written), k and v go to the cache at (slot, pos), and out (n, H*hd) gets the
-    attention output, with q_out quantized too. scratch is attention_scratch(n, cfg, n_splits)'s."""
+    attention output, with q_out quantized too. scratch: attention_scratch(n, cfg, n_splits, counters=True)."""
     if cfg.head_dim % 32 or cfg.head_dim > 256:
         raise ValueError(f"attention_decode: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
     if not 1 <= n_splits <= 64:
         raise ValueError(f"attention_decode: {n_splits} splits, expected 1 to 64")
     _check(pos, cp.int32, 1, "attention_decode positions")
+    if len(scratch) != 4:
+        raise ValueError("attention_decode: the scratch needs its counters (attention_scratch(..., counters=True))")
     pm, pl, po, cnt = scratch
     warps = n * cfg.n_heads
     if cnt.size < _blocks(warps, 4) or pm.size < warps * n_splits:
@@ -734,12 +736,12 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
     return out
 
 
-def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int) -> tuple:
-    """Split partials (max, sum, output) for n rows, and attn_decode's per-column counters (zero;
-    each launch leaves them zero)."""
+def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int, *, counters: bool = False) -> tuple:
+    """Split partials (max, sum, output) for n rows; with counters, also attn_decode's per-column
+    counters (zero; each launch leaves them zero)."""
     s = n * cfg.n_heads * n_splits
-    return (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32),
-            cp.zeros((_blocks(n * cfg.n_heads, 4),), cp.int32))
+    parts = (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32))
+    return parts + (cp.zeros((_blocks(n * cfg.n_heads, 4),), cp.int32),) if counters else parts
 
 
 # ---- the op set model.forward calls ---------------------------------------------------------

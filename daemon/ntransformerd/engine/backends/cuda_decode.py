@@ -80,7 +80,7 @@ class DecodeGraphs:
         b.piece = {key: cp.empty((bk, key[2]), f32) for key in self._pieces}  # matvec outputs
         b.att = cp.empty((bk, c.q_dim), f32)
         b.act = cp.empty((bk, c.d_ff), f32)
-        b.scratch = K.attention_scratch(bk, c, self.n_splits)
+        b.scratch = K.attention_scratch(bk, c, self.n_splits, counters=True)
         qact = lambda k: K.QAct(bk, k) if k % 32 == 0 else None  # noqa: E731
         b.hq, b.attq, b.actq = qact(c.d_model), qact(c.q_dim), qact(c.d_ff)  # quantized h, att, act
         b.logits = cp.empty((bk, c.vocab_size), f32)
