@@ -24,7 +24,6 @@ import concurrent.futures
 import types
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends import cuda as K
 from ntransformerd.engine.backends.cuda import CudaTensor, cp, host_planes
@@ -188,7 +187,6 @@ class StreamedCudaWeights:
             stage = [self.host.alloc(big) for _ in range(2)]
             stream = cp.cuda.Stream(non_blocking=True)
             evs = [None, None]
-            futs = {}
             for j, i in enumerate(vram):
                 if evs[j % 2] is not None:
                     evs[j % 2].synchronize()
@@ -202,7 +200,6 @@ class StreamedCudaWeights:
                 self._layers[i] = self.layouts[i].views(buf)
                 model.layer_loaded(i)
             stream.synchronize()
-            del futs
 
         # Pinned layers: one page-locked image each, packed in parallel.
         self._pinned: dict[int, np.ndarray] = {}
