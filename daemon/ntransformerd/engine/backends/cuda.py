@@ -24,6 +24,7 @@ through cuLaunchKernelEx), which every kernel of kernels/ is written to allow.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import math
 import os
@@ -75,12 +76,10 @@ if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
 # The Q8_0 dp4a matvec launches only as many blocks as the SMs hold at once, each looping over
 # row groups (no tail wave, no block start per group); 0: a block per group (kernels/quant.cu).
 MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
-# The decode step's attention as one launch (attn_decode) instead of rope_kv + attn_partial +
-# attn_combine; 0: the three (for benchmarks).
-ATTN_ONE_LAUNCH = os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0"
-# Up to this batch bucket: at 16 rows the three kernels were faster (Q4_K_M step 4.71 vs 4.87 ms;
-# at 1 row 2.46 vs 2.42, H200, same run).
-ATTN_ONE_LAUNCH_MAX_BUCKET = 2
+# Up to this batch bucket the decode step's attention is one launch (attn_decode) instead of
+# rope_kv + attn_partial + attn_combine: at 16 rows the three kernels were faster (Q4_K_M step
+# 4.71 vs 4.87 ms; at 1 row 2.46 vs 2.42, H200, same run). NTX_ATTN_ONE_LAUNCH=0: never (benchmarks).
+ATTN_ONE_LAUNCH_MAX_BUCKET = 2 if os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0" else 0
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -99,6 +98,13 @@ def available() -> bool:
 _modules: dict[tuple[str, str], "Kernel"] = {}
 
 
+@functools.cache
+def _libcuda():
+    """The CUDA driver library, for what CuPy does not wrap (launch attributes, occupancy)."""
+    import ctypes
+    return ctypes.CDLL("libcuda.so.1")
+
+
 class Kernel:
     """A compiled kernel; calling it launches on the current stream (CuPy's launch), or, while
     programmatic dependent launch is on (`pdl()`), through cuLaunchKernelEx with the PDL
@@ -114,7 +120,7 @@ class Kernel:
         got = self._occupancy
         if threads not in got:
             import ctypes
-            lib = ctypes.CDLL("libcuda.so.1")
+            lib = _libcuda()
             n = ctypes.c_int()
             func = getattr(self.fn, "kernel", self.fn)
             err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(func.ptr),
@@ -174,7 +180,7 @@ class _PDL:
                         ("bz", c.c_uint), ("smem", c.c_uint), ("stream", c.c_void_p), ("attrs", c.POINTER(Attr)),
                         ("n_attrs", c.c_uint)]
 
-        lib = c.CDLL("libcuda.so.1")
+        lib = _libcuda()
         lib.cuLaunchKernelEx.argtypes = [c.POINTER(Config), c.c_void_p, c.POINTER(c.c_void_p), c.c_void_p]
         lib.cuLaunchKernelEx.restype = c.c_int
         self._c, self._Attr, self._Config, self._lib = c, Attr, Config, lib

@@ -110,18 +110,17 @@ class DecodeGraphs:
             cq, ck = self._cols[i]["attn_q"], self._cols[i]["attn_k"]
             attq = b.attq if K.reads_qact([ly.attn_output], bk) else None  # attention writes it quantized too
             fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q
-            if fused and K.ATTN_ONE_LAUNCH and bk <= K.ATTN_ONE_LAUNCH_MAX_BUCKET:  # RoPE, append, attention: one launch
+            if fused and bk <= K.ATTN_ONE_LAUNCH_MAX_BUCKET:  # RoPE, append, attention: one launch
                 K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=self.n_splits,
                                     ld=ldq, ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
-            elif fused:  # RoPE + append in one launch
-                K.rope_kv_(q, v, pos, slot, self.ops.freqs, self.kv.layer(i), c, n=bk, ld=ldq, ldv=ldv)
-                K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
-                             ldv=ldv, out=b.att, scratch=b.scratch, append=False, q_out=attq)
             else:
-                K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
-                K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
+                if fused:  # RoPE + append in one launch
+                    K.rope_kv_(q, v, pos, slot, self.ops.freqs, self.kv.layer(i), c, n=bk, ld=ldq, ldv=ldv)
+                else:
+                    K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
+                    K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
                 K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
-                             ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
+                             ldv=ldv, out=b.att, scratch=b.scratch, append=not fused, q_out=attq)
             K.matvec(b.att, ly.attn_output, out=b.x, res=b.x, xq=attq)  # x += attn @ Wo.T
             hq = b.hq if K.reads_qact(ly.gate_up, bk) else None
             K.rms_norm(b.x, ly.ffn_norm, c.rms_eps, out=b.h, q=hq)
