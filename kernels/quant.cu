@@ -282,6 +282,70 @@ __global__ void quantize_rows(const float* __restrict__ x, int ld, int N, int K,
 
 __device__ __forceinline__ float mix(int ih, int il) { return fmaf((float)il, 1.f / 254.f, (float)ih); }
 
+// The sum of the 16 int8 products of a 16-byte weight vector and 16 activation bytes.
+__device__ __forceinline__ int dot16(uint4 v, uint4 x) {
+    int s = __dp4a((int)v.x, (int)x.x, 0);
+    s = __dp4a((int)v.y, (int)x.y, s);
+    s = __dp4a((int)v.z, (int)x.z, s);
+    return __dp4a((int)v.w, (int)x.w, s);
+}
+
+// Q4_K, lane (g, h) of a block's 8: the scales of its sub-blocks 2g and 2g + 1 from the block's
+// first 16 bytes (d, dmin, 12 scale bytes), dl = d * scale and dm = dmin * min, the minimums
+// zeroed by mf = 0 (the h = 1 lane: the pair adds them once).
+__device__ __forceinline__ void q4k_lane_scales(uint4 hd, int g, float mf, float& dl0, float& dm0, float& dl1,
+                                                float& dm1) {
+    const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)(hd.x >> 16));
+    u32 scp[2], mp[2];  // sub-blocks 2g, 2g + 1: bytes 2(g & 1), + 1 of word g >> 1
+    k_scales_packed(hd.y, hd.z, hd.w, scp, mp);
+    const u32 sw = g < 2 ? scp[0] : scp[1], mw = g < 2 ? mp[0] : mp[1];
+    const int sh = 16 * (g & 1);
+    const int sc0 = (sw >> sh) & 0xFF, sc1 = (sw >> (sh + 8)) & 0xFF;
+    const int m0 = (mw >> sh) & 0xFF, m1 = (mw >> (sh + 8)) & 0xFF;
+    dl0 = d * sc0; dm0 = dmin * m0 * mf; dl1 = d * sc1; dm1 = dmin * m1 * mf;
+}
+
+// A Q4_K lane's activations: hi/lo bytes of elements k0.. (sub-block 2g) and k0 + 32.. (2g + 1),
+// their groups' scales and sums.
+struct XQ4 {
+    uint4 h0, h1, l0, l1;
+    float2 d, s;
+};
+__device__ __forceinline__ XQ4 ld_xq4(const signed char* xh, const signed char* xl, const float* xd, const float* xs,
+                                      long long k0, long long s0) {
+    return {__ldg((const uint4*)(xh + k0)), __ldg((const uint4*)(xh + k0 + 32)), __ldg((const uint4*)(xl + k0)),
+            __ldg((const uint4*)(xl + k0 + 32)), __ldg((const float2*)(xd + s0)), __ldg((const float2*)(xs + s0))};
+}
+
+// The lane's 32 products: the 16 low nibbles of v (sub-block 2g) and the 16 high ones (2g + 1).
+__device__ __forceinline__ float q4k_lane_dot(uint4 v, float dl0, float dm0, float dl1, float dm1, const XQ4& x) {
+    const uint4 a = {v.x & 0x0F0F0F0Fu, v.y & 0x0F0F0F0Fu, v.z & 0x0F0F0F0Fu, v.w & 0x0F0F0F0Fu};
+    const uint4 e = {(v.x >> 4) & 0x0F0F0F0Fu, (v.y >> 4) & 0x0F0F0F0Fu, (v.z >> 4) & 0x0F0F0F0Fu,
+                     (v.w >> 4) & 0x0F0F0F0Fu};
+    float t = fmaf(dl0 * x.d.x, mix(dot16(a, x.h0), dot16(a, x.l0)), -dm0 * x.s.x);
+    t = fmaf(dl1 * x.d.y, mix(dot16(e, x.h1), dot16(e, x.l1)), t);
+    return fmaf(-dm1, x.s.y, t);
+}
+
+// Q6_K, lane (half nh, a) of a block's 8: its 32 weights minus 32 as signed bytes, w[quarter][word],
+// from ql bytes l and l + 32 (l0, l1) and qh byte l (hh), l = 8a .. 8a + 7 of the half.
+__device__ __forceinline__ void q6k_lane_weights(uint2 l0, uint2 l1, uint2 hh, int (&w)[4][2]) {
+    const u32 L0[2] = {l0.x, l0.y}, L1[2] = {l1.x, l1.y}, H[2] = {hh.x, hh.y};
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        w[0][p] = (int)__vsub4((L0[p] & 0x0F0F0F0Fu) | ((H[p] << 4) & 0x30303030u), 0x20202020u);
+        w[1][p] = (int)__vsub4((L1[p] & 0x0F0F0F0Fu) | ((H[p] << 2) & 0x30303030u), 0x20202020u);
+        w[2][p] = (int)__vsub4(((L0[p] >> 4) & 0x0F0F0F0Fu) | (H[p] & 0x30303030u), 0x20202020u);
+        w[3][p] = (int)__vsub4(((L1[p] >> 4) & 0x0F0F0F0Fu) | ((H[p] >> 2) & 0x30303030u), 0x20202020u);
+    }
+}
+// Its four quarter scales (8nh + (a >> 1) + 0, 2, 4, 6) as bytes of a word, from the 8 scale
+// bytes of its half (bytes 0 and 2 of each word).
+__device__ __forceinline__ u32 q6k_lane_scales(uint2 sv, int a) {
+    const int sh = 8 * (a >> 1);
+    return __byte_perm(sv.x >> sh, sv.y >> sh, 0x6420);
+}
+
 template <int R, int NB>
 __device__ __forceinline__ void mvq_store(float (&acc)[R][NB], const float* res, float* y, int N, int row0, int nb) {
 #pragma unroll
@@ -404,15 +468,7 @@ __global__ void __launch_bounds__(128, MB) mvq_q8_0(MVQ_ARGS) {
                     const float d = __ldg(xd + (long long)b * (K / 32) + (c >> 1));
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
-                        const uint4 v = w[u][r];
-                        int ih = __dp4a((int)v.x, (int)h.x, 0);
-                        ih = __dp4a((int)v.y, (int)h.y, ih);
-                        ih = __dp4a((int)v.z, (int)h.z, ih);
-                        ih = __dp4a((int)v.w, (int)h.w, ih);
-                        int il = __dp4a((int)v.x, (int)l.x, 0);
-                        il = __dp4a((int)v.y, (int)l.y, il);
-                        il = __dp4a((int)v.z, (int)l.z, il);
-                        il = __dp4a((int)v.w, (int)l.w, il);
+                        const int ih = dot16(w[u][r], h), il = dot16(w[u][r], l);
                         acc[r][b] = fmaf(wd[u][r] * d, mix(ih, il), acc[r][b]);
                     }
                 }
@@ -473,45 +529,16 @@ __global__ void __launch_bounds__(128, MB) mvq_q4_k(MVQ_ARGS) {
             if (blk >= be) break;
             float dl0[R], dm0[R], dl1[R], dm1[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float d = h2f((u16)(hd[u][r].x & 0xFFFF)), dmin = h2f((u16)(hd[u][r].x >> 16));
-                u32 scp[2], mp[2];  // sub-blocks 2g, 2g + 1: bytes 2(g & 1), + 1 of word g >> 1
-                k_scales_packed(hd[u][r].y, hd[u][r].z, hd[u][r].w, scp, mp);
-                const u32 sw = g < 2 ? scp[0] : scp[1], mw = g < 2 ? mp[0] : mp[1];
-                const int sh = 16 * (g & 1);
-                const int sc0 = (sw >> sh) & 0xFF, sc1 = (sw >> (sh + 8)) & 0xFF;
-                const int m0 = (mw >> sh) & 0xFF, m1 = (mw >> (sh + 8)) & 0xFF;
-                dl0[r] = d * sc0; dm0[r] = dmin * m0 * mf; dl1[r] = d * sc1; dm1[r] = dmin * m1 * mf;
-            }
+            for (int r = 0; r < R; ++r) q4k_lane_scales(hd[u][r], g, mf, dl0[r], dm0[r], dl1[r], dm1[r]);
             const long long k0 = (long long)blk * 256 + 64 * g + 16 * h;
             const long long s0 = (long long)blk * 8 + 2 * g;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 if (b >= nb) break;
-                const signed char* xhb = xh + (long long)b * K + k0;
-                const signed char* xlb = xl + (long long)b * K + k0;
-                const uint4 h0 = __ldg((const uint4*)xhb), h1 = __ldg((const uint4*)(xhb + 32));
-                const uint4 l0 = __ldg((const uint4*)xlb), l1 = __ldg((const uint4*)(xlb + 32));
-                const float2 xd2 = __ldg((const float2*)(xd + (long long)b * (K / 32) + s0));
-                const float2 xs2 = __ldg((const float2*)(xs + (long long)b * (K / 32) + s0));
+                const XQ4 x = ld_xq4(xh + (long long)b * K, xl + (long long)b * K, xd + (long long)b * (K / 32),
+                                     xs + (long long)b * (K / 32), k0, s0);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const uint4 v = qv[u][r];
-                    const int a0 = v.x & 0x0F0F0F0F, a1 = v.y & 0x0F0F0F0F, a2 = v.z & 0x0F0F0F0F, a3 = v.w & 0x0F0F0F0F;
-                    const int e0 = (v.x >> 4) & 0x0F0F0F0F, e1 = (v.y >> 4) & 0x0F0F0F0F;
-                    const int e2 = (v.z >> 4) & 0x0F0F0F0F, e3 = (v.w >> 4) & 0x0F0F0F0F;
-                    int ih0 = __dp4a(a0, (int)h0.x, 0); ih0 = __dp4a(a1, (int)h0.y, ih0);
-                    ih0 = __dp4a(a2, (int)h0.z, ih0); ih0 = __dp4a(a3, (int)h0.w, ih0);
-                    int il0 = __dp4a(a0, (int)l0.x, 0); il0 = __dp4a(a1, (int)l0.y, il0);
-                    il0 = __dp4a(a2, (int)l0.z, il0); il0 = __dp4a(a3, (int)l0.w, il0);
-                    int ih1 = __dp4a(e0, (int)h1.x, 0); ih1 = __dp4a(e1, (int)h1.y, ih1);
-                    ih1 = __dp4a(e2, (int)h1.z, ih1); ih1 = __dp4a(e3, (int)h1.w, ih1);
-                    int il1 = __dp4a(e0, (int)l1.x, 0); il1 = __dp4a(e1, (int)l1.y, il1);
-                    il1 = __dp4a(e2, (int)l1.z, il1); il1 = __dp4a(e3, (int)l1.w, il1);
-                    float t = fmaf(dl0[r] * xd2.x, mix(ih0, il0), -dm0[r] * xs2.x);
-                    t = fmaf(dl1[r] * xd2.y, mix(ih1, il1), t);
-                    acc[r][b] += fmaf(-dm1[r], xs2.y, t);
-                }
+                for (int r = 0; r < R; ++r) acc[r][b] += q4k_lane_dot(qv[u][r], dl0[r], dm0[r], dl1[r], dm1[r], x);
             }
         }
     }
@@ -564,10 +591,7 @@ __global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_ARGS) {
                     l0[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 8 * a));
                     l1[u][r] = __ldg((const uint2*)(ql[r] + blk * 128 + 64 * nh + 32 + 8 * a));
                     hh[u][r] = __ldg((const uint2*)(qh[r] + blk * 64 + 32 * nh + 8 * a));
-                    // the quarter scales 8nh + (a >> 1) + 0, 2, 4, 6: one 8-byte load, bytes 0 2 of each word
-                    const uint2 sv = __ldg((const uint2*)(scs[r] + blk * 16 + 8 * nh));
-                    const int sh = 8 * (a >> 1);
-                    sc4[u][r] = __byte_perm(sv.x >> sh, sv.y >> sh, 0x6420);
+                    sc4[u][r] = q6k_lane_scales(__ldg((const uint2*)(scs[r] + blk * 16 + 8 * nh)), a);
                     d[u][r] = h2f(__ldg(dd[r] + blk));
                 }
         }
@@ -579,14 +603,7 @@ __global__ void __launch_bounds__(128, MB) mvq_q6_k(MVQ_ARGS) {
             float ds[R][4];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                u32 L0[2] = {l0[u][r].x, l0[u][r].y}, L1[2] = {l1[u][r].x, l1[u][r].y}, H[2] = {hh[u][r].x, hh[u][r].y};
-#pragma unroll
-                for (int p = 0; p < 2; ++p) {
-                    w[r][0][p] = (int)__vsub4((L0[p] & 0x0F0F0F0Fu) | ((H[p] << 4) & 0x30303030u), 0x20202020u);
-                    w[r][1][p] = (int)__vsub4((L1[p] & 0x0F0F0F0Fu) | ((H[p] << 2) & 0x30303030u), 0x20202020u);
-                    w[r][2][p] = (int)__vsub4(((L0[p] >> 4) & 0x0F0F0F0Fu) | (H[p] & 0x30303030u), 0x20202020u);
-                    w[r][3][p] = (int)__vsub4(((L1[p] >> 4) & 0x0F0F0F0Fu) | ((H[p] >> 2) & 0x30303030u), 0x20202020u);
-                }
+                q6k_lane_weights(l0[u][r], l1[u][r], hh[u][r], w[r]);
 #pragma unroll
                 for (int qq = 0; qq < 4; ++qq) ds[r][qq] = d[u][r] * (float)(signed char)((sc4[u][r] >> (8 * qq)) & 0xFF);
             }

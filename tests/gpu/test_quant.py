@@ -209,12 +209,15 @@ def test_matvec_int8_mma(qtype, b, monkeypatch):
 @pytest.mark.parametrize("b", (1, 2))
 @pytest.mark.parametrize("persistent", (True, False))
 @pytest.mark.parametrize("split_k", (True, False))
-def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, monkeypatch):
+@pytest.mark.parametrize("wide", (True, False))
+def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, wide, monkeypatch):
     """The Q8_0 dp4a matvec hands row groups out grid-stride: with the grid cut to what one SM holds
     (as if the GPU had one SM) every block loops over many groups, with or without split-K, and
     each row is written once, right, with its residual; with a block per group
-    (NTX_MVQ_PERSISTENT=0) the same."""
+    (NTX_MVQ_PERSISTENT=0) the same; with 4 rows per warp at one row (MVQ_WIDE_MAX_N) too, 5125
+    rows leaving a partial last group."""
     monkeypatch.setattr(cuda, "_sm_count", lambda: 1)
+    monkeypatch.setattr(cuda, "MVQ_WIDE_MAX_N", dict.fromkeys(cuda.FAST_MATVEC, 1 << 30 if wide else 0))
     monkeypatch.setattr(cuda, "MVQ_PERSISTENT", persistent)
     monkeypatch.setattr(cuda, "SPLIT_K_WARPS", 1 << 30 if split_k else 0)
     rng = np.random.default_rng()

@@ -63,6 +63,15 @@ MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply 
 # Up to this many rows the int8 mma kernels take 16 rows per block (else 32), so every SM gets work.
 MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
+# One-row matvecs of at most this many output rows (per type) take 4 rows per warp instead of 2:
+# half the blocks (one wave instead of two for the 8B shape's attn_output and ffn_down), each
+# warp's loads for all its rows issued at once. H200, 8B, B=1 graph step, same run (bench/RESULTS.md,
+# round 6): Q8_0 2.870 -> 2.669 ms up to 8192 rows, 2.640 for every matrix; Q4_K_M 2.426 -> 2.343
+# up to 8192 rows; every matrix 2.338 (the Q6_K output 58.8 -> 50.6 us, the Q4_K gate_up 27.1 ->
+# 28.2). NTX_MVQ_WIDE_MAX_N sets one bound for every type (0: never).
+MVQ_WIDE_MAX_N = {Q.Q8_0: 1 << 30, Q.Q4_K: 8192, Q.Q6_K: 1 << 30}
+if os.environ.get("NTX_MVQ_WIDE_MAX_N"):
+    MVQ_WIDE_MAX_N = dict.fromkeys(MVQ_WIDE_MAX_N, int(os.environ["NTX_MVQ_WIDE_MAX_N"]))
 # A dp4a matvec of fewer warps than this (rows / rows per warp; the H200 holds 8448 at once)
 # splits K over its block's four warps instead, so few-row matrices still keep every SM's loads
 # in flight (kernels/quant.cu, mvq_finish).
@@ -503,7 +512,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((_blocks(n, 16 * mt),), (256,), (
             *w.ptrs(), *xq.args(), *res_args))
         return out
-    r = ROWS_PER_WARP[bucket]
+    r = 4 if bucket == 1 and n <= MVQ_WIDE_MAX_N[w.qtype] else ROWS_PER_WARP[bucket]
     ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
     mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
     fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
@@ -871,8 +880,9 @@ def kernel_names() -> list[tuple[str, str]]:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
             names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_MATVEC.values()]
         else:
-            names += [("quant", f"{n}<{ROWS_PER_WARP[b]},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
-                      for t, n in FAST_MATVEC.items() for ks in (1, 4)]
+            rows = (ROWS_PER_WARP[b], 4) if b == 1 else (ROWS_PER_WARP[b],)
+            names += [("quant", f"{n}<{r},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
+                      for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
               ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
