@@ -63,12 +63,14 @@ MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply 
 # Up to this many rows the int8 mma kernels take 16 rows per block (else 32), so every SM gets work.
 MMA_ONE_TILE_ROWS = int(os.environ.get("NTX_MMA_ONE_TILE_ROWS", "8192"))
 ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
-# One-row matvecs of at most this many output rows (per type) take 4 rows per warp instead of 2:
+# One-row matvecs of at most MVQ_WIDE_MAX_N output rows (per type) take WIDE_ROWS_PER_WARP rows
+# per warp instead of ROWS_PER_WARP[1]:
 # half the blocks (one wave instead of two for the 8B shape's attn_output and ffn_down), each
 # warp's loads for all its rows issued at once. H200, 8B, B=1 graph step, same run (bench/RESULTS.md,
 # round 6): Q8_0 2.870 -> 2.669 ms up to 8192 rows, 2.640 for every matrix; Q4_K_M 2.426 -> 2.343
 # up to 8192 rows; every matrix 2.338 (the Q6_K output 58.8 -> 50.6 us, the Q4_K gate_up 27.1 ->
 # 28.2). NTX_MVQ_WIDE_MAX_N sets one bound for every type (0: never).
+WIDE_ROWS_PER_WARP = 4
 MVQ_WIDE_MAX_N = {Q.Q8_0: 1 << 30, Q.Q4_K: 8192, Q.Q6_K: 1 << 30}
 if os.environ.get("NTX_MVQ_WIDE_MAX_N"):
     MVQ_WIDE_MAX_N = dict.fromkeys(MVQ_WIDE_MAX_N, int(os.environ["NTX_MVQ_WIDE_MAX_N"]))
@@ -512,7 +514,7 @@ def matvec(x, w: CudaTensor, *, out=None, res=None, nb: int | None = None, xq: Q
         kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((_blocks(n, 16 * mt),), (256,), (
             *w.ptrs(), *xq.args(), *res_args))
         return out
-    r = 4 if bucket == 1 and n <= MVQ_WIDE_MAX_N[w.qtype] else ROWS_PER_WARP[bucket]
+    r = WIDE_ROWS_PER_WARP if bucket == 1 and n <= MVQ_WIDE_MAX_N[w.qtype] else ROWS_PER_WARP[bucket]
     ks = 4 if _blocks(n, r) < SPLIT_K_WARPS else 1
     mb = MVQ_MIN_BLOCKS[w.qtype] if bucket == 1 else 1
     fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
@@ -880,7 +882,7 @@ def kernel_names() -> list[tuple[str, str]]:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
             names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_MATVEC.values()]
         else:
-            rows = (ROWS_PER_WARP[b], 4) if b == 1 else (ROWS_PER_WARP[b],)
+            rows = (ROWS_PER_WARP[b], WIDE_ROWS_PER_WARP) if b == 1 else (ROWS_PER_WARP[b],)
             names += [("quant", f"{n}<{r},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
                       for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
