@@ -290,8 +290,12 @@ __global__ void __launch_bounds__(128) attn_decode(
         float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
         int N, int n_heads, int n_kv, int max_ctx, int n_splits, float scale, int rope_dim, int neox,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
-    PDL_ENTRY
+    // Before pdl_wait, only what no kernel of this step writes: slot and pos (set before the
+    // step), the angles, and the cached positions (earlier steps); q, k, v, the scratch and the
+    // counters come after it. At short contexts the whole split is loaded during the matvec.
+    pdl_launch_next();
     constexpr int HD = 32 * ND;
+    constexpr int CH = ND >= 8 ? 4 : 8;  // positions per step, their K and V loads issued together
     __shared__ float sq[4][HD], sk[4][HD];
     __shared__ float2 scs[4][HD / 2];
     __shared__ int last;
@@ -310,16 +314,40 @@ __global__ void __launch_bounds__(128) attn_decode(
         }
     }
     if (split >= need) return;
-    if (warp < N * n_heads) {
-        const int r = warp / n_heads, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
+    const bool live = warp < N * n_heads;
+    const int r = live ? warp / n_heads : 0, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
+    const int p_now = pos[r], len = p_now + 1, sl = decode_split_len(len, n_splits);
+    const int t0 = split * sl, t1 = min(len, t0 + sl);
+    const bool has_new = t1 == len;  // this split ends at the new position
+    const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
+    const long long kv_dim = (long long)n_kv * HD;
+    const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
+    const u16* kb = kc + base;
+    const u16* vb = vc + base;
+    float kv[CH][ND], vv[CH][ND];
+    auto load_chunk = [&](int t) {
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const long long tj = min(t + j, tc - 1);  // past tc: a valid row, never used
+            load_h<ND>(kb + tj * kv_dim, kv[j]);
+            load_h<ND>(vb + tj * kv_dim, vv[j]);
+        }
+    };
+    float2* cs = scs[wib];
+    if (live && t0 < t1) {
+        if (t0 < tc) load_chunk(t0);
+        for (int p = lane; p < rope_dim / 2; p += 32) {
+            double sn, c;
+            sincos((double)p_now * freqs[p], &sn, &c);
+            cs[p] = make_float2((float)c, (float)sn);
+        }
+    }
+    pdl_wait();
+    if (live) {
         const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-        const int p_now = pos[r], len = p_now + 1, sl = decode_split_len(len, n_splits);
-        const int t0 = split * sl, t1 = min(len, t0 + sl);
         if (t0 >= t1) {
             if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
         } else {
-            const bool has_new = t1 == len;  // this split ends at the new position
-            // Every global load first (q; k and v of the new position), the angles while they fly.
             const float* qr = qkv + (long long)r * ld + (long long)h * HD + lane * ND;
             const float* kr = qkv + (long long)r * ld + (long long)(n_heads + kvh) * HD + lane * ND;
             const float* vr = v + (long long)r * ldv + (long long)kvh * HD + lane * ND;
@@ -330,19 +358,12 @@ __global__ void __launch_bounds__(128) attn_decode(
                 kx[i] = has_new ? kr[i] : 0.f;
                 vn[i] = has_new ? vr[i] : 0.f;
             }
-            float2* cs = scs[wib];
-            for (int p = lane; p < rope_dim / 2; p += 32) {
-                double sn, c;
-                sincos((double)p_now * freqs[p], &sn, &c);
-                cs[p] = make_float2((float)c, (float)sn);
-            }
 #pragma unroll
             for (int i = 0; i < ND; ++i) { sq[wib][lane * ND + i] = qx[i]; sk[wib][lane * ND + i] = kx[i]; }
             __syncwarp();
             float qv[ND], o[ND], kn[ND];
 #pragma unroll
             for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(sq[wib], cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
-            const long long kv_dim = (long long)n_kv * HD;
             if (has_new) {
                 const long long dst = ((long long)slot[r] * max_ctx + p_now) * kv_dim + kvh * HD + lane * ND;
 #pragma unroll
@@ -354,20 +375,7 @@ __global__ void __launch_bounds__(128) attn_decode(
                 }
             }
             float m = -INFINITY, l = 0.f;
-            const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
-            const u16* kb = kc + base;
-            const u16* vb = vc + base;
-            const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
-            // CH positions per step, their K and V loads all issued before any is used.
-            constexpr int CH = ND >= 8 ? 4 : 8;
-            for (int t = t0; t < tc; t += CH) {
-                float kv[CH][ND], vv[CH][ND];
-#pragma unroll
-                for (int j = 0; j < CH; ++j) {
-                    const long long tj = min(t + j, tc - 1);  // past tc: a valid row, never used
-                    load_h<ND>(kb + tj * kv_dim, kv[j]);
-                    load_h<ND>(vb + tj * kv_dim, vv[j]);
-                }
+            for (int t = t0; t < tc; t += CH) {  // chunk t is loaded (the first before the wait)
                 float sc[CH];
 #pragma unroll
                 for (int j = 0; j < CH; ++j) {
@@ -387,6 +395,7 @@ __global__ void __launch_bounds__(128) attn_decode(
                     }
                 }
                 m = mn;
+                if (t + CH < tc) load_chunk(t + CH);
             }
             if (has_new) {
                 float sn = 0.f;
@@ -418,21 +427,18 @@ __global__ void __launch_bounds__(128) attn_decode(
         }
     }
     __syncthreads();
-    if (!last) return;
-    if (warp >= N * n_heads) return;
-    const int r = warp / n_heads;
-    const int len = pos[r] + 1, sl = decode_split_len(len, n_splits);
+    if (!last || !live) return;
     const int active = (len + sl - 1) / sl;
-    const long long base = (long long)warp * n_splits;
+    const long long pbase = (long long)warp * n_splits;
     float w0, w1, L;
-    split_weights<true>(pm, pl, base, active, lane, w0, w1, L);
+    split_weights<true>(pm, pl, pbase, active, lane, w0, w1, L);
     float acc[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[i] = 0.f;
 #pragma unroll 4
     for (int sp = 0; sp < active; ++sp) {
         const float w = __shfl_sync(0xffffffffu, sp < 32 ? w0 : w1, sp & 31);
-        const float* os = po + (base + sp) * HD;
+        const float* os = po + (pbase + sp) * HD;
 #pragma unroll
         for (int i = 0; i < ND; ++i) acc[i] = fmaf(w, __ldcg(os + lane + 32 * i), acc[i]);
     }
