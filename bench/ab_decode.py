@@ -66,7 +66,7 @@ def main() -> int:
             synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
         model = GGUFModel(path)
         ops, weights = cuda.load(model)
-        kv = cuda.kv_cache(model.config, n_slots=8, max_ctx=1024)
+        kv = cuda.kv_cache(model.config, n_slots=a.batch + 2, max_ctx=1024)
         roofline = bw / os.path.getsize(path)
         times = {v[0]: [] for v in variants}
         for _ in range(a.rounds):

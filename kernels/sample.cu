@@ -29,3 +29,97 @@ __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ lo
         if (threadIdx.x == 0) out[blockIdx.x] = bi;
     }
 }
+
+// ---- the n most likely ids of each row, for sampling on the host from n values instead of V ----
+// top_rows: one 1024-thread block per row writes the n largest logits and their ids, in no
+// particular order (the host sorts n values), ties at the n-th value resolved to the lowest ids
+// (as sampler.candidates), and nan[r] = how many NaNs the row has (they are never chosen).
+// Radix select on order-preserving keys (larger float -> larger unsigned key): four passes of
+// 8 bits narrow down the n-th largest key T from shared-memory histograms; a last pass over the
+// row in id order writes every key > T and the first `need` keys == T. Rows are a few hundred
+// KB (L2-resident), so the five passes cost a few microseconds.
+
+__device__ __forceinline__ u32 order_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(1024) top_rows(const float* __restrict__ logits, int V, int n, int* __restrict__ ids,
+                                                 float* __restrict__ vals, int* __restrict__ nan) {
+    PDL_ENTRY
+    const float* l = logits + (long long)blockIdx.x * V;
+    __shared__ u32 hist[256];
+    __shared__ u32 s_prefix, s_need;
+    __shared__ int s_warp[32], s_pos, s_nan;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    u32 prefix = 0, mask = 0, need = (u32)n;  // need: how many keys matching prefix are still wanted
+    int nans = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        if (threadIdx.x < 256) hist[threadIdx.x] = 0;
+        if (threadIdx.x == 0) { s_prefix = prefix; s_need = need; s_pos = 0; s_nan = 0; }
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += 1024) {
+            const float f = l[i];
+            if (f != f) {
+                nans += shift == 24;
+                continue;
+            }
+            const u32 k = order_key(f);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (w == 0) {  // the digit where the count from the top reaches need; lane l has bins 8l..8l+7
+            u32 c[8], own = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { c[j] = hist[8 * lane + j]; own += c[j]; }
+            u32 ge = own;  // keys in the bins of lanes >= lane
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 t = __shfl_down_sync(0xffffffffu, ge, o);
+                if (lane + o < 32) ge += t;
+            }
+            u32 acc = ge - own;  // keys in higher lanes' bins
+            if (acc < need && ge >= need) {
+                for (int j = 7; j >= 0; --j) {
+                    if (acc + c[j] >= need) {
+                        s_prefix = prefix | ((u32)(8 * lane + j) << shift);
+                        s_need = need - acc;
+                        break;
+                    }
+                    acc += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        need = s_need;
+        mask |= 255u << shift;
+    }
+    // prefix = T, the n-th largest key; need = how many keys == T to take, lowest ids first
+    int taken_eq = 0;  // keys == T in the tiles before this one (the same in every thread)
+    for (int base = 0; base < V; base += 1024) {
+        const int i = base + threadIdx.x;
+        const float f = i < V ? l[i] : 0.f;
+        const bool ok = i < V && f == f;
+        const u32 k = ok ? order_key(f) : 0u;
+        const bool gt = ok && k > prefix, eq = ok && k == prefix;
+        const u32 eqm = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) s_warp[w] = __popc(eqm);
+        __syncthreads();
+        int before = taken_eq + __popc(eqm & ((1u << lane) - 1u)), total = 0;
+        for (int j = 0; j < 32; ++j) {
+            before += j < w ? s_warp[j] : 0;
+            total += s_warp[j];
+        }
+        if (gt || (eq && (u32)before < need)) {
+            const int p = atomicAdd(&s_pos, 1);
+            ids[(long long)blockIdx.x * n + p] = i;
+            vals[(long long)blockIdx.x * n + p] = f;
+        }
+        taken_eq += total;
+        __syncthreads();  // s_warp is rewritten by the next tile
+    }
+    if (nans) atomicAdd(&s_nan, nans);
+    __syncthreads();
+    if (threadIdx.x == 0) nan[blockIdx.x] = s_nan;
+}

@@ -64,7 +64,10 @@ def test_forward_matches_cpu(model):
     assert np.mean(agree) >= 0.99, f"top-1 agreement {np.mean(agree):.3f}"
 
 
-def test_captured_decode_matches_forward(model):
+@pytest.mark.parametrize("one_launch", (True, False), ids=("attn_decode", "three_kernels"))
+def test_captured_decode_matches_forward(model, one_launch, monkeypatch):
+    if not one_launch:  # rope_kv + attn_partial + attn_combine (the step's path when q and k are not one stack)
+        monkeypatch.setattr(cuda, "ATTN_ONE_LAUNCH_MAX_BUCKET", 0)
     cfg = model.config
     rng = np.random.default_rng()
     ops, w = cuda.load(model)
@@ -84,7 +87,7 @@ def test_captured_decode_matches_forward(model):
     # difference moves a rounding now and then, ~2e-5 of a matvec's output (measured on the H200),
     # ~1e-4 at the logits after a few layers; the int8 kernels' finer steps keep it below 1e-5.
     f16 = any(model.tensor(t.name).qtype in cuda.F16_MATVEC for t in model.reader.tensors)
-    # Buckets 8 and 4 (padded rows), then 1 and 2: the one-launch attention (attn_decode) and
+    # Buckets 8 and 4 (padded rows, 16 attention splits), then 1 and 2 (64 splits), captured with
     # programmatic dependent launch, against the eager step's three attention kernels.
     lives = ([0, 1, 2, 3, 4], [0, 2, 3], [0], [0, 2])
     for step in range(8):

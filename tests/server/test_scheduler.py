@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.sampler import SamplingParams, TopLogits
 from ntransformerd.server import errors
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
@@ -26,6 +26,7 @@ class FakeEngine:
         self.free = list(range(slots))
         self.delay = 0.0  # seconds per step
         self.steps: list[list[tuple[int, int]]] = []  # per step: (slot, n tokens)
+        self.tops: list[int | None] = []  # per step: how many most likely ids it was asked for
 
     @property
     def kv(self):
@@ -43,14 +44,15 @@ class FakeEngine:
     def length(self, slot):
         return self.lengths[slot]
 
-    def step(self, items):
+    def step(self, items, *, top=None):
         time.sleep(self.delay)
         self.steps.append([(s, len(t)) for s, t in items])
+        self.tops.append(top)
         out = np.zeros((len(items), self.cfg.vocab_size), np.float32)
         for row, (slot, tokens) in enumerate(items):
             self.lengths[slot] += len(tokens)
             out[row, 1000 + (tokens[-1] * 7) % 1000] = 1.0  # ids 1000..1999: no end-of-generation
-        return out
+        return out if top is None else TopLogits.of(out, top)
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +172,22 @@ def test_drain_refuses_new_work_and_cancels_what_does_not_finish(tokenizer):
     finally:
         s.stop()
     assert len(engine.free) == 2
+
+
+def test_steps_ask_for_the_most_likely_ids_their_samplers_need(tokenizer):
+    """A step asks the engine for each row's most likely ids alone (what a GPU step then picks on
+    the device) when every sampler drawing in it can do with them; penalties need whole rows."""
+    s, engine = make(tokenizer, max_batch=4)
+    n_eog = len(tokenizer.eog_ids)  # banned with ignore_eos: the sampler skips them
+    a = s.schedule([5, 6], GREEDY, max_tokens=3)
+    iterate(s)
+    assert engine.tops[-1] == 1 + n_eog
+    s.schedule([7], SamplingParams(seed=1, ignore_eos=True), max_tokens=3)  # top_k 40
+    iterate(s)
+    assert engine.tops[-1] == 40 + n_eog
+    s.schedule([8], SamplingParams(repetition_penalty=1.2, seed=2), max_tokens=3)
+    iterate(s)
+    assert engine.tops[-1] is None
+    for _ in range(4):
+        iterate(s)
+    assert a.generated == 3 and a.state != "decode"

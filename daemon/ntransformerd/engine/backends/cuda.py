@@ -88,9 +88,12 @@ if os.environ.get("NTX_MVQ_MIN_BLOCKS"):
 # row groups (no tail wave, no block start per group); 0: a block per group (kernels/quant.cu).
 MVQ_PERSISTENT = os.environ.get("NTX_MVQ_PERSISTENT", "1") != "0"
 # Up to this batch bucket the decode step's attention is one launch (attn_decode) instead of
-# rope_kv + attn_partial + attn_combine: at 16 rows the three kernels were faster (Q4_K_M step
-# 4.71 vs 4.87 ms; at 1 row 2.46 vs 2.42, H200, same run). NTX_ATTN_ONE_LAUNCH=0: never (benchmarks).
-ATTN_ONE_LAUNCH_MAX_BUCKET = 2 if os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0" else 0
+# rope_kv + attn_partial + attn_combine. Round 7 (H200, same run, with PDL in every bucket and 16
+# splits from bucket 4, cuda_decode.py): the one launch is faster at every batch size: B=4 Q4_K_M
+# step 3.379 -> 3.137 ms, B=8 3.644 -> 3.437, B=16 4.556 -> 4.397 (the three kernels with 16
+# splits). Before attn_decode loaded the cache ahead of pdl_wait and before fewer splits, the
+# three kernels were faster at 16 rows. NTX_ATTN_ONE_LAUNCH=0: never (benchmarks).
+ATTN_ONE_LAUNCH_MAX_BUCKET = 32 if os.environ.get("NTX_ATTN_ONE_LAUNCH", "1") != "0" else 0
 PRELUDE = {"quant": ("quant_act.cuh",), "norm": ("quant_act.cuh",), "activation": ("quant_act.cuh",),
            "attention": ("quant_act.cuh",)}  # headers prepended to a family's .cu, after common.cuh
 
@@ -633,6 +636,19 @@ def argmax(logits, *, out=None):
     return out
 
 
+def top_rows(logits, n: int, *, stream=None):
+    """The n largest logits of each row (B, V) and their ids, ties at the n-th resolved to the
+    lowest ids, and each row's NaN count (kernels/sample.cu): host arrays (ids, vals, nan), the
+    ids of a row in no particular order (sampler.TopLogits sorts them)."""
+    _check(logits, cp.float32, 2, "top_rows logits")
+    b, v = logits.shape
+    if not 1 <= n <= v:
+        raise ValueError(f"top_rows: n {n} for rows of {v}")
+    ids, vals, nan = cp.empty((b, n), cp.int32), cp.empty((b, n), cp.float32), cp.empty((b,), cp.int32)
+    kernel("sample", "top_rows")((b,), (1024,), (logits, np.int32(v), np.int32(n), ids, vals, nan))
+    return ids.get(stream=stream), vals.get(stream=stream), nan.get(stream=stream)
+
+
 ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances
 
 
@@ -886,8 +902,8 @@ def kernel_names() -> list[tuple[str, str]]:
             names += [("quant", f"{n}<{r},{b},{ks},{MVQ_MIN_BLOCKS[t] if b == 1 else 1}>")
                       for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
-    names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"), ("sample", "argmax_rows"),
-              ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
+    names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"),
+              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
     names += [("attention", f"{k}<{nd}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")]
     names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
     return names

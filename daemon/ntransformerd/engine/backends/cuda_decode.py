@@ -20,12 +20,20 @@ import numpy as np
 
 from ntransformerd.engine.backends import cuda as K
 from ntransformerd.engine.backends.cuda import cp
+from ntransformerd.engine.sampler import TopLogits
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
-# Programmatic dependent launch pays where kernels are short and memory-bound (the dp4a matvecs
-# of 1-2 rows: 8B Q8_0 286 → 300 tok/s at batch 1) and cost 16% at batch 16, where the next
-# kernel's waiting blocks share the SMs with the tensor-core matvecs (H200, 2026-11-29).
-PDL_MAX_BUCKET = 2
+# Programmatic dependent launch in every bucket (it lets each kernel start while the one before
+# drains, and attn_decode load the cache then). H200, 8B, same run (bench/ab_decode.py, round 7):
+# at 1 row it gave 286 -> 300 tok/s (Q8_0, round 3); at 4, 8 and 16 rows, once the tensor-core
+# matvecs had replaced the kernels it once slowed by 16%, the step 3.7-4.5% (B=4, 8) and 1.7-2.6%
+# (B=16) faster. PDL_MAX_BUCKET = 2 brings back plain launches from bucket 4.
+PDL_MAX_BUCKET = 32
+# Attention splits per (row, head) from bucket 4 (DecodeGraphs.n_splits): attn_decode's grid is
+# sized for the longest context, so with many rows fewer splits waste fewer blocks. With
+# attn_decode for every bucket (cuda.ATTN_ONE_LAUNCH_MAX_BUCKET) and PDL, same run: B=16 step
+# Q4_K_M 4.622 -> 4.397 ms with 16 splits (4.557 with 32), Q8_0 5.600 -> 5.327.
+BATCHED_SPLITS = 16
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +56,7 @@ class DecodeGraphs:
         self.pdl = os.environ.get("NTX_PDL", "1") != "0" if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         c = self.cfg
-        self.n_splits = min(64, kv.max_ctx)  # attention splits per (row, head); see kernels/attention.cu
+        self.max_ctx = kv.max_ctx
         self._bufs: dict[int, _Bufs] = {}
         self._graphs: dict[int, object] = {}
         # Per layer, where q, k, v and gate, up land: (stack, piece index, first column) per name.
@@ -57,6 +65,11 @@ class DecodeGraphs:
         self._cols = [self._layout(ly) for ly in shapes]
         self._pieces = sorted({(s, j, t.shape[0]) for ly in shapes
                                for s in ("qkv", "gate_up") for j, t in enumerate(getattr(ly, s))})
+
+    def n_splits(self, bk: int) -> int:
+        """Attention splits per (row, head) of a bucket's step (kernels/attention.cu): the grid
+        is sized for the longest context, so a bucket of many rows takes fewer."""
+        return min(64 if bk <= 2 else BATCHED_SPLITS, self.max_ctx)
 
     @staticmethod
     def _layout(ly) -> dict:
@@ -80,7 +93,8 @@ class DecodeGraphs:
         b.piece = {key: cp.empty((bk, key[2]), f32) for key in self._pieces}  # matvec outputs
         b.att = cp.empty((bk, c.q_dim), f32)
         b.act = cp.empty((bk, c.d_ff), f32)
-        b.scratch = K.attention_scratch(bk, c, self.n_splits, counters=True)
+        b.n_splits = self.n_splits(bk)
+        b.scratch = K.attention_scratch(bk, c, b.n_splits, counters=True)
         qact = lambda k: K.QAct(bk, k) if k % 32 == 0 else None  # noqa: E731
         b.hq, b.attq, b.actq = qact(c.d_model), qact(c.q_dim), qact(c.d_ff)  # quantized h, att, act
         b.logits = cp.empty((bk, c.vocab_size), f32)
@@ -111,7 +125,7 @@ class DecodeGraphs:
             attq = b.attq if K.reads_qact([ly.attn_output], bk) else None  # attention writes it quantized too
             fused = cq[:2] == ck[:2] and ck[3] == cq[3] + c.q_dim  # k right after q
             if fused and bk <= K.ATTN_ONE_LAUNCH_MAX_BUCKET:  # RoPE, append, attention: one launch
-                K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=self.n_splits,
+                K.attention_decode_(q, v, self.kv.layer(i), slot, pos, self.ops.freqs, c, n=bk, n_splits=b.n_splits,
                                     ld=ldq, ldv=ldv, out=b.att, scratch=b.scratch, q_out=attq)
             else:
                 if fused:  # RoPE + append in one launch
@@ -119,7 +133,7 @@ class DecodeGraphs:
                 else:
                     K.rope_(q, pos, self.ops.freqs, c, c.n_heads, n=bk, ld=ldq)
                     K.rope_(k, pos, self.ops.freqs, c, c.n_kv_heads, n=bk, ld=ldk)
-                K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=self.n_splits, ldq=ldq, ldk=ldk,
+                K.attention_(q, k, v, self.kv.layer(i), slot, pos, c, n=bk, n_splits=b.n_splits, ldq=ldq, ldk=ldk,
                              ldv=ldv, out=b.att, scratch=b.scratch, append=not fused, q_out=attq)
             K.matvec(b.att, ly.attn_output, out=b.x, res=b.x, xq=attq)  # x += attn @ Wo.T
             hq = b.hq if K.reads_qact(ly.gate_up, bk) else None
@@ -206,6 +220,14 @@ class DecodeGraphs:
         """One decode step; the greedy next token of each sequence (int32, host)."""
         b, n = self.launch(slots, tokens)
         return b.ids[:n].get(stream=self.stream)
+
+    def top(self, slots, tokens, n: int) -> TopLogits:
+        """One decode step; each row's n most likely ids and their logits: a few hundred bytes
+        to the host instead of the (B, V) logits, for the host's sampler (Sampler.need)."""
+        b, m = self.launch(slots, tokens)
+        with self.stream:
+            ids, vals, nan = K.top_rows(b.logits[:m], n, stream=self.stream)
+        return TopLogits(ids, vals, nan)
 
     def logits(self, slots, tokens):
         """One decode step; the logits (B, V) as a device array."""
