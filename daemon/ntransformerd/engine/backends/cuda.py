@@ -639,14 +639,15 @@ def argmax(logits, *, out=None):
 def top_rows(logits, n: int, *, stream=None):
     """The n largest logits of each row (B, V) and their ids, ties at the n-th resolved to the
     lowest ids, and each row's NaN count (kernels/sample.cu): host arrays (ids, vals, nan), the
-    ids of a row in no particular order (sampler.TopLogits sorts them)."""
+    ids of a row in no particular order (sampler.TopLogits sorts them). One copy to the host."""
     _check(logits, cp.float32, 2, "top_rows logits")
     b, v = logits.shape
     if not 1 <= n <= v:
         raise ValueError(f"top_rows: n {n} for rows of {v}")
-    ids, vals, nan = cp.empty((b, n), cp.int32), cp.empty((b, n), cp.float32), cp.empty((b,), cp.int32)
-    kernel("sample", "top_rows")((b,), (1024,), (logits, np.int32(v), np.int32(n), ids, vals, nan))
-    return ids.get(stream=stream), vals.get(stream=stream), nan.get(stream=stream)
+    res = cp.empty((b, 2 * n + 1), cp.int32)
+    kernel("sample", "top_rows")((b,), (1024,), (logits, np.int32(v), np.int32(n), res))
+    h = res.get(stream=stream)
+    return h[:, :n], h[:, n:2 * n].view(np.float32), h[:, 2 * n]
 
 
 ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances

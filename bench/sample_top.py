@@ -1,0 +1,119 @@
+"""What sampling costs a decode step on the GPU: the top_rows kernel (a row's n most likely ids,
+kernels/sample.cu) against argmax_rows, the host's part of a draw from n ids against one from a
+whole row, and a batch-1 step of an 8B file as greedy / device top ids / whole rows to the host.
+
+    python bench/sample_top.py --dir /tmp/ntx --json sample.json [--code DIR]
+
+Kernel times: CUDA events around 200 launches, per launch. Step rates: 64 steps after 4 of
+warm-up, each with its sampling (SamplingParams defaults: top-k 40, top-p 0.95, min-p 0.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/ntx", help="synthetic 8B files (made here if missing)")
+    ap.add_argument("--type", default="q4_k_m")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--code", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir),
+                    help="the checkout whose daemon/ is imported (default: this one)")
+    ap.add_argument("--json", default="sample.json")
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.abspath(a.code), "daemon"))
+
+    import cupy as cp
+    import numpy as np
+    from ntransformerd.engine.backends import cuda
+    from ntransformerd.engine.backends.cuda_decode import DecodeGraphs
+    from ntransformerd.engine.gguf_file import GGUFModel
+    from ntransformerd.engine.sampler import Sampler, SamplingParams, TopLogits
+    from ntransformerd.engine.synth import synthesize
+
+    out = {"code": os.path.abspath(a.code), "kernels": [], "host": {}, "steps": {}}
+    with open(os.path.join(os.path.abspath(a.code), "kernels", "sample.cu")) as f:
+        packed = "int* __restrict__ res)" in f.read()
+    rng = np.random.default_rng(0)
+
+    def gpu_us(fn, reps=200):
+        fn()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
+    for v in (49152, 128256):
+        for b in (1, 16):
+            x = cp.asarray((rng.standard_normal((b, v)) * 3).astype(np.float32))
+            ids = cp.empty((b,), cp.int32)
+            k = {"V": v, "B": b, "argmax_us": gpu_us(lambda: cuda.argmax(x, out=ids))}
+            fn = cuda.kernel("sample", "top_rows")
+            if packed:  # one result buffer (n ids, n logits, NaN count per row)
+                res = (cp.empty((b, 81), cp.int32),)
+            else:  # the first version's three outputs
+                res = (cp.empty((b, 40), cp.int32), cp.empty((b, 40), cp.float32), cp.empty((b,), cp.int32))
+            k["top40_us"] = gpu_us(lambda: fn((b,), (1024,), (x, np.int32(v), np.int32(40), *res)))
+            t0 = time.perf_counter()
+            for _ in range(50):
+                cuda.top_rows(x, 40)
+            k["top_rows_call_us"] = (time.perf_counter() - t0) / 50 * 1e6  # launch + copy to the host
+            out["kernels"].append(k)
+            print(f"V={v} B={b}: argmax {k['argmax_us']:.1f} us, top_rows(40) {k['top40_us']:.1f} us on the device, "
+                  f"{k['top_rows_call_us']:.1f} us a call with its copy", flush=True)
+
+    v = 49152
+    xh = (rng.standard_normal((1, v)) * 3).astype(np.float32)
+    s = Sampler(SamplingParams(seed=0), v)
+    top = TopLogits.of(xh, 40)
+    t0 = time.perf_counter()
+    for _ in range(500):
+        s.sample(TopLogits(top.ids, top.vals, top.nan)[0])
+    t1 = time.perf_counter()
+    for _ in range(50):
+        s.sample(xh[0])
+    t2 = time.perf_counter()
+    out["host"] = {"top40_draw_us": (t1 - t0) / 500 * 1e6, "whole_row_draw_us": (t2 - t1) / 50 * 1e6}
+    print(f"host: a draw from 40 ids {out['host']['top40_draw_us']:.1f} us, from a whole row of {v} "
+          f"{out['host']['whole_row_draw_us']:.1f} us", flush=True)
+
+    path = os.path.join(a.dir, f"llama3-8b-{a.type}.gguf")
+    os.makedirs(a.dir, exist_ok=True)
+    if not os.path.exists(path):
+        synthesize(path, shape="llama3-8b", ftype=a.type, seed=0)
+    model = GGUFModel(path)
+    ops, weights = cuda.load(model)
+    kv = cuda.kv_cache(model.config, n_slots=4, max_ctx=1024)
+    dec = DecodeGraphs(ops, weights, kv)
+    for name in ("greedy", "device_top", "host_rows"):
+        sampler = Sampler(SamplingParams(seed=0), model.config.vocab_size)
+        slot = kv.alloc()
+        tok, t0 = 100, 0.0
+        for i in range(4 + a.steps):
+            if i == 4:
+                t0 = time.perf_counter()
+            if name == "greedy":
+                tok = int(dec.step([slot], [tok])[0])
+            elif name == "device_top":
+                tok = sampler.sample(dec.top([slot], [tok], sampler.need())[0])
+            else:
+                tok = sampler.sample(dec.logits([slot], [tok])[0].get())
+        out["steps"][name] = a.steps / (time.perf_counter() - t0)
+        kv.free(slot)
+    print(f"{a.type} B=1: greedy {out['steps']['greedy']:.1f} tok/s, sampled with the device's top ids "
+          f"{out['steps']['device_top']:.1f}, with whole rows to the host {out['steps']['host_rows']:.1f}", flush=True)
+    with open(a.json, "w") as fh:
+        json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
