@@ -636,15 +636,19 @@ def argmax(logits, *, out=None):
     return out
 
 
-def top_rows(logits, n: int, *, stream=None):
+def top_rows(logits, n: int, *, stream=None, out=None):
     """The n largest logits of each row (B, V) and their ids, ties at the n-th resolved to the
     lowest ids, and each row's NaN count (kernels/sample.cu): host arrays (ids, vals, nan), the
-    ids of a row in no particular order (sampler.TopLogits sorts them). One copy to the host."""
+    ids of a row in no particular order (sampler.TopLogits sorts them). One copy to the host;
+    out: the device buffer for it, int32 (B, 2n + 1)."""
     _check(logits, cp.float32, 2, "top_rows logits")
     b, v = logits.shape
     if not 1 <= n <= v:
         raise ValueError(f"top_rows: n {n} for rows of {v}")
-    res = cp.empty((b, 2 * n + 1), cp.int32)
+    res = cp.empty((b, 2 * n + 1), cp.int32) if out is None else out
+    _check(res, cp.int32, 2, "top_rows out")
+    if res.shape != (b, 2 * n + 1):
+        raise ValueError(f"top_rows: out {res.shape}, expected {(b, 2 * n + 1)}")
     kernel("sample", "top_rows")((b,), (1024,), (logits, np.int32(v), np.int32(n), res))
     h = res.get(stream=stream)
     return h[:, :n], h[:, n:2 * n].view(np.float32), h[:, 2 * n]
