@@ -72,12 +72,14 @@ def test_real_slice_greedy_identical():
 @pytest.mark.parametrize("n", (1, 3, 40, 256))
 def test_top_rows_kernel_matches_host(v, n):
     """kernels/sample.cu top_rows against sampler.TopLogits.of: the same ids and logits, ties at
-    the n-th resolved to the lowest ids, NaNs counted and never chosen; output poisoned first."""
+    the n-th resolved to the lowest ids (rows 1-5, coarse values; row 0 has none), NaNs counted and
+    never chosen; output poisoned first."""
     from ntransformerd.engine.backends import cuda
     from ntransformerd.engine.sampler import TopLogits
     n = min(n, v)
     rng = np.random.default_rng()
-    x = np.round(rng.standard_normal((6, v)) * 2, 1).astype(np.float32)  # coarse: many ties
+    x = np.round(rng.standard_normal((6, v)) * 2, 1).astype(np.float32)  # coarse: ties at the n-th
+    x[0] = rng.standard_normal(v) * 2  # distinct: no tie at the n-th (the kernel's unordered last pass)
     x[1, rng.integers(0, v, max(1, v // 4))] = -np.inf
     x[2, rng.integers(0, v, 3)] = np.nan
     x[3] = 0.5  # all tied
