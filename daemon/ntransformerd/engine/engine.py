@@ -4,6 +4,7 @@
     slot = engine.open()                         # a KV-cache slot for one sequence
     logits = engine.prefill(slot, prompt_ids)    # (V,), chunked
     logits = engine.step([(slot, [tok]), ...])   # (B, V): one batched decode step
+    top = engine.step([(slot, [tok])], top=40)   # sampler.TopLogits: each row's 40 most likely ids
     engine.close(slot)
 
 `step` takes any mix of segments (decode tokens and prefill chunks of several sequences); each

@@ -8,7 +8,8 @@ Differences from model.forward, all load-time or buffer-level: q/k/v and gate/up
 type are stacked and multiplied once; the residual adds are the matvec epilogue (x += W a);
 rows of a bucket beyond the live batch run on the cache's scratch slot; RMSNorm, attention and
 SwiGLU also write their output quantized (QAct) for the int8 matvecs; RoPE of q and k and the
-cache append are one launch when k follows q in the stack.
+cache append are one launch when k follows q in the stack. A sampled step (`top`) copies back
+each row's n most likely ids and logits (cuda.top_rows) instead of the ids or the whole logits.
 """
 
 from __future__ import annotations
