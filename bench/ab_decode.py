@@ -41,8 +41,7 @@ def main() -> int:
     import numpy as np
     from ntransformerd.engine.backends import cuda, cuda_decode
     from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.synth import synthesize
-    from resident import copy_bandwidth, device_step_s
+    from resident import copy_bandwidth, device_step_s, synthetic_8b
 
     modules = {"cuda": cuda, "cuda_decode": cuda_decode}
 
@@ -59,11 +58,8 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"code {os.path.abspath(a.code)}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
     out = {"code": os.path.abspath(a.code), "copy_bw_Bps": bw, "batch": a.batch, "files": []}
-    os.makedirs(a.dir, exist_ok=True)
     for ftype in a.types:
-        path = os.path.join(a.dir, f"llama3-8b-{ftype}.gguf")
-        if not os.path.exists(path):
-            synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
+        path = synthetic_8b(a.dir, ftype)
         model = GGUFModel(path)
         ops, weights = cuda.load(model)
         kv = cuda.kv_cache(model.config, n_slots=a.batch + 2, max_ctx=1024)

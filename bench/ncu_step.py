@@ -21,7 +21,9 @@ import cupy as cp  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
 from ntransformerd.engine.backends.cuda_decode import BUCKETS, DecodeGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from resident import synthetic_8b  # noqa: E402
 
 
 def main() -> int:
@@ -30,10 +32,7 @@ def main() -> int:
     ap.add_argument("--type", default="q4_k_m")
     ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
-    os.makedirs(a.dir, exist_ok=True)
-    path = os.path.join(a.dir, f"llama3-8b-{a.type}.gguf")
-    if not os.path.exists(path):
-        synthesize(path, shape="llama3-8b", ftype=a.type, seed=0)
+    path = synthetic_8b(a.dir, a.type)
     model = GGUFModel(path)
     ops, weights = cuda.load(model)
     kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=1024)

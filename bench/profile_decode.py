@@ -28,10 +28,9 @@ import cupy as cp  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
 from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from resident import copy_bandwidth, device_step_s  # noqa: E402
+from resident import copy_bandwidth, device_step_s, synthetic_8b  # noqa: E402
 
 SPIN = cp.RawKernel(r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -182,10 +181,7 @@ def main() -> int:
     rec.install()
     out = {"copy_bw_Bps": bw, "files": []}
     for ftype in a.types:
-        path = os.path.join(a.dir, f"llama3-8b-{ftype}.gguf")
-        if not os.path.exists(path):
-            synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
-        model = GGUFModel(path)
+        model = GGUFModel(synthetic_8b(a.dir, ftype))
         ops, weights = cuda.load(model)
         kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=a.max_ctx)
         dec = DecodeGraphs(ops, weights, kv)

@@ -88,12 +88,22 @@ def decode_rates(dec: DecodeGraphs, kv, batch: int, steps: int) -> dict:
             "tok_s": batch / wall, "python_overhead_frac": max(0.0, 1 - dev / wall)}
 
 
-def sampled_rates(dec: DecodeGraphs, kv, cfg, steps: int) -> dict:
-    """Batch-1 decode with llama.cpp's default sampling (top-k 40, top-p 0.95, min-p 0.05,
-    temperature 0.8) as the daemon runs it: the step's 40 most likely ids picked on the device
-    (DecodeGraphs.top), against the whole row of logits copied to the host and sampled there."""
+def synthetic_8b(directory: str, ftype: str) -> str:
+    """The Llama-3-8B-shaped file of this type with random weights in directory, made if missing."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"llama3-8b-{ftype}.gguf")
+    if not os.path.exists(path):
+        synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
+    return path
+
+
+def sampled_rates(dec: DecodeGraphs, kv, cfg, steps: int, modes=("device_top", "host_rows")) -> dict:
+    """Batch-1 decode tok/s with llama.cpp's default sampling (top-k 40, top-p 0.95, min-p 0.05,
+    temperature 0.8) as the daemon runs it: "device_top", the step's 40 most likely ids picked on
+    the device (DecodeGraphs.top); "host_rows", the whole row of logits copied to the host and
+    sampled there; "greedy", the step's argmax alone (DecodeGraphs.step), for scale."""
     out = {}
-    for name in ("device_top", "host_rows"):
+    for name in modes:
         sampler = Sampler(SamplingParams(seed=0), cfg.vocab_size)
         slot = kv.alloc()
         try:
@@ -102,7 +112,9 @@ def sampled_rates(dec: DecodeGraphs, kv, cfg, steps: int) -> dict:
             for i in range(4 + steps):  # capture + warm-up, then timed
                 if i == 4:
                     t0 = time.perf_counter()
-                if name == "device_top":
+                if name == "greedy":
+                    tok = int(dec.step([slot], [tok])[0])
+                elif name == "device_top":
                     tok = sampler.sample(dec.top([slot], [tok], sampler.need())[0])
                 else:
                     tok = sampler.sample(dec.logits([slot], [tok])[0].get())
@@ -173,10 +185,8 @@ def main() -> int:
     bw = res["copy_bw_Bps"]
     print(f"device {res['device']}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     for ftype in a.types:
-        path = os.path.join(a.dir, f"llama3-8b-{ftype}.gguf")
         t0 = time.perf_counter()
-        if not os.path.exists(path):
-            synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
+        path = synthetic_8b(a.dir, ftype)
         t_syn = time.perf_counter() - t0
         model = GGUFModel(path)
         cfg = model.config

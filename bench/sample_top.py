@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--json", default="sample.json")
     a = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(a.code), "daemon"))
+    sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
     import cupy as cp
     import numpy as np
@@ -34,11 +35,9 @@ def main() -> int:
     from ntransformerd.engine.backends.cuda_decode import DecodeGraphs
     from ntransformerd.engine.gguf_file import GGUFModel
     from ntransformerd.engine.sampler import Sampler, SamplingParams, TopLogits
-    from ntransformerd.engine.synth import synthesize
+    from resident import sampled_rates, synthetic_8b
 
     out = {"code": os.path.abspath(a.code), "kernels": [], "host": {}, "steps": {}}
-    with open(os.path.join(os.path.abspath(a.code), "kernels", "sample.cu")) as f:
-        packed = "int* __restrict__ res)" in f.read()
     rng = np.random.default_rng(0)
 
     def gpu_us(fn, reps=200):
@@ -57,11 +56,8 @@ def main() -> int:
             ids = cp.empty((b,), cp.int32)
             k = {"V": v, "B": b, "argmax_us": gpu_us(lambda: cuda.argmax(x, out=ids))}
             fn = cuda.kernel("sample", "top_rows")
-            if packed:  # one result buffer (n ids, n logits, NaN count per row)
-                res = (cp.empty((b, 81), cp.int32),)
-            else:  # the first version's three outputs
-                res = (cp.empty((b, 40), cp.int32), cp.empty((b, 40), cp.float32), cp.empty((b,), cp.int32))
-            k["top40_us"] = gpu_us(lambda: fn((b,), (1024,), (x, np.int32(v), np.int32(40), *res)))
+            res = cp.empty((b, 81), cp.int32)  # per row: 40 ids, 40 logits, the NaN count
+            k["top40_us"] = gpu_us(lambda: fn((b,), (1024,), (x, np.int32(v), np.int32(40), res)))
             t0 = time.perf_counter()
             for _ in range(50):
                 cuda.top_rows(x, 40)
@@ -85,29 +81,11 @@ def main() -> int:
     print(f"host: a draw from 40 ids {out['host']['top40_draw_us']:.1f} us, from a whole row of {v} "
           f"{out['host']['whole_row_draw_us']:.1f} us", flush=True)
 
-    path = os.path.join(a.dir, f"llama3-8b-{a.type}.gguf")
-    os.makedirs(a.dir, exist_ok=True)
-    if not os.path.exists(path):
-        synthesize(path, shape="llama3-8b", ftype=a.type, seed=0)
-    model = GGUFModel(path)
+    model = GGUFModel(synthetic_8b(a.dir, a.type))
     ops, weights = cuda.load(model)
     kv = cuda.kv_cache(model.config, n_slots=4, max_ctx=1024)
     dec = DecodeGraphs(ops, weights, kv)
-    for name in ("greedy", "device_top", "host_rows"):
-        sampler = Sampler(SamplingParams(seed=0), model.config.vocab_size)
-        slot = kv.alloc()
-        tok, t0 = 100, 0.0
-        for i in range(4 + a.steps):
-            if i == 4:
-                t0 = time.perf_counter()
-            if name == "greedy":
-                tok = int(dec.step([slot], [tok])[0])
-            elif name == "device_top":
-                tok = sampler.sample(dec.top([slot], [tok], sampler.need())[0])
-            else:
-                tok = sampler.sample(dec.logits([slot], [tok])[0].get())
-        out["steps"][name] = a.steps / (time.perf_counter() - t0)
-        kv.free(slot)
+    out["steps"] = sampled_rates(dec, kv, model.config, a.steps, modes=("greedy", "device_top", "host_rows"))
     print(f"{a.type} B=1: greedy {out['steps']['greedy']:.1f} tok/s, sampled with the device's top ids "
           f"{out['steps']['device_top']:.1f}, with whole rows to the host {out['steps']['host_rows']:.1f}", flush=True)
     with open(a.json, "w") as fh:

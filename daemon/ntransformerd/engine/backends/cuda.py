@@ -908,7 +908,8 @@ def kernel_names() -> list[tuple[str, str]]:
                       for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"),
-              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append"), ("attention", "rope_kv"), ("attention", "attn_combine")]
+              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append"),
+              ("attention", "rope_kv"), ("attention", "attn_combine")]
     names += [("attention", f"{k}<{nd}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")]
     names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
     return names

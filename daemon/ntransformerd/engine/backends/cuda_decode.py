@@ -57,7 +57,6 @@ class DecodeGraphs:
         self.pdl = os.environ.get("NTX_PDL", "1") != "0" if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         c = self.cfg
-        self.max_ctx = kv.max_ctx
         self._bufs: dict[int, _Bufs] = {}
         self._graphs: dict[int, object] = {}
         # Per layer, where q, k, v and gate, up land: (stack, piece index, first column) per name.
@@ -70,7 +69,7 @@ class DecodeGraphs:
     def n_splits(self, bk: int) -> int:
         """Attention splits per (row, head) of a bucket's step (kernels/attention.cu): the grid
         is sized for the longest context, so a bucket of many rows takes fewer."""
-        return min(64 if bk <= 2 else BATCHED_SPLITS, self.max_ctx)
+        return min(64 if bk <= 2 else BATCHED_SPLITS, self.kv.max_ctx)
 
     @staticmethod
     def _layout(ly) -> dict:
