@@ -157,11 +157,13 @@ class Engine:
     # ---- compute --------------------------------------------------------------------------
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
-             top: int | None = None):
+             top: int | None = None, layers: Sequence[int] | None = None):
         """Append tokens to sequences and run them as one batch.
 
         items: (slot, new token ids) per sequence. Returns float32 logits (len(items), V) for
-        each item's last token, or (total tokens, V) with all_logits. With top (≥ 1, at most V),
+        each item's last token, or (total tokens, V) with all_logits. layers: the layers to run
+        (model.forward; default all), e.g. a self-draft's prefix or the model minus skipped layers.
+        With top (≥ 1, at most V),
         a sampler.TopLogits instead: each item's `top` most likely ids and their logits (what a
         Sampler whose need() is at most `top` samples from); a GPU decode step then picks them on
         the device and copies those alone.
@@ -179,24 +181,26 @@ class Engine:
             if start + tokens.size > self.max_ctx:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
-        if self._decoder is not None and not all_logits and all(len(s.tokens) == 1 for s in segments):
+        if (self._decoder is not None and layers is None and not all_logits
+                and all(len(s.tokens) == 1 for s in segments)):
             slots, toks = [s.slot for s in segments], [int(s.tokens[0]) for s in segments]
             if top is not None:
                 logits = self._decoder.top(slots, toks, top)
             else:
                 logits = self.ops.to_host(self._decoder.logits(slots, toks))
         else:
-            logits = self._forward(Batch.of(segments), all_logits)
+            logits = self._forward(Batch.of(segments), all_logits, layers)
             if top is not None:
                 logits = TopLogits.of(logits, top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
 
-    def _forward(self, batch: Batch, all_logits: bool) -> np.ndarray:
+    def _forward(self, batch: Batch, all_logits: bool, layers=None) -> np.ndarray:
         """The model on one batch; host logits. (The multi-device pipeline overrides this.)"""
         with self.ops.step_context(batch):
-            logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, all_logits=all_logits)
+            logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, layers=layers,
+                                   all_logits=all_logits)
         return self.ops.to_host(logits)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:

@@ -52,11 +52,15 @@ class Batch:
         return self.offsets[1:] - 1  # (S,)
 
 
-def forward(ops, cfg: LlamaConfig, weights, kv, batch: Batch, *, all_logits: bool = False):
-    """Run one step; return logits (S, V) for each segment's last token, or (N, V) for all."""
+def forward(ops, cfg: LlamaConfig, weights, kv, batch: Batch, *, layers=None, all_logits: bool = False):
+    """Run one step; return logits (S, V) for each segment's last token, or (N, V) for all.
+
+    layers: the layers to run, in order (default all): a prefix is a self-draft, the plan minus
+    skipped layers a skip; a layer not run leaves its hidden state and its KV cache untouched.
+    """
     x = ops.embed(weights, batch.tokens)  # (N, D)
     rope = ops.rope_table(batch.positions)
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_layers) if layers is None else layers:
         w = weights.acquire(i)
         x = block(ops, cfg, x, w, kv.layer(i), batch, rope)
         weights.release(i)

@@ -542,7 +542,7 @@ def pipeline_engine(engine, mp: MultiPlan, *, sources=None, poison: bool = False
     from ntransformerd.engine.kv_cache import SlotTable
 
     class PipelineEngine(Engine):
-        def _forward(self, batch, all_logits: bool):
+        def _forward(self, batch, all_logits: bool, layers=None):
             with contextlib.ExitStack() as stack:
                 for st in self.pipeline.stages:
                     stack.enter_context(st.ops.step_context(batch))
