@@ -1,9 +1,11 @@
-"""Client and AsyncClient for ntransformerd, over its unix socket.
+"""Client and AsyncClient for ntransformerd, over its unix socket or on TCP with TLS.
 
     from ntx_client import Client
     with Client() as c:                               # socket: NTX_SOCKET or /run/ntransformer/…
         for chunk in c.generate("The capital of France is", max_tokens=16):
             print(chunk.text, end="", flush=True)
+
+    Client(targets=["gpu1:7443", "gpu2:7443"], tls=TLS(ca=…, cert=…, key=…))   # several hosts
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from ntx_client import paths
+from ntx_client import channels, paths
 from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 from ntx_client.errors import NtxError, connection_error, from_rpc_error
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos"}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "frequency_penalty", "presence_penalty", "seed")
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
 @dataclasses.dataclass
@@ -118,13 +119,28 @@ class _Channel:
         self._channel.close()
 
 
-class Client(_Channel):
-    """Blocking client. Methods raise ntx_client.NtxError with a message naming cause and fix."""
+def _targets(socket: str | None, targets: Sequence[str] | None) -> tuple[list[str], str]:
+    """(targets, what errors call them): `targets` if given, else the one unix socket."""
+    if targets:
+        if socket:
+            raise ValueError("give a socket or targets, not both")
+        return list(targets), channels.describe(targets)
+    path = paths.socket_path(socket)
+    return [path], path
 
-    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
-        self.socket = paths.socket_path(socket)
+
+class Client(_Channel):
+    """Blocking client. Methods raise ntx_client.NtxError with a message naming cause and fix.
+
+    `socket`: the daemon's unix socket (default $NTX_SOCKET, then the system one). `targets`:
+    instead, socket paths or host:port of one or more daemons (see ntx_client.channels); TCP
+    needs `tls`."""
+
+    def __init__(self, socket: str | None = None, *, targets: Sequence[str] | None = None,
+                 tls: channels.TLS | None = None, timeout: float | None = None):
+        self.targets, self.socket = _targets(socket, targets)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
+        self._channel = channels.open_channel(self.targets, tls)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     def _call(self, method, request, timeout=None):
@@ -166,7 +182,7 @@ class Client(_Channel):
         """The standard gRPC health status of the inference service: SERVING, NOT_SERVING, …"""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         stub = health_pb2_grpc.HealthStub(self._channel)
-        r = self._call(stub.Check, health_pb2.HealthCheckRequest(service="ntransformer.v1.Inference"), timeout)
+        r = self._call(stub.Check, health_pb2.HealthCheckRequest(service=channels.INFERENCE_SERVICE), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -186,10 +202,11 @@ class Client(_Channel):
 class AsyncClient:
     """asyncio client (grpc.aio) with the same methods as Client, awaited."""
 
-    def __init__(self, socket: str | None = None, *, timeout: float | None = None):
-        self.socket = paths.socket_path(socket)
+    def __init__(self, socket: str | None = None, *, targets: Sequence[str] | None = None,
+                 tls: channels.TLS | None = None, timeout: float | None = None):
+        self.targets, self.socket = _targets(socket, targets)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(paths.grpc_target(self.socket), options=_OPTIONS)
+        self._channel = channels.open_channel(self.targets, tls, aio=True)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     async def __aenter__(self):
@@ -235,6 +252,15 @@ class AsyncClient:
 
     async def status(self) -> pb.StatusResponse:
         return await self._call(self._stub.Status, pb.StatusRequest())
+
+    async def health(self, timeout: float = 5.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=channels.INFERENCE_SERVICE), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
 class AdminClient(_Channel):

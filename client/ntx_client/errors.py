@@ -41,9 +41,25 @@ def connection_error(path: str, details: str = "") -> NtxError:
         "systemctl status ntransformerd", grpc.StatusCode.UNAVAILABLE)
 
 
+def tcp_connection_error(where: str, details: str = "") -> NtxError:
+    """Explain why daemons on TCP (`where`: their host:port list) cannot be reached."""
+    hint = ("is tcp_listen set in each daemon's ntransformerd.toml, and the port open between the hosts? "
+            "systemctl status ntransformerd on each")
+    low = details.lower()
+    if "ssl" in low or "handshake" in low or "certificate" in low or "tls" in low:
+        hint = ("the TLS handshake failed: the daemons' certificates must be signed by the CA given with --tls-ca "
+                "and name the server name the client checks (--tls-server-name), and the client certificate "
+                "(--tls-cert, --tls-key) must be signed by the daemons' tls_client_ca")
+    return ConnectionFailed(f"cannot reach ntransformerd at {where}: {details or 'connection refused'}. {hint}",
+                            grpc.StatusCode.UNAVAILABLE)
+
+
 def from_rpc_error(err: grpc.RpcError, path: str) -> NtxError:
+    """`path`: the daemon's socket path, or for TCP targets their host:port list."""
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "failed to" in details.lower()
-                                                or "ermission" in details):
+                                                or "ermission" in details or "ssl" in details.lower()):
+        if not os.path.isabs(path):
+            return tcp_connection_error(path, details)
         return connection_error(path, details)
     return NtxError(f"{code.name}: {details}", code)

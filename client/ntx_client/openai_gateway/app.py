@@ -1,0 +1,359 @@
+"""The HTTP application: OpenAI's routes over the daemons, through ntx_client.AsyncClient only.
+
+    GET  /v1/models, /v1/models/{id}
+    POST /v1/chat/completions, /v1/completions     (JSON, or server-sent events with "stream")
+    GET  /health, /metrics
+
+A request goes: authorize → parse (protocol.py) → check the model → generate on the daemon →
+answer. Chat messages go to the daemon as messages, never rendered here; a completion's prompt
+is tokenized with special tokens not parsed, so "<|im_start|>" typed by a user stays text.
+While a request waits for the daemon, its HTTP connection is watched: a client that goes away
+cancels the gRPC call, and the daemon frees the slot at its next step. Every failure becomes an
+OpenAI error object; no client mistake reaches past the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ntx_client.channels import TLS
+from ntx_client.client import AsyncClient
+from ntx_client.errors import NtxError
+from ntx_client.openai_gateway import protocol
+from ntx_client.openai_gateway.errors import APIError, bad_request, from_ntx
+from ntx_client.openai_gateway.metrics import Metrics
+
+log = logging.getLogger("ntx-openai")
+
+MAX_BODY_BYTES = 8 << 20
+MODEL_TTL_S = 5.0  # how long the daemon's model name is trusted before asking again
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """What ntx-openai is started with (main.py builds it from the flags)."""
+
+    socket: str | None = None  # one daemon on its unix socket (default: the client library's)
+    targets: tuple[str, ...] = ()  # or several: socket paths or host:port
+    tls: TLS | None = None
+    api_keys: frozenset[str] = frozenset()  # empty: no key needed
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was being served."""
+
+
+class Daemons:
+    """The daemons behind the gateway: one balanced client for generating, one per target for Status.
+
+    Thread rule: created and used on the event loop of the server (grpc.aio channels are bound
+    to the loop they were made on)."""
+
+    def __init__(self, config: GatewayConfig):
+        kw = dict(targets=list(config.targets), tls=config.tls) if config.targets else dict(socket=config.socket)
+        self.client = AsyncClient(**kw)
+        self.each = ([AsyncClient(targets=[t], tls=config.tls) for t in config.targets]
+                     if len(config.targets) > 1 else [self.client])
+        self._model = None
+        self._model_at = 0.0
+
+    async def close(self) -> None:
+        for c in {id(c): c for c in [self.client, *self.each]}.values():
+            await c.close()
+
+    async def model(self):
+        if self._model is None or time.monotonic() - self._model_at > MODEL_TTL_S:
+            self._model = await self.client.model()
+            self._model_at = time.monotonic()
+        return self._model
+
+    async def statuses(self) -> list[tuple[str, object]]:
+        """(target, StatusResponse or the NtxError) of every daemon, asked at once."""
+        async def one(c):
+            try:
+                return c.socket, await asyncio.wait_for(c.status(), 5.0)
+            except (NtxError, asyncio.TimeoutError) as e:
+                return c.socket, e
+        return list(await asyncio.gather(*(one(c) for c in self.each)))
+
+
+def model_names(info) -> set[str]:
+    base = os.path.basename(info.path)
+    return {info.name, base, base.removesuffix(".gguf")}
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and so its gRPC call) if the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.daemons: Daemons | None = None
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "You didn't provide an API key. Send it in the Authorization header as "
+                           "'Authorization: Bearer KEY' (the keys are in the gateway's --api-keys-file).",
+                           code="invalid_api_key")
+        key = key.strip().encode()
+        if not any(hmac.compare_digest(key, k.encode()) for k in self.config.api_keys):
+            raise APIError(401, "Incorrect API key provided: it is not in the gateway's --api-keys-file.",
+                           code="invalid_api_key")
+
+    async def body(self, request: Request):
+        if request.headers.get("content-length", "0").isdigit() and \
+                int(request.headers.get("content-length", "0")) > MAX_BODY_BYTES:
+            raise APIError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB: shorten the prompt.")
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > MAX_BODY_BYTES:
+                raise APIError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB: shorten the prompt.")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"We could not parse the JSON body of your request ({e}). Send a JSON object with "
+                              "Content-Type: application/json.", None, "invalid_json") from None
+
+    async def check_model(self, name: str):
+        info = await self.daemons.model()
+        if name not in model_names(info):
+            raise APIError(404, f"The model '{name}' does not exist: this server serves '{info.name}' "
+                           "(GET /v1/models lists it).", param="model", code="model_not_found")
+        return info
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        info = await self.daemons.model()
+        return JSONResponse({"object": "list", "data": [self._model_object(info)]})
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        info = await self.daemons.model()
+        name = request.path_params["model"]
+        if name not in model_names(info):
+            raise APIError(404, f"The model '{name}' does not exist: this server serves '{info.name}'.",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model_object(info))
+
+    @staticmethod
+    def _model_object(info) -> dict:
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "ntransformer",
+                "context_length": info.context_length}
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", protocol.parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions", protocol.parse_completion)
+
+    async def _generate(self, request: Request, endpoint: str, parse) -> Response:
+        self.authorize(request)
+        job = parse(await self.body(request))
+        info = await self.check_model(job.model)
+        kw = dict(job.generate)
+        if job.prompt is not None:
+            kw["prompt_ids"] = await self.daemons.client.tokenize(job.prompt, parse_special=False)
+        self.metrics.in_flight.inc()
+        t0 = time.monotonic()
+        chunks = self.daemons.client.generate(**kw)
+        try:
+            if not job.stream:
+                return await self._whole(request, job, info.name, chunks, endpoint, t0)
+            # the first chunk comes before the 200: a refusal (queue full, prompt too long) keeps its status
+            try:
+                first = await _unless_gone(request, anext(chunks))
+            except StopAsyncIteration:
+                first = None
+            self.metrics.first_token.labels(endpoint).observe(time.monotonic() - t0)
+        except BaseException:
+            self.metrics.in_flight.dec()
+            await chunks.aclose()
+            raise
+        return StreamingResponse(self._events(job, info.name, first, chunks, endpoint, t0),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _whole(self, request, job, model, chunks, endpoint, t0) -> Response:
+        async def collect():
+            text, last = [], None
+            async for c in chunks:
+                text.append(c.text)
+                last = c
+            return "".join(text), last
+        text, last = await _unless_gone(request, collect())
+        usage = protocol.usage_object(last.usage["prompt_tokens"], last.usage["completion_tokens"])
+        self.metrics.done(endpoint, 200, usage, time.monotonic() - t0)
+        self.metrics.in_flight.dec()
+        return JSONResponse(protocol.completion_object(job, model, text, last.finish_reason, usage))
+
+    async def _events(self, job, model, first, chunks, endpoint, t0):
+        status, usage = 200, None
+        try:
+            if job.kind == "chat":
+                yield _sse(protocol.chunk_object(job, model, "", None, first=True))
+            pending = [first] if first is not None else []
+            while True:
+                c = pending.pop() if pending else await anext(chunks, None)
+                if c is None:
+                    break
+                if c.text:
+                    yield _sse(protocol.chunk_object(job, model, c.text, None))
+                if c.finish_reason is not None:
+                    yield _sse(protocol.chunk_object(job, model, None, c.finish_reason))
+                    usage = protocol.usage_object(c.usage["prompt_tokens"], c.usage["completion_tokens"])
+            if job.include_usage and usage is not None:
+                yield _sse(protocol.usage_chunk(job, model, usage))
+            yield "data: [DONE]\n\n"
+        except NtxError as e:  # after the 200 the status line is gone: the error goes in the stream
+            err = from_ntx(e)
+            status = err.status
+            yield _sse(err.body())
+        except asyncio.CancelledError:
+            status = 499  # the client went away; the cancelled call frees the daemon's slot
+            raise
+        finally:
+            await chunks.aclose()
+            self.metrics.in_flight.dec()
+            self.metrics.done(endpoint, status, usage, time.monotonic() - t0)
+
+    async def health(self, request: Request) -> Response:
+        daemons = []
+        for target, s in await self.daemons.statuses():
+            if isinstance(s, BaseException):
+                daemons.append({"target": target, "state": "unreachable", "error": str(s) or type(s).__name__})
+            else:
+                daemons.append({"target": target, "state": _STATE_NAMES.get(s.state, "unknown"), "model": s.model,
+                                "live_requests": s.live_requests, "queued_requests": s.queued_requests})
+        ok = any(d["state"] == "serving" for d in daemons)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "daemons": daemons},
+                            status_code=200 if ok else 503)
+
+    async def metrics_page(self, request: Request) -> Response:
+        body, content_type = self.metrics.render(await self.daemons.statuses())
+        return Response(body, media_type=content_type)
+
+
+_STATE_NAMES = {1: "no_model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gw = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        gw.daemons = Daemons(config)
+        try:
+            yield
+        finally:
+            await gw.daemons.close()
+
+    async def api_error(request, exc: APIError):
+        gw.metrics.failed(request.url.path, exc.status)
+        return _error_response(exc)
+
+    async def ntx_error(request, exc: NtxError):
+        err = from_ntx(exc)
+        gw.metrics.failed(request.url.path, err.status)
+        return _error_response(err)
+
+    async def http_error(request, exc: HTTPException):
+        message = {404: f"Unknown request URL: {request.method} {request.url.path}. See GET /v1/models, POST "
+                        "/v1/chat/completions and POST /v1/completions.",
+                   405: f"Method {request.method} is not allowed on {request.url.path}."}.get(exc.status_code,
+                                                                                           str(exc.detail))
+        return _error_response(APIError(exc.status_code, message, code="unknown_url" if exc.status_code == 404
+                                        else None))
+
+    async def gone(request, exc):
+        return Response(status_code=499)
+
+    async def unexpected(request, exc: Exception):
+        log.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+        gw.metrics.failed(request.url.path, 500)
+        return _error_response(APIError(500, f"The gateway failed on this request ({type(exc).__name__}: {exc}); "
+                                        "see ntx-openai's log."))
+
+    routes = [
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
+        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/metrics", gw.metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: api_error, NtxError: ntx_error, HTTPException: http_error, ClientGone: gone,
+        ClientDisconnect: gone, Exception: unexpected})
+    app.state.gateway = gw
+    return app
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """One key per line; blank lines and lines starting with # are skipped."""
+    try:
+        with open(path) as f:
+            keys = frozenset(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+    except OSError as e:
+        raise SystemExit(f"ntx-openai: cannot read the API keys file {path}: {e.strerror}") from None
+    if not keys:
+        raise SystemExit(f"ntx-openai: the API keys file {path} has no key: put one key per line, or leave out "
+                         "--api-keys-file to serve without keys")
+    return keys
+
+
+__all__ = ["GatewayConfig", "create_app", "read_api_keys"]

@@ -1,0 +1,67 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with an HTTP status.
+
+Every way a request can fail ends up as one APIError, and from_ntx() is the one place a daemon
+error (its gRPC status code) becomes an HTTP status.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ntx_client.errors import NtxError
+
+# The `type` OpenAI's own server puts in its error objects for each status.
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "server_error", 504: "server_error"}
+
+# gRPC status of a daemon error → HTTP status. The daemon answers FAILED_PRECONDITION while its
+# model loads (or when none is loaded) and UNAVAILABLE while draining or unreachable: both are
+# "come back later", which HTTP says with 503.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.PERMISSION_DENIED: 503,  # the gateway's own access to the daemon: not the caller's fault
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class APIError(Exception):
+    """A request that cannot be served; `body()` is what the client receives."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after else {}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_ntx(err: NtxError) -> APIError:
+    """The APIError for an error the daemon (or reaching it) raised."""
+    status = HTTP_STATUS.get(err.code, 500)
+    message = str(err)
+    # the client library prefixes the gRPC code name; the HTTP status already says it
+    if err.code is not None and message.startswith(f"{err.code.name}: "):
+        message = message[len(err.code.name) + 2:]
+    code = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}.get(status)
+    if status == 500:
+        message = f"ntransformerd failed: {message}"
+    return APIError(status, message, code=code, retry_after=1 if status in (429, 503) else None)

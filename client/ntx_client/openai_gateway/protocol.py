@@ -1,0 +1,335 @@
+"""OpenAI request bodies → generation jobs, and generation results → OpenAI response objects.
+
+Parsing checks every field the gateway uses and refuses, by name, the ones it cannot honour
+(n > 1, tools, logprobs, ...). Fields it does not know are ignored, so a client written for a
+newer API still works. Nothing here talks to the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+
+from ntx_client.openai_gateway.errors import bad_request
+
+MAX_STOP = 4  # OpenAI's own limit on stop sequences
+MAX_STOP_CHARS = 1024
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# The daemon's defaults are llama.cpp's (top_k 40, min_p 0.05, ...); an OpenAI request means plain
+# softmax sampling at temperature 1 unless it says otherwise.
+OPENAI_SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+FINISH = {"stop": "stop", "eos": "stop", "length": "length"}
+
+
+@dataclasses.dataclass
+class Job:
+    """One generation as the client library takes it, plus how to answer."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    generate: dict  # keyword arguments of AsyncClient.generate (messages= or prompt_ids=)
+    prompt: str | None = None  # completions: the text, tokenized by the gateway without special tokens
+    stream: bool = False
+    include_usage: bool = False
+    id: str = dataclasses.field(default_factory=lambda: "")
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def _type_name(v) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number")
+
+
+def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(f"Invalid type for '{key}': expected a number, but got {_type_name(v)} instead.", key,
+                          "invalid_type")
+    if not lo <= v <= hi:
+        raise bad_request(f"Invalid value for '{key}': {v} is not in {lo:g}..{hi:g}.", key, "invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"Invalid type for '{key}': expected an integer, but got {_type_name(v)} instead.", key,
+                          "invalid_type")
+    if not lo <= v <= hi:
+        raise bad_request(f"Invalid value for '{key}': {v} is not in {lo}..{hi}.", key, "invalid_value")
+    return v
+
+
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_request(f"Invalid type for '{key}': expected a boolean, but got {_type_name(v)} instead.", key,
+                          "invalid_type")
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("Invalid type for 'stop': expected a string or an array of strings.", "stop", "invalid_type")
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"Invalid value for 'stop': at most {MAX_STOP} stop sequences, got {len(stops)}.", "stop",
+                          "invalid_value")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"Invalid value for 'stop': each stop sequence must be 1..{MAX_STOP_CHARS} characters.",
+                          "stop", "invalid_value")
+    return stops
+
+
+def _unsupported(body: dict, endpoint: str) -> None:
+    """Refuse, by name, what the gateway knows but cannot do."""
+    n = _integer(body, "n", 1, 128)
+    if n is not None and n != 1:
+        raise bad_request(f"n = {n}: this server generates one choice per request; send n = 1 (or leave it out) "
+                          "and make several requests", "n", "unsupported_value")
+    best_of = _integer(body, "best_of", 1, 128)
+    if best_of is not None and best_of != 1:
+        raise bad_request("best_of > 1 is not supported: leave it out", "best_of", "unsupported_value")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise bad_request(f"'{key}' is not supported by this server (no tool calling): leave it out", key,
+                              "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' is not supported by this server (no tool calling): leave it out",
+                          "tool_choice", "unsupported_parameter")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise bad_request("'function_call' is not supported by this server: leave it out", "function_call",
+                          "unsupported_parameter")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        param = "logprobs" if body.get("logprobs") not in (None, False, 0) else "top_logprobs"
+        raise bad_request(f"'{param}' is not supported by this server: leave it out", param, "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported by this server: leave it out", "logit_bias",
+                          "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                          "response_format", "unsupported_parameter")
+    for key in ("audio", "prediction"):
+        if body.get(key):
+            raise bad_request(f"'{key}' is not supported by this server: leave it out", key, "unsupported_parameter")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("'modalities' other than [\"text\"] is not supported by this server", "modalities",
+                          "unsupported_parameter")
+    if endpoint == "completion":
+        if _bool(body, "echo"):
+            raise bad_request("'echo' is not supported by this server: leave it out", "echo", "unsupported_parameter")
+        if body.get("suffix"):
+            raise bad_request("'suffix' (fill in the middle) is not supported by this server: leave it out", "suffix",
+                              "unsupported_parameter")
+
+
+def _common(body: dict, endpoint: str) -> dict:
+    """Sampling, length and stop fields shared by both endpoints → AsyncClient.generate keywords."""
+    _unsupported(body, endpoint)
+    kw = dict(OPENAI_SAMPLING)
+    for key, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("presence_penalty", -2, 2),
+                        ("frequency_penalty", -2, 2), ("min_p", 0, 1), ("repetition_penalty", 0.01, 10)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            kw[key] = v
+    if kw["top_p"] == 0:  # OpenAI accepts 0; the engine needs top_p > 0, and 0 means "only the top token"
+        kw["top_k"], kw["top_p"] = 1, 1.0
+    top_k = _integer(body, "top_k", 0, 1 << 20)
+    if top_k is not None:
+        kw["top_k"] = top_k
+    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    if seed is not None:
+        kw["seed"] = seed % (1 << 64)
+    # max_completion_tokens is the newer name of max_tokens; it wins when both are given
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = _integer(body, key, 1, 1 << 31)
+        if v is not None:
+            kw["max_tokens"] = v
+    kw["stop"] = _stop(body)
+    # not OpenAI's, but vLLM's and llama.cpp's servers take it, and benchmarks rely on it
+    kw["ignore_eos"] = _bool(body, "ignore_eos")
+    return kw
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("Invalid type for 'stream_options': expected an object.", "stream_options",
+                              "invalid_type")
+        if not stream:
+            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                              "stream_options", "invalid_value")
+        include_usage = _bool(opts, "include_usage")
+    return stream, include_usage
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise bad_request(f"Invalid type for 'model': expected a string, but got {_type_name(model)} instead.",
+                          "model", "invalid_type")
+    return model
+
+
+def _content(m: dict, i: int) -> str:
+    """A message's text: a string, or an array of text parts (joined)."""
+    c = m.get("content")
+    if c is None:
+        if m.get("tool_calls") or m.get("function_call"):
+            raise bad_request(f"messages[{i}] has tool calls: tool calling is not supported by this server",
+                              f"messages[{i}].tool_calls", "unsupported_parameter")
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, p in enumerate(c):
+            if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+                raise bad_request(f"Invalid content part messages[{i}].content[{j}]: expected an object with a "
+                                  "'type'.", f"messages[{i}].content[{j}]", "invalid_type")
+            if p["type"] != "text":
+                raise bad_request(f"messages[{i}].content[{j}] is of type {p['type']!r}: this model reads text only",
+                                  f"messages[{i}].content[{j}].type", "unsupported_value")
+            if not isinstance(p.get("text"), str):
+                raise bad_request(f"Invalid type for 'messages[{i}].content[{j}].text': expected a string.",
+                                  f"messages[{i}].content[{j}].text", "invalid_type")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad_request(f"Invalid type for 'messages[{i}].content': expected a string or an array of content parts, "
+                      f"but got {_type_name(c)} instead.", f"messages[{i}].content", "invalid_type")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad_request("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise bad_request(f"Invalid type for 'messages': expected an array, but got {_type_name(msgs)} instead.",
+                          "messages", "invalid_type")
+    if not msgs:
+        raise bad_request("Invalid 'messages': empty array. Expected an array with minimum length 1.", "messages",
+                          "empty_array")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"Invalid type for 'messages[{i}]': expected an object, but got {_type_name(m)} "
+                              "instead.", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            if role in ("tool", "function"):
+                raise bad_request(f"messages[{i}] has role {role!r}: tool calling is not supported by this server",
+                                  f"messages[{i}].role", "unsupported_value")
+            raise bad_request(f"Invalid value for 'messages[{i}].role': {role!r}; supported values are 'system', "
+                              "'developer', 'user' and 'assistant'.", f"messages[{i}].role", "invalid_value")
+        out.append({"role": ROLES[role], "content": _content(m, i)})
+    return out
+
+
+def parse_chat(body) -> Job:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    model = _model(body)
+    messages = _messages(body)
+    stream, include_usage = _stream(body)
+    kw = _common(body, "chat")
+    return Job("chat", model, {**kw, "messages": messages}, stream=stream, include_usage=include_usage)
+
+
+def parse_completion(body) -> Job:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    model = _model(body)
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+    # one prompt: a string, a one-string array, or an array of token ids
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    prompt, prompt_ids = None, None
+    if isinstance(p, str):
+        if not p:
+            raise bad_request("Invalid value for 'prompt': the prompt is empty.", "prompt", "invalid_value")
+        prompt = p
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        prompt_ids = list(p)
+    elif isinstance(p, list) and len(p) > 1:
+        raise bad_request("Several prompts in one request are not supported by this server: send one prompt per "
+                          "request.", "prompt", "unsupported_value")
+    else:
+        raise bad_request("Invalid type for 'prompt': expected a string, an array of one string, or an array of "
+                          "token ids.", "prompt", "invalid_type")
+    stream, include_usage = _stream(body)
+    kw = _common(body, "completion")
+    job = Job("completion", model, kw, prompt=prompt, stream=stream, include_usage=include_usage)
+    if prompt_ids is not None:
+        job.generate["prompt_ids"] = prompt_ids
+    return job
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def usage_object(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(job: Job, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
+    reason = FINISH.get(finish_reason or "", "stop")
+    if job.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice],
+            "usage": usage, "system_fingerprint": None}
+
+
+def chunk_object(job: Job, model: str, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
+    """One streamed chunk; `text` None and no finish_reason never happens (nothing to say)."""
+    reason = FINISH.get(finish_reason) if finish_reason else None
+    if job.kind == "chat":
+        delta = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    out = {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice],
+           "system_fingerprint": None}
+    if job.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(job: Job, model: str, usage: dict) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the whole request's usage."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [], "usage": usage,
+            "system_fingerprint": None}
