@@ -4,6 +4,7 @@
 #   sudo packaging/install.sh                 # unit, sysusers, tmpfiles, example config; reload
 #   sudo systemctl enable --now ntransformerd
 #   sudo usermod -aG ntransformer "$USER"     # then log in again; ntx-client generate "hi"
+#   sudo systemctl enable --now ntx-openai    # the OpenAI HTTP API on 127.0.0.1:8000, if installed
 #
 # Options:
 #   --bindir DIR   where ntransformerd is (default: the directory of `command -v ntransformerd`)
@@ -26,6 +27,7 @@ unit="$destdir/etc/systemd/system/ntransformerd.service"
 sysusers="$destdir/etc/sysusers.d/ntransformer.conf"
 tmpfiles="$destdir/etc/tmpfiles.d/ntransformer.conf"
 config="$destdir/etc/ntransformer/ntransformerd.toml"
+openai_unit="$destdir/etc/systemd/system/ntx-openai.service"
 live=$([ -z "$destdir" ] && echo 1 || echo 0)
 
 if [ "$live" = 1 ] && [ "$(id -u)" != 0 ]; then
@@ -34,8 +36,8 @@ if [ "$live" = 1 ] && [ "$(id -u)" != 0 ]; then
 fi
 
 if [ "$uninstall" = 1 ]; then
-    [ "$live" = 1 ] && systemctl disable --now ntransformerd.service 2>/dev/null || true
-    rm -f "$unit" "$sysusers" "$tmpfiles"
+    [ "$live" = 1 ] && systemctl disable --now ntx-openai.service ntransformerd.service 2>/dev/null || true
+    rm -f "$unit" "$openai_unit" "$sysusers" "$tmpfiles"
     [ "$live" = 1 ] && systemctl daemon-reload
     echo "removed the unit, sysusers and tmpfiles files; kept $config and the group ntransformer"
     exit 0
@@ -67,6 +69,12 @@ else
     echo "kept the existing $config"
 fi
 echo "installed $unit (ExecStart=$bindir/ntransformerd), $sysusers, $tmpfiles, $config"
+# the gateway's unit, where the gateway is installed (pip install 'ntransformer[openai]')
+if [ -x "$bindir/ntx-openai" ]; then
+    sed "s|@BINDIR@|$bindir|g" "$here/systemd/ntx-openai.service" > "$openai_unit.tmp"
+    chmod 0644 "$openai_unit.tmp" && mv "$openai_unit.tmp" "$openai_unit"
+    echo "installed $openai_unit (ExecStart=$bindir/ntx-openai)"
+fi
 
 if [ "$live" = 1 ]; then
     systemd-sysusers "$sysusers"

@@ -57,6 +57,22 @@ def test_systemd_analyze_verify_is_clean(staged):
     assert r.returncode == 0 and not mine, r.stdout + r.stderr  # warnings count: a strict lint
 
 
+def test_gateway_unit_is_staged_unprivileged_and_verifies(staged):
+    if not os.access(os.path.join(BINDIR, "ntx-openai"), os.X_OK):
+        pytest.skip(f"ntx-openai is not installed in {BINDIR}")
+    path = staged / "etc/systemd/system/ntx-openai.service"
+    unit = path.read_text()
+    keys = dict(re.findall(r"^(\w+)=(.*)$", unit, re.M))
+    assert keys["ExecStart"].startswith(f"{BINDIR}/ntx-openai --socket /run/ntransformer/ntransformerd.sock")
+    assert keys["DynamicUser"] == "yes" and keys["SupplementaryGroups"] == "ntransformer"
+    assert keys["CapabilityBoundingSet"] == "" and keys["NoNewPrivileges"] == "yes" and "User" not in keys
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is missing (Debian package: systemd)")
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True, timeout=60)
+    mine = [line for line in (r.stdout + r.stderr).splitlines() if "ntx-openai" in line]
+    assert r.returncode == 0 and not mine, r.stdout + r.stderr
+
+
 def test_example_config_lists_every_key_and_parses(tmp_path):
     from ntransformerd import config
     text = (PKG / "ntransformerd.toml").read_text()
