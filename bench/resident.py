@@ -30,7 +30,7 @@ from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
 from ntransformerd.engine.sampler import Sampler, SamplingParams  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
+from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 
 def gpu_time(fn, reps: int = 20, warm: int = 3) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "daemon"))
 import cupy as cp  # noqa: E402
 
 from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
+from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 
 def log(*a):

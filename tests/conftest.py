@@ -39,7 +39,7 @@ def synth_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def synth_model(synth_dir):
     """make(shape, ftype) -> path of a synthetic model, written once per session."""
-    from ntransformerd.engine.synth import synthesize
+    from ntransformerd.tools.synth import synthesize
 
     def make(shape: str = "tiny", ftype: str = "q8_0", seed: int = 0) -> str:
         path = os.path.join(synth_dir, f"{shape}-{ftype}-{seed}.gguf")

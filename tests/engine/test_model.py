@@ -193,7 +193,7 @@ def test_rope_freq_factors_divide_frequencies():
 
 
 def test_llama31_rope_factors_shape():
-    from ntransformerd.engine.synth import llama31_rope_factors
+    from ntransformerd.tools.synth import llama31_rope_factors
     f = llama31_rope_factors(128, 500000.0)
     assert f.shape == (64,) and f[0] == 1.0 and f[-1] == 8.0 and np.all(np.diff(f) >= 0)
 

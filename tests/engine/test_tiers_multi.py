@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ntransformerd.engine.quants import QUANT_BLOCKS
-from ntransformerd.engine.synth import SHAPES, tensor_shapes, tensor_types
+from ntransformerd.tools.synth import SHAPES, tensor_shapes, tensor_types
 from ntransformerd.engine.tiers.multi import parse_budgets, parse_devices, plan_devices
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, PlanError, plan_tiers
 

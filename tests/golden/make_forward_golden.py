@@ -86,7 +86,7 @@ def main() -> int:
     import llama_cpp
 
     from ntransformerd.engine.engine import default_model_path
-    from ntransformerd.engine.quantize import quantize_file
+    from ntransformerd.tools.quantize import quantize_file
 
     src = default_model_path()
     vocab = llama_cpp.Llama(src, vocab_only=True, verbose=False)

@@ -10,7 +10,7 @@ cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
+from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 SLICE = os.environ.get("NTX_REAL_SLICE", os.path.join(os.path.dirname(__file__), "..", "..", ".gpu-data",
                                                       "smollm2-4l.gguf"))

@@ -11,7 +11,7 @@ from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
-from ntransformerd.engine.synth import synthesize  # noqa: E402
+from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 TYPES = ("q8_0", "q4_k_m", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
          "f16", "bf16", "f32")

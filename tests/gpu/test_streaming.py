@@ -18,7 +18,7 @@ from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    from ntransformerd.engine.synth import synthesize
+    from ntransformerd.tools.synth import synthesize
     path = os.path.join(tmp_path_factory.mktemp("stream"), "small-q4_k_m.gguf")
     synthesize(path, shape="small", ftype="q4_k_m", seed=3)
     return GGUFModel(path)

@@ -132,7 +132,7 @@ def test_service_under_systemd_in_a_vm():
     work = tempfile.mkdtemp(prefix="ntx-vm-", dir="/var/tmp")  # not /tmp: the guest mounts a tmpfs there
     model_dir = None
     try:
-        from ntransformerd.engine.synth import synthesize
+        from ntransformerd.tools.synth import synthesize
         # not in /tmp or /var/tmp either: the unit's PrivateTmp= hides both from the daemon
         model_dir = tempfile.mkdtemp(prefix="ntx-vm-model-", dir="/var/lib")
         os.chmod(model_dir, 0o755)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -31,7 +35,7 @@ def run_json(capsys, *argv) -> dict:
 @pytest.mark.parametrize("ftype", list(TYPES))
 def test_every_quant_type_generates(default_model_path, tmp_path, capsys, ftype):
     out = str(tmp_path / f"smol-{ftype}.gguf")
-    assert main(["quantize", default_model_path, out, "--type", ftype, "--quiet"]) == 0
+    assert main(["quantize", default_model_path, out, "--type", ftype, "--quiet", "--allow-requantize"]) == 0
     m = GGUFModel(out)
     assert TYPES[ftype] in {t.qtype for t in m.tensors.values()}
     res = run_json(capsys, "run", out, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-eos", "--json")
@@ -91,3 +95,81 @@ def test_synth_command(tmp_path, capsys):
     assert main(["synth", str(out), "--shape", "tiny", "--type", "q4_k_m", "--quiet"]) == 0
     m = GGUFModel(out)
     assert m.config.n_layers == 2 and {Q.Q4_K, Q.Q6_K} <= {t.qtype for t in m.tensors.values()}
+
+
+# ---- writing model files: nothing lost ------------------------------------------------------------
+
+def _copy(src, dst) -> bytes:
+    data = open(src, "rb").read()
+    with open(dst, "wb") as f:
+        f.write(data)
+    return data
+
+
+def test_quantize_onto_its_input_is_refused(synth_model, tmp_path, capsys):
+    x = tmp_path / "x.gguf"
+    before = _copy(synth_model("tiny", "q8_0"), x)
+    os.symlink(x, tmp_path / "alias.gguf")
+    for out in (x, tmp_path / "alias.gguf"):
+        assert main(["quantize", str(x), str(out), "--type", "q8_0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is the input file" in err and "Traceback" not in err
+    assert x.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.gguf", "x.gguf"]
+
+
+def test_quantize_into_a_full_filesystem_leaves_nothing(synth_model, tmp_path):
+    """A 1 MiB file-size limit stands for a full disk: the write fails part way."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    r = subprocess.run([sys.executable, "-m", "ntransformerd.tools.ntx_model", "quantize", synth_model("tiny", "q8_0"),
+                        str(out_dir / "o.gguf"), "--type", "q8_0"], capture_output=True, text=True,
+                       preexec_fn=limit, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("ntx-model: error: cannot write ") \
+        and "nothing was written" in r.stderr, r.stderr
+    assert r.stdout == "" and list(out_dir.iterdir()) == []
+
+
+def test_requantizing_needs_allow_requantize(synth_model, tmp_path, capsys):
+    src, out = synth_model("tiny", "q8_0"), tmp_path / "q4.gguf"
+    assert main(["quantize", src, str(out), "--type", "q4_0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "already quantized" in err and "--allow-requantize" in err and "Q8_0 -> Q4_0" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert main(["quantize", src, str(out), "--type", "q4_0", "--allow-requantize"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.startswith("ntx-model: warning: ") and "already quantized" in cap.err
+    assert cap.out == f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)\n"
+    assert Q.Q4_0 in {t.qtype for t in GGUFModel(out).tensors.values()}
+    # dequantizing loses nothing more: no flag needed
+    assert main(["quantize", src, str(tmp_path / "f16.gguf"), "--type", "f16", "--quiet"]) == 0
+
+
+def test_overwriting_an_output_keeps_its_mode_and_no_partial_file(synth_model, tmp_path, capsys):
+    out = tmp_path / "o.gguf"
+    out.write_bytes(b"old")
+    out.chmod(0o640)
+    assert main(["synth", str(out), "--shape", "tiny", "--type", "q8_0", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out} (")
+    assert oct(out.stat().st_mode & 0o777) == oct(0o640) and out.stat().st_size > 1 << 20
+    assert [p.name for p in tmp_path.iterdir()] == ["o.gguf"]
+
+
+def test_progress_only_on_a_terminal(synth_model, tmp_path, capsys):
+    """Not a terminal (capsys): no progress line, only what was written."""
+    assert main(["synth", str(tmp_path / "p.gguf"), "--shape", "tiny", "--type", "q8_0"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == "" and cap.out.count("\n") == 1 and cap.out.startswith("wrote ")
+
+
+def test_plan_without_prompt(capsys):
+    assert main(["run", "--plan"]) == 0
+    assert capsys.readouterr().out.startswith("[cpu] ")
+    with pytest.raises(SystemExit):
+        main(["run"])
+    assert "--prompt" in capsys.readouterr().err

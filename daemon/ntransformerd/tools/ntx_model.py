@@ -7,7 +7,10 @@ Every command takes an optional MODEL path; without one it uses the embedded def
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
 
@@ -21,7 +24,7 @@ examples:
   ntx-model tokenize "Hello <|im_end|>"            token ids, special tokens parsed
   ntx-model run --prompt "Why is the sky blue?" --chat
   ntx-model run MODEL.gguf --prompt "def fib(n):" --temperature 0 --max-tokens 64 --json
-  ntx-model quantize IN.gguf OUT.gguf --type q4_k_m
+  ntx-model quantize IN-F16.gguf OUT.gguf --type q4_k_m
   ntx-model synth --shape llama3-8b --type q8_0 /data/l3-8b-q8.gguf
 """
 
@@ -165,39 +168,98 @@ def _plan_devices(args, config) -> int:
     return 0
 
 
-def _progress(prefix: str):
-    from ntransformerd.engine.synth import main_progress
-    show = main_progress(prefix)
-    return lambda done, total, *_: show(done, total)
+class _Progress:
+    """One self-overwriting line on stderr, shown only when stderr is a terminal (a log or a
+    pipe gets the final line only); close() ends it so the next message starts clean."""
+
+    def __init__(self, prefix: str, quiet: bool):
+        self.prefix, self.on, self.shown = prefix, not quiet and sys.stderr.isatty(), False
+        self.t0 = time.monotonic()
+
+    def __call__(self, done: int, total: int, *_) -> None:
+        if not self.on:
+            return
+        dt = max(time.monotonic() - self.t0, 1e-6)
+        sys.stderr.write(f"\r{self.prefix}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB "
+                         f"({100 * done / max(total, 1):.0f}%, {done / dt / 1e6:.0f} MB/s)")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            self.shown = False
+
+
+@contextlib.contextmanager
+def _writing(output: str, what: str, *, quiet: bool):
+    """(temporary path, progress) for a command that writes `output` (checked beforehand with
+    atomic.check_output); the file appears only once complete, and one line on stdout says
+    what was written."""
+    from ntransformerd.tools.atomic import atomic_output
+
+    progress = _Progress(what, quiet)
+    try:
+        with atomic_output(output) as tmp:
+            yield tmp, progress
+    finally:
+        progress.close()
+    print(f"wrote {output} ({os.path.getsize(output) / 2**20:.1f} MiB)")
+
+
+class RequantizeRefused(ValueError):
+    """Writing the output would quantize already quantized tensors again."""
+
+
+def _check_requantize(src: str, ftype: str, allow: bool, n_layers: int | None = None) -> None:
+    from ntransformerd.tools.quantize import requantized
+
+    again = requantized(src, ftype, n_layers=n_layers)
+    if not again:
+        return
+    kinds = ", ".join(sorted({f"{a.name} -> {b.name}" for a, b in again.values()}))
+    what = (f"{src} is already quantized: {len(again)} tensors would be quantized a second time ({kinds}), "
+            "which adds the new type's error to the old one's")
+    if not allow:
+        raise RequantizeRefused(f"{what}. Start from an F16/F32 GGUF of the model, or pass --allow-requantize")
+    print(f"ntx-model: warning: {what} (--allow-requantize)", file=sys.stderr)
 
 
 def cmd_quantize(args) -> int:
-    from ntransformerd.engine.quantize import quantize_file
+    from ntransformerd.tools.atomic import check_output
+    from ntransformerd.tools.quantize import quantize_file
 
-    quantize_file(args.input, args.output, args.type, progress=None if args.quiet else _progress("quantize"))
+    check_output(args.output, args.input)
+    _check_requantize(args.input, args.type, args.allow_requantize)
+    with _writing(args.output, "quantize", quiet=args.quiet) as (tmp, progress):
+        quantize_file(args.input, tmp, args.type, progress=progress)
     return 0
 
 
 def cmd_slice(args) -> int:
-    from ntransformerd.engine.quantize import quantize_file
+    from ntransformerd.tools.atomic import check_output
+    from ntransformerd.tools.quantize import quantize_file
 
     src = _model_path(args.input)
-    quantize_file(src, args.output, args.type, n_layers=args.layers,
-                  progress=None if args.quiet else _progress("slice"))
+    check_output(args.output, src)
+    _check_requantize(src, args.type, args.allow_requantize, args.layers)
+    with _writing(args.output, "slice", quiet=args.quiet) as (tmp, progress):
+        quantize_file(src, tmp, args.type, n_layers=args.layers, progress=progress)
     return 0
 
 
 def cmd_synth(args) -> int:
-    from ntransformerd.engine.synth import synthesize
+    from ntransformerd.tools.atomic import check_output
+    from ntransformerd.tools.synth import synthesize
 
-    n = synthesize(args.output, shape=args.shape, ftype=args.type, seed=args.seed,
-                   progress=None if args.quiet else _progress("synth"))
-    print(f"{args.output}: {n / 2**30:.2f} GiB", file=sys.stderr)
+    check_output(args.output)
+    with _writing(args.output, "synth", quiet=args.quiet) as (tmp, progress):
+        synthesize(tmp, shape=args.shape, ftype=args.type, seed=args.seed, progress=progress)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ntransformerd.engine.synth import FTYPES, SHAPES
+    from ntransformerd.tools.synth import FTYPES, SHAPES
 
     p = argparse.ArgumentParser(prog="ntx-model", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("run", help="generate a continuation of a prompt")
     s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
-    s.add_argument("--prompt", required=True, help="prompt text (special tokens are parsed)")
+    s.add_argument("--prompt", help="prompt text (special tokens are parsed); not needed with --plan")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     s.add_argument("--system", help="system message (with --chat)")
     s.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
@@ -250,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("output", metavar="OUT")
     s.add_argument("--type", required=True, metavar="TYPE", help="f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 "
                    "q2_k q3_k q4_k q5_k q6_k q4_k_m q5_k_m")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--allow-requantize", action="store_true",
+                   help="requantize tensors that are already quantized (quality suffers; refused without it)")
+    s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_quantize)
 
     s = sub.add_parser("slice", help="keep the first N layers of a model (real weights, small enough to carry)")
@@ -259,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", type=int, required=True, metavar="N")
     s.add_argument("--type", default="q4_1", metavar="TYPE",
                    help="tensor types of the slice (default q4_1: the default model's own, copied byte for byte)")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--allow-requantize", action="store_true", help="as for quantize")
+    s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_slice)
 
     s = sub.add_parser("synth", help="write a random-weight model at a real shape (for speed work)")
@@ -267,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     s.add_argument("--type", choices=sorted(FTYPES), default="q8_0")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_synth)
     return p
 
@@ -278,15 +343,26 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.args) > 2:
             build_parser().error("tokenize takes [MODEL] TEXT (quote the text)")
         args.model, args.text = (args.args if len(args.args) == 2 else (None, args.args[0]))
+    if args.command == "run" and args.prompt is None and not args.plan:
+        build_parser().error("run needs --prompt (or --plan to explain the tier plan only)")
+    # past a file-size limit a write fails with EFBIG (reported below) instead of killing us
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         return args.func(args)
     except (GGUFError, FileNotFoundError, ValueError) as e:
         print(f"ntx-model: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the temporary file is gone by now (tools.atomic)
+        where = getattr(args, "output", None) or e.filename or "the output"
+        why = e.strerror or f"{e}, the disk is full?"  # numpy's short write has no errno
+        print(f"ntx-model: error: cannot write {where}: {why} (nothing was written)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        signal.signal(signal.SIGXFSZ, xfsz)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""ntransformerd.engine.quantize against ggml: gguf.quants decodes what we write, our K-quant
+"""ntransformerd.tools.quantize against ggml: gguf.quants decodes what we write, our K-quant
 round-trip error stays within 5% of ggml's reference quantizer (golden numbers made by
 tests/golden/make_kquant_golden.py), and quantize_file picks llama.cpp's tensor types."""
 
@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ntransformerd.engine import quantize as qz
+from ntransformerd.tools import quantize as qz
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)

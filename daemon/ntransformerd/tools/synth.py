@@ -15,7 +15,6 @@ import gzip
 import json
 import math
 import os
-import time
 from collections.abc import Callable
 from importlib import resources
 
@@ -24,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from ntransformerd.engine.quantize import FTYPES, plan_types
+from ntransformerd.tools.quantize import FTYPES, plan_types
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
 
 
@@ -156,7 +155,7 @@ class _RandomQuant:
 
 
 def _tokenizer_metadata() -> dict:
-    data = resources.files("ntransformerd.engine").joinpath("data/smollm2-tokenizer.json.gz").read_bytes()
+    data = resources.files("ntransformerd.tools").joinpath("data/smollm2-tokenizer.json.gz").read_bytes()
     return json.loads(gzip.decompress(data))
 
 
@@ -212,16 +211,3 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
             progress(done, total)
     w.close()
     return os.path.getsize(out)
-
-
-def main_progress(prefix: str) -> Callable[[int, int], None]:
-    """A progress printer for the CLI: percent and MB/s on one line."""
-    t0 = time.monotonic()
-
-    def show(done: int, total: int) -> None:
-        dt = max(time.monotonic() - t0, 1e-6)
-        print(f"\r{prefix}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB "
-              f"({100 * done / total:.0f}%, {done / dt / 1e6:.0f} MB/s)", end="", flush=True)
-        if done >= total:
-            print()
-    return show

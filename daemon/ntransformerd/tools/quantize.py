@@ -21,6 +21,7 @@ picks; a K type whose block does not divide the row falls back to Q4_0/Q5_0/Q5_1
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Callable
 
@@ -28,7 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from .quants import BLOCK_DTYPES, QUANT_BLOCKS
+from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
 
 GROUP_MAX_EPS = 1e-15  # ggml: a group whose absolute max is below this is all zero
 
@@ -485,23 +486,13 @@ _SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization
               "split.no", "split.count", "split.tensors.count")
 
 
-def quantize_file(src: str, dst: str, ftype: str, *,
-                  progress: Callable[[int, int, str], None] | None = None, n_layers: int | None = None) -> None:
-    """Requantize the GGUF at `src` to `ftype` (see FTYPES), writing `dst`.
+_FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
-    Metadata is copied (general.file_type and general.quantization_version updated); each
-    tensor's type comes from `plan_types`. A tensor already of its target type is copied
-    byte for byte; others are dequantized with gguf.quants and requantized, a slab of rows at
-    a time, so memory stays near one slab whatever the model size. `progress(done_bytes,
-    total_bytes, tensor_name)` is called after each slab with bytes written to `dst`.
-    `n_layers` keeps only the first n blocks (a slice of a real model small enough to carry
-    to a test machine; the rest of the model is unchanged).
-    """
-    import gguf
 
+def _file_plan(reader, ftype: str, n_layers: int | None):
+    """(arch, n_layer, kept tensors, {name: target type}) of rewriting `reader` as `ftype`."""
     if ftype not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
-    reader = gguf.GGUFReader(src)
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else "llama"
 
@@ -518,9 +509,52 @@ def quantize_file(src: str, dst: str, ftype: str, *,
         n_layer = n_layers
     n_head = int(field(f"{arch}.attention.head_count", 1))
     n_head_kv = int(field(f"{arch}.attention.head_count_kv", n_head)) or n_head
-    ggml_shape = lambda t: tuple(int(v) for v in t.shape)  # noqa: E731 (ne0 first)
-    plan = plan_types([(t.name, ggml_shape(t)) for t in tensors], ftype,
+    plan = plan_types([(t.name, _ggml_shape(t)) for t in tensors], ftype,
                       n_layer=n_layer, n_gqa=n_head // n_head_kv)
+    return arch, n_layer, tensors, plan
+
+
+def _ggml_shape(t) -> tuple[int, ...]:
+    return tuple(int(v) for v in t.shape)  # ne0 first
+
+
+def requantized(src: str, ftype: str, *, n_layers: int | None = None) -> dict[str, tuple[Q, Q]]:
+    """Tensors that writing `src` as `ftype` would requantize: {name: (from, to)}, where an
+    already quantized tensor would get another quantized type. Each such round trip adds the
+    new type's error to the old one's (llama.cpp refuses them without --allow-requantize);
+    dequantizing to F32/F16/BF16 and copying a tensor of its own type lose nothing more."""
+    import gguf
+
+    _, _, tensors, plan = _file_plan(gguf.GGUFReader(src), ftype, n_layers)
+    return {t.name: (t.tensor_type, plan[t.name]) for t in tensors
+            if t.tensor_type not in _FLOAT_TYPES and plan[t.name] not in _FLOAT_TYPES
+            and plan[t.name] != t.tensor_type}
+
+
+def quantize_file(src: str, dst: str, ftype: str, *,
+                  progress: Callable[[int, int, str], None] | None = None, n_layers: int | None = None) -> None:
+    """Requantize the GGUF at `src` to `ftype` (see FTYPES), writing `dst`.
+
+    Metadata is copied (general.file_type and general.quantization_version updated); each
+    tensor's type comes from `plan_types`. A tensor already of its target type is copied
+    byte for byte; others are dequantized with gguf.quants and requantized, a slab of rows at
+    a time, so memory stays near one slab whatever the model size. `progress(done_bytes,
+    total_bytes, tensor_name)` is called after each slab with bytes written to `dst`.
+    `n_layers` keeps only the first n blocks (a slice of a real model small enough to carry
+    to a test machine; the rest of the model is unchanged). `dst` is written in place: the
+    ntx-model commands write into a temporary file and rename it (tools.atomic).
+    """
+    import gguf
+
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        # the writer truncates dst before the reader has read src: the model would be lost
+        raise ValueError(f"{dst} is the input file: write the output to another path")
+    reader = gguf.GGUFReader(src)
+    arch, n_layer, tensors, plan = _file_plan(reader, ftype, n_layers)
+
+    def field(key, default):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
 
     writer = gguf.GGUFWriter(dst, arch)
     for key, f in reader.fields.items():
@@ -539,7 +573,7 @@ def quantize_file(src: str, dst: str, ftype: str, *,
     jobs = []  # (reader tensor, target type, rows, cols, out row bytes)
     for t in tensors:
         qtype = plan[t.name]
-        shape = ggml_shape(t)
+        shape = _ggml_shape(t)
         cols = shape[0]
         rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
         rb = cols // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
