@@ -28,6 +28,7 @@ sysusers="$destdir/etc/sysusers.d/ntransformer.conf"
 tmpfiles="$destdir/etc/tmpfiles.d/ntransformer.conf"
 config="$destdir/etc/ntransformer/ntransformerd.toml"
 openai_unit="$destdir/etc/systemd/system/ntx-openai.service"
+tcp_dropin="$destdir/etc/systemd/system/ntransformerd.service.d/tcp.conf"
 live=$([ -z "$destdir" ] && echo 1 || echo 0)
 
 if [ "$live" = 1 ] && [ "$(id -u)" != 0 ]; then
@@ -37,7 +38,7 @@ fi
 
 if [ "$uninstall" = 1 ]; then
     [ "$live" = 1 ] && systemctl disable --now ntx-openai.service ntransformerd.service 2>/dev/null || true
-    rm -f "$unit" "$openai_unit" "$sysusers" "$tmpfiles"
+    rm -f "$unit" "$openai_unit" "$tcp_dropin" "$sysusers" "$tmpfiles"
     [ "$live" = 1 ] && systemctl daemon-reload
     echo "removed the unit, sysusers and tmpfiles files; kept $config and the group ntransformer"
     exit 0
@@ -69,6 +70,14 @@ else
     echo "kept the existing $config"
 fi
 echo "installed $unit (ExecStart=$bindir/ntransformerd), $sysusers, $tmpfiles, $config"
+# The unit has no network unless the config serves TCP: run install.sh again after changing tcp_listen.
+if grep -Eq '^[[:space:]]*tcp_listen[[:space:]]*=[[:space:]]*"[^"]+"' "$config"; then
+    install -d -m 0755 "$(dirname "$tcp_dropin")"
+    install -m 0644 "$here/systemd/ntransformerd.service.d/tcp.conf" "$tcp_dropin"
+    echo "installed $tcp_dropin (tcp_listen is set: the unit may use the network)"
+else
+    rm -f "$tcp_dropin"
+fi
 # the gateway's unit, where the gateway is installed (pip install 'ntransformer[openai]')
 if [ -x "$bindir/ntx-openai" ]; then
     sed "s|@BINDIR@|$bindir|g" "$here/systemd/ntx-openai.service" > "$openai_unit.tmp"

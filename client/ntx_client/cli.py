@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from ntx_client.channels import TLS, TargetError
 from ntx_client.client import Client, collect
 from ntx_client.errors import NtxError
 
@@ -140,6 +141,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ntx-client", description="Talk to ntransformerd.")
     p.add_argument("--socket", help="daemon socket (default $NTX_SOCKET or /run/ntransformer/ntransformerd.sock)")
     p.add_argument("--timeout", type=float, help="seconds before a call gives up")
+    p.add_argument("--target", action="append", metavar="HOST:PORT",
+                   help="a daemon on TCP with TLS instead of the socket (repeat for several, round-robin)")
+    p.add_argument("--tls-ca", help="CA of the daemons' certificates (PEM)")
+    p.add_argument("--tls-cert", help="this client's certificate (PEM)")
+    p.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
+    p.add_argument("--tls-server-name", help="name in the daemons' certificates (default: the first target's host)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser("generate", help="stream a completion")
     g.add_argument("prompt", metavar="PROMPT", help="the prompt ('-' reads stdin)")
@@ -170,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.raw and args.chat:
         print("ntx-client: --raw and --chat exclude each other", file=sys.stderr)
         return 2
+    tls = TLS(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name) \
+        if args.tls_ca and args.tls_cert and args.tls_key else None
     try:
-        with Client(args.socket, timeout=args.timeout) as client:
+        with Client(args.socket, targets=args.target, tls=tls, timeout=args.timeout) as client:
             return COMMANDS[args.command](client, args)
-    except NtxError as e:
+    except (NtxError, TargetError) as e:
         print(f"ntx-client: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

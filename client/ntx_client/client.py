@@ -123,7 +123,7 @@ def _targets(socket: str | None, targets: Sequence[str] | None) -> tuple[list[st
     """(targets, what errors call them): `targets` if given, else the one unix socket."""
     if targets:
         if socket:
-            raise ValueError("give a socket or targets, not both")
+            raise channels.TargetError("give a socket or targets, not both")
         return list(targets), channels.describe(targets)
     path = paths.socket_path(socket)
     return [path], path

@@ -43,6 +43,12 @@ class DaemonConfig:
     socket: str = paths.SYSTEM_SOCKET
     admin_socket: str = ""  # empty: admin.sock next to `socket`
     socket_group: str = paths.SOCKET_GROUP  # group owning the user socket when run as root; "" = none
+    # ---- TCP with TLS, for clients on other hosts (off unless tcp_listen is set) ---------------
+    tcp_listen: str = ""  # host:port, e.g. "0.0.0.0:7443" (port 0: any free one, logged); empty: off
+    tls_cert: str = ""  # this daemon's certificate (PEM)
+    tls_key: str = ""  # its private key (PEM)
+    tls_client_ca: str = ""  # clients must present a certificate signed by this CA (PEM)
+    # ---- end of TCP keys -----------------------------------------------------------------------
     model: str = ""  # GGUF path; empty: the embedded default model
     backend: str = "auto"  # cpu | cuda | auto
     vram_budget: int | None = None  # bytes of VRAM the tier plan may use (None: what is free)
@@ -67,6 +73,7 @@ class DaemonConfig:
         self.validate()
 
     def validate(self) -> None:
+        self.validate_tcp()
         if self.backend not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"backend {self.backend!r}: use cpu, cuda or auto")
         if self.kv_dtype not in ("f32", "f16"):
@@ -84,6 +91,29 @@ class DaemonConfig:
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
 
+    def validate_tcp(self) -> None:
+        """The TCP keys: all or nothing, and TLS files that exist (a client certificate is required)."""
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_client_ca": self.tls_client_ca}
+        for key, v in {"tcp_listen": self.tcp_listen, **tls}.items():
+            if not isinstance(v, str):
+                raise ConfigError(f"{key} = {v!r}: must be a string")
+        if not self.tcp_listen:
+            if any(tls.values()):
+                raise ConfigError("tls_cert, tls_key and tls_client_ca are set but tcp_listen is not: set "
+                                  'tcp_listen = "HOST:PORT" to serve on TCP, or remove them')
+            return
+        host, sep, port = self.tcp_listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError(f"tcp_listen = {self.tcp_listen!r}: write HOST:PORT, e.g. \"0.0.0.0:7443\" "
+                              "(all interfaces) or \"[::]:7443\"")
+        missing = [k for k, v in tls.items() if not v]
+        if missing:
+            raise ConfigError(f"tcp_listen is set, so TLS is required: set {', '.join(missing)} (PEM files; "
+                              "the README's 'Several hosts' section makes them)")
+        for key, path in tls.items():
+            if not os.path.isfile(path):
+                raise ConfigError(f"{key} = {path!r}: no such file")
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 _BYTES = ("vram_budget", "pinned_budget")
@@ -95,6 +125,10 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help=f"user socket (default $NTX_SOCKET or {paths.SYSTEM_SOCKET})")
     p.add_argument("--admin-socket", help="root-only admin socket (default admin.sock next to --socket)")
     p.add_argument("--socket-group", help="group that owns the user socket when run as root ('' for none)")
+    p.add_argument("--tcp-listen", metavar="HOST:PORT", help="also serve on TCP with TLS (needs the --tls-* files)")
+    p.add_argument("--tls-cert", help="this daemon's TLS certificate (PEM)")
+    p.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", help="CA that signed the clients' certificates (PEM); clients must have one")
     p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"))
     p.add_argument("--vram-budget", help="VRAM the tier plan may use, e.g. 24GiB (default: what is free)")
@@ -139,7 +173,7 @@ def load(argv: list[str] | None = None, *, environ=os.environ) -> DaemonConfig:
     for name in _BYTES:
         if name in values:
             values[name] = parse_bytes(values[name])
-    for name in ("socket", "admin_socket", "model"):
+    for name in ("socket", "admin_socket", "model", "tls_cert", "tls_key", "tls_client_ca"):
         if values.get(name):
             values[name] = os.path.abspath(os.path.expanduser(values[name]))
     try:

@@ -73,6 +73,26 @@ def test_gateway_unit_is_staged_unprivileged_and_verifies(staged):
     assert r.returncode == 0 and not mine, r.stdout + r.stderr
 
 
+def test_tcp_dropin_only_when_the_config_serves_tcp(staged):
+    dropin = staged / "etc/systemd/system/ntransformerd.service.d/tcp.conf"
+    assert not dropin.exists()  # the example config: unix sockets only, PrivateNetwork=yes stays
+    config = staged / "etc/ntransformer/ntransformerd.toml"
+    config.write_text(config.read_text() + '\ntcp_listen = "0.0.0.0:7443"\n')
+    install = [str(PKG / "install.sh"), "--destdir", str(staged), "--bindir", BINDIR]
+    r = subprocess.run(install, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    keys = dict(re.findall(r"^(\w+)=(.*)$", dropin.read_text(), re.M))
+    assert keys["PrivateNetwork"] == "no" and "AF_INET" in keys["RestrictAddressFamilies"].split()
+    if shutil.which("systemd-analyze"):
+        unit = staged / "etc/systemd/system/ntransformerd.service"
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    config.write_text(config.read_text().replace('tcp_listen = "0.0.0.0:7443"', ""))
+    r = subprocess.run(install, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not dropin.exists(), r.stderr
+
+
 def test_example_config_lists_every_key_and_parses(tmp_path):
     from ntransformerd import config
     text = (PKG / "ntransformerd.toml").read_text()

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ntransformerd.server import sockets
+from ntransformerd.server import sockets, tcp
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
@@ -60,6 +60,8 @@ class Daemon:
 
     def start(self) -> None:
         c = self.config
+        if c.tcp_listen:  # first: a bad TLS file then leaves no socket behind
+            tcp.bind(self.server, c)
         sockets.bind(self.server, c.socket, mode=sockets.USER_MODE, group=c.socket_group)
         sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
         self.server.start()
