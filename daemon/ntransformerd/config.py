@@ -3,15 +3,22 @@
 Precedence: flag > file > default. The file is `--config PATH`, else
 /etc/ntransformer/ntransformerd.toml when it exists. Keys are the flag names with underscores
 (packaging/ntransformerd.toml lists them all).
+
+Every key goes through one table, KEYS: its check (type and range, the message naming the key)
+and its flag's help. A new key is a field of DaemonConfig, a row of KEYS and a line of the
+example file; the flag, its shown default and the validation follow from the row.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
+from collections.abc import Callable
+from typing import Any
 
 from ntx_client import paths
 
@@ -24,16 +31,136 @@ class ConfigError(ValueError):
     """A bad setting; the message names the key and what it accepts."""
 
 
-def parse_bytes(value: str | int | None) -> int | None:
+# ---- checks: (key, value) -> the value to use, or ConfigError naming the key ----------------------
+
+Check = Callable[[str, Any], Any]
+
+
+def _kind(v: Any) -> str:
+    return "true/false" if isinstance(v, bool) else type(v).__name__
+
+
+def integer(lo: int, hi: int) -> Check:
+    def check(key, v):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"{key} = {v!r}: must be an integer in {lo}..{hi}, not {_kind(v)}")
+        if not lo <= v <= hi:
+            raise ConfigError(f"{key} = {v!r}: must be an integer in {lo}..{hi}")
+        return v
+    return check
+
+
+def number(lo: float, hi: float, unit: str) -> Check:
+    def check(key, v):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo <= v <= hi:
+            raise ConfigError(f"{key} = {v!r}: must be {unit} in {lo:g}..{hi:g}")
+        return float(v)
+    return check
+
+
+def choice(*options: str) -> Check:
+    def check(key, v):
+        if not isinstance(v, str) or v.lower() not in options:
+            raise ConfigError(f"{key} = {v!r}: use {', '.join(options[:-1])} or {options[-1]}")
+        return v.lower()
+    return check
+
+
+def path(*, empty: str | None = None) -> Check:
+    """A file path made absolute; `empty` (when not None) says what an empty string means."""
+    def check(key, v):
+        if not isinstance(v, str):
+            raise ConfigError(f"{key} = {v!r}: must be a path in quotes, not {_kind(v)}")
+        if "\0" in v:
+            raise ConfigError(f"{key} = {v!r}: a path cannot contain a NUL character")
+        if not v.strip():
+            if empty is None:
+                raise ConfigError(f"{key} is empty: give a path")
+            return ""
+        return os.path.abspath(os.path.expanduser(v))
+    return check
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+
+
+def group_name(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = {v!r}: must be a group name in quotes (\"\" for none), not {_kind(v)}")
+    if v and not _GROUP_NAME.fullmatch(v):
+        raise ConfigError(f"{key} = {v!r}: not a group name (letters, digits, _ . -; \"\" for none)")
+    return v
+
+
+def host_port(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = {v!r}: must be \"HOST:PORT\" in quotes, not {_kind(v)}")
+    host, sep, port = v.rpartition(":")
+    if v and (not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536):
+        raise ConfigError(f"{key} = {v!r}: write HOST:PORT, e.g. \"0.0.0.0:7443\" (all interfaces) or \"[::]:7443\"")
+    return v
+
+
+def size(minimum: int) -> Check:
+    """Bytes: '24GiB', '512MiB', '8G', an integer count, or 'auto'/''/None for no limit."""
+    def check(key, v):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ConfigError(f"{key} = {v!r}: write a size such as \"24GiB\", \"512MiB\" or \"auto\"")
+        n = v if isinstance(v, int) else parse_bytes(v, key)
+        if n is not None and n < minimum:
+            raise ConfigError(f"{key} = {v!r}: at least {minimum >> 20} MiB, or \"auto\" for what is free")
+        return n
+    return check
+
+
+def parse_bytes(value: str | int | None, key: str = "size") -> int | None:
     """'24GiB' → 25769803776; None, '' and 'auto' → None (the tier plan decides)."""
     if value is None or isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if str(value).strip().lower() in ("", "auto"):
         return None
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{value!r} is not a size: write e.g. 24GiB, 512MiB, 8G or auto")
+        raise ConfigError(f"{key} = {value!r}: not a size: write e.g. 24GiB, 512MiB, 8G or auto")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One configuration key: how its value is checked, and its flag."""
+
+    check: Check
+    help: str
+    metavar: str = "TEXT"
+    flag_type: Callable[[str], Any] = str  # how the flag's text becomes a value for `check`
+    shown: str | None = None  # the default as --help shows it, where repr(default) would not say
+
+
+KEYS: dict[str, Key] = {
+    "socket": Key(path(), "user socket (also $NTX_SOCKET)", "PATH"),
+    "admin_socket": Key(path(empty=""), "root-only admin socket", "PATH", shown="admin.sock next to --socket"),
+    "socket_group": Key(group_name, "group owning the user socket when run as root ('' for none)", "GROUP"),
+    "tcp_listen": Key(host_port, "also serve on TCP with TLS (needs the --tls-* files)", "HOST:PORT", shown="off"),
+    "tls_cert": Key(path(empty=""), "this daemon's TLS certificate (PEM)", "PATH"),
+    "tls_key": Key(path(empty=""), "the key of --tls-cert (PEM)", "PATH"),
+    "tls_client_ca": Key(path(empty=""), "CA that signed the clients' certificates (PEM); clients must have one", "PATH"),
+    "model": Key(path(empty=""), "GGUF file", "PATH", shown="the embedded SmolLM2-135M-Instruct"),
+    "backend": Key(choice("cpu", "cuda", "auto"), "cpu, cuda or auto", "NAME"),
+    "vram_budget": Key(size(1 << 20), "VRAM the tier plan may use, e.g. 24GiB", "SIZE", shown="auto, what is free"),
+    "pinned_budget": Key(size(1 << 20), "pinned host RAM for the tier plan, e.g. 64GiB", "SIZE",
+                         shown="auto, what is free"),
+    "max_batch": Key(integer(1, 4096), "sequences decoded together (KV-cache slots)", "N", int),
+    "max_queue": Key(integer(0, 1 << 20), "requests waiting for a slot before RESOURCE_EXHAUSTED", "N", int),
+    "max_ctx": Key(integer(16, 1 << 24), "positions per sequence (capped by the model)", "N", int),
+    "kv_dtype": Key(choice("f32", "f16"), "KV-cache storage: f32 or f16", "TYPE"),
+    "prefill_chunk": Key(integer(1, 1 << 20), "prompt tokens per scheduler step", "N", int),
+    "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
+    "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
+    "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
+    "cpu_threads": Key(integer(0, 4096), "BLAS threads of the CPU backend (0: the BLAS default)", "N", int),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,45 +194,23 @@ class DaemonConfig:
     cpu_threads: int = 1
 
     def __post_init__(self):
+        for name in FIELDS:
+            object.__setattr__(self, name, KEYS[name].check(name, getattr(self, name)))
         if not self.admin_socket:
             object.__setattr__(self, "admin_socket",
                                os.path.join(os.path.dirname(os.path.abspath(self.socket)), "admin.sock"))
-        self.validate()
-
-    def validate(self) -> None:
+        if self.socket == self.admin_socket:
+            raise ConfigError(f"socket and admin_socket are both {self.socket}: give them different paths")
         self.validate_tcp()
-        if self.backend not in ("cpu", "cuda", "auto"):
-            raise ConfigError(f"backend {self.backend!r}: use cpu, cuda or auto")
-        if self.kv_dtype not in ("f32", "f16"):
-            raise ConfigError(f"kv_dtype {self.kv_dtype!r}: use f32 or f16")
-        for key, lo, hi in (("max_batch", 1, 4096), ("max_queue", 0, 1 << 20), ("max_ctx", 16, 1 << 24),
-                            ("prefill_chunk", 1, 1 << 20), ("default_max_tokens", 1, 1 << 24),
-                            ("cpu_threads", 0, 4096)):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise ConfigError(f"{key} = {v!r}: must be an integer in {lo}..{hi}")
-        if not (isinstance(self.drain_timeout, (int, float)) and 0 <= self.drain_timeout <= 3600):
-            raise ConfigError(f"drain_timeout = {self.drain_timeout!r}: seconds in 0..3600")
-        if os.path.abspath(self.socket) == os.path.abspath(self.admin_socket):
-            raise ConfigError("socket and admin_socket must be different paths")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
 
     def validate_tcp(self) -> None:
         """The TCP keys: all or nothing, and TLS files that exist (a client certificate is required)."""
         tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_client_ca": self.tls_client_ca}
-        for key, v in {"tcp_listen": self.tcp_listen, **tls}.items():
-            if not isinstance(v, str):
-                raise ConfigError(f"{key} = {v!r}: must be a string")
         if not self.tcp_listen:
             if any(tls.values()):
                 raise ConfigError("tls_cert, tls_key and tls_client_ca are set but tcp_listen is not: set "
                                   'tcp_listen = "HOST:PORT" to serve on TCP, or remove them')
             return
-        host, sep, port = self.tcp_listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ConfigError(f"tcp_listen = {self.tcp_listen!r}: write HOST:PORT, e.g. \"0.0.0.0:7443\" "
-                              "(all interfaces) or \"[::]:7443\"")
         missing = [k for k, v in tls.items() if not v]
         if missing:
             raise ConfigError(f"tcp_listen is set, so TLS is required: set {', '.join(missing)} (PEM files; "
@@ -116,32 +221,17 @@ class DaemonConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-_BYTES = ("vram_budget", "pinned_budget")
+assert set(FIELDS) == set(KEYS), "every DaemonConfig field has its row in KEYS"
 
 
 def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ntransformerd", description="Serve a GGUF model over gRPC on a unix socket.")
-    p.add_argument("--config", help=f"TOML file (default {DEFAULT_CONFIG_FILE} if it exists)")
-    p.add_argument("--socket", help=f"user socket (default $NTX_SOCKET or {paths.SYSTEM_SOCKET})")
-    p.add_argument("--admin-socket", help="root-only admin socket (default admin.sock next to --socket)")
-    p.add_argument("--socket-group", help="group that owns the user socket when run as root ('' for none)")
-    p.add_argument("--tcp-listen", metavar="HOST:PORT", help="also serve on TCP with TLS (needs the --tls-* files)")
-    p.add_argument("--tls-cert", help="this daemon's TLS certificate (PEM)")
-    p.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
-    p.add_argument("--tls-client-ca", help="CA that signed the clients' certificates (PEM); clients must have one")
-    p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", choices=("cpu", "cuda", "auto"))
-    p.add_argument("--vram-budget", help="VRAM the tier plan may use, e.g. 24GiB (default: what is free)")
-    p.add_argument("--pinned-budget", help="pinned host RAM for the tier plan, e.g. 64GiB")
-    p.add_argument("--max-batch", type=int, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, help="requests waiting for a slot before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-ctx", type=int, help="positions per sequence")
-    p.add_argument("--kv-dtype", choices=("f32", "f16"))
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per scheduler step")
-    p.add_argument("--default-max-tokens", type=int)
-    p.add_argument("--drain-timeout", type=float, help="seconds in-flight requests get on SIGTERM")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--cpu-threads", type=int, help="BLAS threads for the CPU backend (default 1; 0 = BLAS default)")
+    p.add_argument("--config", help=f"TOML file (default: {DEFAULT_CONFIG_FILE} if it exists)")
+    for name, key in KEYS.items():
+        default = FIELDS[name].default
+        shown = key.shown or (repr(default) if default == "" else str(default))
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=key.flag_type, metavar=key.metavar,
+                       help=f"{key.help} (default: {shown})")
     return p
 
 
@@ -170,13 +260,4 @@ def load(argv: list[str] | None = None, *, environ=os.environ) -> DaemonConfig:
             values[name] = v
     if "socket" not in values and environ.get(paths.SOCKET_ENV):
         values["socket"] = environ[paths.SOCKET_ENV]
-    for name in _BYTES:
-        if name in values:
-            values[name] = parse_bytes(values[name])
-    for name in ("socket", "admin_socket", "model", "tls_cert", "tls_key", "tls_client_ca"):
-        if values.get(name):
-            values[name] = os.path.abspath(os.path.expanduser(values[name]))
-    try:
-        return DaemonConfig(**values)
-    except TypeError as e:  # a wrong type in the file
-        raise ConfigError(f"config: {e}") from None
+    return DaemonConfig(**values)

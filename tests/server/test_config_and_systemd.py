@@ -23,7 +23,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
 @pytest.mark.parametrize("text,words", [
     ("max_bach = 4\n", "unknown key(s) max_bach"),
     ("max_batch = 0\n", "max_batch = 0"),
-    ('backend = "tpu"\n', "backend 'tpu'"),
+    ('backend = "tpu"\n', "backend = 'tpu'"),
     ('vram_budget = "lots"\n', "not a size"),
     ("max_batch = \n", "not valid TOML"),
     ('max_batch = "8"\n', "max_batch = '8'"),
@@ -34,6 +34,50 @@ def test_bad_config_names_the_key(tmp_path, text, words):
     with pytest.raises(config.ConfigError) as e:
         config.load(["--config", str(f)])
     assert words in str(e.value)
+
+
+# ≥ 20 bad values: each one line naming its key, whatever the type or range that is wrong
+BAD_VALUES = [
+    ("socket", "5"), ("socket", '""'), ("socket", "true"), ("socket", '["/x.sock"]'),
+    ("admin_socket", "1"), ("model", "5"), ("model", "{ path = \"x\" }"),
+    ("socket_group", "7"), ("socket_group", '"no such group!"'),
+    ("backend", "1"), ("backend", '"tpu"'),
+    ("log_level", "5"), ("log_level", '"loud"'),
+    ("kv_dtype", '"f8"'),
+    ("max_batch", "-1"), ("max_batch", "true"), ("max_batch", "1.5"), ("max_batch", "100000"),
+    ("max_queue", "-5"), ("max_ctx", "8"), ("prefill_chunk", "0"), ("default_max_tokens", '"many"'),
+    ("cpu_threads", "-1"),
+    ("drain_timeout", "-1"), ("drain_timeout", "nan"), ("drain_timeout", '"5s"'), ("drain_timeout", "false"),
+    ("vram_budget", "-1"), ("vram_budget", "0"), ("vram_budget", '"-4GiB"'), ("vram_budget", "1.5"),
+    ("vram_budget", "true"), ("pinned_budget", '"lots"'), ("pinned_budget", "-1"),
+]
+
+
+@pytest.mark.parametrize("key,value", BAD_VALUES, ids=[f"{k}={v}" for k, v in BAD_VALUES])
+def test_every_bad_value_is_one_line_naming_the_key(tmp_path, capsys, key, value):
+    from ntransformerd.main import main
+
+    f = tmp_path / "d.toml"
+    f.write_text(f"socket = \"{tmp_path}/d.sock\"\n{key} = {value}\n" if key != "socket" else f"{key} = {value}\n")
+    assert main(["--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ntransformerd: {key} ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == [f]  # nothing bound, nothing left behind
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        config.argument_parser().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    for flag, default in (("--max-batch N", "8"), ("--socket-group GROUP", "ntransformer"), ("--backend NAME", "auto"),
+                          ("--drain-timeout S", "5.0"), ("--vram-budget SIZE", "auto"), ("--cpu-threads N", "1")):
+        assert flag in out and f"(default: {default}" in out.split(flag, 1)[1].split("--", 1)[0], flag
+
+
+def test_config_keys_and_table_agree():
+    assert list(config.KEYS) == list(config.FIELDS)
+    assert config.DaemonConfig(vram_budget="2GiB", socket="rel.sock").vram_budget == 2 << 30
+    assert os.path.isabs(config.DaemonConfig(socket="rel.sock").socket)
 
 
 def test_missing_config_file_is_an_error():
