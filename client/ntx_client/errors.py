@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 
 import grpc
@@ -28,9 +29,7 @@ class PermissionDenied(NtxError):
 def connection_error(path: str, details: str = "") -> NtxError:
     """Explain why `path` cannot be reached, from what the filesystem says about it."""
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK) or "ermission denied" in details:
-        return PermissionDenied(
-            f"permission denied on {path}: add your user to group {SOCKET_GROUP} and log in again "
-            f"(sudo usermod -aG {SOCKET_GROUP} $USER)", grpc.StatusCode.PERMISSION_DENIED)
+        return permission_denied(path)
     if not os.path.exists(path):
         return ConnectionFailed(
             f"cannot reach ntransformerd at {path}: no such socket. Is it running? "
@@ -52,6 +51,31 @@ def tcp_connection_error(where: str, details: str = "") -> NtxError:
                 "(--tls-cert, --tls-key) must be signed by the daemons' tls_client_ca")
     return ConnectionFailed(f"cannot reach ntransformerd at {where}: {details or 'connection refused'}. {hint}",
                             grpc.StatusCode.UNAVAILABLE)
+
+
+def socket_group(path: str) -> str:
+    """The name of the group that owns `path` (its gid when the name is unknown)."""
+    try:
+        gid = os.stat(path).st_gid
+    except OSError:
+        return SOCKET_GROUP
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def permission_denied(path: str) -> PermissionDenied:
+    """The socket's own group is the one to join: a daemon may run with another socket_group."""
+    group = socket_group(path)
+    if group in ("root", "0"):
+        return PermissionDenied(
+            f"permission denied on {path}: the socket belongs to group root, so only root may use it "
+            f"(the daemon has no socket_group, or its group is missing): use sudo, or set socket_group "
+            f"in /etc/ntransformer/ntransformerd.toml", grpc.StatusCode.PERMISSION_DENIED)
+    return PermissionDenied(
+        f"permission denied on {path}: add your user to group {group} and log in again "
+        f"(sudo usermod -aG {group} $USER)", grpc.StatusCode.PERMISSION_DENIED)
 
 
 def from_rpc_error(err: grpc.RpcError, path: str) -> NtxError:

@@ -1,5 +1,7 @@
 """Connection errors name the cause and the fix."""
 
+import grp
+import os
 
 import grpc
 import pytest
@@ -14,10 +16,26 @@ def test_missing_socket_says_is_it_running(tmp_path):
     assert "systemctl status ntransformerd" in str(e)
 
 
-def test_unreadable_socket_says_join_the_group(tmp_path):
-    e = connection_error(str(tmp_path), "connect: Permission denied (13)")
-    assert isinstance(e, PermissionDenied) and "add your user to group ntransformer" in str(e)
-    assert e.code == grpc.StatusCode.PERMISSION_DENIED
+def test_unreadable_socket_names_the_sockets_own_group(tmp_path):
+    sock = tmp_path / "d.sock"
+    sock.write_bytes(b"")
+    if os.geteuid() == 0:
+        group = next(g for g in grp.getgrall() if g.gr_gid != 0)
+        os.chown(sock, -1, group.gr_gid)
+    else:
+        group = grp.getgrgid(os.stat(sock).st_gid)
+    e = connection_error(str(sock), "connect: Permission denied (13)")
+    assert isinstance(e, PermissionDenied) and f"add your user to group {group.gr_name} and" in str(e)
+    assert f"usermod -aG {group.gr_name} $USER" in str(e) and e.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of group root needs root")
+def test_a_root_group_socket_says_use_sudo(tmp_path):
+    sock = tmp_path / "d.sock"
+    sock.write_bytes(b"")
+    os.chown(sock, 0, 0)
+    e = connection_error(str(sock), "connect: Permission denied (13)")
+    assert "only root may use it" in str(e) and "group root" in str(e) and "usermod" not in str(e)
 
 
 def test_client_call_on_a_missing_socket_raises_connection_failed(tmp_path):

@@ -1,8 +1,15 @@
 """The daemon's unix sockets: where they go, who may open them, and cleaning them up.
 
 As root the user socket is group `ntransformer` mode 0660 and the admin socket root 0600; as any
-other user both are 0600-or-0660 files owned by that user wherever it can write. The mode is set
-through the umask at bind time, so there is no moment when the socket is more open than asked.
+other user both are files owned by that user wherever it can write. A socket's directory must be
+one that nobody else can change: not a symlink, owned by root or the daemon's user, not writable
+by group or others, and every directory above it the same (or sticky, as /tmp is); otherwise
+another user could move or swap the sockets, and the daemon refuses to start.
+
+A socket is bound inside a private directory (mode 0700) made next to its final path, given its
+mode and group there, where nobody else can reach or replace it, and then renamed into place:
+it never appears at its path with another mode or group, and nothing is changed through a path
+someone else could redirect.
 """
 
 from __future__ import annotations
@@ -11,14 +18,17 @@ import contextlib
 import grp
 import logging
 import os
+import pwd
 import socket
 import stat
+import tempfile
 
 log = logging.getLogger("ntransformerd")
 
 USER_MODE = 0o660
 ADMIN_MODE = 0o600
 DIR_MODE = 0o755  # clients need to traverse it; the socket modes do the access control
+MAX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 class SocketError(RuntimeError):
@@ -39,16 +49,68 @@ def _in_use(path: str) -> bool:
             return False
 
 
-def prepare(path: str) -> None:
-    """Make the directory; refuse a path a live daemon serves; remove a stale socket."""
-    d = os.path.dirname(path)
+def _owner(uid: int) -> str:
     try:
-        os.makedirs(d, mode=DIR_MODE, exist_ok=True)
-    except OSError as e:
-        raise SocketError(f"cannot create {d} for the socket: {e.strerror}. Run as root, or pass "
-                          f"--socket with a path you can write (e.g. --socket ./ntx.sock)") from None
-    if len(path.encode()) > 107:
-        raise SocketError(f"socket path is {len(path.encode())} bytes; unix sockets allow 107: pick a shorter path")
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(w for w, bit in (("its group", stat.S_IWGRP), ("all users", stat.S_IWOTH)) if mode & bit)
+
+
+def _ancestors(d: str) -> list[str]:
+    out, cur = [], os.path.dirname(d)
+    while True:
+        out.append(cur)
+        if cur == os.path.dirname(cur):
+            return out
+        cur = os.path.dirname(cur)
+
+
+def check_directory(d: str) -> None:
+    """Refuse a socket directory that a user other than root and this one could change."""
+    trusted = {0, os.geteuid()}
+    st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode):
+        raise SocketError(f"the socket directory {d} is a symlink (to {os.readlink(d)}): whoever can change "
+                          "the link can redirect the sockets. Give --socket a path in a real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SocketError(f"{d} is not a directory: pick another --socket")
+    fix = f"Use a directory owned by root or by you that only its owner can write (e.g. mkdir -m 0755 DIR)"
+    if st.st_uid not in trusted:
+        raise SocketError(f"the socket directory {d} is owned by {_owner(st.st_uid)}, who could move or "
+                          f"replace the sockets. {fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SocketError(f"the socket directory {d} is writable by {_writers(st.st_mode)} (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}), who could move or replace the sockets: "
+                          f"chmod go-w {d}, or pick another --socket. {fix}")
+    # the directories above, as named and as resolved: a writer there could swap `d` itself
+    for a in dict.fromkeys(_ancestors(d) + _ancestors(os.path.realpath(d))):
+        st = os.stat(a)
+        if st.st_uid not in trusted:
+            raise SocketError(f"{a}, above the socket directory {d}, is owned by {_owner(st.st_uid)}, who could "
+                              f"replace {d}. {fix}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise SocketError(f"{a}, above the socket directory {d}, is writable by {_writers(st.st_mode)} "
+                              f"without the sticky bit, so {d} could be replaced. {fix}")
+
+
+def prepare(path: str) -> None:
+    """Make the directory (or check the one there); refuse a path a live daemon serves; remove a
+    stale socket."""
+    d = os.path.dirname(path)
+    if not os.path.lexists(d):
+        try:
+            os.makedirs(d, mode=DIR_MODE)
+        except OSError as e:
+            raise SocketError(f"cannot create {d} for the socket: {e.strerror}. Run as root, or pass "
+                              f"--socket with a path you can write (e.g. --socket ./ntx.sock)") from None
+    check_directory(d)
+    if len(path.encode()) > MAX_PATH:
+        raise SocketError(f"socket path is {len(path.encode())} bytes; unix sockets allow {MAX_PATH}: "
+                          "pick a shorter path")
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise SocketError(f"{path} exists and is not a socket: remove it or pick another --socket")
@@ -58,38 +120,44 @@ def prepare(path: str) -> None:
         os.unlink(path)
 
 
-@contextlib.contextmanager
-def _umask(mask: int):
-    old = os.umask(mask)
+def _group_id(group: str, path: str) -> int | None:
     try:
-        yield
-    finally:
-        os.umask(old)
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        log.warning("group %s does not exist, so %s stays root-only: create it with "
+                    "systemd-sysusers (packaging/sysusers.d/ntransformer.conf) or "
+                    "groupadd --system %s, or pass --socket-group ''", group, path, group)
+        return None
 
 
 def bind(server, path: str, *, mode: int, group: str = "") -> None:
     """Bind `server` (a grpc.Server, not yet started) to `path` with `mode`, group-owned when root."""
     prepare(path)
-    with _umask(0o777 & ~mode):
+    gid = _group_id(group, path) if group and is_root() else None
+    private = tempfile.mkdtemp(prefix=".ntx-", dir=os.path.dirname(path))  # 0700, ours
+    staged = os.path.join(private, "s")
+    try:
+        if len(staged.encode()) > MAX_PATH:
+            raise SocketError(f"socket directory {os.path.dirname(path)} is too long a path to bind in "
+                              f"(unix sockets allow {MAX_PATH} bytes): pick a shorter --socket")
         try:
-            port = server.add_insecure_port(f"unix:{path}")
+            port = server.add_insecure_port(f"unix:{staged}")
         except RuntimeError as e:
             port, err = 0, e
         else:
             err = None
-    if not port:
-        raise SocketError(f"cannot bind {path}: {err or 'gRPC refused the address'}. Is the directory "
-                          "writable? Pick another --socket")
-    os.chmod(path, mode)
-    if group and is_root():
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            log.warning("group %s does not exist, so %s stays root-only: create it with "
-                        "systemd-sysusers (packaging/sysusers.d/ntransformer.conf) or "
-                        "groupadd --system %s, or pass --socket-group ''", group, path, group)
-            return
-        os.chown(path, 0, gid)
+        if not port:
+            raise SocketError(f"cannot bind {path}: {err or 'gRPC refused the address'}. Is the directory "
+                              "writable? Pick another --socket")
+        os.chmod(staged, mode)
+        if gid is not None:
+            os.chown(staged, -1, gid, follow_symlinks=False)
+        os.rename(staged, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        with contextlib.suppress(OSError):
+            os.rmdir(private)
 
 
 def remove(path: str) -> None:
