@@ -11,7 +11,7 @@ or an error always says where it stopped:
 Every wait on CSTS.RDY is bounded by CAP.TO (the controller's own worst case), every admin
 command by `admin_timeout_s`.
 
-The transport (VFIO, or the simulator) is anything with: `read32/write32/read64/write64(offset)`
+The transport (VFIO, or the tests' fake controller) is anything with: `read32/write32/read64/write64(offset)`
 on BAR0, `dma_alloc(size)`, `dma_map(uint8 array)`, `dma_free(region)`, `contiguous_dma` (False
 when the device sees physical pages, i.e. no-IOMMU), and `pci_ids` ((vendor, device) or None).
 
@@ -365,7 +365,7 @@ class Controller:
 
     def write_from(self, io: IoQpair, byte_offset: int, length: int, buf: DmaRegion,
                    buf_offset: int = 0, *, depth: int | None = None) -> None:
-        """Write through our driver (tests and the simulator; staging uses the kernel driver)."""
+        """Write through our driver (tests and the fake controller; staging uses the kernel driver)."""
         self.read_into(io, byte_offset, length, buf, buf_offset, depth=depth,
                        opcode=IoOpcode.WRITE)
 

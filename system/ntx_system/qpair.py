@@ -1,7 +1,7 @@
 """One NVMe submission/completion queue pair, transport-free.
 
 The queue pair knows ring memory (two `DmaRegion`s) and a doorbell writer callable; it does not
-know whether the controller is a PCIe device behind VFIO or the in-process simulator.  It keeps:
+know whether the controller is a PCIe device behind VFIO or the tests' in-process fake.  It keeps:
 
 - the SQ tail we write and the SQ head the controller reports in every CQE (`sqhd`), so a slot is
   reused only after the controller has fetched it;

@@ -76,7 +76,7 @@ class Cap:
     @staticmethod
     def encode(*, mqes: int, cqr: bool = True, to_ms: int = 1000, dstrd: int = 0,
                css: int = 1, mpsmin_log2: int = 12, mpsmax_log2: int = 12) -> int:
-        """Build a CAP value (used by the simulated controller)."""
+        """Build a CAP value (used by the tests' fake controller)."""
         return ((mqes - 1) & 0xFFFF) | (int(cqr) << 16) | (((to_ms + 499) // 500) & 0xFF) << 24 \
             | (dstrd & 0xF) << 32 | (css & 0xFF) << 37 \
             | ((mpsmin_log2 - 12) & 0xF) << 48 | ((mpsmax_log2 - 12) & 0xF) << 52

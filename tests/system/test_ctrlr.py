@@ -4,7 +4,7 @@ import pytest
 
 from ntx_system import spec
 from ntx_system.ctrlr import Controller, CtrlrError, CtrlrState
-from ntx_system.sim import SimController, SimTransport
+from .fake_nvme import FakeNvmeController, FakeNvmeTransport
 
 MIB = 1 << 20
 
@@ -26,8 +26,8 @@ class FakeClock:
 
 
 def test_bring_up_reaches_ready_and_identifies():
-    sim = SimController(_storage(), serial="SER-XYZ", mdts=5, max_io_queues=2)
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(), serial="SER-XYZ", mdts=5, max_io_queues=2)
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t).start(io_queues=8)
     assert ctrl.state == CtrlrState.READY
     assert ctrl.identity.serial == "SER-XYZ" and ctrl.identity.model == "NTX Simulated NVMe"
@@ -39,18 +39,18 @@ def test_bring_up_reaches_ready_and_identifies():
 
 
 def test_bring_up_from_an_enabled_controller_resets_it_first():
-    sim = SimController(_storage(MIB))
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(MIB))
+    t = FakeNvmeTransport(sim)
     Controller(t).start()            # leave it enabled, as a crashed process would
     ctrl = Controller(t).start()
     assert ctrl.state == CtrlrState.READY
 
 
 def test_never_ready_fails_in_named_state_within_cap_to():
-    sim = SimController(_storage(MIB), to_ms=2000)
+    sim = FakeNvmeController(_storage(MIB), to_ms=2000)
     sim.never_ready = True
     clock = FakeClock()
-    ctrl = Controller(SimTransport(sim), clock=clock, sleep=clock.sleep)
+    ctrl = Controller(FakeNvmeTransport(sim), clock=clock, sleep=clock.sleep)
     with pytest.raises(CtrlrError) as err:
         ctrl.start()
     assert "ENABLE_WAIT_FOR_READY_1" in str(err.value) and "2.0 s" in str(err.value)
@@ -59,11 +59,11 @@ def test_never_ready_fails_in_named_state_within_cap_to():
 
 
 def test_admin_error_status_names_state():
-    sim = SimController(_storage(MIB))
+    sim = FakeNvmeController(_storage(MIB))
     sim.error_for = lambda cmd: spec.STATUS_INVALID_FIELD if cmd.qid == 0 and cmd.opc == 0x09 \
         else None
     with pytest.raises(CtrlrError) as err:
-        Controller(SimTransport(sim)).start()
+        Controller(FakeNvmeTransport(sim)).start()
     assert "SET_NUMBER_OF_QUEUES" in str(err.value) and "invalid field" in str(err.value)
 
 
@@ -71,9 +71,9 @@ def test_admin_error_status_names_state():
 @pytest.mark.parametrize("lba_size", [512, 4096])
 def test_read_into_mdts_chunks_prp_lists(paged, lba_size):
     storage = _storage()
-    sim = SimController(storage, lba_size=lba_size, mdts=6, completion_order="shuffle",
+    sim = FakeNvmeController(storage, lba_size=lba_size, mdts=6, completion_order="shuffle",
                         mqes=1024)
-    t = SimTransport(sim, paged=paged)
+    t = FakeNvmeTransport(sim, paged=paged)
     ctrl = Controller(t).start()
     io = ctrl.io_qpair_create(depth=8)
     buf = t.dma_alloc(5 * MIB)
@@ -88,8 +88,8 @@ def test_read_into_mdts_chunks_prp_lists(paged, lba_size):
 
 
 def test_read_into_caller_buffer_and_write_back():
-    sim = SimController(_storage(MIB))
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(MIB))
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t).start()
     io = ctrl.io_qpair_create(depth=4)
     import mmap
@@ -107,8 +107,8 @@ def test_read_into_caller_buffer_and_write_back():
 
 
 def test_read_into_rejects_unaligned_and_out_of_range():
-    sim = SimController(_storage(MIB))
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(MIB))
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t).start()
     io = ctrl.io_qpair_create()
     buf = t.dma_alloc(8192)
@@ -121,8 +121,8 @@ def test_read_into_rejects_unaligned_and_out_of_range():
 def test_unmapped_dma_is_recorded_as_a_fault():
     """QEMU completes a read into an unmapped IOVA with success; only the fault log shows it.
     The simulator mimics that, so tests must check `faults` as VM tests check dmesg."""
-    sim = SimController(_storage(MIB))
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(MIB))
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t).start()
     io = ctrl.io_qpair_create()
     cid = io.qpair.submit(spec.IoOpcode.READ, nsid=1, prp1=0xDEAD000, cdw12=0)
@@ -133,8 +133,8 @@ def test_unmapped_dma_is_recorded_as_a_fault():
 def test_sim_follows_chained_prp_lists():
     """Our driver never needs a chained list (transfers <= 2 MiB), but the simulator handles
     them so a larger cap could be tested."""
-    sim = SimController(_storage(8 * MIB), mdts=0)
-    t = SimTransport(sim)
+    sim = FakeNvmeController(_storage(8 * MIB), mdts=0)
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t, max_transfer_cap=2 * MIB).start()
     io = ctrl.io_qpair_create()
     buf = t.dma_alloc(2 * MIB + 4096)

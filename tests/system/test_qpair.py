@@ -8,7 +8,7 @@ import pytest
 from ntx_system import spec
 from ntx_system.ctrlr import Controller
 from ntx_system.qpair import CommandError, CommandTimeout, QpairClosed, QueueFull
-from ntx_system.sim import SimController, SimTransport
+from .fake_nvme import FakeNvmeController, FakeNvmeTransport
 from ntx_system.spec import IoOpcode
 
 MIB = 1 << 20
@@ -17,8 +17,8 @@ MIB = 1 << 20
 def _bring_up(storage_bytes=4 * MIB, *, io_timeout_s=5.0, **sim_kw):
     rng = np.random.default_rng(7)
     storage = rng.integers(0, 256, storage_bytes, dtype=np.uint8)
-    sim = SimController(storage, **sim_kw)
-    t = SimTransport(sim)
+    sim = FakeNvmeController(storage, **sim_kw)
+    t = FakeNvmeTransport(sim)
     ctrl = Controller(t, io_timeout_s=io_timeout_s).start()
     return sim, t, ctrl
 

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from ntx_system import staging
-from ntx_system.sim import SimController, SimTransport
+from ntx_system.qpair import CommandError
 from ntx_system.source import NvmeStagedSource
+from ntx_system.spec import STATUS_UNRECOVERED_READ_ERROR
+
+from .fake_nvme import FakeNvmeController, FakeNvmeTransport
 
 from .ggufgen import write_synthetic_gguf
 
@@ -25,8 +28,8 @@ def staged(tmp_path_factory):
 
 
 def _open(image, **kw):
-    sim = SimController(image.copy(), mdts=4, completion_order="shuffle", **kw)
-    t = SimTransport(sim)
+    sim = FakeNvmeController(image.copy(), mdts=4, completion_order="shuffle", **kw)
+    t = FakeNvmeTransport(sim)
     return sim, t, NvmeStagedSource.open(transport=t, queue_depth=8)
 
 
@@ -88,6 +91,52 @@ def test_range_and_buffer_errors(staged):
 
 
 def test_unstaged_device_is_named(tmp_path):
-    sim = SimController(1 << 20)
+    sim = FakeNvmeController(1 << 20)
     with pytest.raises(Exception, match="no staged model"):
-        NvmeStagedSource.open(transport=SimTransport(sim))
+        NvmeStagedSource.open(transport=FakeNvmeTransport(sim))
+
+
+def test_parallel_reads_on_several_queues_count_bytes_and_errors(staged):
+    """Two queue pairs: two threads read at once, every byte matches and the counters add up;
+    an injected media error fails that read, is counted, and the next read works."""
+    import threading
+
+    path, image = staged
+    sim = FakeNvmeController(image.copy(), mdts=4, completion_order="shuffle")
+    src = NvmeStagedSource.open(transport=FakeNvmeTransport(sim), queue_depth=8, queues=2)
+    try:
+        assert src.queues == 2
+        ext = [e for e in src.layout.extents if e.name.startswith("blk.")]
+        want = open(path, "rb").read()
+        bufs = [_pinned(max(e.length for e in ext))[1] for _ in range(2)]
+        for b in bufs:
+            assert src.register_buffer(b)
+        errors = []
+
+        def worker(k):
+            try:
+                for e in ext[k::2]:
+                    src.read_into(e.offset, e.length, bufs[k])
+                    assert bufs[k][:e.length].tobytes() == want[e.offset:e.offset + e.length]
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        st = src.stats()
+        assert st["bytes"] == sum(e.length for e in ext) and st["reads"] == len(ext)
+        assert st["commands"] > 0 and st["in_flight"] == 0 and st["errors"] == 0
+        first = ext[0]
+        sim.error_for = lambda cmd: STATUS_UNRECOVERED_READ_ERROR if cmd.opc == 0x02 else None
+        with pytest.raises(CommandError, match="unrecovered read error"):
+            src.read_into(first.offset, first.length, bufs[0])
+        sim.error_for = lambda cmd: None
+        assert src.stats()["errors"] == 1 and "unrecovered" in src.stats()["last_error"]
+        src.read_into(first.offset, first.length, bufs[0])
+        assert bufs[0][:first.length].tobytes() == want[first.offset:first.offset + first.length]
+    finally:
+        src.close()

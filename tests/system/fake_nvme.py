@@ -1,8 +1,8 @@
-"""An in-process NVMe controller model over fake BAR0 registers and fake DMA memory.
+"""A test double: an in-process NVMe controller over fake BAR0 registers and fake DMA memory.
 
 It exists so the queue logic and bring-up can be tested without hardware: the driver talks to
-`SimTransport` exactly as it talks to `vfio.VfioTransport` (32/64-bit register accesses, DMA
-regions with device addresses), and `SimController` behaves like a controller that processes
+`FakeNvmeTransport` exactly as it talks to `vfio.VfioTransport` (32/64-bit register accesses, DMA
+regions with device addresses), and `FakeNvmeController` behaves like a controller that processes
 commands when the SQ tail doorbell is written:
 
 - fetches SQEs between its head and the new tail, executes them against a numpy "namespace",
@@ -14,21 +14,24 @@ commands when the SQ tail doorbell is written:
 - records DMA to unmapped addresses in `faults` and otherwise carries on with success status,
   which is what QEMU behind intel-iommu does (the fault only shows in the kernel log).
 
-Thread rule: not thread-safe; one driver thread drives one simulated controller, as the unit
-tests do.  (Real controllers are concurrent; the driver's correctness does not depend on when
+Thread rule: every register access and DMA (un)mapping through `FakeNvmeTransport` takes one
+lock, and the model does all its work inside those calls (a doorbell write runs the commands),
+so several driver threads may share it as they share a real controller, one queue pair each.
+(Real controllers are concurrent; the driver's correctness does not depend on when
 completions appear, only on the phase bit, which is what the out-of-order modes exercise.)
 """
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from . import spec
-from .dma import ContiguousDmaRegion, DmaRegion, IovaAllocator, PagedDmaRegion, align_up
-from .spec import PAGE_SIZE, AdminOpcode, IoOpcode, Status
+from ntx_system import spec
+from ntx_system.dma import ContiguousDmaRegion, DmaRegion, IovaAllocator, PagedDmaRegion, align_up
+from ntx_system.spec import PAGE_SIZE, AdminOpcode, IoOpcode, Status
 
 BAR0_SIZE = 0x4000
 
@@ -73,15 +76,15 @@ class _SimCq:
     pending: list = field(default_factory=list)    # (sqid, sqhd, cid, Status, dw0)
 
 
-class SimTransport:
-    """Fake BAR0 + fake DMA space in front of a `SimController`.
+class FakeNvmeTransport:
+    """Fake BAR0 + fake DMA space in front of a `FakeNvmeController`.
 
     `paged=True` gives every allocation scattered "physical" pages, as no-IOMMU mode does, so
     the driver's per-page PRP handling is exercised."""
 
     pci_ids = (0x1B36, 0x0010)
 
-    def __init__(self, controller: "SimController", *, paged: bool = False, seed: int = 1):
+    def __init__(self, controller: "FakeNvmeController", *, paged: bool = False, seed: int = 1):
         self.ctrl = controller
         self.paged = paged
         self.contiguous_dma = not paged
@@ -90,20 +93,25 @@ class SimTransport:
         self._rng = random.Random(seed)
         self._next_phys = 0x1000_0000
         self.regions: list[DmaRegion] = []
+        self.lock = threading.RLock()
         controller.attach(self)
 
     # registers
     def read32(self, offset: int) -> int:
-        return self.ctrl.reg_read(offset, 4)
+        with self.lock:
+            return self.ctrl.reg_read(offset, 4)
 
     def write32(self, offset: int, value: int) -> None:
-        self.ctrl.reg_write(offset, value & 0xFFFFFFFF, 4)
+        with self.lock:
+            self.ctrl.reg_write(offset, value & 0xFFFFFFFF, 4)
 
     def read64(self, offset: int) -> int:
-        return self.ctrl.reg_read(offset, 8)
+        with self.lock:
+            return self.ctrl.reg_read(offset, 8)
 
     def write64(self, offset: int, value: int) -> None:
-        self.ctrl.reg_write(offset, value, 8)
+        with self.lock:
+            self.ctrl.reg_write(offset, value, 8)
 
     # DMA
     def _map(self, view: np.ndarray, owned: bool) -> DmaRegion:
@@ -125,16 +133,22 @@ class SimTransport:
         return region
 
     def dma_alloc(self, size: int) -> DmaRegion:
-        return self._map(np.zeros(align_up(size, PAGE_SIZE), np.uint8), owned=True)
+        with self.lock:
+            return self._map(np.zeros(align_up(size, PAGE_SIZE), np.uint8), owned=True)
 
     def dma_map(self, array: np.ndarray) -> DmaRegion:
         if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
             raise ValueError("DMA buffers are 1-D contiguous uint8 arrays")
         if array.ctypes.data % PAGE_SIZE:
             raise ValueError("DMA buffers must start on a page boundary")
-        return self._map(array, owned=False)
+        with self.lock:
+            return self._map(array, owned=False)
 
     def dma_free(self, region: DmaRegion) -> None:
+        with self.lock:
+            self._free(region)
+
+    def _free(self, region: DmaRegion) -> None:
         if not region.mapped:
             raise ValueError("DMA region freed twice")
         region.mapped = False
@@ -186,7 +200,7 @@ class SimTransport:
             pos += n
 
 
-class SimController:
+class FakeNvmeController:
     """The controller model.  `storage` is the namespace's bytes (a uint8 array you may fill)."""
 
     def __init__(self, storage: np.ndarray | int, *, lba_size: int = 512, mqes: int = 256,
@@ -219,9 +233,9 @@ class SimController:
         self.cqs: dict[int, _SimCq] = {}
         self._rdy_countdown = 0
         self._rdy_target = 0
-        self.t: SimTransport | None = None
+        self.t: FakeNvmeTransport | None = None
 
-    def attach(self, transport: SimTransport) -> None:
+    def attach(self, transport: FakeNvmeTransport) -> None:
         self.t = transport
 
     # ------------------------------------------------------------------ registers
