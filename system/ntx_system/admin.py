@@ -7,6 +7,9 @@
     ntx-admin stage MODEL.gguf --device /dev/nvmeXnY [--yes-i-mean-SERIAL]
     ntx-admin bind /dev/nvmeXnY|PCI_ADDRESS          give the controller to vfio-pci
     ntx-admin unbind PCI_ADDRESS                     give it back to nvme
+    ntx-admin bind --service [--config FILE]        the unit's start step: check and bind the
+                                                    drive `storage = "nvme:SERIAL"` names
+    ntx-admin unbind --service                      the unit's stop step: hand it back
     ntx-admin verify PCI_ADDRESS [--bench-bytes N]  read every extent through our driver
 
 Exit status: 0 success, 1 failure or checksum mismatch, 2 refused (policy, confirmation, usage).
@@ -150,7 +153,50 @@ def cmd_stage(args) -> int:
 
 # --------------------------------------------------------------------------- bind / unbind
 
+def _service_say(text: str) -> None:
+    """A start/stop step's progress: stderr (the unit's journal) and STATUS=."""
+    from .service import notify_status
+    print(f"ntx-admin: {text}", file=sys.stderr, flush=True)
+    notify_status(text)
+
+
+def cmd_bind_service(args) -> int:
+    from .bind import BindError
+    from .service import DriveRecord, Refused, ServiceConfig, prepare
+    try:
+        cfg = ServiceConfig.from_toml(args.config)
+        record = prepare(cfg, status=_service_say, bound_by="ntx-admin")
+    except Refused as exc:
+        _service_say(f"refused: {exc}")
+        DriveRecord.forget()
+        return EXIT_REFUSED
+    except (BindError, OSError) as exc:
+        _service_say(f"failed to bind the NVMe drive: {exc}")
+        return EXIT_FAIL
+    if record is None:
+        print(f"ntx-admin: storage = {cfg.storage!r}: no NVMe drive to bind", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_unbind_service(args) -> int:
+    from .bind import BindError
+    from .service import DriveRecord, Refused, release
+    try:
+        what = release(DriveRecord.load())
+    except (Refused, BindError, OSError) as exc:
+        _service_say(f"failed to hand the NVMe drive back: {exc} (then `ntx-admin unbind "
+                     f"PCI_ADDRESS` by hand)")
+        return EXIT_FAIL
+    print(f"ntx-admin: {what}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_bind(args) -> int:
+    if args.service:
+        return cmd_bind_service(args)
+    if not args.device:
+        _err("bind needs a device (/dev/nvmeXnY or PCI address), or --service")
+        return EXIT_REFUSED
     from .bind import BindError, bind_vfio
     from .discovery import discover
     from .policy import device_verdict
@@ -178,6 +224,11 @@ def cmd_bind(args) -> int:
 
 
 def cmd_unbind(args) -> int:
+    if args.service:
+        return cmd_unbind_service(args)
+    if not args.pci_address:
+        _err("unbind needs a PCI address, or --service")
+        return EXIT_REFUSED
     from .bind import BindError, unbind_vfio
     try:
         unbind_vfio(args.pci_address)
@@ -202,7 +253,7 @@ def cmd_verify(args) -> int:
     from .staging import StagingError
     try:
         src = NvmeStagedSource.open(args.pci_address, noiommu=args.noiommu,
-                                    queue_depth=args.depth)
+                                    queue_depth=args.depth, queues=args.queues)
     except (VfioError, CtrlrError, StagingError, OSError) as exc:
         _err(f"cannot open {args.pci_address}: {exc}")
         return EXIT_FAIL
@@ -287,15 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true")
     s.set_defaults(func=cmd_stage)
     s = sub.add_parser("bind", help="give the controller to vfio-pci")
-    s.add_argument("device", help="/dev/nvmeXnY or PCI address")
+    s.add_argument("device", nargs="?", help="/dev/nvmeXnY or PCI address")
+    s.add_argument("--service", action="store_true",
+                   help="the drive ntransformerd's config names, after every check (the unit's "
+                        "ExecStartPre)")
+    s.add_argument("--config", default="/etc/ntransformer/ntransformerd.toml",
+                   help="ntransformerd's config (with --service)")
     s.set_defaults(func=cmd_bind)
     s = sub.add_parser("unbind", help="give the controller back to nvme")
-    s.add_argument("pci_address")
+    s.add_argument("pci_address", nargs="?")
+    s.add_argument("--service", action="store_true",
+                   help="hand back the drive the service's start step bound (ExecStopPost)")
     s.set_defaults(func=cmd_unbind)
     s = sub.add_parser("verify", help="read the staged model through our driver")
     s.add_argument("pci_address")
     s.add_argument("--noiommu", action="store_true", help="no-IOMMU mode (unsafe; explicit)")
-    s.add_argument("--depth", type=int, default=32, help="commands in flight")
+    s.add_argument("--depth", type=int, default=32, help="commands in flight per queue")
+    s.add_argument("--queues", type=int, default=1, help="I/O queue pairs")
     s.add_argument("--bench-bytes", type=int, default=0,
                    help="also time a raw read of this many bytes")
     s.add_argument("--json", action="store_true")
