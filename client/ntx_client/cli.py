@@ -111,10 +111,22 @@ def cmd_status(client: Client, args) -> int:
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     for t in s.tiers:
-        print(f"  tier {t.name}: {t.layers} layers, {_human(t.bytes)}, streamed {_human(t.bytes_per_second)}/s")
+        print(_tier_line(t))
     if s.error:
         print(f"error: {s.error}")
     return 0
+
+
+def _tier_line(t) -> str:
+    """One tier of `status`: its plan, and for the storage tier what its source has read."""
+    line = f"  tier {t.name}: {t.layers} layers, {_human(t.bytes)}, streamed {_human(t.bytes_per_second)}/s"
+    if t.source:
+        line += (f"\n    source {t.source}: read {_human(t.read_bytes)} in {t.reads} reads "
+                 f"({_human(t.read_bytes_per_second)}/s while reading), {t.commands} commands, "
+                 f"{t.commands_in_flight} in flight (max {t.max_commands_in_flight}), {t.read_errors} errors")
+        if t.last_error:
+            line += f"\n    last error: {t.last_error}"
+    return line
 
 
 def cmd_models(client: Client, args) -> int:

@@ -127,6 +127,36 @@ def parse_bytes(value: str | int | None, key: str = "size") -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+# ---- storage and the NVMe drive: checks -------------------------------------------------------
+
+def storage_kind(key: str, v: Any) -> str:
+    """file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)."""
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = {v!r}: must be a name in quotes, not {_kind(v)}")
+    if v in ("file", "odirect", "mmap"):
+        return v
+    if v.startswith("nvme:") and v[5:].strip():
+        return f"nvme:{v[5:].strip()}"
+    raise ConfigError(f"{key} = {v!r}: use file, odirect, mmap or nvme:SERIAL (the serial `ntx-admin devices` "
+                      "shows; a PCI address also works)")
+
+
+def boolean(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} = {v!r}: use true or false")
+    return v
+
+
+def _bool_flag(text: str) -> bool:
+    low = text.lower()
+    if low not in ("true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use true or false")
+    return low in ("true", "yes", "1")
+
+
+# ---- end of storage checks ----------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One configuration key: how its value is checked, and its flag."""
@@ -160,6 +190,18 @@ KEYS: dict[str, Key] = {
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
     "cpu_threads": Key(integer(0, 4096), "BLAS threads of the CPU backend (0: the BLAS default)", "N", int),
+    # ---- storage and the NVMe drive (ntx_system.service reads the same keys) -------------------
+    "storage": Key(storage_kind, "where streamed layers come from: file, odirect, mmap or nvme:SERIAL", "KIND"),
+    "nvme_queues": Key(integer(1, 64), "NVMe I/O queue pairs (reads in flight at once)", "N", int),
+    "nvme_queue_depth": Key(integer(1, 4095), "NVMe commands in flight per queue pair", "N", int),
+    "nvme_io_timeout": Key(number(0.1, 600, "seconds"), "seconds before an NVMe command counts as lost", "S",
+                           float),
+    "nvme_retries": Key(integer(1, 100), "drive bring-up attempts (at start, after a drive error)", "N", int),
+    "nvme_release": Key(choice("nvme", "keep"), "on stop: hand the drive back to nvme, or keep it on vfio-pci",
+                        "MODE"),
+    "noiommu": Key(boolean, "accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)", "BOOL",
+                   _bool_flag),
+    # ---- end of storage keys --------------------------------------------------------------------
 }
 
 
@@ -192,6 +234,15 @@ class DaemonConfig:
     # 8 ran 25x slower than one sequence (each small GEMM waited ~16 ms for its worker thread),
     # which erased what batching gains; 0 leaves OpenBLAS's own default.
     cpu_threads: int = 1
+    # ---- storage and the NVMe drive (ntx_system.service reads the same keys) ---------------
+    storage: str = "file"  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
+    nvme_queues: int = 1  # I/O queue pairs: reads in flight at once (one per reader thread)
+    nvme_queue_depth: int = 32  # commands in flight per queue pair
+    nvme_io_timeout: float = 10.0  # seconds before a command counts as lost (the drive is reset)
+    nvme_retries: int = 3  # bring-up attempts, at start and after a drive error, before exiting 1
+    nvme_release: str = "nvme"  # on stop: hand the drive back to nvme, or "keep" it on vfio-pci
+    noiommu: bool = False  # accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)
+    # ---- end of storage keys ------------------------------------------------------------------
 
     def __post_init__(self):
         for name in FIELDS:

@@ -198,15 +198,18 @@ class NvmeStagedSource:
     # ------------------------------------------------------------------ reads
 
     def read_into(self, offset: int, length: int, dest) -> None:
-        """Copy GGUF bytes [offset, offset+length) into `dest[:length]`; blocks until done.
-        Raises `qpair.CommandError` / `CommandTimeout` on device errors, ValueError on a range
+        """Copy GGUF bytes [offset, offset+length) into `dest[:length]`; blocks until done.  A
+        range running past the end of the model stops there, as a file read does (an aligned
+        read of the last layer); the rest of `dest` is left as it was.  Raises
+        `qpair.CommandError` / `CommandTimeout` on device errors, ValueError on an offset
         outside the model."""
         arr = _as_u8(dest)
         if length > arr.nbytes:
             raise ValueError(f"dest holds {arr.nbytes} bytes, {length} requested")
-        if offset < 0 or offset + length > self.layout.model_size:
+        if offset < 0 or offset >= self.layout.model_size or length < 0:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the model "
                              f"({self.layout.model_size} bytes)")
+        length = min(length, self.layout.model_size - offset)
         t0 = time.perf_counter()
         with self._qpair() as (io, bounce):
             try:

@@ -78,11 +78,20 @@ def test_unregistered_and_unaligned_reads_bounce(staged):
     src.close()
 
 
+def image_tail(image, src):
+    last = src.layout.extents[-1]
+    end = last.device_offset + last.length
+    return bytes(image[end - 10:end])
+
+
 def test_range_and_buffer_errors(staged):
     _, image = staged
     sim, t, src = _open(image)
     with pytest.raises(ValueError, match="outside the model"):
-        src.read_into(src.layout.model_size - 10, 20, bytearray(20))
+        src.read_into(src.layout.model_size, 20, bytearray(20))
+    tail = bytearray(b"\xee" * 20)                # a read past the end stops at the end
+    src.read_into(src.layout.model_size - 10, 20, tail)
+    assert bytes(tail[:10]) == image_tail(image, src) and tail[10:] == b"\xee" * 10
     with pytest.raises(ValueError, match="dest holds"):
         src.read_into(0, 20, bytearray(10))
     with pytest.raises(ValueError, match="writable"):

@@ -1,10 +1,17 @@
 """The daemon's lifecycle: sockets, gRPC servers, model loading, health, drain and exit.
 
-    start()   bind both sockets (health NOT_SERVING), start the scheduler, load the model in the
-              background (STATUS= progress), then health SERVING and READY=1
+    start()   bind both sockets (health NOT_SERVING), start the scheduler, in the background
+              bring the NVMe drive up when storage = "nvme:…" (bounded retries) and load the
+              model (STATUS= progress), then health SERVING and READY=1
     wait()    until SIGTERM/SIGINT or the Admin Shutdown verb
     shutdown() STOPPING=1, health NOT_SERVING, drain within drain_timeout, stop the servers,
-              release the engine, remove the sockets
+              release the engine, close the drive (queues deleted, controller disabled),
+              remove the sockets
+
+A refusal (the drive absent, refused by policy, another model staged, a corrupt header, no
+IOMMU, not root) exits 2, which the unit does not restart; a drive that will not come up after
+nvme_retries attempts exits 1. A drive error while serving fails the requests it was reading for
+with UNAVAILABLE, turns health NOT_SERVING and brings the drive up again the same bounded way.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ntransformerd.server import sockets, tcp
+from ntransformerd.server import errors, sockets, tcp
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
@@ -31,15 +38,20 @@ ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 class Daemon:
-    def __init__(self, *, config, notifier: Notifier | None = None):
+    def __init__(self, *, config, notifier: Notifier | None = None, transport_factory=None,
+                 run_dir: str | None = None, state_dir: str | None = None):
         self.config = config
         self.notifier = notifier or Notifier()
         self.scheduler = Scheduler(config=config, notifier=self.notifier)
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._stop_timeout: float | None = None
-        self._load_lock = threading.Lock()
+        self._load_lock = threading.RLock()  # the recovery holds it around a reload
         self.exit_code = 0
+        self.drive = None  # storage.Drive when storage = "nvme:…"
+        self._resources: dict[int, tuple] = {}  # id(engine) → (storage handle, closers)
+        self._transport_factory = transport_factory
+        self._run_dir, self._state_dir = run_dir, state_dir
         workers = config.max_batch + config.max_queue + 16  # each stream holds a thread while it waits
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rpc"),
                                   interceptors=[DecodeErrorInterceptor()])
@@ -71,14 +83,75 @@ class Daemon:
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
 
     def _initial_load(self) -> None:
+        from ntx_system.service import Refused
         try:
-            self.load_model(self.config.model or None, None)
+            self._bring_up()
+        except Refused as e:
+            log.error("refused: %s", e)
+            self.notifier.status(f"refused: {e}")
+            self.scheduler.fail(f"refused: {e}")
+            self.exit_code = 2
+            self.request_shutdown(0)
+            return
         except Exception as e:  # noqa: BLE001 - reported, then the daemon exits 1
             log.error("cannot load the model: %s", e)
+            self.notifier.status(f"failed: {e}")
             self.exit_code = 1
             self.request_shutdown(0)
             return
         self.notifier.ready(self._serving_status())
+
+    def _bring_up(self):
+        """Open the drive (when configured) and load the model, retrying drive failures up to
+        nvme_retries times with a growing pause; a refusal is never retried."""
+        from ntransformerd.server.storage import Drive, drive_errors
+        c = self.config
+        if not c.storage.startswith("nvme:"):
+            return self.load_model(c.model or None, None)
+        if self.drive is None:
+            self.drive = Drive(c, status=self.notifier.status, transport_factory=self._transport_factory,
+                               run_dir=self._run_dir, state_dir=self._state_dir)
+            self.drive.on_failure = self._drive_failed
+        for attempt in range(1, c.nvme_retries + 1):
+            try:
+                self.drive.open()
+                return self.load_model(c.model or None, None)
+            except drive_errors() as e:
+                self.drive.close()
+                if attempt == c.nvme_retries:
+                    raise RuntimeError(f"{self.drive.describe} did not come up after {attempt} attempts: {e}; "
+                                       "see the kernel log (journalctl -k) and `ntx-admin check`") from e
+                pause = min(2.0 ** (attempt - 1), 10.0)
+                log.warning("nvme: bring-up attempt %d/%d failed: %s; again in %.0f s", attempt,
+                            c.nvme_retries, e, pause)
+                self.notifier.status(f"nvme: attempt {attempt}/{c.nvme_retries} failed ({e}); retrying")
+                time.sleep(pause)
+
+    def _drive_failed(self, exc: BaseException) -> None:
+        """A read from the drive failed (a reader thread): stop serving, recover elsewhere."""
+        self.set_health(False)
+        self.notifier.status(f"nvme: drive error ({exc}); bringing it up again")
+        threading.Thread(target=self._recover, args=(exc,), name="nvme-recover", daemon=True).start()
+
+    def _recover(self, exc: BaseException) -> None:
+        self.scheduler.set_loading(f"recovering the NVMe drive after: {exc}", 0.0)
+        with self._load_lock:
+            engine = self.scheduler.detach()
+            self._close_engine(engine)
+            self.drive.close()
+        if self._stop.is_set():
+            return
+        try:
+            self._bring_up()
+        except Exception as e:  # noqa: BLE001 - the unit's restart policy takes over
+            log.error("nvme: giving up: %s", e)
+            self.notifier.status(f"failed: {e}")
+            self.scheduler.fail(str(e))
+            self.exit_code = 1
+            self.request_shutdown(0)
+            return
+        log.info("nvme: recovered; serving again")
+        self.notifier.status(self._serving_status())
 
     def _serving_status(self) -> str:
         e = self.scheduler.engine
@@ -102,7 +175,11 @@ class Daemon:
         self.server.stop(grace=1.0).wait(2.0)
         self.admin_server.stop(grace=0.5).wait(1.0)
         self.scheduler.stop()
-        self.scheduler.detach()  # drops the engine: its buffers (and on a GPU host the device) go
+        with self._load_lock:
+            self._close_engine(self.scheduler.detach())  # its buffers (on a GPU host the device) go
+            if self.drive is not None:
+                self.drive.close()
+                self.drive.release()
         for path in (self.config.socket, self.config.admin_socket):
             sockets.remove(path)
         log.info("stopped")
@@ -115,48 +192,121 @@ class Daemon:
         self.health.set(INFERENCE, status)
 
     def load_model(self, path: str | None, backend: str | None):
-        """Load (or replace) the model; requests get FAILED_PRECONDITION while it loads."""
-        from ntransformerd.engine.engine import Engine, EngineConfig
-        from ntransformerd.engine.gguf_file import GGUFModel
-        from ntransformerd.engine.engine import default_model_path
-
+        """Load a model, or replace the loaded one: the new model (and, with the NVMe storage,
+        its staged copy) is opened and checked first; the old one keeps serving until the new
+        one is ready, and stays when it fails."""
         with self._load_lock:
-            c = self.config
-            if self.scheduler.engine is not None:
-                self.unload_model(c.drain_timeout)
-            path = path or default_model_path()
-            self.set_health(False)
-            progress = self._progress
-            progress(f"reading {os.path.basename(path)}", 0.0)
-            t0 = time.monotonic()
+            old = self.scheduler.engine
             try:
-                model = GGUFModel(path)
-                n = model.config.n_layers
-                seen: set[int] = set()  # per load: a reload reports its progress again
-
-                def loaded(i):
-                    if i not in seen:
-                        seen.add(i)
-                        progress(f"loading layer {len(seen)}/{n}", 0.05 + 0.9 * len(seen) / n)
-
-                model.on_layer_loaded(loaded)
-                try:
-                    engine = Engine(model, config=EngineConfig(
-                        backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
-                        kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
-                        vram_budget=c.vram_budget, ram_budget=c.pinned_budget))
-                finally:
-                    model.on_layer_loaded(None)
+                engine, resources = self._open_engine(path, backend, show=old is None)
             except Exception as e:
-                self.scheduler.fail(f"{e}")
-                self.notifier.status(f"failed to load {path}: {e}")
+                where = path or self.config.model or "the default model"
+                if old is None:
+                    self.scheduler.fail(f"{e}")
+                    self.notifier.status(f"failed to load {where}: {e}")
+                else:
+                    log.error("keeping %s: loading %s failed: %s", model_name(old), where, e)
+                    self.notifier.status(f"{self._serving_status()} (loading {where} failed: {e})")
                 raise
+            if old is not None:
+                self.unload_model(self.config.drain_timeout)
             self.scheduler.attach(engine)
+            self._resources[id(engine)] = resources
             self.set_health(True)
-            log.info("loaded %s in %.1f s (%s backend, %d layers)", path, time.monotonic() - t0,
-                     engine.backend_name, n)
             self.notifier.status(self._serving_status())
             return engine
+
+    def _open_engine(self, path: str | None, backend: str | None, *, show: bool):
+        """(engine, its storage handle) for `path` (None: the configured model, the drive's
+        staged one, or the default model). `show` reports progress through the scheduler's
+        loading state (only when nothing is serving)."""
+        from ntx_system.service import Refused, check_staged_model, file_sha256
+        from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
+        from ntransformerd.engine.gguf_file import GGUFModel
+        from ntransformerd.server.storage import StorageHandle
+
+        c = self.config
+        progress = self._progress if show else (lambda text, fraction: self.notifier.status(text))
+        t0 = time.monotonic()
+        path = path or c.model or None
+        fill = None
+        if self.drive is not None:
+            if self.drive.staged is None:
+                raise errors.NotReady(f"{self.drive.describe} is not up: retry in a few seconds")
+            if path is None:
+                progress(f"reading the model staged on {self.drive.describe}", 0.0)
+                model, fill = self.drive.staged_model()
+            else:
+                try:
+                    check_staged_model(self.drive.staged.layout, self.drive.describe, path,
+                                       file_sha256(path, self.drive.state_dir))
+                except Refused as e:
+                    raise errors.InvalidRequest(str(e)) from None
+                progress(f"reading {os.path.basename(path)}", 0.0)
+                model = GGUFModel(path)
+            source = self.drive.handle()
+        else:
+            path = path or default_model_path()
+            progress(f"reading {os.path.basename(path)}", 0.0)
+            model = GGUFModel(path)
+            source = StorageHandle.for_file(c.storage, path)
+        n = model.config.n_layers
+        seen: set[int] = set()  # per load: a reload reports its progress again
+
+        def loaded(i):
+            if i not in seen:
+                seen.add(i)
+                progress(f"loading layer {len(seen)}/{n}", 0.05 + 0.9 * len(seen) / n)
+
+        ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
+                            kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
+                            vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source)
+        try:
+            if fill is not None:  # every layer the plan keeps in memory comes off the drive now
+                fill(set(range(n)) - set(_storage_layers(model, ecfg)))
+            model.on_layer_loaded(loaded)
+            try:
+                engine = Engine(model, config=ecfg)
+            finally:
+                model.on_layer_loaded(None)
+            if fill is not None:
+                holes = set(range(n)) - fill(()) - set(_storage_layers(model, ecfg, engine.plan))
+                if holes:
+                    raise RuntimeError(f"layers {sorted(holes)} were planned in memory after the drive "
+                                       "was read for another plan: set vram_budget and pinned_budget "
+                                       "explicitly")
+        except BaseException:
+            source.close()
+            if fill is not None:
+                os.close(model.staged_fd)
+            raise
+        log.info("loaded %s in %.1f s (%s backend, %d layers, storage %s)",
+                 path or f"the model staged on {self.drive.describe}", time.monotonic() - t0,
+                 engine.backend_name, n, source.name)
+        closers = [source.close] + ([lambda fd=model.staged_fd: os.close(fd)] if fill is not None else [])
+        return engine, (source, closers)
+
+    def storage_stats(self) -> dict | None:
+        """The loaded engine's storage counters (bytes, seconds, commands, errors)."""
+        engine = self.scheduler.engine
+        res = self._resources.get(id(engine)) if engine is not None else None
+        return res[0].stats() if res else None
+
+    def _close_engine(self, engine) -> None:
+        if engine is None:
+            return
+        close = getattr(engine.weights, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - its source is closed below either way
+                log.warning("closing the old engine's weights: %s", e)
+        _, closers = self._resources.pop(id(engine), (None, []))
+        for fn in closers:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                log.warning("releasing the old engine's storage: %s", e)
 
     def _progress(self, text: str, fraction: float) -> None:
         self.scheduler.set_loading(text, fraction)
@@ -165,5 +315,25 @@ class Daemon:
     def unload_model(self, timeout: float) -> None:
         self.set_health(False)
         self.scheduler.drain(timeout, reason="ntransformerd is replacing its model")
-        self.scheduler.detach()
+        self._close_engine(self.scheduler.detach())
         log.info("model unloaded")
+
+
+def _storage_layers(model, ecfg, plan=None) -> list[int]:
+    """The layers `ecfg`'s tier plan streams from storage (none when all are resident); with
+    `plan`, the engine's own."""
+    from ntransformerd.engine import tiers
+    if plan is None:
+        backend = ecfg.backend
+        if backend == "auto":
+            try:
+                from ntransformerd.engine.backends import cuda
+                backend = "cuda" if cuda.available() else "cpu"
+            except ImportError:
+                backend = "cpu"
+        if backend == "cuda":
+            from ntransformerd.engine.backends import cuda_stream
+            plan = cuda_stream.plan(model, ecfg)
+        elif tiers.wanted(ecfg):
+            plan = tiers.model_plan(model, ecfg, backend="cpu")
+    return list(plan.layers(tiers.STORAGE)) if plan is not None else []

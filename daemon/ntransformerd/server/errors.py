@@ -35,3 +35,8 @@ class Cancelled(ServiceError):
 
 class EngineFailed(ServiceError):
     """The engine raised while running this request's batch; the daemon keeps serving."""
+
+
+class StorageUnavailable(ServiceError):
+    """The storage the model streams from (the NVMe drive) failed under this request; the daemon
+    brings it up again and serves once it is back."""

@@ -303,8 +303,11 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
             log.exception("engine step failed for requests %s", [r.id for r, _, _ in batch])
             with self._cv:
+                # a domain error (the drive under the stream failed) keeps its own status code
+                err = e if isinstance(e, ServiceError) else \
+                    EngineFailed(f"the engine failed on this batch: {e}; the daemon keeps serving, retry")
                 for r, _, _ in batch:
-                    r.cancel(EngineFailed(f"the engine failed on this batch: {e}; the daemon keeps serving, retry"))
+                    r.cancel(err)
             return
         n_new = 0
         for (r, tokens, complete), row in zip(batch, logits):

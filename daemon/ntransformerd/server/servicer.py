@@ -29,6 +29,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.EngineFailed: grpc.StatusCode.INTERNAL,
+    errors.StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate, tokenizer, chat template
 }
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
@@ -256,10 +257,22 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
     if engine is not None:
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
+        storage = daemon.storage_stats() if hasattr(daemon, "storage_stats") else None
         for t in info.plan.tiers:  # each step reads every layer once
-            r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
-                        bytes_per_second=t.bytes * s["steps_per_second"])
+            tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
+                               bytes_per_second=t.bytes * s["steps_per_second"])
+            if t.name == "storage" and storage is not None:
+                tier_counters(tier, storage)
     return r
+
+
+def tier_counters(tier: pb.TierStatus, st: dict) -> None:
+    """The storage source's counters (storage.StorageHandle.stats) into a TierStatus."""
+    tier.source, tier.read_bytes, tier.read_seconds = st["source"], st["bytes"], st["seconds"]
+    tier.read_bytes_per_second = st["bytes"] / st["seconds"] if st["seconds"] > 0 else 0.0
+    tier.reads, tier.read_errors, tier.last_error = st["reads"], st["errors"], st["last_error"]
+    tier.commands, tier.commands_in_flight = st["commands"], st["in_flight"]
+    tier.max_commands_in_flight = st["max_in_flight"]
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

@@ -68,6 +68,9 @@ class Source:
     def register(self, dest: np.ndarray) -> None:
         """A long-lived destination buffer (staging): a source may map it for DMA."""
 
+    def unregister(self, dest: np.ndarray) -> None:
+        """`dest` is about to be freed: a source that mapped it for DMA unmaps it."""
+
     def close(self) -> None:
         pass
 
@@ -183,6 +186,9 @@ class NvmeSource(Source):
     def register(self, dest: np.ndarray) -> None:
         self.staged.register_buffer(dest)
 
+    def unregister(self, dest: np.ndarray) -> None:
+        self.staged.unregister_buffer(dest)
+
     def read_into(self, offset: int, length: int, dest: np.ndarray) -> None:
         self.staged.read_into(offset, length, dest[:length])
 
@@ -190,18 +196,22 @@ class NvmeSource(Source):
         self.staged.close()
 
 
-SOURCES = ("odirect", "mmap")
+SOURCES = ("file", "odirect", "mmap")
 
 
-def open_source(kind: str, path: str, **kw) -> Source:
-    """'odirect' (default for storage tiers), 'mmap', or 'nvme:PCI_ADDRESS'."""
-    if kind == "odirect":
+def open_source(kind, path: str, **kw) -> Source:
+    """'odirect' (default for storage tiers; 'file' is the same), 'mmap', 'nvme:PCI_ADDRESS',
+    or a Source already opened by the caller (the daemon's handle on its NVMe drive), which is
+    returned as it is: whoever opened it closes the device."""
+    if isinstance(kind, Source):
+        return kind
+    if kind in ("odirect", "file"):
         return ODirectSource(path, **kw)
     if kind == "mmap":
         return MmapSource(path)
     if kind.startswith("nvme:"):
         return NvmeSource.open(kind.split(":", 1)[1])
-    raise ValueError(f"storage source {kind!r} is not one of odirect, mmap, nvme:PCI_ADDRESS")
+    raise ValueError(f"storage source {kind!r} is not one of file, odirect, mmap, nvme:PCI_ADDRESS")
 
 
 # ---- reads of one layer ---------------------------------------------------------------------

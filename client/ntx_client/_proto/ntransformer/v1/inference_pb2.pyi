@@ -234,16 +234,36 @@ class RequestInfo(_message.Message):
     def __init__(self, id: _Optional[int] = ..., state: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("name", "layers", "bytes", "bytes_per_second")
+    __slots__ = ("name", "layers", "bytes", "bytes_per_second", "source", "read_bytes", "read_seconds", "read_bytes_per_second", "reads", "read_errors", "commands", "commands_in_flight", "max_commands_in_flight", "last_error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMMANDS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     layers: int
     bytes: int
     bytes_per_second: float
-    def __init__(self, name: _Optional[str] = ..., layers: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_second: _Optional[float] = ...) -> None: ...
+    source: str
+    read_bytes: int
+    read_seconds: float
+    read_bytes_per_second: float
+    reads: int
+    read_errors: int
+    commands: int
+    commands_in_flight: int
+    max_commands_in_flight: int
+    last_error: str
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_second: _Optional[float] = ..., source: _Optional[str] = ..., read_bytes: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_bytes_per_second: _Optional[float] = ..., reads: _Optional[int] = ..., read_errors: _Optional[int] = ..., commands: _Optional[int] = ..., commands_in_flight: _Optional[int] = ..., max_commands_in_flight: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid")
