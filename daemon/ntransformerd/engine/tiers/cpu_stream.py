@@ -97,6 +97,4 @@ class StreamedCpuWeights(CpuWeights):
         if self.stream is not None:
             self.stream.close()
         if self.source is not None:
-            for buf in self._staging:  # unmapped before the buffers go back to the allocator
-                self.source.unregister(buf)
             self.source.close()
