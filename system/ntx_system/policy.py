@@ -10,8 +10,10 @@ Thread rule: pure functions over `discovery.NvmeDevice` records; call from any t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .discovery import NvmeDevice
+if TYPE_CHECKING:  # records only: discovery itself asks namespace_in_use
+    from .discovery import NvmeDevice
 
 # Signatures that mean "this is ours or blank enough": a previous staging.
 REUSABLE_SIGNATURES = {None, "ntx-staged"}

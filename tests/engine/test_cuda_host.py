@@ -53,10 +53,23 @@ def test_reads_qact():
     """The decode step skips quantizing activations nobody reads: the int8 matvecs (batch 1-2,
     and Q8_0 rows of 576) read QAct, the f16 ones (whole 256-blocks from bucket 4) and the generic
     ones do not."""
-    Q = cuda.Q
+    from gguf import GGMLQuantizationType as Q
     t = lambda q, k: type("T", (), {"qtype": q, "shape": (64, k)})()  # noqa: E731
     assert cuda.reads_qact([t(Q.Q4_K, 4096)], 1) and cuda.reads_qact([t(Q.Q8_0, 4096)], 2)
-    if cuda.F16_MATVEC:
-        assert not cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q6_K, 4096)], 16)
-        assert cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q8_0, 576)], 4)  # one int8 reader is enough
+    assert not cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q6_K, 4096)], 16)
+    assert cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q8_0, 576)], 4)  # one int8 reader is enough
     assert not cuda.reads_qact([t(Q.Q4_0, 4096), t(Q.F16, 4096)], 1)
+    no_f16 = cuda.CudaSettings(f16_mma=False)  # NTX_F16_MMA=0: the int8 tensor-core kernels read QAct
+    assert cuda.reads_qact([t(Q.Q4_K, 4096)], 16, no_f16)
+
+
+def test_settings_from_env():
+    """The NTX_* overrides land in the one settings object, each in its field; unset: defaults."""
+    from gguf import GGMLQuantizationType as Q
+    assert cuda.CudaSettings.from_env({}) == cuda.CudaSettings()
+    s = cuda.CudaSettings.from_env({"NTX_F16_MMA": "0", "NTX_MVQ_WIDE_MAX_N": "0", "NTX_PDL": "0",
+                                    "NTX_ATTN_ONE_LAUNCH": "0", "NTX_SPLIT_K_WARPS": "7", "NTX_MVQ_MIN_BLOCKS": "1",
+                                    "NTX_MVQ_PERSISTENT": "0", "NTX_MMA_ONE_TILE_ROWS": "5"})
+    assert (s.f16_mma, s.pdl, s.attn_one_launch_max_bucket, s.split_k_warps, s.mvq_persistent,
+            s.mma_one_tile_rows) == (False, False, 0, 7, False, 5)
+    assert s.mvq_wide_max_n == {Q.Q8_0: 0, Q.Q4_K: 0, Q.Q6_K: 0} and set(s.mvq_min_blocks.values()) == {1}

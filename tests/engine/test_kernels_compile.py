@@ -1,7 +1,7 @@
 """Every kernel instance the CUDA backend can launch compiles with NVRTC for the H200 (sm_90)
 and for the RTX 3090 class (sm_86: the 24 GB cards the tiers are for), on a machine without a GPU: NVRTC is a library (the `nvidia-cuda-nvrtc` wheel of the test
 extra, the device's CUDA 13.0), so a kernel that does not compile fails here, in CI, not on the
-next GPU machine. ptxas's report also holds the launch-bounds claims of backends/cuda.py: the
+next GPU machine. ptxas's report also holds the launch-bounds claims of backends/cuda/launch.py: the
 one-row dp4a matvecs fit the blocks per SM they are compiled for without spilling."""
 import ctypes
 import glob

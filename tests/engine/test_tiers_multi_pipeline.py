@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.engine import Engine, EngineConfig, pipeline_engine
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.tiers.multi import Handoff, MultiPlan, pipeline_engine, plan_devices
+from ntransformerd.engine.tiers.multi import Handoff, MultiPlan, plan_devices
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan
 from ntransformerd.engine.tiers.sources import ODirectSource
 

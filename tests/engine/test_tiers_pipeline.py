@@ -1,6 +1,6 @@
 """The slot ring (tiers/pipeline.py) on its own: layers are byte patterns, the device is host
-memory, and a logging device stands in for CUDA events, so the handoff of the slots to another
-writer between steps (pending_events, invalidate) is checked on the CPU."""
+memory, and a logging device stands in for CUDA events, so passes over any layer list and the
+ordering of their copies are checked on the CPU."""
 
 from __future__ import annotations
 
@@ -52,62 +52,46 @@ def _step(ls, layers):
         ls.release(i)
 
 
-def _other_writer(ls):
-    """What the captured decode step leaves in the slots: other layers, or poison."""
-    for s in ls.slots:
-        s.fill(0xAB)
+def _pass(ls, layers):
+    ls.begin(layers)
+    _step(ls, [i for i in layers if i in ls.order])
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("storage", [(), (1, 3)])
-def test_invalidate_recopies_after_another_writer(depth, storage):
+def test_passes_of_any_layer_list(depth, storage):
+    """Full passes, prefixes (a self-draft), passes with layers skipped, and a pass cut short
+    (an error): every acquired slot holds its layer."""
     order = [0, 1, 2, 3, 5]
     ls = _stream(order, depth, Device(), storage=storage)
-    for _ in range(3):
-        _step(ls, order)
-        assert ls.pending_events() == []  # host device: no events
-        _other_writer(ls)
-        ls.invalidate(None)
-    _step(ls, order)
-    assert ls.stats["handoffs"] == 3
+    for layers in ([0, 1, 2, 3, 4, 5], [0, 1], [0, 2, 5], [1, 3], [0, 1, 2, 3, 4, 5], [5]):
+        _pass(ls, layers)
+    ls.begin(order)
+    ls.acquire(0)  # a pass that raised before release
+    _pass(ls, order)
+    assert ls.stats["restarts"] == 0 and ls.stats["passes"] == 8
     ls.close()
 
 
-def test_pending_events_are_releases_and_copies_in_flight():
+def test_a_pass_waits_for_the_compute_stream_before_its_first_copies():
+    """The first copy into each slot waits for the event recorded when the pass began (so a
+    graph replayed before it is done with the slots); later copies wait for the slot's release."""
     dev = LoggingDevice()
     ls = _stream([0, 1, 2], 2, dev)
-    _step(ls, [0, 1, 2])  # positions 3, 4 (layers 0, 1 of the next step) are copied ahead
-    assert ls._copied == 5 and dev.copies == 5
-    pending = ls.pending_events()
-    assert ("copy", 4) in pending and ("copy", 5) in pending  # the prefetches
-    assert ("copy", 3) not in pending  # acquired: the compute stream already waited on it
-    assert [e for e in pending if e[0] == "free"] == ls._slot_free  # each slot's last release
-
-    _other_writer(ls)
-    ls.invalidate("graph done")
-    assert ls.pending_events() == ["graph done"] * 2
-    before = dev.copies
-    _step(ls, [0, 1, 2])
-    assert dev.after[before:before + 2] == ["graph done"] * 2  # the redone copies wait for the writer
-    assert dev.copies == before + 5
+    _pass(ls, [0, 1, 2])
+    assert dev.after[:2] == [("free", 1)] * 2  # record #1: the pass's start
+    assert dev.after[2] == ("free", 2)  # layer 2 into slot 0 after layer 0's release (record #2)
+    frees = dev.frees
+    ls.begin([1, 2])
+    assert dev.after[3:5] == [("free", frees + 1)] * 2
+    assert dev.waits[-2:] == [("copy", 2), ("copy", 3)]  # the last pass's acquires waited on their copies
 
 
-def test_invalidate_mid_step_counts_the_held_layer_released():
-    ls = _stream([0, 1, 2], 2, Device())
-    ls.acquire(0)  # a forward pass that raised before release
-    _other_writer(ls)
-    ls.invalidate(None)
-    _step(ls, [1, 2])
-    _step(ls, [0, 1, 2])
-    ls.close()
-
-
-def test_handoff_then_restart():
-    """After a handoff the forward pass may start anywhere (a partial pass): it renumbers."""
+def test_unannounced_acquire_starts_a_pass_there():
+    """Callers that never call begin (or acquire out of order) still get the right layers: a new
+    pass from that layer through the rest of the order."""
     ls = _stream([0, 1, 2, 3], 2, Device(), storage=(2,))
-    _step(ls, [0, 1])
-    _other_writer(ls)
-    ls.invalidate(None)
     _step(ls, [0, 1, 2, 3])
-    assert ls.stats["restarts"] == 1
+    _step(ls, [2, 3])
+    assert ls.stats["restarts"] == 2
     ls.close()

@@ -48,7 +48,7 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     cfg = EngineConfig(max_seqs=2, max_ctx=256)
     cpu_e = Engine(m, config=cfg)
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=256))
-    assert gpu_e.backend_name == "cuda" and gpu_e._decoder is not None
+    assert gpu_e.backend_name == "cuda" and gpu_e._graphs is not None
     tokens = [int(x) for x in np.random.default_rng(0).integers(100, 40000, 68)]
     a, b = teacher_forced(cpu_e, tokens), teacher_forced(gpu_e, tokens)
     rel = np.abs(a - b).max() / np.abs(a).max()
@@ -109,7 +109,7 @@ def test_generate_samples_on_device_as_on_host(tmp_path, params):
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 9)]
     got = [ev.token for ev in eng.generate(e, prompt, p)]
     full = e.step  # the same generation with whole rows of logits (top ignored)
-    e.step = lambda items, *, all_logits=False, top=None: full(items, all_logits=all_logits)
+    e.step = lambda items, *, all_logits=False, top=None, layers=None: full(items, all_logits=all_logits)
     try:
         want = [ev.token for ev in eng.generate(e, prompt, p)]
     finally:

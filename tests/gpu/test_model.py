@@ -7,7 +7,6 @@ cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
-from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
@@ -65,15 +64,16 @@ def test_forward_matches_cpu(model):
 
 
 @pytest.mark.parametrize("one_launch", (True, False), ids=("attn_decode", "three_kernels"))
-def test_captured_decode_matches_forward(model, one_launch, monkeypatch):
-    if not one_launch:  # rope_kv + attn_partial + attn_combine (the step's path when q and k are not one stack)
-        monkeypatch.setattr(cuda, "ATTN_ONE_LAUNCH_MAX_BUCKET", 0)
+def test_captured_decode_matches_forward(model, one_launch):
+    """model.forward captured per bucket (graphs.StepGraphs) against the same function run eagerly."""
+    # without one_launch: rope_kv + attn_partial + attn_combine (the step's path when q and k are not one stack)
+    settings = cuda.CudaSettings(attn_one_launch_max_bucket=32 if one_launch else 0)
     cfg = model.config
     rng = np.random.default_rng()
-    ops, w = cuda.load(model)
+    ops, w = cuda.load(model, settings=settings)
     kv_a = cuda.kv_cache(cfg, n_slots=5, max_ctx=128)
     kv_b = cuda.kv_cache(cfg, n_slots=5, max_ctx=128)
-    dec = DecodeGraphs(ops, w, kv_b)
+    dec = cuda.StepGraphs(ops, w, kv_b)
     for kv in (kv_a, kv_b):
         for _ in range(5):
             kv.alloc()
@@ -96,7 +96,60 @@ def test_captured_decode_matches_forward(model, one_launch, monkeypatch):
         ref = run(ops, w, kv_a, cfg, [Segment(i, int(kv_a.lengths[i]), [int(toks[i])]) for i in live],
                   all_logits=False)
         got = dec.logits(live, toks[live]).get()
+        kv_b.lengths[live] += 1
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol, (step, live)
         ids = got.argmax(-1)
         toks[live] = ids
     assert (kv_a.lengths == kv_b.lengths).all()
+    assert dec.use_graphs and all(b.graph is not None for b in dec._buckets.values())
+
+
+@pytest.mark.parametrize("rows,tokens", [(4, 8), (2, 16), (1, 4), (3, 2)])
+def test_captured_multi_token_bucket_matches_forward(model, rows, tokens):
+    """Verifying drafts: R sequences × T tokens each in one captured step (R × T ≤ 32), the
+    logits of every row against model.forward run eagerly on the same tokens; then the cache
+    written by the captured step serves the next step (rows see each other's keys causally)."""
+    cfg = model.config
+    rng = np.random.default_rng()
+    ops, w = cuda.load(model)
+    kv_a = cuda.kv_cache(cfg, n_slots=rows, max_ctx=128)
+    kv_b = cuda.kv_cache(cfg, n_slots=rows, max_ctx=128)
+    dec = cuda.StepGraphs(ops, w, kv_b)
+    for kv in (kv_a, kv_b):
+        for _ in range(rows):
+            kv.alloc()
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (11, 5, 23, 2)[:rows]]
+    segs = [Segment(i, 0, p) for i, p in enumerate(prompts)]
+    run(ops, w, kv_a, cfg, segs, all_logits=False)
+    run(ops, w, kv_b, cfg, segs, all_logits=False)
+    f16 = any(model.tensor(t.name).qtype in cuda.F16_MATVEC for t in model.reader.tensors)
+    tol = 1e-3 if f16 and rows * tokens >= 3 else 1e-4
+    if tokens >= cuda.CHUNK_ROWS:  # eagerly such a segment's attention runs on tensor cores (f16 q, P)
+        tol = max(tol, 3e-3)
+    for step in range(3):
+        toks = rng.integers(0, cfg.vocab_size, (rows, tokens))
+        ref = run(ops, w, kv_a, cfg, [Segment(i, int(kv_a.lengths[i]), toks[i]) for i in range(rows)])
+        got = dec.logits(list(range(rows)), toks, last_only=False).get()
+        kv_b.lengths[:rows] += tokens
+        assert got.shape == ref.shape
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol, (step, rows, tokens)
+    key = next(iter(dec._buckets))
+    assert key[:2] == dec.bucket(rows, tokens) and dec._buckets[key].graph is not None
+
+
+def test_captured_prefix_of_layers(model):
+    """A captured step over the first layers only (a self-draft) equals model.forward over them."""
+    cfg = model.config
+    if cfg.n_layers < 2:
+        pytest.skip("one layer")
+    ops, w = cuda.load(model)
+    kv_a = cuda.kv_cache(cfg, n_slots=1, max_ctx=64)
+    kv_b = cuda.kv_cache(cfg, n_slots=1, max_ctx=64)
+    kv_a.alloc(), kv_b.alloc()
+    dec = cuda.StepGraphs(ops, w, kv_b)
+    layers = tuple(range(cfg.n_layers // 2))
+    toks = np.random.default_rng().integers(0, cfg.vocab_size, (1, 4))
+    ref = ops.to_host(llama.forward(ops, cfg, w, kv_a, Batch.of([Segment(0, 0, toks[0])]), layers=layers,
+                                    all_logits=True))
+    got = dec.logits([0], toks, layers=layers, last_only=False).get()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4

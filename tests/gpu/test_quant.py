@@ -158,7 +158,7 @@ def test_matvec_tall(qtype, b):
     """More rows than MMA_ONE_TILE_ROWS: the int8 tensor-core matvecs take 32 rows per block
     (Q8_0 rows of 576, not whole 256-blocks, stay on them); the f16 ones, many row tiles."""
     rng = np.random.default_rng()
-    n, k = cuda.MMA_ONE_TILE_ROWS + 83, 576 if qtype == Q.Q8_0 else 512
+    n, k = cuda.CudaSettings().mma_one_tile_rows + 83, 576 if qtype == Q.Q8_0 else 512
     raw = random_tensor(rng, qtype, n, k)
     ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = rng.standard_normal((b, k)).astype(np.float32)
@@ -194,13 +194,14 @@ def test_matvec_f16_split_k(qtype, b):
 def test_matvec_int8_mma(qtype, b, monkeypatch):
     """With NTX_F16_MMA=0 (no f16 matvecs) batches run the int8 tensor-core kernels on QAct
     activations: MATVEC_TOL, as before the f16 path existed."""
-    monkeypatch.setattr(cuda, "F16_MATVEC", {})
+    no_f16 = cuda.CudaSettings(f16_mma=False)
     rng = np.random.default_rng()
     n, k = 769, 4096
     raw = random_tensor(rng, qtype, n, k)
     ref_w = gq.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = rng.standard_normal((b, k)).astype(np.float32)
-    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32)).get()
+    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=cp.full((b, n), np.nan, cp.float32),
+                      s=no_f16).get()
     ref = x @ ref_w.T
     assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL
 
@@ -216,10 +217,10 @@ def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, wide, monk
     each row is written once, right, with its residual; with a block per group
     (NTX_MVQ_PERSISTENT=0) the same; with 4 rows per warp at one row (MVQ_WIDE_MAX_N) too, 5125
     rows leaving a partial last group."""
-    monkeypatch.setattr(cuda, "_sm_count", lambda: 1)
-    monkeypatch.setattr(cuda, "MVQ_WIDE_MAX_N", dict.fromkeys(cuda.FAST_MATVEC, 1 << 30 if wide else 0))
-    monkeypatch.setattr(cuda, "MVQ_PERSISTENT", persistent)
-    monkeypatch.setattr(cuda, "SPLIT_K_WARPS", 1 << 30 if split_k else 0)
+    from ntransformerd.engine.backends.cuda import launch
+    monkeypatch.setattr(launch, "sm_count", lambda: 1)
+    s = cuda.CudaSettings(mvq_wide_max_n=dict.fromkeys(cuda.FAST_MATVEC, 1 << 30 if wide else 0),
+                          mvq_persistent=persistent, split_k_warps=1 << 30 if split_k else 0)
     rng = np.random.default_rng()
     n, k = 5125, 1536
     raw = random_tensor(rng, qtype, n, k)
@@ -228,5 +229,5 @@ def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, wide, monk
     res = rng.standard_normal((b, n)).astype(np.float32)
     ref = x.astype(np.float64) @ ref_w.T + res
     out = cp.asarray(res)  # in place, as the decode step adds to the residual: a row done twice adds twice
-    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=out, res=out).get()
+    got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=out, res=out, s=s).get()
     assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL

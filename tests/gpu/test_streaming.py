@@ -2,7 +2,8 @@
 kernels (model.forward, no captured decode), for tier mixes, depths 1-3, with poisoned slots;
 and the captured decode step on streamed weights (their copies inside the graph, or the eager
 step with storage layers) against the resident engine's captured decode, with prefill chunks
-(model.forward through the LayerStream) between decode steps, so the slots change hands."""
+(model.forward through the LayerStream) between decode steps, so the slots change hands; and a
+plan with skipped layers against model.forward over the same layers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def small(tmp_path_factory):
 
 def _engine(model, **kw):
     e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40, **kw))
-    e._decoder = None  # the same kernels as the streamed path (model.forward)
+    e._graphs = None  # the same kernels as the streamed path (model.forward, eagerly)
     return e
 
 
@@ -53,13 +54,13 @@ def reference(small):
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("mix", [(PINNED,) * 4, (VRAM, PINNED, STORAGE, PINNED), (STORAGE,) * 4])
 def test_streamed_equals_resident_on_gpu(small, reference, mix, depth):
-    from ntransformerd.engine.backends import cuda_stream
+    from ntransformerd.engine.backends import cuda
     from ntransformerd.engine.tiers.sources import ODirectSource
     e = _engine(small)
-    sizes = [cuda_stream.LayerLayout(small, i).nbytes for i in range(4)]
+    sizes = [cuda.layer_nbytes(small, i) for i in range(4)]
     plan = Plan(mix, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1)
     src = ODirectSource(small.path, threads=4) if STORAGE in mix else None
-    e.weights = cuda_stream.StreamedCudaWeights(small, plan, source=src, poison=True)
+    e.weights = cuda.CudaWeights(small, plan, source=src, poison=True)
     got = _run(e)
     for x, y in zip(got, reference):
         assert np.array_equal(x, y), (mix, depth)
@@ -69,8 +70,8 @@ def test_streamed_equals_resident_on_gpu(small, reference, mix, depth):
 def test_engine_plans_and_streams(small, reference):
     e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
-    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._decoder is not None
-    e._decoder = None  # model.forward, as the reference; test_engine_plans_and_decodes_in_graphs has the decoder
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._graphs is not None
+    e._graphs = None  # model.forward eagerly, as the reference; test_engine_plans_and_decodes_in_graphs has the graphs
     for x, y in zip(_run(e), reference):
         assert np.array_equal(x, y)
 
@@ -80,13 +81,13 @@ def test_engine_plans_and_streams(small, reference):
 def _decoding_engine(model, mix=None, depth=2, source=None):
     """An engine decoding through the captured step: resident weights, or streamed ones of `mix`
     (slots poisoned on release)."""
-    from ntransformerd.engine.backends import cuda, cuda_stream
+    from ntransformerd.engine.backends import cuda
     e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40))
     if mix is not None:
-        sizes = [cuda_stream.LayerLayout(model, i).nbytes for i in range(len(mix))]
+        sizes = [cuda.layer_nbytes(model, i) for i in range(len(mix))]
         plan = Plan(mix, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1)
-        e.weights = cuda_stream.StreamedCudaWeights(model, plan, source=source, poison=True)
-        e._decoder = cuda.decoder(e.ops, e.weights, e.kv)
+        e.weights = cuda.CudaWeights(model, plan, source=source, poison=True)
+        e._graphs = cuda.graphs(e.ops, e.weights, e.kv)
     return e
 
 
@@ -132,7 +133,7 @@ def resident_decoded(small):
     def get(batch):
         if batch not in runs:
             e = _decoding_engine(small)
-            assert e._decoder.use_graphs
+            assert e._graphs.use_graphs
             runs[batch] = _interleaved(e, batch)
         return runs[batch]
 
@@ -144,12 +145,10 @@ def resident_decoded(small):
 @pytest.mark.parametrize("mix", [(PINNED,) * 4, (VRAM, PINNED, VRAM, PINNED), (VRAM, VRAM, VRAM, PINNED)])
 def test_streamed_decode_in_graphs_equals_resident(small, resident_decoded, mix, depth, batch):
     """Pinned layers: their copies are captured into the decode step's graph."""
-    from ntransformerd.engine.backends.cuda_stream import GraphFeed
     e = _decoding_engine(small, mix, depth)
-    assert isinstance(e._decoder.feed, GraphFeed) and e._decoder.use_graphs
+    assert e.weights.capturable and e._graphs.use_graphs
     got = _interleaved(e, batch)
-    assert e._decoder._graphs  # the steps replayed a graph
-    assert e.weights.stream.stats["handoffs"] >= 1 + 2 * batch  # the warm-up and every decode step
+    assert e._graphs._buckets and all(b.graph is not None for b in e._graphs._buckets.values())  # replayed graphs
     _assert_close(got, resident_decoded(batch), (mix, depth, batch))
     e.weights.close()
 
@@ -158,21 +157,39 @@ def test_streamed_decode_in_graphs_equals_resident(small, resident_decoded, mix,
 @pytest.mark.parametrize("mix", [(VRAM, PINNED, STORAGE, PINNED), (STORAGE,) * 4])
 def test_streamed_decode_with_storage_runs_eagerly(small, resident_decoded, mix, depth):
     """Storage layers: the decode step runs eagerly through the LayerStream (reader threads)."""
-    from ntransformerd.engine.backends.cuda_stream import LayerStreamFeed
     from ntransformerd.engine.tiers.sources import ODirectSource
     e = _decoding_engine(small, mix, depth, ODirectSource(small.path, threads=4))
-    assert isinstance(e._decoder.feed, LayerStreamFeed) and not e._decoder.use_graphs
+    assert not e.weights.capturable and not e._graphs.use_graphs
     got = _interleaved(e, 3)
-    assert not e._decoder._graphs and e.weights.stream.stats["reads"] > 0
+    assert not e._graphs._buckets and e.weights.stream.stats["reads"] > 0
     _assert_close(got, resident_decoded(3), (mix, depth))
     e.weights.close()
 
 
 def test_engine_plans_and_decodes_in_graphs(small, resident_decoded):
     """The engine's own plan (2 layers resident, 2 pinned) decodes through the graph."""
-    from ntransformerd.engine.backends.cuda_stream import GraphFeed
     e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
-    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and isinstance(e._decoder.feed, GraphFeed)
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._graphs.use_graphs
     _assert_close(_interleaved(e, 3), resident_decoded(3), "engine plan")
-    assert e._decoder._graphs
+    assert e._graphs._buckets
+
+
+def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
+    """skip_layers: the plan marks them, the weights never load them, and every step (prefill
+    eagerly, decode captured) runs model.forward over the other layers."""
+    from ntransformerd.engine.tiers.planner import SKIP
+    e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=128, prefill_chunk=40,
+                                          max_vram_layers=1, skip_layers=(2,)))
+    assert e.plan.tiers[2] == SKIP and e.layers == (0, 1, 3) and 2 not in e.weights.layouts
+    ref = _engine(small)  # every layer resident, eager: the reference over layers 0, 1, 3
+    a, b = e.open(), ref.open()
+    la = e.prefill(a, list(range(1, 50)))
+    lb = ref.step([(b, list(range(1, 41)))], layers=(0, 1, 3))
+    lb = ref.step([(b, list(range(41, 50)))], layers=(0, 1, 3))[0]
+    assert np.abs(la - lb).max() / np.abs(lb).max() < 1e-5
+    for _ in range(3):
+        t = int(np.argmax(la))
+        la, lb = e.step([(a, [t])])[0], ref.step([(b, [t])], layers=(0, 1, 3))[0]
+        assert np.argmax(la) == np.argmax(lb) and np.abs(la - lb).max() / np.abs(lb).max() < 1e-4
+    assert e._graphs._buckets

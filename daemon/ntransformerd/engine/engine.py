@@ -58,6 +58,8 @@ class EngineConfig:
     max_vram_layers: int | None = None  # at most this many resident layers
     stream_depth: int = 2  # device slots in the streaming ring
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
+    # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
+    skip_layers: tuple[int, ...] | None = None
     # GPUs to spread the layers over ("0,1" or a tuple); None = one device. Planned (tiers/multi.py),
     # not run yet: more than one device is refused at load.
     devices: str | tuple[int, ...] | None = None
@@ -74,6 +76,8 @@ class EngineConfig:
         if self.devices is not None:
             from ntransformerd.engine.tiers.multi import parse_devices
             parse_devices(self.devices)
+        if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
+            raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
 
 class ContextFull(ValueError):
@@ -100,12 +104,24 @@ def _backend_module(name: str):
 class Engine:
     """A loaded model with its backend, KV cache, tokenizer and chat template."""
 
-    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), pipeline=None, plan=None):
+        """pipeline: a tiers.multi.Pipeline to run the model through instead of one backend
+        (pipeline_engine builds it); plan: then its multi-device plan."""
         from ntransformerd.engine.tokenizer import Tokenizer
 
         config.validate()
         self.model, self.config, self.cfg = model, config, model.config
         self.max_ctx = min(config.max_ctx, self.cfg.context_length)
+        self.tokenizer = Tokenizer.from_metadata(model.metadata)
+        self._chat_template = None
+        self.pipeline = pipeline
+        self._graphs = None  # a backend's captured steps (CUDA graphs of model.forward), if it has them
+        if pipeline is not None:
+            from ntransformerd.engine.kv_cache import SlotTable
+            self.backend_name, self.plan = "cpu", plan
+            self.ops = self.weights = self.layers = None
+            self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
+            return
         backend = _backend_module(config.backend)
         self.backend_name = backend.__name__.rsplit(".", 1)[-1]
         from ntransformerd.engine import tiers
@@ -113,12 +129,11 @@ class Engine:
         self.ops, self.weights = built or backend.load(model)
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
-        self.tokenizer = Tokenizer.from_metadata(model.metadata)
-        self._chat_template = None
-        # A backend may replay a captured decode step (CUDA graphs) for one-token segments; weights
-        # say how it gets their layers (decode_feed: resident, or streamed copies inside the step).
-        self._decoder = (backend.decoder(self.ops, self.weights, self.kv)
-                         if hasattr(backend, "decoder") and hasattr(self.weights, "decode_feed") else None)
+        skipped = set(self.plan.skipped) if self.plan is not None else set()
+        # The layers a step runs by default: all, or all but the skipped ones (never loaded).
+        self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
+        if hasattr(backend, "graphs"):
+            self._graphs = backend.graphs(self.ops, self.weights, self.kv)
 
     @property
     def chat_template(self):
@@ -163,13 +178,14 @@ class Engine:
         items: (slot, new token ids) per sequence. Returns float32 logits (len(items), V) for
         each item's last token, or (total tokens, V) with all_logits. layers: the layers to run
         (model.forward; default all), e.g. a self-draft's prefix or the model minus skipped layers.
-        With top (≥ 1, at most V),
-        a sampler.TopLogits instead: each item's `top` most likely ids and their logits (what a
-        Sampler whose need() is at most `top` samples from); a GPU decode step then picks them on
-        the device and copies those alone.
+        With top (≥ 1, at most V), a sampler.TopLogits instead: those rows' `top` most likely ids
+        and their logits (what a Sampler whose need() is at most `top` samples from); a captured
+        GPU step then picks them on the device and copies those alone. A backend with captured
+        steps (CUDA graphs of model.forward) replays one where a bucket covers the items: R
+        sequences of T tokens each, R × T ≤ 32, T in 1, 2, 4, 8, 16.
         """
-        if top is not None and (all_logits or not 1 <= top <= self.cfg.vocab_size):
-            raise ValueError(f"top must be in [1, {self.cfg.vocab_size}] and without all_logits, got {top}")
+        if top is not None and not 1 <= top <= self.cfg.vocab_size:
+            raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
         segments = []
         for slot, tokens in items:
             tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -181,13 +197,13 @@ class Engine:
             if start + tokens.size > self.max_ctx:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
-        if (self._decoder is not None and layers is None and not all_logits
-                and all(len(s.tokens) == 1 for s in segments)):
-            slots, toks = [s.slot for s in segments], [int(s.tokens[0]) for s in segments]
+        layers = self.layers if layers is None else layers
+        if self._graphs is not None and self._graphs.covers(segments, layers):
+            slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
             if top is not None:
-                logits = self._decoder.top(slots, toks, top)
+                logits = self._graphs.top(slots, toks, top, layers=layers, last_only=not all_logits)
             else:
-                logits = self.ops.to_host(self._decoder.logits(slots, toks))
+                logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
         else:
             logits = self._forward(Batch.of(segments), all_logits, layers)
             if top is not None:
@@ -197,7 +213,11 @@ class Engine:
         return logits
 
     def _forward(self, batch: Batch, all_logits: bool, layers=None) -> np.ndarray:
-        """The model on one batch; host logits. (The multi-device pipeline overrides this.)"""
+        """The model on one batch, eagerly; host logits."""
+        if self.pipeline is not None:
+            if layers is not None:
+                raise ValueError("a pipelined engine runs every layer (its stages hold fixed ranges)")
+            return self.pipeline.run(batch, all_logits=all_logits)
         with self.ops.step_context(batch):
             logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, layers=layers,
                                    all_logits=all_logits)
@@ -216,6 +236,20 @@ class Engine:
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One new token for each of several sequences; logits (B, V)."""
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
+
+
+def pipeline_engine(engine: Engine, mp, *, sources=None, poison: bool = False, handoff=None) -> Engine:
+    """`engine`'s model as the pipeline of the multi-device plan `mp` (tiers/multi.py): one stage
+    of layers per device, each with its own ops, streamed weights and KV cache (CPU backend);
+    the same tokenizer, slots and API. Resident layers are shared with `engine`."""
+    from ntransformerd.engine.tiers.multi import Handoff, Pipeline, cpu_stages
+    if engine.backend_name != "cpu":
+        raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
+    base = engine.weights if not getattr(engine.weights, "streamed", False) else None
+    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
+                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
+    return Engine(engine.model, config=engine.config, pipeline=Pipeline(stages, engine.cfg, handoff or Handoff()),
+                  plan=mp)
 
 
 class Continuation:

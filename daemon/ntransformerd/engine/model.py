@@ -11,6 +11,11 @@ read.
     x = token_embd[tokens]
     for each layer:  x += attn(norm(x));  x += ffn(norm(x))
     logits = output(norm(x[last token of each segment]))
+
+The GPU runs this same function: its ops are our fused kernels behind these names, and its
+decode and draft-verify steps are this function captured as a CUDA graph per bucket of rows ×
+tokens (backends/cuda/graphs.py). The ops decide how (fused, quantized, stacked); this file
+decides what.
 """
 
 from __future__ import annotations
@@ -58,14 +63,28 @@ def forward(ops, cfg: LlamaConfig, weights, kv, batch: Batch, *, layers=None, al
     layers: the layers to run, in order (default all): a prefix is a self-draft, the plan minus
     skipped layers a skip; a layer not run leaves its hidden state and its KV cache untouched.
     """
+    layers = range(cfg.n_layers) if layers is None else layers
     x = ops.embed(weights, batch.tokens)  # (N, D)
+    x = run_layers(ops, cfg, weights, kv, batch, x, layers)
+    return head(ops, cfg, weights, x, batch, all_logits=all_logits)
+
+
+def run_layers(ops, cfg: LlamaConfig, weights, kv, batch: Batch, x, layers):
+    """x through `layers` in order, each fetched from wherever it lives (a stage of a pipeline
+    runs its own range on its own device)."""
     rope = ops.rope_table(batch.positions)
-    for i in range(cfg.n_layers) if layers is None else layers:
+    weights.prefetch(layers)  # the streamed ones start coming now, in this order
+    for i in layers:
         w = weights.acquire(i)
         x = block(ops, cfg, x, w, kv.layer(i), batch, rope)
         weights.release(i)
+    return x
+
+
+def head(ops, cfg: LlamaConfig, weights, x, batch: Batch, *, all_logits: bool = False):
+    """Final norm and output matrix: logits of each segment's last row (S, V), or of all (N, V)."""
     if not all_logits:
-        x = x[batch.last_rows]  # (S, D)
+        x = ops.rows(x, batch.last_rows)  # (S, D)
     x = ops.rms_norm(x, weights.output_norm, cfg.rms_eps)
     return ops.matmul(x, weights.output)  # (S or N, V)
 
@@ -73,15 +92,10 @@ def forward(ops, cfg: LlamaConfig, weights, kv, batch: Batch, *, layers=None, al
 def block(ops, cfg: LlamaConfig, x, w, kv, batch: Batch, rope):
     """One transformer block: pre-norm attention and SwiGLU feed-forward, each residual."""
     h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)  # (N, D)
-    q = ops.matmul(h, w.attn_q)  # (N, H * hd)
-    k = ops.matmul(h, w.attn_k)  # (N, Hkv * hd)
-    v = ops.matmul(h, w.attn_v)  # (N, Hkv * hd)
-    q = ops.rope(q, rope, cfg.n_heads)  # (N, H * hd), rotated in place of position
-    k = ops.rope(k, rope, cfg.n_kv_heads)  # (N, Hkv * hd)
-    a = ops.attention(q, k, v, kv, batch)  # (N, H * hd): appends k, v to the cache first
-    x = x + ops.matmul(a, w.attn_output)  # (N, D)
+    q, k, v = ops.matmul(h, w.attn_qkv)  # (N, H * hd), (N, Hkv * hd) × 2: q, k, v stacked at load
+    a = ops.attention(q, k, v, kv, batch, rope)  # (N, H * hd): RoPE on q and k, k and v to the cache first
+    x = ops.matmul(a, w.attn_output, residual=x)  # (N, D): x + a Wo
 
     h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)  # (N, D)
-    g = ops.matmul(h, w.ffn_gate)  # (N, F)
-    u = ops.matmul(h, w.ffn_up)  # (N, F)
-    return x + ops.matmul(ops.swiglu(g, u), w.ffn_down)  # (N, D)
+    g, u = ops.matmul(h, w.ffn_gate_up)  # (N, F) × 2
+    return ops.matmul(ops.swiglu(g, u), w.ffn_down, residual=x)  # (N, D): x + swiglu(g, u) Wd

@@ -98,12 +98,12 @@ def cmd_run(args) -> int:
         backend = args.backend
         if backend != "cpu":
             try:
-                from ntransformerd.engine.backends import cuda, cuda_stream
+                from ntransformerd.engine.backends import cuda
                 backend = "cuda" if cuda.available() else "cpu"
             except ImportError:
                 backend = "cpu"
         try:
-            plan = (cuda_stream.plan(model, config) if backend == "cuda"
+            plan = (tiers.cuda_plan(cuda, model, config) if backend == "cuda"
                     else tiers.model_plan(model, config, backend="cpu"))
         except tiers.PlanError as e:
             print(f"ntx-model: {e}", file=sys.stderr)

@@ -57,8 +57,16 @@ class CpuOps:
         return x
 
     @staticmethod
-    def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return x @ w  # (N, in) @ (in, out) → (N, out); w prepared by `prepare_matrix` at load
+    def matmul(x: np.ndarray, w, residual: np.ndarray | None = None):
+        """x @ w (+ residual); w prepared by `prepare_matrix` at load: (N, in) @ (in, out) → (N, out).
+        A stack of matrices (attn_qkv, ffn_gate_up) gives one product per member."""
+        if isinstance(w, tuple):
+            return tuple(x @ m for m in w)
+        return x @ w if residual is None else residual + x @ w
+
+    @staticmethod
+    def rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return x[rows]
 
     @staticmethod
     def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -86,7 +94,13 @@ class CpuOps:
             r[..., 0::2], r[..., 1::2] = a * cos - b * sin, a * sin + b * cos
         return x.reshape(len(x), n_heads * hd)
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVLayer, batch: Batch) -> np.ndarray:
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVLayer, batch: Batch,
+                  rope=None) -> np.ndarray:
+        """RoPE on q and k (unless rope is None: already rotated), k and v into the cache at their
+        positions, then causal GQA attention."""
+        if rope is not None:
+            q = self.rope(q, rope, self.cfg.n_heads)  # (N, H * hd)
+            k = self.rope(k, rope, self.cfg.n_kv_heads)  # (N, Hkv * hd)
         if len(batch.segments) > 1 and len(batch.tokens) == len(batch.segments):
             return self._decode_attention(q, k, v, kv, batch)
         c = self.cfg
@@ -139,8 +153,11 @@ def prepare_matrix(w: np.ndarray) -> np.ndarray:
 
 
 def prepare_layer(tensors: dict[str, np.ndarray]) -> types.SimpleNamespace:
-    """A layer's dequantized tensors as ops.matmul wants them: matrices transposed, norms as is."""
-    return types.SimpleNamespace(**{n: prepare_matrix(a) if a.ndim == 2 else a for n, a in tensors.items()})
+    """A layer's dequantized tensors as ops.matmul wants them: matrices transposed, norms as is,
+    and the stacks model.block multiplies (attn_qkv, ffn_gate_up): here plainly the members."""
+    ly = types.SimpleNamespace(**{n: prepare_matrix(a) if a.ndim == 2 else a for n, a in tensors.items()})
+    ly.attn_qkv, ly.ffn_gate_up = (ly.attn_q, ly.attn_k, ly.attn_v), (ly.ffn_gate, ly.ffn_up)
+    return ly
 
 
 class CpuWeights:
@@ -175,6 +192,9 @@ class CpuWeights:
 
     def release(self, i: int) -> None:
         pass
+
+    def prefetch(self, layers) -> None:
+        """The layers a pass will acquire, in order (the streamed subclass reads ahead itself)."""
 
 
 def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[CpuOps, CpuWeights]:

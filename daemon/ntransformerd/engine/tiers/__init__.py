@@ -4,10 +4,10 @@
     ops, weights = built or backend_module.load(model)
 
 planner.py decides (explainably), sources.py is where bytes come from (one interface for every
-placement), pipeline.py is the slot ring, cpu_stream.py and backends/cuda_stream.py are the
-streamed weights of each backend. When the plan keeps every layer resident, `built` is None and
-the backend loads its own resident weights. Either way the CUDA engine decodes through its
-captured step, which takes each layer through the weights' decode_feed().
+placement), pipeline.py is the slot ring, cpu_stream.py and backends/cuda/weights.py are the
+streamed weights of each backend. On the CPU, when the plan keeps every layer resident, `built`
+is None and the backend loads its own resident weights; on the GPU every plan, all-resident
+included, is one backends.cuda.CudaWeights.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from ntransformerd.engine.tiers.planner import (PINNED, STORAGE, TIERS, VRAM, Pl
                                                 mem_available, parse_size, plan_tiers)
 
 __all__ = ["PINNED", "STORAGE", "TIERS", "VRAM", "Plan", "PlanError", "fmt_bytes", "mem_available",
-           "parse_size", "plan_tiers", "load", "model_plan", "model_plan_devices", "wanted"]
+           "parse_size", "plan_tiers", "load", "cuda_plan", "model_plan", "model_plan_devices", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
 
 
 def wanted(config) -> bool:
-    """Did the configuration ask for tiers (any budget or layer cap)?"""
-    return any(getattr(config, f, None) is not None for f in ("vram_budget", "ram_budget", "max_vram_layers"))
+    """Did the configuration ask for tiers (any budget, layer cap or skipped layer)?"""
+    return bool(skip_list(config)) or any(getattr(config, f, None) is not None
+                                          for f in ("vram_budget", "ram_budget", "max_vram_layers"))
 
 
 def _non_layer_bytes(model) -> int:
@@ -53,11 +54,17 @@ def _plan_inputs(model, config, backend: str, ram_available: int | None, layer_b
     return layer_bytes, kv, work, mem_available() if ram_available is None else ram_available
 
 
+def skip_list(config) -> list[int]:
+    """The layers the config skips (EngineConfig.skip_layers resolved to indices), or none."""
+    skip = getattr(config, "skip_layers", None)
+    return [int(i) for i in skip] if skip else []
+
+
 def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
                layer_bytes: list[int] | None = None) -> Plan:
     """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
-    return plan_tiers(layer_bytes, fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
+    return plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
                       vram_free=vram_free, ram_available=ram_available,
                       vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
                       max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
@@ -79,6 +86,13 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
                         stream_depth=config.stream_depth)
 
 
+def cuda_plan(module, model, config) -> Plan:
+    """The plan on this GPU (module: backends.cuda): its free VRAM, the layers' device image
+    sizes, MemAvailable, and the config's overrides."""
+    sizes = [module.layer_nbytes(model, i) for i in range(model.config.n_layers)]
+    return model_plan(model, config, backend="cuda", vram_free=module.vram_free(), layer_bytes=sizes)
+
+
 def open_storage(config, model):
     from ntransformerd.engine.tiers.sources import open_source
     return open_source(getattr(config, "storage", "odirect") or "odirect", model.path)
@@ -91,12 +105,9 @@ def load(backend: str, module, model, config):
     if devices is not None and len(devices) > 1:
         raise RuntimeError(f"{len(devices)} devices: `ntx-model run --plan --devices` shows the plan, but the "
                            "multi-GPU pipeline is not built yet (tiers/multi.py says what it needs)")
-    if backend == "cuda":
-        from ntransformerd.engine.backends import cuda_stream
-        plan = cuda_stream.plan(model, config)
-        if plan.all_resident:
-            return plan, None
-        return plan, cuda_stream.load(model, plan, source=open_storage(config, model) if plan.layers(STORAGE) else None)
+    if backend == "cuda":  # every plan, all-resident included, is one CudaWeights
+        plan = cuda_plan(module, model, config)
+        return plan, module.load(model, plan, source=open_storage(config, model) if plan.layers(STORAGE) else None)
     if not wanted(config):
         return None, None
     from ntransformerd.engine.backends import cpu

@@ -83,6 +83,10 @@ class StreamedCpuWeights(CpuWeights):
                 out[n] = dequantize(raw, t[n].qtype, t[n].shape)
         return prepare_layer(out)  # the same layout resident layers have
 
+    def prefetch(self, layers) -> None:
+        if self.stream is not None:
+            self.stream.begin(layers)
+
     def acquire(self, i: int) -> types.SimpleNamespace:
         layer = self._layers.get(i)
         if layer is not None:

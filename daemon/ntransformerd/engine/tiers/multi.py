@@ -476,23 +476,25 @@ class Pipeline:
         self.stages, self.cfg, self.handoff = list(stages), cfg, handoff or Handoff()
 
     def forward(self, batch, *, all_logits: bool = False):
-        from ntransformerd.engine.model import block
+        """model.forward with each stage's range of layers on its device, x handed between them."""
+        from ntransformerd.engine import model as llama
         first, last = self.stages[0], self.stages[-1]
         x = first.ops.embed(first.weights, batch.tokens)  # (N, D) on the first device
         prev = None
         for st in self.stages:
             if prev is not None:
                 x = self.handoff.copy(x, prev.device, st.device)
-            rope = st.ops.rope_table(batch.positions)  # each device its own table
-            for i in range(st.start, st.stop):
-                w = st.weights.acquire(i)
-                x = block(st.ops, self.cfg, x, w, st.kv.layer(i), batch, rope)
-                st.weights.release(i)
+            x = llama.run_layers(st.ops, self.cfg, st.weights, st.kv, batch, x, range(st.start, st.stop))
             prev = st
-        if not all_logits:
-            x = x[batch.last_rows]
-        x = last.ops.rms_norm(x, last.weights.output_norm, self.cfg.rms_eps)
-        return last.ops.matmul(x, last.weights.output)
+        return llama.head(last.ops, self.cfg, last.weights, x, batch, all_logits=all_logits)
+
+    def run(self, batch, *, all_logits: bool = False):
+        """forward inside every stage's step context; host logits."""
+        with contextlib.ExitStack() as stack:
+            for st in self.stages:
+                stack.enter_context(st.ops.step_context(batch))
+            logits = self.forward(batch, all_logits=all_logits)
+        return self.stages[-1].ops.to_host(logits)
 
     def close(self) -> None:
         for st in self.stages:
@@ -533,35 +535,6 @@ def cpu_stages(model, mp: MultiPlan, *, n_slots: int, max_ctx: int, kv_dtype: st
         kv = StageKV(model.config, a, b, n_slots=n_slots, max_ctx=max_ctx, dtype=kv_dtype)
         stages.append(Stage(d, a, b, CpuOps(model.config, freq), w, kv))
     return stages
-
-
-def pipeline_engine(engine, mp: MultiPlan, *, sources=None, poison: bool = False, handoff: Handoff | None = None):
-    """An Engine (CPU backend) that runs `engine`'s model as the pipeline of `mp`: same
-    tokenizer, slots and API; `step` goes through `Pipeline.forward`."""
-    from ntransformerd.engine.engine import Engine
-    from ntransformerd.engine.kv_cache import SlotTable
-
-    class PipelineEngine(Engine):
-        def _forward(self, batch, all_logits: bool, layers=None):
-            with contextlib.ExitStack() as stack:
-                for st in self.pipeline.stages:
-                    stack.enter_context(st.ops.step_context(batch))
-                logits = self.pipeline.forward(batch, all_logits=all_logits)
-            return self.pipeline.stages[-1].ops.to_host(logits)
-
-    if engine.backend_name != "cpu":
-        raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
-    e = PipelineEngine.__new__(PipelineEngine)
-    e.__dict__.update(engine.__dict__)
-    e.kv = SlotTable(engine.kv.n_slots)
-    e._decoder = None
-    e.plan = mp
-    base = engine.weights if not getattr(engine.weights, "streamed", False) else None
-    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
-                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
-    e.weights = None
-    e.pipeline = Pipeline(stages, engine.cfg, handoff)
-    return e
 
 
 def device_free(ids: Sequence[int], backend: str = "auto") -> tuple[str, list[int | None]]:

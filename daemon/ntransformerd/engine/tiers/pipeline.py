@@ -1,9 +1,10 @@
 """The layer stream: `depth` device slots in a ring, reader threads `depth` ahead.
 
-The streamed layers (every layer not resident) are visited in a fixed cyclic order, step after
-step: position k is layer order[k % m] in slot k % depth. For each position:
+A forward pass announces the layers it will visit (`begin(layers)`: all of them, a prefix for a
+self-draft, or the plan minus skipped layers); position k of the pass is its k-th streamed
+layer, in slot k % depth. For each position:
 
-    read     storage layers only: a reader thread waits until the staging buffer's previous
+    read     storage layers only: a reader thread waits until the staging entry's previous
              copy is done (host_wait), then fills it from the source (depth positions ahead)
     copy     host (pinned layer, or staging) → device slot, on the copy stream, after the slot's
              previous user released it (device event); records copy_done
@@ -11,15 +12,13 @@ step: position k is layer order[k % m] in slot k % depth. For each position:
     release  the compute stream records the slot's release event; the copy of position k+depth
              into that slot is enqueued right away when its bytes are on the host
 
-Because the order wraps, the first slots of the next step fill while this step finishes.
-
-Between steps another user may write the slots (the captured CUDA decode step copies into them
-inside its graph: GraphFeed in backends/cuda_stream.py). Its stream first waits for
-pending_events() (each slot's release and the copies in flight); after it, invalidate(e) drops
-the copies queued ahead, so the next acquire copies again, into slots free once event e passed.
+A pass's first copies wait for an event recorded on the compute stream when it begins, so
+whatever wrote the slots before (an earlier pass, a replayed CUDA graph) is done with them. A
+pass that acquires a layer it did not announce (or none was announced) starts a new pass there,
+through the rest of the order.
 
 `Device` is the only part that differs between backends: on the CPU, copies are plain memcpy
-and events are None; on the GPU (backends/cuda_stream.py) they are cudaMemcpyAsync on a copy
+and events are None; on the GPU (backends/cuda/weights.py) they are cudaMemcpyAsync on a copy
 stream and CUDA events. The compute thread never blocks in steady state except on data that is
 truly not there yet (a storage read behind).
 """
@@ -27,7 +26,6 @@ truly not there yet (a storage read behind).
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -73,7 +71,7 @@ class LayerStream:
 
     host_layer(i) → a host array holding layer i in device layout (the pinned tier), or None
     for a storage layer; read(i, e) fills staging entry e with layer i (device layout) from
-    storage and returns that host array. Only the compute thread calls acquire/release.
+    storage and returns that host array. Only the compute thread calls begin/acquire/release.
     """
 
     def __init__(self, order: list[int], *, depth: int, slot_bytes: int, nbytes: dict[int, int],
@@ -82,44 +80,41 @@ class LayerStream:
                  poison: bool = False):
         if depth < 1:
             raise ValueError(f"stream depth {depth} must be at least 1")
-        self.order, self.m, self.depth = list(order), len(order), depth
+        self.order, self.depth = list(order), depth
         self._index = {layer: j for j, layer in enumerate(self.order)}
         self.device, self.host_layer, self.read, self.nbytes = device, host_layer, read, nbytes
         self.poison = poison
         self.slots = [device.alloc(slot_bytes) for _ in range(depth)]
         self._slot_free = [None] * depth  # release event of each slot's last user
+        self._entry_free = [None] * depth  # last copy out of each staging entry (storage reads)
+        self._pass: list[int] = []  # the streamed layers of the pass, in order
         self._copy_done: dict[int, object] = {}  # position → event
         self._reads: dict[int, concurrent.futures.Future] = {}  # position → future (storage layers)
-        self._base = 0  # position of order[0] in the current cycle numbering
         self._next = 0  # the position acquire expects next
         self._copied = 0  # positions < this have their copy enqueued
         self._held: int | None = None  # position acquired and not yet released
         self._pool = (concurrent.futures.ThreadPoolExecutor(readers or depth, thread_name_prefix="ntx-reader")
                       if read is not None and any(host_layer(i) is None for i in order) else None)
-        self.stats = {"copies": 0, "reads": 0, "blocked": 0, "restarts": 0, "handoffs": 0}
-        self._lock = threading.Lock()
+        self.stats = {"passes": 0, "copies": 0, "reads": 0, "blocked": 0, "restarts": 0}
 
-    # ---- positions --------------------------------------------------------------------------
-
-    def layer_at(self, k: int) -> int:
-        return self.order[(k - self._base) % self.m]
+    def streamed_of(self, layers) -> list[int]:
+        """The streamed layers among `layers`, in their order."""
+        return [i for i in layers if i in self._index]
 
     def _is_storage(self, k: int) -> bool:
-        return self.host_layer(self.layer_at(k)) is None
+        return self.host_layer(self._pass[k]) is None
 
     # ---- the pump ---------------------------------------------------------------------------
 
     def _submit_reads(self) -> None:
-        """Reads for storage positions whose staging entry's previous copy is enqueued."""
+        """Reads for the storage positions of the next `depth` not yet copied."""
         if self._pool is None:
             return
-        for k in range(self._copied, self._copied + self.depth):
+        for k in range(self._copied, min(len(self._pass), self._copied + self.depth)):
             if k in self._reads or not self._is_storage(k):
                 continue
-            prev = self._copy_done.get(k - self.depth, None) if k - self.depth >= 0 else None
-            if k - self.depth >= self._copied:
-                break  # the staging entry still waits for its copy
-            self._reads[k] = self._pool.submit(self._read_task, k, self.layer_at(k), prev)
+            # the entry's latest copy (position k - depth or earlier) is enqueued: wait for it
+            self._reads[k] = self._pool.submit(self._read_task, k, self._pass[k], self._entry_free[k % self.depth])
             self.stats["reads"] += 1
 
     def _read_task(self, k: int, layer: int, prev_copy):
@@ -130,9 +125,10 @@ class LayerStream:
         """Enqueue copies in order while slots are free and bytes are on the host; block only
         for position `need`."""
         released = self._next if self._held is None else self._held  # positions < this are released
-        while self._copied < released + self.depth:
+        while self._copied < min(len(self._pass), released + self.depth):
             k = self._copied
-            if self._is_storage(k):
+            storage = self._is_storage(k)
+            if storage:
                 self._submit_reads()
                 fut = self._reads.get(k)
                 if fut is None or (not fut.done() and (need is None or k > need)):
@@ -142,16 +138,17 @@ class LayerStream:
                 src = fut.result()
                 del self._reads[k]
             else:
-                src = self.host_layer(self.layer_at(k))
+                src = self.host_layer(self._pass[k])
             s = k % self.depth
-            self._copy_done[k] = self.device.copy(self.slots[s], src, self.nbytes[self.layer_at(k)],
-                                                  self._slot_free[s])
-            self._copy_done.pop(k - 2 * self.depth, None)
+            done = self.device.copy(self.slots[s], src, self.nbytes[self._pass[k]], self._slot_free[s])
+            self._copy_done[k] = done
+            if storage:
+                self._entry_free[s] = done
             self.stats["copies"] += 1
             self._copied += 1
         self._submit_reads()
         if need is not None and need >= self._copied:
-            raise StreamError(f"position {need} (layer {self.layer_at(need)}) could not be copied: "
+            raise StreamError(f"position {need} (layer {self._pass[need]}) could not be copied: "
                               f"{self._copied} copied, {released} released, depth {self.depth}")
 
     def _drain_reads(self) -> None:
@@ -163,26 +160,31 @@ class LayerStream:
                 pass
         self._reads.clear()
 
-    def _restart(self, layer: int) -> None:
-        """Renumber so that the next position is `layer` (the forward pass did not visit layers
-        in order: an error mid-step, or a partial pass). Copies already queued for positions ≥
-        next are redone; the copy stream orders them after the old ones."""
-        self._drain_reads()
-        self._base = self._next - self._index[layer]
-        self._copied = min(self._copied, self._next)
-        self.stats["restarts"] += 1
-
     # ---- the interface model.forward drives ---------------------------------------------------
+
+    def begin(self, layers) -> None:
+        """A pass will acquire `layers` in this order (those not streamed are ignored)."""
+        self._drain_reads()  # a pass that ended early (a prefix, an error) may leave reads behind
+        self._pass = self.streamed_of(layers)
+        self._copy_done.clear()
+        self._next = self._copied = 0
+        self._held = None
+        start = self.device.record()  # everything before this pass on the compute stream
+        self._slot_free = [start] * self.depth
+        self.stats["passes"] += 1
+        self._pump()
 
     def acquire(self, layer: int):
         """The slot holding `layer`, with the compute stream ordered after its copy."""
-        if self._held is not None:  # a step ended without release (an exception): release it now
-            self.release(self.layer_at(self._held))
+        if self._held is not None:  # a pass ended without release (an exception): release it now
+            self.release(self._pass[self._held])
         if layer not in self._index:
             raise StreamError(f"layer {layer} is not streamed")
         k = self._next
-        if self.layer_at(k) != layer:
-            self._restart(layer)
+        if k >= len(self._pass) or self._pass[k] != layer:  # not announced: a new pass from here
+            self.begin(self.order[self._index[layer]:])
+            self.stats["restarts"] += 1
+            k = 0
         self._pump(need=k)
         self.device.compute_wait(self._copy_done[k])
         self._held = k
@@ -190,9 +192,9 @@ class LayerStream:
 
     def release(self, layer: int) -> None:
         k = self._held
-        if k is None or self.layer_at(k) != layer:
+        if k is None or self._pass[k] != layer:
             raise StreamError(f"release of layer {layer}, which is not the layer held "
-                              f"({None if k is None else self.layer_at(k)})")
+                              f"({None if k is None else self._pass[k]})")
         s = k % self.depth
         if self.poison:
             self.device.poison(self.slots[s])
@@ -201,29 +203,8 @@ class LayerStream:
         self._next = k + 1
         self._pump()
 
-    # ---- handing the slots to another user between steps ----------------------------------------
-
-    def pending_events(self) -> list:
-        """What a user that writes the slots must wait for first: each slot's last release and
-        the copies queued for positions not acquired yet (no events on the host: empty)."""
-        start = self._next if self._held is None else self._held
-        events = self._slot_free + [self._copy_done[k] for k in range(start, self._copied)]
-        return [e for e in events if e is not None]
-
-    def invalidate(self, after) -> None:
-        """Another user wrote every slot: forget the copies queued ahead (the next acquire copies
-        again) and copy into a slot only once event `after` (or None) passed. A position still
-        held (a forward pass that raised) counts as released."""
-        if self._held is not None:
-            self._next, self._held = self._held + 1, None
-        self._drain_reads()
-        for k in range(self._next, self._copied):
-            self._copy_done.pop(k, None)
-        self._copied = self._next
-        self._slot_free = [after] * self.depth
-        self.stats["handoffs"] += 1
-
     def close(self) -> None:
+        self._drain_reads()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -22,6 +22,7 @@ import os
 import re
 
 VRAM, PINNED, STORAGE = "vram", "pinned", "storage"
+SKIP = "skip"  # a skipped layer (layer skip): neither loaded, computed nor streamed
 TIERS = (VRAM, PINNED, STORAGE)
 GiB = 1 << 30
 MiB = 1 << 20
@@ -85,7 +86,7 @@ def mem_available(path: str = "/proc/meminfo") -> int:
 class Plan:
     """The tier of every layer and what it costs; `explain()` is what `ntx-model run --plan` prints."""
 
-    tiers: tuple[str, ...]  # per layer: vram | pinned | storage
+    tiers: tuple[str, ...]  # per layer: vram | pinned | storage | skip
     layer_bytes: tuple[int, ...]
     depth: int  # streaming slots on the device (0 when nothing streams)
     slot_bytes: int  # one slot: the largest streamed layer
@@ -95,6 +96,7 @@ class Plan:
     vram_limit: int  # what the plan was allowed to use on the device
     ram_limit: int  # what the plan was allowed to pin in host RAM
     reasons: tuple[str, ...] = ()  # the overrides and limits that shaped it, for explain()
+    skipped_streamed_bytes: int = 0  # bytes per step the skipped layers would have streamed
 
     def layers(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -104,11 +106,15 @@ class Plan:
 
     @property
     def streamed(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t != VRAM]
+        return [i for i, t in enumerate(self.tiers) if t in (PINNED, STORAGE)]
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.layers(SKIP)
 
     @property
     def all_resident(self) -> bool:
-        return all(t == VRAM for t in self.tiers)
+        return all(t in (VRAM, SKIP) for t in self.tiers)
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -135,13 +141,14 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {
-            "layers": {t: self.layers(t) for t in TIERS},
-            "bytes": {t: self.bytes(t) for t in TIERS},
+            "layers": {t: self.layers(t) for t in TIERS + (SKIP,)},
+            "bytes": {t: self.bytes(t) for t in TIERS + (SKIP,)},
             "depth": self.depth, "slot_bytes": self.slot_bytes,
             "fixed_bytes": self.fixed_bytes, "kv_bytes": self.kv_bytes, "workspace_bytes": self.workspace_bytes,
             "vram_bytes": self.vram_bytes, "ram_bytes": self.ram_bytes,
             "vram_limit": self.vram_limit, "ram_limit": self.ram_limit,
             "streamed_bytes_per_step": self.streamed_bytes_per_step,
+            "skipped_streamed_bytes": self.skipped_streamed_bytes,
             "reasons": list(self.reasons),
         }
 
@@ -163,12 +170,40 @@ class Plan:
         if s:
             lines.append(f"  bound          {tps:.2f} steps/s at {h2d_bps / 1e9:.0f} GB/s H2D, "
                          f"{disk_bps / 1e9:.1f} GB/s storage")
+        if self.skipped:
+            saved = sum(self.layer_bytes[i] for i in self.skipped if i < len(self.layer_bytes))
+            lines.append(f"  skipped        {len(self.skipped):4d} layers  {fmt_bytes(saved):>12s}  "
+                         f"[{layer_span(self.skipped)}]: neither loaded nor computed"
+                         + (f", {fmt_bytes(self.skipped_streamed_bytes)} per step not streamed"
+                            if self.skipped_streamed_bytes else ""))
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)
 
 
-def plan_tiers(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 0, workspace_bytes: int = 0,
+def plan_tiers(layer_bytes: list[int], *, skip=(), **kw) -> Plan:
+    """Assign every layer a tier (see _plan_kept); the layers in `skip` get SKIP and take no
+    memory, so the others may take their room (more resident, less streamed)."""
+    skip = set(skip)
+    if not skip:
+        return _plan_kept(list(layer_bytes), **kw)
+    n = len(layer_bytes)
+    if not skip <= set(range(n)):
+        raise PlanError(f"skipped layers {sorted(skip - set(range(n)))} are not among the {n} layers")
+    kept = [i for i in range(n) if i not in skip]
+    if not kept:
+        raise PlanError("every layer is skipped")
+    sub = _plan_kept([layer_bytes[i] for i in kept], **kw)
+    tiers = [SKIP] * n
+    for j, i in enumerate(kept):
+        tiers[i] = sub.tiers[j]
+    full = _plan_kept(list(layer_bytes), **kw)  # what the skip saves on the stream
+    saved = sum(layer_bytes[i] for i in skip if full.tiers[i] in (PINNED, STORAGE))
+    return dataclasses.replace(sub, tiers=tuple(tiers), layer_bytes=tuple(layer_bytes),
+                               reasons=sub.reasons + (f"{len(skip)} layers skipped",), skipped_streamed_bytes=saved)
+
+
+def _plan_kept(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 0, workspace_bytes: int = 0,
                vram_free: int | None, ram_available: int | None, vram_budget: int | None = None,
                ram_budget: int | None = None, max_vram_layers: int | None = None, stream_depth: int = 2,
                ram_reserve: int = RAM_RESERVE, storage_ok: bool = True) -> Plan:

@@ -1,0 +1,195 @@
+"""model.forward captured as a CUDA graph, one per bucket of rows × tokens per row (× layers).
+
+A bucket is (R rows, T tokens per row, the layers to run): R sequences each adding T tokens at
+consecutive positions, R × T ≤ 32, T in 1 (decode), 2, 4, 8, 16 (verifying drafts). Its
+graph is model.forward itself, run once eagerly with the ops drawing every output from the
+bucket's Arena (this compiles the kernels, and teaches the arena which producers quantize for
+an int8 matvec), then once under stream capture with the same buffers. A step then costs one
+small host→device copy (token, slot, position of each row), one replay, and one copy of what
+the caller wants back (greedy ids, each row's top ids, or the logits). Rows of a bucket beyond
+the live batch run on the KV cache's scratch slot.
+
+Streamed layers from pinned RAM are copied inside the graph (weights.CudaWeights: prefetch,
+acquire and release are capturable); a plan with storage layers runs every pass eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ntransformerd.engine import model as llama
+from ntransformerd.engine.backends.cuda import launch as K
+from ntransformerd.engine.backends.cuda import nvrtc
+from ntransformerd.engine.backends.cuda.kv import CudaKVCache
+from ntransformerd.engine.backends.cuda.nvrtc import cp
+from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
+from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.sampler import TopLogits
+
+ROWS = (1, 2, 4, 8, 16, 32)
+TOKENS = (1, 2, 4, 8, 16)
+log = logging.getLogger(__name__)
+
+
+class _Bucket:
+    def __init__(self, arena: Arena, batch: Batch, layers):
+        self.arena, self.batch, self.layers = arena, batch, layers
+        self.graph = None
+        self.logits = None  # the pass's (R × T, V) output, an arena buffer
+        self.ids = cp.empty((arena.n,), cp.int32)  # greedy id of each row
+
+
+class StepGraphs:
+    """The captured steps of one engine (ops, weights, KV cache). One compute thread; every
+    step returns its result to the host before the next starts, so steps never overlap."""
+
+    def __init__(self, ops: CudaOps, weights, kv: CudaKVCache, *, use_graphs: bool = True):
+        self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
+        self.s = ops.settings
+        self.use_graphs = use_graphs and weights.capturable
+        self.pdl = self.s.pdl
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._buckets: dict[tuple, _Bucket] = {}
+
+    # ---- which steps a bucket serves -----------------------------------------------------------
+
+    def bucket(self, n_rows: int, tokens: int) -> tuple[int, int] | None:
+        """(R, T) of the bucket serving n_rows sequences of `tokens` new tokens each, or None."""
+        if tokens not in TOKENS or tokens > self.kv.max_ctx:
+            return None
+        r = next((r for r in ROWS if r >= n_rows), None)
+        return (r, tokens) if r is not None and r * tokens <= K.MATVEC_MAX_ROWS else None
+
+    def covers(self, segments, layers=None) -> bool:
+        """Whether a captured step serves these segments (all of one length; see bucket)."""
+        if not self.use_graphs or not segments:
+            return False
+        t = len(segments[0].tokens)
+        return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
+
+    def n_splits(self, n: int) -> int:
+        """Attention splits per (row, head) of an n-row bucket: the one-launch attention's grid
+        is sized for the longest context, so a bucket of many rows takes fewer."""
+        return min(64 if n <= 2 else self.s.batched_splits, self.kv.max_ctx)
+
+    # ---- capture --------------------------------------------------------------------------------
+
+    def _pass(self, b: _Bucket):
+        logits = llama.forward(self.ops, self.cfg, self.w, self.kv, b.batch, layers=b.layers, all_logits=True)
+        K.argmax(logits, out=b.ids)
+        return logits
+
+    def _placeholder_io(self, r: int, t: int) -> np.ndarray:
+        io = np.zeros((3, r * t), np.int32)
+        io[1] = self.kv.scratch_slot
+        io[2] = np.tile(np.arange(t, dtype=np.int32), r)
+        return io
+
+    def _prepare(self, r: int, t: int, layers) -> _Bucket:
+        key = (r, t, layers)
+        b = self._buckets.get(key)
+        if b is not None:
+            return b
+        arena = Arena(self.cfg, r, t, n_splits=self.n_splits(r * t))
+        # The batch's structure (R segments of T tokens) is what the ops read from it; every value
+        # (tokens, slots, positions) comes from the arena's io rows, set before each replay.
+        batch = Batch.of([Segment(self.kv.scratch_slot, 0, np.zeros(t, np.int64)) for _ in range(r)])
+        b = _Bucket(arena, batch, layers)
+        with self.stream:
+            arena.io.set(self._placeholder_io(r, t))
+            self.ops.arena = arena
+            try:
+                b.logits = self._pass(b)  # eager: compiles and loads every kernel before capture
+                self.stream.synchronize()
+                if self.use_graphs:
+                    b.graph = self._capture(b)
+            finally:
+                self.ops.arena = None
+        self._buckets[key] = b
+        return b
+
+    def _capture(self, b: _Bucket):
+        if self.pdl and b.arena.n <= self.s.pdl_max_bucket:
+            try:
+                with nvrtc.pdl():
+                    return self._capture_once(b)
+            except Exception as e:  # noqa: BLE001 (any driver refusal: fall back to plain launches)
+                log.warning("captured step: programmatic dependent launch failed (%s); capturing plain launches", e)
+                self.pdl = False
+        return self._capture_once(b)
+
+    def _capture_once(self, b: _Bucket):
+        self.stream.begin_capture()
+        try:
+            self._pass(b)
+        except BaseException:
+            try:
+                self.stream.end_capture()
+            except Exception:  # noqa: BLE001 (the capture is already invalid)
+                pass
+            raise
+        return self.stream.end_capture()
+
+    # ---- steps ------------------------------------------------------------------------------------
+
+    def launch(self, slots, tokens, layers=None) -> tuple[_Bucket, int]:
+        """Queue one step (no wait): sequence slots[i] adds tokens[i] (T ids) at its current
+        length. Returns the bucket and the live row count (len(slots) × T). The caller moves
+        the cache lengths on (Engine.step)."""
+        tokens = np.asarray(tokens, np.int64)
+        if tokens.ndim == 1:
+            tokens = tokens[:, None]
+        n, t = tokens.shape
+        rt = self.bucket(n, t)
+        if rt is None or len(slots) != n:
+            raise ValueError(f"no captured step for {len(slots)} sequences of {t} tokens")
+        r, t = rt
+        b = self._prepare(r, t, None if layers is None else tuple(layers))
+        slots = np.asarray(slots, np.int64)
+        start = self.kv.lengths[slots]
+        if (start + t > self.kv.max_ctx).any():
+            raise ValueError(f"a sequence would pass the context limit of {self.kv.max_ctx}")
+        io = self._placeholder_io(r, t)
+        m = n * t
+        io[0, :m] = tokens.reshape(-1)
+        io[1, :m] = np.repeat(slots, t)
+        io[2, :m] = (start[:, None] + np.arange(t)).reshape(-1)
+        with self.stream:
+            self.w.settle(self.stream)
+            b.arena.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
+            if b.graph is not None:
+                b.graph.launch(self.stream)
+            else:
+                self.ops.arena = b.arena
+                try:
+                    self._pass(b)
+                finally:
+                    self.ops.arena = None
+        return b, m
+
+    def _rows(self, b: _Bucket, m: int, t: int, last_only: bool):
+        logits = b.logits[:m]
+        return logits[t - 1::t] if last_only and t > 1 else logits
+
+    def step(self, slots, tokens, layers=None) -> np.ndarray:
+        """One step; the greedy next token after every row (int32, host, len(slots) × T)."""
+        b, m = self.launch(slots, tokens, layers)
+        return b.ids[:m].get(stream=self.stream)
+
+    def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True) -> TopLogits:
+        """One step; each row's (or each sequence's last row's) n most likely ids and their
+        logits: a few hundred bytes to the host instead of the logits (Sampler.need)."""
+        b, m = self.launch(slots, tokens, layers)
+        t = b.arena.tokens
+        with self.stream:
+            rows = cp.ascontiguousarray(self._rows(b, m, t, last_only))
+            ids, vals, nan = K.top_rows(rows, n, stream=self.stream)
+        return TopLogits(ids, vals, nan)
+
+    def logits(self, slots, tokens, *, layers=None, last_only: bool = True):
+        """One step; the logits of every row (or each sequence's last), a device array."""
+        b, m = self.launch(slots, tokens, layers)
+        self.stream.synchronize()
+        return self._rows(b, m, b.arena.tokens, last_only)

@@ -1,0 +1,452 @@
+"""Launchers: one thin function per kernel, checking dtype and shape before it launches, and
+the choice of kernel for each matrix and batch width. `backends/cpu.py` is the reference every
+launcher is tested against (tests/gpu).
+
+Weights stay quantized on the device (Q8_0 and Q6_K repacked at load into planes that 16-byte
+loads can read; the other types as their GGUF blocks, see weights.host_planes) and `matvec`
+dequantizes inside the multiply for up to 32 rows; longer chunks (prefill) dequantize the
+weight to f16 and multiply with cuBLAS. For Q8_0, Q4_K and Q6_K the fused multiply of 1-2 rows
+reads the activations quantized (QAct: two int8 levels per element and a scale per 32, about
+2^-15 of each group's largest value, see kernels/quant_act.cuh) and multiplies with int8 dot
+products (dp4a); from 4 rows, rows of whole 256-blocks are dequantized to f16 in registers and
+multiplied on f16 tensor cores (mmh_*), at prefill's precision; other widths use int8
+tensor-core mma.sync on QAct. Prefill attention runs on tensor cores too (attn_chunk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, device_alloc, kernel, n_blocks
+from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
+from ntransformerd.engine.gguf_file import LlamaConfig
+
+MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multiply
+MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
+FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
+MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
+F16_MATVEC = {Q.Q8_0: "mmh_q8_0", Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"}  # f16 tensor cores (settings.f16_mma)
+MMH_ROWS = 128  # rows per mmh block
+MMH_PART_FLOATS = 32 * 131072  # split-K partial sums: batch rows × (splits × N), 16 MB per stream
+MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
+ROWS_PER_WARP = {1: 2, 2: 2, 4: 4, 8: 4, 16: 4, 32: 2}  # per batch bucket: x reuse vs registers
+WIDE_ROWS_PER_WARP = 4  # one-row matvecs of at most settings.mvq_wide_max_n rows
+
+
+def bucket_of(rows: int) -> int:
+    """The compiled batch width a matvec of `rows` rows runs at."""
+    return next(m for m in MATVEC_BUCKETS if m >= rows)
+
+
+def dequantize_rows(w, rows=None, *, half: bool = False, out=None):
+    """W[rows] (or all of W) as float32, or f16 with half=True: (len(rows), K)."""
+    n, k = w.shape
+    if rows is not None:
+        check_array(rows, cp.int32, 1, "dequantize_rows rows")
+    m = n if rows is None else len(rows)
+    dtype = cp.float16 if half else cp.float32
+    if out is None:
+        out = cp.empty((m, k), dtype)
+    check_array(out, dtype, 2, "dequantize_rows out")
+    if out.shape != (m, k):
+        raise ValueError(f"dequantize_rows: out {out.shape}, expected {(m, k)}")
+    fn = kernel("quant", f"dequant_rows<{int(w.qtype)},{'true' if half else 'false'}>")
+    subs = m * (k // 32)
+    fn((n_blocks(subs, 128),), (128,), (*w.ptrs(), rows if rows is not None else out, np.int32(rows is not None),
+                                       np.int32(m), np.int32(k), out))
+    return out
+
+
+class QAct:
+    """Activation rows (rows, K) quantized for the int8 matvecs: hi, lo (rows, K) int8 and
+    d, s (rows, K/32) float32 in one device buffer (layout in kernels/quant_act.cuh)."""
+
+    def __init__(self, rows: int, k: int):
+        if k % 32:
+            raise ValueError(f"QAct: K {k} is not a multiple of 32")
+        self.rows, self.k = rows, k
+        n, g = rows * k, rows * k // 32
+        self.buf = cp.empty(2 * n + 8 * g, cp.uint8)
+        self.hi, self.lo = self.buf[:n].view(cp.int8), self.buf[n:2 * n].view(cp.int8)
+        self.d, self.s = self.buf[2 * n:2 * n + 4 * g].view(cp.float32), self.buf[2 * n + 4 * g:].view(cp.float32)
+
+    def args(self) -> tuple:
+        return (self.hi, self.lo, self.d, self.s)
+
+
+_qscratch: dict[tuple, QAct] = {}
+
+
+def _scratch_qact(rows: int, k: int) -> QAct:
+    key = (cp.cuda.Device().id, rows, k)
+    if key not in _qscratch:
+        _qscratch[key] = QAct(rows, k)
+    return _qscratch[key]
+
+
+def quantize(x, q: QAct, *, n: int | None = None, ld: int | None = None) -> QAct:
+    """q = the first n rows of x (row stride ld, q.k columns) quantized."""
+    n = x.shape[0] if n is None else n
+    ld = x.shape[1] if ld is None else ld
+    if n > q.rows:
+        raise ValueError(f"quantize: {n} rows into a QAct of {q.rows}")
+    groups = n * (q.k // 32)
+    kernel("quant", "quantize_rows")((n_blocks(groups, 8),), (256,), (x, np.int32(ld), np.int32(n), np.int32(q.k),
+                                                                    *q.args()))
+    return q
+
+
+def matvec(x, w, *, out=None, res=None, nb: int | None = None, xq: QAct | None = None,
+           s: CudaSettings = DEFAULT):
+    """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused
+    dequantize-multiply. For the int8 kernels x is quantized first, unless xq already holds x
+    quantized; the f16 ones (F16_MATVEC, from bucket 4) read x itself and ignore xq."""
+    n, k = w.shape
+    check_array(x, cp.float32, 2, "matvec x")
+    b = x.shape[0] if nb is None else nb
+    if x.shape[1] != k or not 1 <= b <= MATVEC_MAX_ROWS or b > x.shape[0]:
+        raise ValueError(f"matvec: x {x.shape} (rows {b}) against W {w.shape}")
+    if out is None:
+        out = cp.empty((b, n), cp.float32)
+    check_array(out, cp.float32, 2, "matvec out")
+    if out.shape[1] != n or out.shape[0] < b:
+        raise ValueError(f"matvec: out {out.shape}, expected ({b}, {n})")
+    if res is not None:
+        check_array(res, cp.float32, 2, "matvec res")
+        if res.shape[1] != n or res.shape[0] < b:
+            raise ValueError(f"matvec: res {res.shape}, expected ({b}, {n})")
+    bucket = bucket_of(b)
+    res_args = (res if res is not None else out, np.int32(res is not None), out, np.int32(n), np.int32(k), np.int32(b))
+    name = FAST_MATVEC.get(w.qtype)
+    if name is None:
+        fn = kernel("quant", f"matvec_generic<{int(w.qtype)},{bucket}>")
+        fn((n_blocks(n, 4),), (128,), (*w.ptrs(), x, *res_args))
+        return out
+    if reads_f16(w, bucket, s):  # reads x itself, not xq
+        tiles, ks = mmh_grid(n, k, sm_count())
+        part, cnt = mmh_scratch()
+        kernel("quant", f"{F16_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((tiles, ks), (256,), (
+            *w.ptrs(), x, *res_args, part, cnt))
+        return out
+    if xq is None:
+        xq = quantize(x, _scratch_qact(bucket, k), n=b)
+    elif xq.k != k or xq.rows < b:
+        raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
+    if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
+        mt = 1 if n <= s.mma_one_tile_rows else 2
+        nt = bucket // 8 or 1
+        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((n_blocks(n, 16 * mt),), (256,), (
+            *w.ptrs(), *xq.args(), *res_args))
+        return out
+    r = WIDE_ROWS_PER_WARP if bucket == 1 and n <= s.mvq_wide_max_n[w.qtype] else ROWS_PER_WARP[bucket]
+    ks = 4 if n_blocks(n, r) < s.split_k_warps else 1
+    mb = s.mvq_min_blocks[w.qtype] if bucket == 1 else 1
+    fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
+    grid = n_blocks(n, r * 4 // ks)
+    if s.mvq_persistent and w.qtype == Q.Q8_0:  # mvq_q8_0 takes row groups grid-stride
+        grid = min(grid, fn.blocks_per_sm(128) * sm_count())
+    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
+    return out
+
+
+def reads_f16(w, bucket: int, s: CudaSettings = DEFAULT) -> bool:
+    """Whether a matvec of w at this batch bucket runs on the f16 tensor cores (mmh_*)."""
+    return s.f16_mma and bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and w.shape[1] % 256 == 0
+
+
+def reads_qact(weights, bucket: int, s: CudaSettings = DEFAULT) -> bool:
+    """Whether a matvec of any of these weights at this batch bucket reads quantized (QAct)
+    activations: the int8 kernels do, the f16 ones (F16_MATVEC) and the generic ones do not."""
+    return any(t.qtype in FAST_MATVEC and not reads_f16(t, bucket, s) for t in weights)
+
+
+def mmh_grid(n: int, k: int, sm_count: int) -> tuple[int, int]:
+    """(row tiles, K splits) of an mmh launch for an (n, k) weight: about two blocks per SM where
+    K allows, at most 8 splits, and never more partial sums (32 batch rows) than the scratch holds."""
+    tiles = -(-n // MMH_ROWS)
+    ks = max(1, min(8, k // 256, -(-2 * sm_count // tiles), MMH_PART_FLOATS // (32 * n)))
+    return tiles, ks
+
+
+_sm_counts: dict[int, int] = {}
+_mmh: dict[tuple[int, int], tuple] = {}
+
+
+def sm_count() -> int:
+    dev = cp.cuda.Device()
+    if dev.id not in _sm_counts:
+        _sm_counts[dev.id] = dev.attributes["MultiProcessorCount"]
+    return _sm_counts[dev.id]
+
+
+def mmh_scratch() -> tuple:
+    """Split-K partial sums and per-tile counters (zeroed; each launch leaves them zero) of the
+    mmh kernels, one set per stream, so that launches on different streams never share them.
+    Fixed once made: captured graphs hold their addresses."""
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    if key not in _mmh:
+        _mmh[key] = (device_alloc((MMH_PART_FLOATS,), cp.float32, "matvec split-K scratch"),
+                     cp.zeros((MMH_PART_FLOATS // MMH_ROWS,), cp.int32))
+    return _mmh[key]
+
+
+def matmul(x, w, s: CudaSettings = DEFAULT):
+    """x @ W.T: fused for ≤ 32 rows, else f16 dequantization and cuBLAS (f32 accumulation)."""
+    check_array(x, cp.float32, 2, "matmul x")
+    if x.shape[0] <= MATVEC_MAX_ROWS:
+        return matvec(x, w, s=s)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: x {x.shape} against W {w.shape}")
+    w16 = dequantize_rows(w, half=True)  # (N, K) f16 scratch from the pool
+    return cp.matmul(x.astype(cp.float16), w16.T).astype(cp.float32)
+
+
+def qact_args(q: QAct | None, n: int, k: int, what: str) -> tuple:
+    if q is None:
+        return (np.intp(0),) * 4 + (np.int32(0),)
+    if q.k != k or q.rows < n:
+        raise ValueError(f"{what}: QAct ({q.rows}, {q.k}) for ({n}, {k})")
+    return (*q.args(), np.int32(1))
+
+
+def rms_norm(x, w, eps: float, *, out=None, q: QAct | None = None):
+    """RMSNorm of x's rows; with q, the result is also quantized into q (for the int8 matvecs)."""
+    check_array(x, cp.float32, 2, "rms_norm x")
+    check_array(w, cp.float32, 1, "rms_norm w")
+    if w.shape[0] != x.shape[1]:
+        raise ValueError(f"rms_norm: x {x.shape}, w {w.shape}")
+    out = cp.empty_like(x) if out is None else out
+    kernel("norm", "rms_norm")((n_blocks(x.shape[1], 1024), x.shape[0]), (1024,), (
+        x, w, out, np.int32(x.shape[1]), np.float32(eps), *qact_args(q, x.shape[0], x.shape[1], "rms_norm")))
+    return out
+
+
+def swiglu(g, u, *, out=None, n: int | None = None, ld: int | None = None, f: int | None = None,
+           q: QAct | None = None):
+    """silu(g) * u. g, u are (N, F) arrays, or pointers into buffers with row stride ld (then
+    n and f say the shape). With q, the result is also quantized into q."""
+    if ld is None:
+        check_array(g, cp.float32, 2, "swiglu g")
+        check_array(u, cp.float32, 2, "swiglu u")
+        if g.shape != u.shape:
+            raise ValueError(f"swiglu: g {g.shape}, u {u.shape}")
+        n, f, ld = g.shape[0], g.shape[1], g.shape[1]
+    elif n is None or f is None:
+        raise ValueError("swiglu: with ld, give n and f")
+    out = cp.empty((n, f), cp.float32) if out is None else out
+    check_array(out, cp.float32, 2, "swiglu out")
+    if out.shape != (n, f):
+        raise ValueError(f"swiglu: out {out.shape}, expected {(n, f)}")
+    kernel("activation", "swiglu")((n_blocks(n * f, 256),), (256,), (g, u, out, np.int32(n), np.int32(f), np.int32(ld),
+                                                                   *qact_args(q, n, f, "swiglu")))
+    return out
+
+
+def rope_(x, pos, freqs, cfg: LlamaConfig, n_heads: int, *, n: int | None = None, ld: int | None = None):
+    """RoPE in place on rows of x (row stride ld) at positions pos (int32)."""
+    check_array(pos, cp.int32, 1, "rope positions")
+    n = x.shape[0] if n is None else n
+    ld = x.shape[1] if ld is None else ld
+    pairs = n * n_heads * (cfg.rope_dim // 2)
+    kernel("rope", "rope")((n_blocks(pairs, 256),), (256,), (
+        x, pos, freqs, np.int32(n), np.int32(n_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim),
+        np.int32(ld), np.int32(cfg.rope_neox)))
+    return x
+
+
+def argmax(logits, *, out=None):
+    check_array(logits, cp.float32, 2, "argmax logits")
+    out = cp.empty((logits.shape[0],), cp.int32) if out is None else out
+    kernel("sample", "argmax_rows")((logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))
+    return out
+
+
+def top_rows(logits, n: int, *, stream=None, out=None):
+    """The n largest logits of each row (B, V) and their ids, ties at the n-th resolved to the
+    lowest ids, and each row's NaN count (kernels/sample.cu): host arrays (ids, vals, nan), the
+    ids of a row in no particular order (sampler.TopLogits sorts them). One copy to the host;
+    out: the device buffer for it, int32 (B, 2n + 1)."""
+    check_array(logits, cp.float32, 2, "top_rows logits")
+    b, v = logits.shape
+    if not 1 <= n <= v:
+        raise ValueError(f"top_rows: n {n} for rows of {v}")
+    res = cp.empty((b, 2 * n + 1), cp.int32) if out is None else out
+    check_array(res, cp.int32, 2, "top_rows out")
+    if res.shape != (b, 2 * n + 1):
+        raise ValueError(f"top_rows: out {res.shape}, expected {(b, 2 * n + 1)}")
+    kernel("sample", "top_rows")((b,), (1024,), (logits, np.int32(v), np.int32(n), res))
+    h = res.get(stream=stream)
+    return h[:, :n], h[:, n:2 * n].view(np.float32), h[:, 2 * n]
+
+
+ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances
+
+
+def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 128) -> int:
+    """How many splits a row's positions are cut into (at most 64, see attn_partial): for a few
+    rows, enough that each split holds ~16 positions of the longest row; for a prefill chunk
+    (rows × heads fill the GPU already) ~64 positions each, so that no warp walks a long
+    history alone, within 256 MB of partial results."""
+    per = 16 if n_rows * n_heads < 4096 else 64
+    room = max(1, (256 << 20) // (n_rows * n_heads * (head_dim + 2) * 4))
+    return max(1, min(64, -(-(max_pos + 1) // per), room))
+
+
+def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldk: int, ldv: int):
+    """Rows of k and v (row strides ldk, ldv) to the cache at (slot, pos)."""
+    kc = kv_layer.k
+    kernel("attention", "kv_append")((n_blocks(n * cfg.kv_dim, 256),), (256,), (
+        k, np.int32(ldk), v, np.int32(ldv), kc, kv_layer.v, slots, pos, np.int32(n), np.int32(cfg.kv_dim),
+        np.int32(kc.shape[1])))
+
+
+def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
+               ldq: int, ldk: int, ldv: int, out, scratch: tuple, append: bool = True, q_out: QAct | None = None):
+    """Append k, v at (slot, pos) (unless already there: append=False) then causal GQA attention
+    of q's rows; writes out (n, H*hd), and with q_out that output quantized too."""
+    if cfg.head_dim % 32 or cfg.head_dim > 256:
+        raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    if not 1 <= n_splits <= 64:
+        raise ValueError(f"attention: {n_splits} splits, expected 1 to 64")
+    kc, vc = kv_layer.k, kv_layer.v
+    max_ctx = kc.shape[1]
+    if append:
+        kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ldk, ldv=ldv)
+    pm, pl, po = scratch[:3]
+    warps = n * cfg.n_heads
+    kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((n_blocks(warps, 4), n_splits), (128,), (
+        q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(max_ctx), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
+    kernel("attention", "attn_combine")((warps,), (128,), (  # a block per (row, head)
+        pm, pl, po, out, pos, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits),
+        *qact_args(q_out, n, cfg.q_dim, "attention")))
+    return out
+
+
+def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, ld: int, ldv: int):
+    """The decode step's RoPE + cache append in one launch: rows of qkv (row stride ld) hold q
+    then k; both are rotated in place, and k and v (rows of v, stride ldv) go to the cache."""
+    kc, vc = kv_layer.k, kv_layer.v
+    check_array(pos, cp.int32, 1, "rope_kv positions")
+    per_row = (cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.head_dim // 2)
+    kernel("attention", "rope_kv")((n_blocks(n * per_row, 256),), (256,), (
+        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, np.int32(n), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
+        np.int32(kc.shape[1])))
+
+
+def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int, n_splits: int, ld: int,
+                      ldv: int, out, scratch: tuple, q_out: QAct | None = None):
+    """The decode step's attention in one launch (attn_decode: rope_kv_ + attention_): rows of
+    qkv (row stride ld) hold q then k, rows of v stride ldv; q and k are rotated in registers
+    (qkv is not written), k and v go to the cache at (slot, pos), and out (n, H*hd) gets the
+    attention output, with q_out quantized too. scratch: attention_scratch(n, cfg, n_splits, counters=True)."""
+    if cfg.head_dim % 32 or cfg.head_dim > 256:
+        raise ValueError(f"attention_decode: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    if not 1 <= n_splits <= 64:
+        raise ValueError(f"attention_decode: {n_splits} splits, expected 1 to 64")
+    check_array(pos, cp.int32, 1, "attention_decode positions")
+    if len(scratch) != 4:
+        raise ValueError("attention_decode: the scratch needs its counters (attention_scratch(..., counters=True))")
+    pm, pl, po, cnt = scratch
+    warps = n * cfg.n_heads
+    if cnt.size < n_blocks(warps, 4) or pm.size < warps * n_splits:
+        raise ValueError(f"attention_decode: scratch too small for {n} rows, {n_splits} splits")
+    kc, vc = kv_layer.k, kv_layer.v
+    kernel("attention", f"attn_decode<{cfg.head_dim // 32}>")((n_blocks(warps, 4), n_splits), (128,), (
+        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, pm, pl, po, cnt, out, np.int32(n),
+        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.int32(n_splits),
+        np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
+        *qact_args(q_out, n, cfg.q_dim, "attention")))
+    return out
+
+
+CHUNK_ROWS = 16  # rows per attn_chunk tile; a segment this long makes attention a prefill chunk's
+CHUNK_HEAD_DIMS = (64, 128)  # the attn_chunk instances
+
+
+def chunk_heads(cfg: LlamaConfig) -> int:
+    """q heads per attn_chunk block: the most (≤ 8) that share one kv head and divide its group."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    return max(d for d in range(1, 9) if group % d == 0)
+
+
+def chunk_tiles(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """(2, T) int32: first row and row count of each ≤ CHUNK_ROWS-row tile of each segment, the
+    tiles with the longest histories first (they take the longest; the GPU starts them first)."""
+    starts, counts, last = [], [], []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        for r in range(int(a), int(b), CHUNK_ROWS):
+            m = min(CHUNK_ROWS, int(b) - r)
+            starts.append(r)
+            counts.append(m)
+            last.append(int(positions[r:r + m].max()))
+    order = np.argsort(-np.asarray(last), kind="stable")
+    return np.stack([np.asarray(starts)[order], np.asarray(counts)[order]]).astype(np.int32)
+
+
+def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: int, out):
+    """Causal GQA attention of q's rows (their k, v already in the cache) on tensor cores, tile by
+    tile (chunk_tiles); f16 q and P, f32 accumulation. Writes out (n, H*hd)."""
+    if cfg.head_dim not in CHUNK_HEAD_DIMS:
+        raise ValueError(f"attention_chunk: head_dim {cfg.head_dim} not in {CHUNK_HEAD_DIMS}")
+    hb = chunk_heads(cfg)
+    t = cp.asarray(tiles)  # (2, T) int32 (already on the device from CudaOps)
+    kc, vc = kv_layer.k, kv_layer.v
+    kernel("attention", f"attn_chunk<{cfg.head_dim}>")((tiles.shape[1], cfg.n_heads // hb), (32 * hb,), (
+        q, np.int32(ldq), kc, vc, slots, pos, t[0], t[1], out, np.int32(out.shape[1]), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.float32(math.log2(math.e) / math.sqrt(cfg.head_dim))))
+    return out
+
+
+def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int, *, counters: bool = False) -> tuple:
+    """Split partials (max, sum, output) for n rows; with counters, also attn_decode's per-column
+    counters (zero; each launch leaves them zero)."""
+    s = n * cfg.n_heads * n_splits
+    parts = (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32))
+    return parts + (cp.zeros((n_blocks(n * cfg.n_heads, 4),), cp.int32),) if counters else parts
+
+
+
+
+def kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
+    """Every kernel instance the backend can launch under settings s (for precompile)."""
+    types = (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
+    names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
+    for b in MATVEC_BUCKETS:
+        if b >= MMA_MIN_BUCKET:
+            names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
+            names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_MATVEC.values() if s.f16_mma]
+        else:
+            rows = (ROWS_PER_WARP[b], WIDE_ROWS_PER_WARP) if b == 1 else (ROWS_PER_WARP[b],)
+            names += [("quant", f"{n}<{r},{b},{ks},{s.mvq_min_blocks[t] if b == 1 else 1}>")
+                      for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
+        names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
+    names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"),
+              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append"),
+              ("attention", "rope_kv"), ("attention", "attn_combine")]
+    names += [("attention", f"{k}<{nd}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")]
+    names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
+    return names
+
+
+def _compile_one(key: tuple[str, str]) -> str:
+    kernel(*key)
+    return key[1]
+
+
+def precompile(jobs: int = 16) -> int:
+    """Compile every kernel in parallel processes; CuPy's disk cache then serves later loads."""
+    import concurrent.futures
+    import multiprocessing
+    names = kernel_names()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
+        for _ in ex.map(_compile_one, names):
+            pass
+    return len(names)
+
+

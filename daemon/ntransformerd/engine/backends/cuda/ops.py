@@ -1,0 +1,248 @@
+"""The op set model.forward calls, on the GPU: our kernels behind the names of cpu.CpuOps.
+
+Eagerly (prefill, or any step no captured bucket covers) each op allocates its output from
+CuPy's pool. While an `Arena` is set, every output comes from the arena instead: one fixed
+buffer per (op, piece, shape), the same buffers pass after pass, so that running
+model.forward under stream capture records a graph that can be replayed (graphs.py), and the
+step's tokens, slots and positions come from the arena's device `io` rows.
+
+The decode fusions live here, behind the names: q/k/v and gate/up stacks multiplied piece by
+piece (their outputs are column views of the pieces); the residual add as the matvec's epilogue
+(x += W a, in place); RoPE, the cache append and the split attention in one launch for one token
+per row (attn_decode), or RoPE and the append in one (rope_kv) where k follows q in a piece; and
+the int8 matvecs' quantized activations (QAct) written by the op that produces them. Which
+producers quantize is learned in the arena's first (eager) pass: a matvec that had to quantize
+its input marks that buffer, and from then on the producer writes both forms in one launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ntransformerd.engine.backends.cpu import rope_frequencies
+from ntransformerd.engine.backends.cuda import launch as K
+from ntransformerd.engine.backends.cuda.nvrtc import cp
+from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
+from ntransformerd.engine.backends.cuda.weights import Stacked
+from ntransformerd.engine.gguf_file import LlamaConfig
+from ntransformerd.engine.model import Batch
+
+
+def _ld(x) -> int:
+    """Row stride (in float32 elements) of a 2-D float32 array or column view."""
+    return x.strides[0] // 4
+
+
+class Arena:
+    """Fixed device buffers for one bucket of `rows` rows × `tokens` per row: the outputs of
+    every op of a pass, the step's io (token, slot, position of each row), the attention
+    scratch. Buffers are keyed by what makes them (op, piece, shape), never by call order, so
+    a layer's h and the next layer's h share one buffer, and the whole pass needs a few dozen."""
+
+    def __init__(self, cfg: LlamaConfig, rows: int, tokens: int, *, n_splits: int):
+        self.cfg, self.rows, self.tokens, self.n = cfg, rows, tokens, rows * tokens
+        self.io = cp.zeros((3, self.n), cp.int32)  # token, slot, position of each row
+        self.n_splits = n_splits
+        self.scratch = K.attention_scratch(self.n, cfg, n_splits, counters=True)
+        self._bufs: dict[tuple, object] = {}
+        self._owner: dict[int, tuple] = {}  # buffer pointer → key
+        self._qact: dict[tuple, K.QAct] = {}  # keys whose readers want the quantized form too
+        self._fresh: set[tuple] = set()  # keys whose QAct holds the buffer's current contents
+
+    @property
+    def tokens_dev(self):
+        return self.io[0]
+
+    @property
+    def slots_dev(self):
+        return self.io[1]
+
+    @property
+    def pos_dev(self):
+        return self.io[2]
+
+    def take(self, key: tuple, shape: tuple, *inputs):
+        """The buffer for key (made on first use); never one of the op's inputs."""
+        buf = self._bufs.get((key, shape))
+        if buf is None:
+            buf = self._bufs[(key, shape)] = cp.empty(shape, cp.float32)
+            self._owner[buf.data.ptr] = (key, shape)
+        if any(getattr(x, "data", None) is not None and x.data.ptr == buf.data.ptr for x in inputs):
+            raise RuntimeError(f"arena: the output {key} would overwrite its own input")
+        self._fresh.discard((key, shape))
+        return buf
+
+    def written(self, buf) -> None:
+        """buf was written in place (a residual add): its QAct, if any, is stale."""
+        key = self._owner.get(buf.data.ptr)
+        if key is not None:
+            self._fresh.discard(key)
+
+    def q_for(self, buf) -> K.QAct | None:
+        """The QAct a producer writing `buf` should fill too (readers asked for it), marked fresh."""
+        key = self._owner.get(buf.data.ptr)
+        q = self._qact.get(key)
+        if q is not None:
+            self._fresh.add(key)
+        return q
+
+    def q_of(self, x, k: int) -> K.QAct | None:
+        """x's quantized form for a matvec: fresh from its producer, or None after marking x's
+        buffer so that its producer writes one from the next pass on (a QAct is made here, in the
+        first pass, never while capturing)."""
+        key = self._owner.get(x.data.ptr)
+        if key is None or x.shape != key[1]:
+            return None
+        if key in self._fresh:
+            return self._qact[key]
+        if key not in self._qact and not cp.cuda.get_current_stream().is_capturing():
+            self._qact[key] = K.QAct(x.shape[0], k)
+        q = self._qact.get(key)
+        if q is not None:
+            K.quantize(x, q)
+            self._fresh.add(key)
+        return q
+
+
+class CudaOps:
+    """cpu.CpuOps' interface on our kernels. One compute thread; `arena` set by graphs.py."""
+
+    name = "cuda"
+
+    def __init__(self, cfg: LlamaConfig, freq_factors: np.ndarray | None = None, *,
+                 settings: CudaSettings = DEFAULT):
+        self.cfg, self.settings = cfg, settings
+        self.freqs = cp.asarray(rope_frequencies(cfg, freq_factors))  # (rope_dim/2,) float64
+        self.arena: Arena | None = None
+        self._batch = None  # (batch, slots, positions, tiles, splits) of the eager step in flight
+
+    # ---- outputs ------------------------------------------------------------------------------
+
+    def _out(self, key: tuple, shape: tuple, *inputs):
+        if self.arena is not None:
+            return self.arena.take(key, shape, *inputs)
+        return cp.empty(shape, cp.float32)
+
+    def _q_out(self, buf, k: int) -> K.QAct | None:
+        """The QAct to fill with buf's contents, where a reader wants it (arena passes only)."""
+        if self.arena is None or k % 32:
+            return None
+        return self.arena.q_for(buf)
+
+    # ---- the step's rows ----------------------------------------------------------------------
+
+    def _rows(self, batch: Batch):
+        """Slots, positions, prefill-attention tiles (or None) and attention splits of the step's
+        rows on the device: the arena's io, or made once per eager step."""
+        if self.arena is not None:
+            return self.arena.slots_dev, self.arena.pos_dev, None, self.arena.n_splits
+        if self._batch is None or self._batch[0] is not batch:
+            c = self.cfg
+            slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
+            chunk = c.head_dim in K.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= K.CHUNK_ROWS
+            tiles = cp.asarray(K.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
+            splits = K.attention_splits(len(batch.tokens), c.n_heads, int(batch.positions.max()), c.head_dim)
+            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles, splits)
+        return self._batch[1:]
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return cp.asnumpy(x)
+
+    @staticmethod
+    def step_context(batch: Batch):
+        return contextlib.nullcontext()
+
+    # ---- the ops ------------------------------------------------------------------------------
+
+    def embed(self, weights, tokens):
+        """token_embd rows of the step's tokens (N, D): the arena's io tokens while it is set."""
+        tok = self.arena.tokens_dev if self.arena is not None else cp.asarray(np.asarray(tokens, np.int32))
+        out = self._out(("embed",), (len(tok), self.cfg.d_model))
+        return K.dequantize_rows(weights.token_embd, tok, out=out)
+
+    def rope_table(self, positions):
+        if self.arena is not None:
+            return self.arena.pos_dev
+        return cp.asarray(np.asarray(positions, np.int32))  # angles are made inside the kernels
+
+    def rope(self, x, table, n_heads: int):
+        """RoPE of x's rows (a copy; the fused attention path rotates in place)."""
+        return K.rope_(x.copy(), table, self.freqs, self.cfg, n_heads)
+
+    def rows(self, x, rows: np.ndarray):
+        if len(rows) == x.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+            return x  # one token per segment: every row is a last row
+        if self.arena is not None:
+            raise ValueError("a captured bucket computes the logits of every row (all_logits)")
+        return x[cp.asarray(rows)]
+
+    def rms_norm(self, x, w, eps: float):
+        x = cp.ascontiguousarray(x)
+        out = self._out(("rms_norm",), x.shape, x)
+        return K.rms_norm(x, w, eps, out=out, q=self._q_out(out, x.shape[1]))
+
+    def swiglu(self, g, u):
+        n, f = g.shape
+        if _ld(g) != _ld(u):  # one row stride serves both in the kernel
+            g, u = cp.ascontiguousarray(g), cp.ascontiguousarray(u)
+        out = self._out(("swiglu",), (n, f))
+        return K.swiglu(g, u, out=out, n=n, ld=_ld(g), f=f, q=self._q_out(out, f))
+
+    def matmul(self, x, w, residual=None):
+        """x @ W.T (+ residual, in place); a Stacked weight gives one column view per member."""
+        if isinstance(w, Stacked):
+            outs = [self._matmul(x, p, ("matmul", j)) for j, p in enumerate(w.pieces)]
+            return tuple(outs[j][:, r0:r0 + rows] for j, r0, rows in w.members)
+        if residual is not None:
+            return self._matmul(x, w, None, residual=residual)
+        return self._matmul(x, w, ("matmul", "out"))
+
+    def _matmul(self, x, w, key, *, residual=None):
+        n = x.shape[0]
+        if n > K.MATVEC_MAX_ROWS:  # prefill: f16 dequantization and cuBLAS (never in an arena)
+            y = K.matmul(cp.ascontiguousarray(x), w, self.settings)
+            if residual is None:
+                return y
+            residual += y
+            return residual
+        if residual is not None and self.arena is not None:
+            self.arena.written(residual)
+        out = residual if residual is not None else self._out(key, (n, w.shape[0]), x)
+        xq = None
+        if self.arena is not None and K.reads_qact([w], K.bucket_of(n), self.settings):
+            xq = self.arena.q_of(x, w.shape[1])
+        return K.matvec(x, w, out=out, res=residual, xq=xq, s=self.settings)
+
+    def attention(self, q, k, v, kv_layer, batch: Batch, rope=None):
+        """RoPE on q and k (unless rope is None: already rotated), k and v to the cache at each
+        row's (slot, position), then causal GQA attention over the cache; q, k, v may be column
+        views of one matmul output. (N, H * hd)."""
+        c, s = self.cfg, self.settings
+        slots, pos, tiles, n_splits = self._rows(batch)
+        n = q.shape[0]
+        out = self._out(("attention",), (n, c.q_dim))
+        q_out = self._q_out(out, c.q_dim)
+        one_token = len(batch.tokens) == len(batch.segments)
+        # k right after q in one buffer: RoPE of both and the append are one launch
+        fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
+        if fused and one_token and tiles is None and K.bucket_of(n) <= s.attn_one_launch_max_bucket:
+            scratch = self.arena.scratch if self.arena is not None else K.attention_scratch(n, c, n_splits, counters=True)
+            return K.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, n_splits=n_splits, ld=_ld(q),
+                                       ldv=_ld(v), out=out, scratch=scratch, q_out=q_out)
+        appended = False
+        if fused:
+            K.rope_kv_(q, v, pos, slots, self.freqs, kv_layer, c, n=n, ld=_ld(q), ldv=_ld(v))
+            appended = True
+        elif rope is not None:
+            K.rope_(q, pos, self.freqs, c, c.n_heads, n=n, ld=_ld(q))
+            K.rope_(k, pos, self.freqs, c, c.n_kv_heads, n=n, ld=_ld(k))
+        if tiles is not None:  # a prefill chunk: tensor cores
+            if not appended:
+                K.kv_append_(k, v, kv_layer, slots, pos, c, n=n, ldk=_ld(k), ldv=_ld(v))
+            return K.attention_chunk_(q, kv_layer, slots, pos, tiles, c, ldq=_ld(q), out=out)
+        scratch = self.arena.scratch[:3] if self.arena is not None else K.attention_scratch(n, c, n_splits)
+        return K.attention_(q, k, v, kv_layer, slots, pos, c, n=n, n_splits=n_splits, ldq=_ld(q), ldk=_ld(k),
+                            ldv=_ld(v), out=out, scratch=scratch, append=not appended, q_out=q_out)
