@@ -1,15 +1,15 @@
-"""Same-run A/B of the captured decode step: device time per step under variants of the code.
+"""Same-run A/B of the captured decode step between checkouts (or settings) of the engine.
 
-    python bench/ab_decode.py --dir /tmp/ntx --types q8_0 q4_k_m --batch 1 --rounds 3 \
-        --variant pdl --variant nopdl 'cuda_decode.PDL_MAX_BUCKET=0' --json ab.json
-    python bench/ab_decode.py --code /tmp/old --variant base ...   # another checkout's engine
+    python bench/ab_decode.py --code /tmp/old . --dir /tmp/ntx --rounds 2 --json bench/out/ab.json
+    python bench/ab_decode.py --code . . --env '' 'NTX_PDL=0' ...      # one checkout, two settings
 
-A variant is a name and `module.ATTR=python-expression` settings (modules: cuda, cuda_decode)
-applied while its DecodeGraphs is captured and measured, then undone. Variants take turns,
-`rounds` times each; every measurement runs on a fresh sequence slot with the same context
-lengths, its device time from steps replayed back to back (resident.device_step_s, median of 3).
-Tok/s and the share of the HBM roofline use the device-to-device copy bandwidth measured in the
-same process. Compare variants of one run only.
+For each file and plan (8B-shaped Q8_0 and Q4_K_M all resident; Q4_K_M with 24 resident layers
+and the rest streamed from pinned RAM) and each variant, a fresh process loads the engine
+through its own Engine API and measures the device time of one decode step at batch 1 and 16
+(captured steps replayed back to back on the step's stream, median of 3 × 16 steps), plus 16
+greedy ids at batch 1 from a fixed prompt. Variants take turns, `rounds` times each; the
+table gives each variant's median and the range of its runs, and the ratio to the first
+variant. Compare variants of one run only. Raw output: the JSON file (keep it under bench/out/).
 """
 
 from __future__ import annotations
@@ -18,84 +18,118 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PLANS = (("q8_0", None), ("q4_k_m", None), ("q4_k_m", 24))  # (type, max resident layers)
+
+
+def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]) -> dict:
+    sys.path.insert(0, os.path.join(os.path.abspath(code), "daemon"))
+    import cupy as cp
+    import numpy as np
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+
+    e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=max(batches) + 2, max_ctx=1024,
+                                                    max_vram_layers=max_vram_layers))
+    runner = getattr(e, "_graphs", None) or getattr(e, "_decoder")
+    new_api = hasattr(runner, "bucket")  # StepGraphs: the caller moves the cache lengths on
+
+    def launch(slots, toks):
+        if new_api:
+            runner.launch(slots, toks, advance=True)
+        else:
+            runner.launch(slots, toks)
+
+    out = {"plan": list(e.plan.tiers) if e.plan is not None else None, "steps_ms": {}}
+    s = e.open()
+    logits, ids = e.prefill(s, [(17 * j) % 40000 + 100 for j in range(23)]), []
+    for _ in range(16):
+        ids.append(int(np.argmax(logits)))
+        logits = e.step([(s, [ids[-1]])])[0]
+    e.close(s)
+    out["greedy"] = ids
+    for b in batches:
+        slots = [e.open() for _ in range(b)]
+        toks = np.arange(b, dtype=np.int32) + 100
+        for _ in range(4):  # capture and warm-up
+            launch(slots, toks)
+        runner.stream.synchronize()
+        runs = []
+        for _ in range(3):
+            a, z = cp.cuda.Event(), cp.cuda.Event()
+            a.record(runner.stream)
+            for _ in range(16):
+                launch(slots, toks)
+            z.record(runner.stream)
+            z.synchronize()
+            runs.append(cp.cuda.get_elapsed_time(a, z) / 16)
+        out["steps_ms"][str(b)] = statistics.median(runs)
+        for sl in slots:
+            e.close(sl)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--code", nargs="+", required=True, help="checkouts to compare (the first is the base)")
+    ap.add_argument("--env", nargs="*", default=None, help="per variant, KEY=VALUE[,KEY=VALUE] for its process")
     ap.add_argument("--dir", default="/tmp/ntx", help="synthetic 8B files (made here if missing)")
-    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "SETTING"),
-                    help="a name, then module.ATTR=expr settings (repeat the option per variant)")
-    ap.add_argument("--code", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir),
-                    help="the checkout whose daemon/ is imported (default: this one)")
-    ap.add_argument("--json", default="ab.json")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--json", default=os.path.join(HERE, "out", "ab.json"))
+    ap.add_argument("--worker", nargs=3, metavar=("CODE", "PATH", "MAX_VRAM_LAYERS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
-    variants = a.variant or [["base"]]
-    sys.path.insert(0, os.path.join(os.path.abspath(a.code), "daemon"))
-    sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+    if a.worker:
+        code, path, mvl = a.worker
+        print(json.dumps(worker(code, path, None if mvl == "-" else int(mvl), a.batches)))
+        return 0
 
-    import cupy as cp
-    import numpy as np
-    from ntransformerd.engine.backends import cuda, cuda_decode
-    from ntransformerd.engine.gguf_file import GGUFModel
-    from resident import copy_bandwidth, device_step_s, synthetic_8b
-
-    modules = {"cuda": cuda, "cuda_decode": cuda_decode}
-
-    def apply(settings):
-        undo = []
-        for s in settings:
-            target, expr = s.split("=", 1)
-            mod, attr = target.split(".", 1)
-            m = modules[mod]
-            undo.append((m, attr, getattr(m, attr)))
-            setattr(m, attr, eval(expr, {"np": np, "cuda": cuda}))  # noqa: S307 (the caller's own settings)
-        return undo
-
-    bw = copy_bandwidth()
-    print(f"code {os.path.abspath(a.code)}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
-    out = {"code": os.path.abspath(a.code), "copy_bw_Bps": bw, "batch": a.batch, "files": []}
-    for ftype in a.types:
-        path = synthetic_8b(a.dir, ftype)
-        model = GGUFModel(path)
-        ops, weights = cuda.load(model)
-        kv = cuda.kv_cache(model.config, n_slots=a.batch + 2, max_ctx=1024)
-        roofline = bw / os.path.getsize(path)
-        times = {v[0]: [] for v in variants}
-        for _ in range(a.rounds):
-            for name, *settings in variants:
-                undo = apply(settings)
-                try:
-                    dec = cuda_decode.DecodeGraphs(ops, weights, kv)
-                    slots = [kv.alloc() for _ in range(a.batch)]
-                    toks = np.arange(a.batch, dtype=np.int32) + 100
-                    for _ in range(4):  # capture + warm-up
-                        toks = dec.step(slots, toks)
-                    times[name].append(statistics.median(device_step_s(dec, slots, toks) for _ in range(3)))
-                    for s in slots:
-                        kv.free(s)
-                    del dec
-                finally:
-                    for m, attr, old in reversed(undo):
-                        setattr(m, attr, old)
-        f = {"type": ftype, "roofline_tok_s": roofline, "variants": []}
-        for name, *settings in variants:
-            t = times[name]
-            med = statistics.median(t)
-            v = {"name": name, "settings": settings, "device_step_ms": [x * 1e3 for x in t],
-                 "median_ms": med * 1e3, "tok_s": a.batch / med, "frac_of_roofline": 1 / med / roofline}
-            f["variants"].append(v)
-            print(f"{ftype} B={a.batch} {name:14s} device step {med * 1e3:.3f} ms "
-                  f"(runs {' '.join(f'{x * 1e3:.3f}' for x in t)}): {v['tok_s']:.1f} tok/s, "
-                  f"{100 * v['frac_of_roofline']:.1f}% of roofline {roofline:.1f}", flush=True)
-        out["files"].append(f)
-        del ops, weights, kv, model
-        cp.get_default_memory_pool().free_all_blocks()
+    sys.path.insert(0, HERE)
+    from resident import synthetic_8b
+    envs = a.env or [""] * len(a.code)
+    if len(envs) != len(a.code):
+        ap.error("--env takes one entry per --code")
+    variants = [(c, e) for c, e in zip(a.code, envs)]
+    results = {}  # (plan index, variant index) → list of worker outputs
+    for _ in range(a.rounds):
+        for p, (ftype, mvl) in enumerate(PLANS):
+            path = synthetic_8b(a.dir, ftype)
+            for v, (code, env) in enumerate(variants):
+                penv = dict(os.environ, PYTHONUNBUFFERED="1")
+                penv.update(kv.split("=", 1) for kv in env.split(",") if kv)
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", code, path, "-" if mvl is None else str(mvl),
+                       "--batches", *map(str, a.batches)]
+                r = subprocess.run(cmd, env=penv, capture_output=True, text=True)
+                if r.returncode != 0:
+                    print(r.stdout[-2000:], r.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"worker failed: {code} {ftype} {mvl}")
+                results.setdefault((p, v), []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+    table = []
+    for p, (ftype, mvl) in enumerate(PLANS):
+        base = None
+        for v, (code, env) in enumerate(variants):
+            runs = results[(p, v)]
+            for b in a.batches:
+                ms = [x["steps_ms"][str(b)] for x in runs]
+                med = statistics.median(ms)
+                if v == 0:
+                    base = base or {}
+                    base[b] = med
+                row = {"type": ftype, "resident_layers": mvl if mvl is not None else "all", "variant": v, "code": code,
+                       "env": env, "batch": b, "median_ms": med, "runs_ms": ms, "tok_s": b * 1e3 / med,
+                       "speed_vs_first": base[b] / med, "greedy_same_as_first": runs[0]["greedy"] == results[(p, 0)][0]["greedy"]}
+                table.append(row)
+                print(f"{ftype:7s} resident {str(row['resident_layers']):>3s} B={b:<2d} v{v} {code} {env}: "
+                      f"{med:.3f} ms/step (runs {min(ms):.3f}-{max(ms):.3f}) {row['tok_s']:.1f} tok/s, "
+                      f"{row['speed_vs_first']:.3f}x the first, greedy ids {'same' if row['greedy_same_as_first'] else 'DIFFER'}",
+                      flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+        json.dump({"variants": variants, "rows": table, "raw": {f"{p},{v}": r for (p, v), r in results.items()}}, fh,
+                  indent=1)
     return 0
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 import cupy as cp  # noqa: E402
 
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.backends.cuda_decode import BUCKETS, DecodeGraphs  # noqa: E402
+from ntransformerd.engine.backends.cuda import StepGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,16 +36,14 @@ def main() -> int:
     model = GGUFModel(path)
     ops, weights = cuda.load(model)
     kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=1024)
-    dec = DecodeGraphs(ops, weights, kv)
+    dec = StepGraphs(ops, weights, kv)
     slots = [kv.alloc() for _ in range(a.batch)]
     toks = np.arange(a.batch, dtype=np.int32) + 100
     for _ in range(24):
-        toks = dec.step(slots, toks)
-    b = dec._bufs[next(m for m in BUCKETS if m >= a.batch)]
+        toks = dec.step(slots, toks, advance=True)
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.start()
-    with dec.stream:
-        dec._body(len(b.io[0]), b)
+    dec.launch(slots, toks, eager=True)  # the bucket's pass kernel by kernel, for the profiler
     dec.stream.synchronize()
     cp.cuda.profiler.stop()
     return 0

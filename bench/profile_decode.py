@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 import cupy as cp  # noqa: E402
 
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
+from ntransformerd.engine.backends.cuda import launch  # noqa: E402
+from ntransformerd.engine.backends.cuda import StepGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -45,21 +46,21 @@ class Recorder:
     def __init__(self):
         self.on = False
         self.launches: list[tuple[str, tuple, int, object]] = []
-        self._orig = cuda.kernel
+        self._orig = launch.kernel
 
     def install(self):
         rec = self
-        orig_matmul = cuda.CudaOps.matmul
+        orig_matmul = launch.matmul
 
-        def matmul(x, w):  # prefill's cuBLAS path (dequantize + GEMM + casts) as one entry
-            out = orig_matmul(x, w)
+        def matmul(x, w, s=None):  # prefill's cuBLAS path (dequantize + GEMM + casts) as one entry
+            out = orig_matmul(x, w) if s is None else orig_matmul(x, w, s)
             if rec.on:
                 ev = cp.cuda.Event()
                 ev.record()
                 rec.launches.append((f"matmul {w.qtype.name} {x.shape[0]}x{w.shape[1]}->{w.shape[0]}", (), 0, ev))
             return out
 
-        cuda.CudaOps.matmul = staticmethod(matmul)
+        launch.matmul = matmul
 
         def kernel(family, name):
             fn = rec._orig(family, name)
@@ -79,18 +80,17 @@ class Recorder:
             launch.blocks_per_sm = fn.blocks_per_sm
             return launch
 
-        cuda.kernel = kernel
+        launch.kernel = kernel
 
 
-def profile(dec: DecodeGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
+def profile(dec: StepGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
     slots = [kv.alloc() for _ in range(batch)]
     try:
         toks = np.arange(batch, dtype=np.int32) + 100
         for _ in range(8):  # capture, warm-up, and some context
-            toks = dec.step(slots, toks)
+            toks = dec.step(slots, toks, advance=True)
         graph_ms = device_step_s(dec, slots, toks) * 1e3
         # The same step, eagerly, behind a spin kernel, an event after each launch.
-        buf = dec._bufs[next(m for m in (1, 2, 4, 8, 16, 32) if m >= batch)]
         runs = []
         for _ in range(3):
             with dec.stream:
@@ -99,7 +99,7 @@ def profile(dec: DecodeGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict
                 start.record()
                 rec.launches.clear()
                 rec.on = True
-                dec._body(len(buf.io[0]), buf)
+                dec.launch(slots, toks, eager=True)  # the bucket's pass, kernel by kernel
                 rec.on = False
             dec.stream.synchronize()
             t, prev = [], start
@@ -184,7 +184,7 @@ def main() -> int:
         model = GGUFModel(synthetic_8b(a.dir, ftype))
         ops, weights = cuda.load(model)
         kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=a.max_ctx)
-        dec = DecodeGraphs(ops, weights, kv)
+        dec = StepGraphs(ops, weights, kv)
         f = {"type": ftype, "profiles": []}
         for b in a.batch:
             p = profile(dec, kv, b, bw, rec)

@@ -26,7 +26,7 @@ import cupy as cp  # noqa: E402
 
 from ntransformerd.engine import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.backends.cuda_decode import DecodeGraphs  # noqa: E402
+from ntransformerd.engine.backends.cuda import StepGraphs  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
 from ntransformerd.engine.sampler import Sampler, SamplingParams  # noqa: E402
@@ -58,27 +58,27 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / t  # bytes read + written per second
 
 
-def device_step_s(dec: DecodeGraphs, slots, toks, reps: int = 16) -> float:
+def device_step_s(dec: StepGraphs, slots, toks, reps: int = 16) -> float:
     """Seconds of one decode step on the device alone: replays queued back to back (positions
     keep advancing)."""
     a, b = cp.cuda.Event(), cp.cuda.Event()
     a.record(dec.stream)
     for _ in range(reps):
-        dec.launch(slots, toks)
+        dec.launch(slots, toks, advance=True)
     b.record(dec.stream)
     b.synchronize()
     return cp.cuda.get_elapsed_time(a, b) / 1e3 / reps
 
 
-def decode_rates(dec: DecodeGraphs, kv, batch: int, steps: int) -> dict:
+def decode_rates(dec: StepGraphs, kv, batch: int, steps: int) -> dict:
     slots = [kv.alloc() for _ in range(batch)]
     try:
         toks = np.arange(batch, dtype=np.int32) + 100
         for _ in range(4):  # capture + warm-up
-            toks = dec.step(slots, toks)
+            toks = dec.step(slots, toks, advance=True)
         t0 = time.perf_counter()
         for _ in range(steps):
-            toks = dec.step(slots, toks)
+            toks = dec.step(slots, toks, advance=True)
         wall = (time.perf_counter() - t0) / steps
         dev = device_step_s(dec, slots, toks)
     finally:
@@ -97,11 +97,11 @@ def synthetic_8b(directory: str, ftype: str) -> str:
     return path
 
 
-def sampled_rates(dec: DecodeGraphs, kv, cfg, steps: int, modes=("device_top", "host_rows")) -> dict:
+def sampled_rates(dec: StepGraphs, kv, cfg, steps: int, modes=("device_top", "host_rows")) -> dict:
     """Batch-1 decode tok/s with llama.cpp's default sampling (top-k 40, top-p 0.95, min-p 0.05,
     temperature 0.8) as the daemon runs it: "device_top", the step's 40 most likely ids picked on
-    the device (DecodeGraphs.top); "host_rows", the whole row of logits copied to the host and
-    sampled there; "greedy", the step's argmax alone (DecodeGraphs.step), for scale."""
+    the device (StepGraphs.top); "host_rows", the whole row of logits copied to the host and
+    sampled there; "greedy", the step's argmax alone (StepGraphs.step), for scale."""
     out = {}
     for name in modes:
         sampler = Sampler(SamplingParams(seed=0), cfg.vocab_size)
@@ -113,11 +113,11 @@ def sampled_rates(dec: DecodeGraphs, kv, cfg, steps: int, modes=("device_top", "
                 if i == 4:
                     t0 = time.perf_counter()
                 if name == "greedy":
-                    tok = int(dec.step([slot], [tok])[0])
+                    tok = int(dec.step([slot], [tok], advance=True)[0])
                 elif name == "device_top":
-                    tok = sampler.sample(dec.top([slot], [tok], sampler.need())[0])
+                    tok = sampler.sample(dec.top([slot], [tok], sampler.need(), advance=True)[0])
                 else:
-                    tok = sampler.sample(dec.logits([slot], [tok])[0].get())
+                    tok = sampler.sample(dec.logits([slot], [tok], advance=True)[0].get())
             out[name] = steps / (time.perf_counter() - t0)
         finally:
             kv.free(slot)
@@ -205,7 +205,7 @@ def main() -> int:
             print(f"  matvec {m['matrix']:12s} {m['type']:5s} {m['shape']} {m['us']:8.1f} us "
                   f"(floor {m['floor_us']:.1f}, {100 * m['frac_of_bw']:.0f}% of bw); B=16 {m['us_b16']:.1f} us "
                   f"({m['us_b16'] / m['us']:.1f}x B=1)", flush=True)
-        dec = DecodeGraphs(ops, weights, kv)
+        dec = StepGraphs(ops, weights, kv)
         r["decode"] = [decode_rates(dec, kv, b, a.steps) for b in (1, 4, 16)]
         for d in r["decode"]:
             d["frac_of_roofline"] = d["tok_s"] / d["batch"] / r["roofline_tok_s"] if d["batch"] == 1 else None
@@ -215,11 +215,11 @@ def main() -> int:
         print(f"  decode B=1 sampled (top-k 40 defaults): {r['decode_b1_sampled']['device_top']:.1f} tok/s with the "
               f"40 best ids picked on the device, {r['decode_b1_sampled']['host_rows']:.1f} tok/s with whole rows "
               f"sampled on the host", flush=True)
-        plain = DecodeGraphs(ops, weights, kv, pdl=False)
+        plain = StepGraphs(ops, weights, kv, pdl=False)
         r["decode_b1_no_pdl"] = decode_rates(plain, kv, 1, a.steps)
         print(f"  decode B=1 captured without programmatic dependent launch: "
               f"{r['decode_b1_no_pdl']['tok_s']:.1f} tok/s (pdl {'on' if dec.pdl else 'refused'} above)", flush=True)
-        eager = DecodeGraphs(ops, weights, kv, use_graphs=False)
+        eager = StepGraphs(ops, weights, kv, use_graphs=False)
         r["decode_eager_b1"] = decode_rates(eager, kv, 1, 16)
         print(f"  decode B=1 without graphs: {r['decode_eager_b1']['tok_s']:.1f} tok/s", flush=True)
         r["prefill"] = prefill_rate(ops, cfg, weights, kv)

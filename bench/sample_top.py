@@ -32,7 +32,7 @@ def main() -> int:
     import cupy as cp
     import numpy as np
     from ntransformerd.engine.backends import cuda
-    from ntransformerd.engine.backends.cuda_decode import DecodeGraphs
+    from ntransformerd.engine.backends.cuda import StepGraphs
     from ntransformerd.engine.gguf_file import GGUFModel
     from ntransformerd.engine.sampler import Sampler, SamplingParams, TopLogits
     from resident import sampled_rates, synthetic_8b
@@ -84,7 +84,7 @@ def main() -> int:
     model = GGUFModel(synthetic_8b(a.dir, a.type))
     ops, weights = cuda.load(model)
     kv = cuda.kv_cache(model.config, n_slots=4, max_ctx=1024)
-    dec = DecodeGraphs(ops, weights, kv)
+    dec = StepGraphs(ops, weights, kv)
     out["steps"] = sampled_rates(dec, kv, model.config, a.steps, modes=("greedy", "device_top", "host_rows"))
     print(f"{a.type} B=1: greedy {out['steps']['greedy']:.1f} tok/s, sampled with the device's top ids "
           f"{out['steps']['device_top']:.1f}, with whole rows to the host {out['steps']['host_rows']:.1f}", flush=True)

@@ -6,7 +6,7 @@
 2. 8B Q4_K_M with 32, 24, 16, 8, 0 resident layers (rest pinned) at batch 1, 4, 16: decode
    tok/s, streamed bytes per step, and the ratio to the PCIe bound (ceiling / streamed bytes);
    every split decodes through the captured step, the streamed ones with their layer copies
-   inside its graph (backends/cuda_stream.py GraphFeed); each row says which path ran;
+   inside its graph (backends/cuda/weights.py); each row says which path ran;
 3. the O_DIRECT tier (every layer from storage) against a plain O_DIRECT reader of the file;
 4. a 70B-shaped Q4_K_M with a 24 GiB VRAM budget, the rest pinned, at batch 1 and 16.
 """
@@ -63,14 +63,13 @@ def free_engine(e) -> None:
 
 
 def decode_path(e: Engine, batch: int) -> str:
-    """Which path the decode steps of `batch` sequences took: 'graph' (one replay per step,
-    streamed copies inside), 'eager step' (the captured step's body launched from Python: storage
-    layers) or 'model.forward' (no decoder)."""
-    from ntransformerd.engine.backends.cuda_decode import BUCKETS
-    d = e._decoder
-    if d is None:
+    """Which path the decode steps of `batch` sequences took: 'graph' (one replay of the captured
+    model.forward per step, streamed copies inside) or 'model.forward' (eagerly: storage layers)."""
+    g = e._graphs
+    if g is None or not g.use_graphs:
         return "model.forward"
-    return "graph" if next(m for m in BUCKETS if m >= batch) in d._graphs else "eager step"
+    r, t = g.bucket(batch, 1)
+    return "graph" if (r, t, None) in g._buckets else "model.forward"
 
 
 def decode_rate(e: Engine, batch: int, steps: int) -> float:

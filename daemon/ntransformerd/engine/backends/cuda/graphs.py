@@ -45,11 +45,14 @@ class StepGraphs:
     """The captured steps of one engine (ops, weights, KV cache). One compute thread; every
     step returns its result to the host before the next starts, so steps never overlap."""
 
-    def __init__(self, ops: CudaOps, weights, kv: CudaKVCache, *, use_graphs: bool = True):
+    def __init__(self, ops: CudaOps, weights, kv: CudaKVCache, *, use_graphs: bool = True,
+                 pdl: bool | None = None):
+        """use_graphs=False runs every bucket's pass eagerly (benchmarks); pdl overrides the
+        settings' programmatic dependent launch."""
         self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
         self.s = ops.settings
         self.use_graphs = use_graphs and weights.capturable
-        self.pdl = self.s.pdl
+        self.pdl = self.s.pdl if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._buckets: dict[tuple, _Bucket] = {}
 
@@ -64,7 +67,7 @@ class StepGraphs:
 
     def covers(self, segments, layers=None) -> bool:
         """Whether a captured step serves these segments (all of one length; see bucket)."""
-        if not self.use_graphs or not segments:
+        if not self.w.capturable or not segments:
             return False
         t = len(segments[0].tokens)
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
@@ -134,10 +137,12 @@ class StepGraphs:
 
     # ---- steps ------------------------------------------------------------------------------------
 
-    def launch(self, slots, tokens, layers=None) -> tuple[_Bucket, int]:
+    def launch(self, slots, tokens, layers=None, *, eager: bool = False, advance: bool = False
+               ) -> tuple[_Bucket, int]:
         """Queue one step (no wait): sequence slots[i] adds tokens[i] (T ids) at its current
         length. Returns the bucket and the live row count (len(slots) × T). The caller moves
-        the cache lengths on (Engine.step)."""
+        the cache lengths on (Engine.step), or advance=True does (benchmarks driving the steps
+        alone). eager: run the bucket's pass kernel by kernel even if it has a graph (profiling)."""
         tokens = np.asarray(tokens, np.int64)
         if tokens.ndim == 1:
             tokens = tokens[:, None]
@@ -159,7 +164,7 @@ class StepGraphs:
         with self.stream:
             self.w.settle(self.stream)
             b.arena.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
-            if b.graph is not None:
+            if b.graph is not None and not eager:
                 b.graph.launch(self.stream)
             else:
                 self.ops.arena = b.arena
@@ -167,29 +172,31 @@ class StepGraphs:
                     self._pass(b)
                 finally:
                     self.ops.arena = None
+        if advance:
+            self.kv.lengths[slots] += t
         return b, m
 
     def _rows(self, b: _Bucket, m: int, t: int, last_only: bool):
         logits = b.logits[:m]
         return logits[t - 1::t] if last_only and t > 1 else logits
 
-    def step(self, slots, tokens, layers=None) -> np.ndarray:
+    def step(self, slots, tokens, layers=None, *, advance: bool = False) -> np.ndarray:
         """One step; the greedy next token after every row (int32, host, len(slots) × T)."""
-        b, m = self.launch(slots, tokens, layers)
+        b, m = self.launch(slots, tokens, layers, advance=advance)
         return b.ids[:m].get(stream=self.stream)
 
-    def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True) -> TopLogits:
+    def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True, advance: bool = False) -> TopLogits:
         """One step; each row's (or each sequence's last row's) n most likely ids and their
         logits: a few hundred bytes to the host instead of the logits (Sampler.need)."""
-        b, m = self.launch(slots, tokens, layers)
+        b, m = self.launch(slots, tokens, layers, advance=advance)
         t = b.arena.tokens
         with self.stream:
             rows = cp.ascontiguousarray(self._rows(b, m, t, last_only))
             ids, vals, nan = K.top_rows(rows, n, stream=self.stream)
         return TopLogits(ids, vals, nan)
 
-    def logits(self, slots, tokens, *, layers=None, last_only: bool = True):
+    def logits(self, slots, tokens, *, layers=None, last_only: bool = True, advance: bool = False):
         """One step; the logits of every row (or each sequence's last), a device array."""
-        b, m = self.launch(slots, tokens, layers)
+        b, m = self.launch(slots, tokens, layers, advance=advance)
         self.stream.synchronize()
         return self._rows(b, m, b.arena.tokens, last_only)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ntransformerd.engine.backends.cuda.nvrtc import cp, device_alloc
 from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.kv_cache import SlotTable
