@@ -11,6 +11,13 @@ The environment is configured as Hugging Face transformers' ``apply_chat_templat
 llama.cpp's minja) run these templates: trim_blocks, lstrip_blocks, loop controls, a ``tojson``
 that does not HTML-escape, ``raise_exception`` and ``strftime_now``.
 
+Message text is never control tokens. The template sees each message's strings marked: a
+``_Literal`` whose value carries two Unicode noncharacters around the text, so wherever the
+template puts the text, the marks go with it (str methods act on the text and mark what they
+return). ``render_parts`` cuts the output at the marks into (text, literal) parts; the tokenizer
+then parses special tokens only in the template's own parts (``Tokenizer.encode_parts``), and a
+message containing ``<|im_end|>`` stays those characters, not a forged turn.
+
 Thread rule: a ``ChatTemplate`` is immutable once built and can render from any thread.
 """
 
@@ -30,7 +37,7 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "validate_messages"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "validate_messages", "split_literal"]
 
 # Used when the GGUF has no template: ChatML, as llama.cpp falls back to.
 CHATML_TEMPLATE = (
@@ -46,6 +53,11 @@ MAX_BUILT_CHARS = 1_000_000  # largest string/list one operation inside the temp
 MAX_RANGE_TOTAL = 1_000_000  # range() items per render, all calls together
 MAX_INT_ARG = 100_000  # largest integer argument to a method or filter (widths, counts)
 MAX_MESSAGES = 10_000
+
+# Noncharacters: Unicode keeps them for a program's internal use, so no text needs them, and
+# messages containing them are refused.
+LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
+_MARKS = re.compile(f"[{LITERAL_OPEN}{LITERAL_CLOSE}]")
 
 
 class ChatTemplateError(ValueError):
@@ -75,8 +87,114 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        for key, value in m.items():
+            if isinstance(value, str) and _MARKS.search(value):
+                raise ChatTemplateError(f"messages[{i}].{key} contains U+FDD0 or U+FDD1, noncharacters that "
+                                        "text may not carry here: remove them")
         out.append(dict(m))
     return out
+
+
+def _marked(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if isinstance(value, _Literal) else _Literal(value)
+    if isinstance(value, list):
+        return [_marked(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_marked(v) for v in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    return value._ntx_text if isinstance(value, _Literal) else value
+
+
+class _Literal(str):
+    """A message's string as the template sees it. Its str value is the text between the
+    literal marks, so concatenation, output and formatting carry the marks; the str methods
+    below act on the text alone and return marked results, so slicing, splitting and trimming
+    work as templates expect. (The text itself is in ``_ntx_text``: underscore names are out of
+    the sandbox's reach, so a template cannot unmark it.)"""
+
+    def __new__(cls, text: str) -> "_Literal":
+        self = super().__new__(cls, LITERAL_OPEN + text + LITERAL_CLOSE)
+        self._ntx_text = text
+        return self
+
+    def __len__(self) -> int:
+        return len(self._ntx_text)
+
+    def __iter__(self):
+        return (_Literal(c) for c in self._ntx_text)
+
+    def __contains__(self, item: Any) -> bool:
+        return _plain(item) in self._ntx_text
+
+    def __getitem__(self, key: Any) -> "_Literal":
+        return _Literal(self._ntx_text[key])
+
+    def __eq__(self, other: Any) -> bool:
+        return self._ntx_text == _plain(other)
+
+    def __ne__(self, other: Any) -> bool:
+        return self._ntx_text != _plain(other)
+
+    def __hash__(self) -> int:
+        return hash(self._ntx_text)
+
+    def __lt__(self, other: Any) -> bool:
+        return self._ntx_text < _plain(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return self._ntx_text > _plain(other)
+
+    def __le__(self, other: Any) -> bool:
+        return self._ntx_text <= _plain(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return self._ntx_text >= _plain(other)
+
+
+def _on_text(name: str):
+    method = getattr(str, name)
+
+    def call(self: _Literal, *args: Any, **kwargs: Any) -> Any:
+        return _marked(method(self._ntx_text, *(_plain(a) for a in args),
+                              **{k: _plain(v) for k, v in kwargs.items()}))
+    call.__name__ = name
+    return call
+
+
+for _name in ("strip", "lstrip", "rstrip", "split", "rsplit", "splitlines", "partition", "rpartition", "replace",
+              "lower", "upper", "title", "capitalize", "casefold", "swapcase", "center", "ljust", "rjust", "zfill",
+              "expandtabs", "removeprefix", "removesuffix", "startswith", "endswith", "find", "rfind", "index",
+              "rindex", "count", "isspace", "isalpha", "isalnum", "isdigit", "isnumeric", "isdecimal", "islower",
+              "isupper", "istitle", "isascii", "isidentifier", "isprintable"):
+    setattr(_Literal, _name, _on_text(_name))
+
+
+def split_literal(text: str) -> list[tuple[str, bool]]:
+    """Cut rendered text at the literal marks into (text, literal) parts, marks removed.
+
+    Unbalanced marks (a template that cut a message in a way the marks could not follow) are
+    read so that message text is never taken for the template's: a stray close mark makes
+    the text since the previous mark literal, a stray open mark the text up to the end."""
+    parts: list[tuple[str, bool]] = []
+    literal, start = False, 0
+    for m in _MARKS.finditer(text):
+        piece = text[start:m.start()]
+        if m.group() == LITERAL_OPEN:
+            if piece:
+                parts.append((piece, literal))
+            literal = True
+        else:
+            if piece:
+                parts.append((piece, True))
+            literal = False
+        start = m.end()
+    if text[start:]:
+        parts.append((text[start:], literal))
+    return parts
 
 
 class ChatTemplate:
@@ -136,19 +254,27 @@ class ChatTemplate:
                **extra: Any) -> str:
         """The prompt text for ``messages``. ``extra`` variables (``tools``, ``date_string``...)
         are passed to the template as they are."""
+        return "".join(t for t, _ in self.render_parts(messages, add_generation_prompt=add_generation_prompt, **extra))
+
+    def render_parts(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                     **extra: Any) -> list[tuple[str, bool]]:
+        """The prompt as (text, literal) parts: literal parts are the messages' own strings,
+        the rest is what the template wrote (where its special tokens are)."""
+        marked = [{k: _marked(v) if isinstance(v, str) else v for k, v in m.items()}
+                  for m in validate_messages(messages)]
         variables = {
             **extra,
-            "messages": validate_messages(messages),
+            "messages": marked,
             "add_generation_prompt": bool(add_generation_prompt),
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
-        text = _render_with_deadline(self._template, variables)
-        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
-            text = text[len(self.bos_token):]
-        if self.strip_eos and self.eos_token and text.endswith(self.eos_token):
-            text = text[: -len(self.eos_token)]
-        return text
+        parts = split_literal(_render_with_deadline(self._template, variables))
+        if self.strip_bos and self.bos_token and parts and not parts[0][1] and parts[0][0].startswith(self.bos_token):
+            parts[0] = (parts[0][0][len(self.bos_token):], False)
+        if self.strip_eos and self.eos_token and parts and not parts[-1][1] and parts[-1][0].endswith(self.eos_token):
+            parts[-1] = (parts[-1][0][: -len(self.eos_token)], False)
+        return [p for p in parts if p[0]]
 
 
 # ---- rendering with a deadline ------------------------------------------------------------------
@@ -227,10 +353,20 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separato
     # as transformers' chat templates expect: real JSON, no HTML escaping
     if indent is not None and (not isinstance(indent, (int, str)) or (isinstance(indent, int) and indent > 64)):
         raise SecurityError(f"tojson indent {indent!r} is not allowed")
-    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+    text = json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
                       sort_keys=sort_keys, default=str)
+    if ensure_ascii:  # escaped by hand, so that the literal marks stay marks
+        text = re.sub(r"[^\x00-\x7f]", _json_escape, text)
     _check_size(text)
     return text
+
+
+def _json_escape(m: re.Match) -> str:
+    c = m.group()
+    if c in (LITERAL_OPEN, LITERAL_CLOSE):
+        return c
+    units = c.encode("utf-16-be")
+    return "".join(f"\\u{int.from_bytes(units[i:i + 2], 'big'):04x}" for i in range(0, len(units), 2))
 
 
 def _check_size(value: Any) -> Any:

@@ -144,9 +144,10 @@ class Engine:
         return self._chat_template
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
-        """Render messages with the chat template and tokenize, special tokens parsed."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, parse_special=True, add_special=True)
+        """Render messages with the chat template and tokenize: special tokens are parsed in the
+        template's own text only, so a message's text stays text and cannot forge a turn."""
+        parts = self.chat_template.render_parts(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode_parts(parts, add_special=True)
 
     @classmethod
     def load(cls, path: str | None = None, *, config: EngineConfig = EngineConfig()) -> "Engine":

@@ -336,13 +336,26 @@ class Tokenizer:
         add_special: add BOS/EOS exactly where the GGUF asks (tokenizer.ggml.add_bos_token /
         add_eos_token and llama.cpp's per-model defaults); ``self.add_bos``/``add_eos`` say which.
         """
+        self._check_text(text)
+        return self._encode_fragments(self._partition(text, parse_special), add_special)
+
+    def encode_parts(self, parts: Sequence[tuple[str, bool]], *, add_special: bool = True) -> list[int]:
+        """Token ids of the texts of ``parts`` (text, literal) joined: special-token texts
+        become their id only in parts that are not literal (a chat template's own text); a
+        literal part (a message's content) is tokenized as with parse_special=False."""
+        for text, _ in parts:
+            self._check_text(text)
+        return self._encode_fragments(self._partition_parts(parts), add_special)
+
+    def _check_text(self, text: str) -> None:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes str, not {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"text is not valid Unicode (lone surrogate at {e.start})") from None
-        fragments = self._partition(text, parse_special)
+
+    def _encode_fragments(self, fragments: list[str | int], add_special: bool) -> list[int]:
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
@@ -423,28 +436,44 @@ class Tokenizer:
         return i
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Cut special tokens out of ``text``: each special token in turn (longest first) splits
-        every remaining text fragment at all its occurrences (llama.cpp tokenizer_st_partition)."""
-        fragments: list[str | int] = [text] if text else []
+        return self._partition_parts([(text, not parse_special)])
+
+    def _partition_parts(self, parts: Iterable[tuple[str, bool]]) -> list[str | int]:
+        """Cut special tokens out of the texts of ``parts`` (text, literal): each special token in
+        turn (longest first) splits every remaining text fragment at all its occurrences
+        (llama.cpp tokenizer_st_partition); CONTROL tokens only outside literal parts. Text
+        fragments that end up next to each other are joined again, so the literal marks change
+        nothing but which special tokens are found."""
+        fragments: list[tuple[str, bool] | int] = [(t, lit) for t, lit in parts if t]
         for sid in self._special_ids:
-            if not parse_special and self._attrs[sid] & _ATTR_HIDDEN:
-                continue
+            hidden = bool(self._attrs[sid] & _ATTR_HIDDEN)
             st = self._texts[sid]
-            if not any(isinstance(f, str) and st in f for f in fragments):
+
+            def splits(f) -> bool:
+                return isinstance(f, tuple) and not (f[1] and hidden) and st in f[0]
+
+            if not any(splits(f) for f in fragments):
                 continue
-            cut: list[str | int] = []
+            cut: list[tuple[str, bool] | int] = []
             for f in fragments:
-                if not isinstance(f, str) or st not in f:
+                if not splits(f):
                     cut.append(f)
                     continue
-                parts = f.split(st)
-                for j, part in enumerate(parts):
+                for j, part in enumerate(f[0].split(st)):
                     if j:
                         cut.append(sid)
                     if part:
-                        cut.append(part)
+                        cut.append((part, f[1]))
             fragments = cut
-        return fragments
+        out: list[str | int] = []
+        for f in fragments:
+            if isinstance(f, int):
+                out.append(f)
+            elif out and isinstance(out[-1], str):
+                out[-1] += f[0]
+            else:
+                out.append(f[0])
+        return out
 
     def _spm_tokenize(self, text: str, out: list[int]) -> None:
         """SentencePiece BPE over one fragment (spaces already ``▁``): start from single
