@@ -2,36 +2,58 @@
 
     ntx-client generate "Why is the sky blue?"            # through the model's chat template
     ntx-client generate --raw --temperature 0 --max-tokens 32 --json "Once upon a time"
+    ntx-client generate --wait "Hello"                    # waits for a loading daemon
     ntx-client chat | status | models | tokenize TEXT
+
+Sampling defaults are shared with `ntx-model run`: temperature 0.8 (the daemon's own default),
+and through the chat template a repetition penalty of 1.1, which keeps greedy or low-temperature
+chats out of loops; --repeat-penalty 1 turns it off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from ntx_client.channels import TLS, TargetError
-from ntx_client.client import Client, collect
-from ntx_client.errors import NtxError
+from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, Client, collect
+from ntx_client.errors import ConnectionFailed, NtxError
 
 STATES = {0: "unknown", 1: "no model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
+SERVING, LOADING, FAILED, NO_MODEL = 3, 2, 5, 1
 
 
-def _sampling(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
+def _sampling(args, *, chat: bool = False) -> dict:
+    penalty = args.repeat_penalty
+    if penalty is None and chat:
+        penalty = CHAT_REPETITION_PENALTY
+    return dict(max_tokens=args.max_tokens,
+                temperature=DEFAULT_TEMPERATURE if args.temperature is None else args.temperature,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=penalty,
+                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the daemon's)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default 0.8)")
+    p.add_argument("--temperature", type=float,
+                   help=f"0 = greedy (default {DEFAULT_TEMPERATURE}, as ntx-model run and the daemon)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--min-p", type=float)
+    p.add_argument("--repeat-penalty", "--repetition-penalty", type=float, dest="repeat_penalty",
+                   help=f"divide the logits of recent tokens; 1 = off (default 1, or {CHAT_REPETITION_PENALTY} "
+                        "through the chat template)")
+    p.add_argument("--frequency-penalty", type=float, help="subtract per occurrence of a token (-2..2, default 0)")
+    p.add_argument("--presence-penalty", type=float, help="subtract once for any token seen (-2..2, default 0)")
     p.add_argument("--seed", type=int, help="same seed, same output")
     p.add_argument("--stop", action="append", metavar="S", help="stop at this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation")
+    p.add_argument("--wait", nargs="?", type=float, const=600.0, metavar="SECONDS",
+                   help="wait for a starting or loading daemon, showing its load progress (default 600 s)")
 
 
 def _human(n: float) -> str:
@@ -42,8 +64,74 @@ def _human(n: float) -> str:
     return str(n)
 
 
+class StatusLine:
+    """One self-overwriting line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.on = self.stream.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.on:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.stream.flush()
+            self.width = len(text)
+
+    def close(self) -> None:
+        if self.on and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+
+def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | None = None,
+                       sleep=time.sleep, clock=time.monotonic) -> None:
+    """Return once the daemon serves; meanwhile show its load progress. A daemon whose socket is
+    not there yet is waited for too; a failed load, no model or running out of time raise."""
+    line = line or StatusLine()
+    end, last = clock() + timeout, None
+    try:
+        while True:
+            try:
+                s = client.status()
+            except ConnectionFailed as e:  # not started yet, or still binding
+                s, last = None, e
+                line.show("waiting for ntransformerd to start")
+            if s is not None:
+                if s.state == SERVING:
+                    return
+                if s.state == FAILED:
+                    raise NtxError(f"ntransformerd failed to load its model: {s.error or 'see its log'}")
+                if s.state == NO_MODEL:
+                    raise NtxError("ntransformerd has no model loaded: sudo ntx-admin model load PATH")
+                line.show(f"waiting for ntransformerd: {s.load_progress or STATES.get(s.state, s.state)}"
+                          + (f" ({s.load_fraction:.0%})" if s.state == LOADING else ""))
+            if clock() >= end:
+                raise last or NtxError(f"ntransformerd did not finish loading within {timeout:g} s")
+            sleep(0.25)
+    finally:
+        line.close()
+
+
+def _stream(chunks, out=None) -> list[str]:
+    """Write chunks' text as it comes; return it. Closing the iterator cancels the request."""
+    out = out or sys.stdout
+    text = []
+    try:
+        for c in chunks:
+            out.write(c.text)
+            out.flush()
+            text.append(c.text)
+    finally:
+        chunks.close()
+    return text
+
+
 def cmd_generate(client: Client, args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.wait is not None:
+        wait_until_serving(client, args.wait)
     if args.raw:
         if args.system:
             raise SystemExit("ntx-client: --system needs the chat template: drop --raw")
@@ -51,65 +139,136 @@ def cmd_generate(client: Client, args) -> int:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
-        chunks = client.chat(messages, **_sampling(args))
+        chunks = client.chat(messages, **_sampling(args, chat=True))
     if args.json:
-        seen = []
-
         def tee():
             for c in chunks:
                 print(json.dumps({"text": c.text, "ids": c.ids}, ensure_ascii=False), flush=True)
-                seen.append(c)
                 yield c
         done = collect(tee())
         print(json.dumps({"ids": done.ids, "text": done.text, "prompt_ids": done.prompt_ids,
                           "finish_reason": done.finish_reason, "usage": done.usage}, ensure_ascii=False))
         return 0
-    for c in chunks:
-        sys.stdout.write(c.text)
-        sys.stdout.flush()
+    _stream(chunks)
     sys.stdout.write("\n")
     return 0
 
 
+CHAT_HELP = """\
+  /help           this help
+  /system TEXT    set the system message and start the conversation over (/system alone: none)
+  /clear          forget the conversation (the system message stays)
+  /exit           leave (also /bye, /quit, Ctrl-D)
+  Ctrl-C stops a reply and keeps the conversation; arrow keys edit the line and recall history."""
+
+
+def _line_editing() -> None:
+    """Arrow keys and history for input(): readline takes over the terminal once imported."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:  # a Python built without it still chats, without editing
+        pass
+
+
 def cmd_chat(client: Client, args) -> int:
-    history = [{"role": "system", "content": args.system}] if args.system else []
+    system = args.system
+    history: list[dict] = []
     interactive = sys.stdin.isatty()
+    if interactive:
+        _line_editing()
+        print("ntx-client chat: type a message; /help for commands, /exit or Ctrl-D to leave.", file=sys.stderr)
+    if args.wait is not None:
+        wait_until_serving(client, args.wait)
     while True:
         try:
             line = input(">>> " if interactive else "")
         except EOFError:
-            break
+            if interactive:
+                sys.stdout.write("\n")
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as in a shell
+            sys.stdout.write("\n")
+            continue
         if not line.strip():
             continue
-        if line.strip() in ("/bye", "/exit", "/quit"):
-            break
+        if line.startswith("/"):
+            word, _, rest = line.strip().partition(" ")
+            if word in ("/exit", "/bye", "/quit"):
+                return 0
+            if word == "/help":
+                print(CHAT_HELP)
+            elif word == "/clear":
+                history.clear()
+                print("(conversation cleared)")
+            elif word == "/system":
+                system, history = rest.strip() or None, []
+                print(f"(system message {'set' if system else 'removed'}; conversation cleared)")
+            else:
+                print(f"unknown command {word}: /help lists them (start the line with a space to send it as text)")
+            continue
         history.append({"role": "user", "content": line})
-        reply = []
-        for c in client.chat(history, **_sampling(args)):
-            sys.stdout.write(c.text)
-            sys.stdout.flush()
-            reply.append(c.text)
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        reply: list[str] = []
+        try:
+            reply = _stream(client.chat(messages, **_sampling(args, chat=True)))
+        except KeyboardInterrupt:  # the request is cancelled; the conversation goes on
+            print("\n(stopped)")
+            history.pop()  # the turn was not answered: as if not asked
+            continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
-    return 0
+
+
+def as_dict(m) -> dict:
+    """A proto message as a dict for JSON: every field, zero ones too, numbers as numbers
+    (json_format writes 64-bit integers as strings and leaves zeros out), enums by name."""
+    out = {}
+    for f in m.DESCRIPTOR.fields:
+        v = getattr(m, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value_field = f.message_type.fields_by_name["value"]
+            out[f.name] = {k: as_dict(x) if value_field.message_type else x for k, x in v.items()}
+        elif f.is_repeated:
+            out[f.name] = [as_dict(x) if f.message_type else _scalar(f, x) for x in v]
+        elif f.message_type is not None:
+            out[f.name] = as_dict(v)
+        else:
+            out[f.name] = _scalar(f, v)
+    return out
+
+
+def _scalar(f, v):
+    if f.enum_type is not None:
+        value = f.enum_type.values_by_number.get(v)
+        return value.name if value is not None else v
+    return v
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _short_name(path: str, name: str) -> str:
+    """The file's stem: GGUF names (`Smollm2 135M 8k Lc100K Mix1 Ep2`) are long and spaced."""
+    return os.path.splitext(os.path.basename(path))[0] if path else name
 
 
 def cmd_status(client: Client, args) -> int:
     s = client.status()
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-        print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(as_dict(s), indent=2))
         return 0
     state = STATES.get(s.state, str(s.state))
-    if s.state == 2:
+    if s.state == LOADING:
         state += f" ({s.load_progress}, {s.load_fraction:.0%})"
     tiers = ", ".join(f"{t.name} {t.layers} layers {_human(t.bytes)}" for t in s.tiers) or "-"
-    rows = [("MODEL", "BACKEND", "STATE", "TIERS", "MEMORY", "LIVE", "QUEUED", "BATCH", "SLOTS FREE", "TOK/S"),
-            (s.model or "-", s.backend or "-", state, tiers, _human(s.memory_bytes), str(s.live_requests),
-             str(s.queued_requests), f"{s.batch_size}/{s.max_batch}", str(s.free_slots), f"{s.tokens_per_second:.1f}")]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    _table([("MODEL", "BACKEND", "STATE", "TIERS", "RSS", "VRAM", "PINNED", "LIVE", "QUEUED", "BATCH", "SLOTS FREE",
+             "TOK/S"),
+            (s.model or "-", s.backend or "-", state, tiers, _human(s.memory_bytes), _human(s.vram_bytes),
+             _human(s.pinned_bytes), str(s.live_requests), str(s.queued_requests), f"{s.batch_size}/{s.max_batch}",
+             str(s.free_slots), f"{s.tokens_per_second:.1f}")])
     for t in s.tiers:
         print(_tier_line(t))
     if s.error:
@@ -132,14 +291,16 @@ def _tier_line(t) -> str:
 def cmd_models(client: Client, args) -> int:
     m = client.model()
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-        print(json.dumps(MessageToDict(m, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(as_dict(m), indent=2))
         return 0
-    print(f"{'NAME':30}  {'ARCH':8}  {'SIZE':>10}  {'LAYERS':>6}  {'CONTEXT':>7}  BACKEND  PATH")
-    print(f"{m.name:30}  {m.architecture:8}  {_human(m.file_bytes):>10}  {m.n_layers:>6}  {m.context_length:>7}  "
-          f"{m.backend:7}  {m.path}")
+    _table([("NAME", "ARCH", "SIZE", "LAYERS", "CONTEXT", "BACKEND", "PATH"),
+            (_short_name(m.path, m.name), m.architecture, _human(m.file_bytes), str(m.n_layers), str(m.context_length),
+             m.backend, m.path)])
+    if m.name:
+        print(f"  name in the file: {m.name}" + (f" ({m.description})" if m.description and m.description != m.name
+                                                 else ""))
     if m.plan.explanation:
-        print(f"plan: {m.plan.explanation}")
+        print(f"  plan: {m.plan.explanation}")
     return 0
 
 
@@ -167,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system message (chat)")
     g.add_argument("--json", action="store_true", help="one JSON object per chunk; the last has ids and text")
     _add_sampling(g)
-    c = sub.add_parser("chat", help="interactive chat, history kept (/bye to leave)")
+    c = sub.add_parser("chat", help="interactive chat, history kept (/help for commands, /exit to leave)")
     c.add_argument("--system", help="system message")
     _add_sampling(c)
     s = sub.add_parser("status", help="the daemon: model, tiers, memory, throughput")

@@ -19,6 +19,12 @@ from ntx_client import channels, paths
 from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 from ntx_client.errors import NtxError, connection_error, from_rpc_error
 
+# The command lines' sampling defaults, one for ntx-client and `ntx-model run`: the daemon's own
+# temperature for a request that does not set one (proto SamplingParams), and, for text through
+# the chat template, a mild repetition penalty (over the last 64 tokens): without it a small
+# model at low temperature falls into loops ("I'm glad to have you." again and again).
+DEFAULT_TEMPERATURE = 0.8
+CHAT_REPETITION_PENALTY = 1.1
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos"}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "frequency_penalty", "presence_penalty", "seed")

@@ -11,6 +11,9 @@
                                                     drive `storage = "nvme:SERIAL"` names
     ntx-admin unbind --service                      the unit's stop step: hand it back
     ntx-admin verify PCI_ADDRESS [--bench-bytes N]  read every extent through our driver
+    ntx-admin model load [PATH] [--backend B]       the daemon loads PATH (default: the embedded model)
+    ntx-admin model unload                          the daemon drops its model
+    ntx-admin drain | resume | shutdown             stop admitting requests / admit again / exit
 
 Exit status: 0 success, 1 failure or checksum mismatch, 2 refused (policy, confirmation, usage).
 
@@ -316,6 +319,125 @@ def _bench(src, nbytes: int, repeat: int = 2) -> dict:
             "bench_gbps": max(runs), "bench_runs_gbps": runs}
 
 
+# --------------------------------------------------------------------------- the daemon's admin verbs
+
+def _admin(args):
+    from ntx_client import AdminClient
+    return AdminClient(args.admin_socket, timeout=args.timeout)
+
+
+def _daemon_verb(run) -> int:
+    from ntx_client import NtxError
+    try:
+        return run()
+    except NtxError as e:
+        _err(str(e))
+        return EXIT_FAIL
+
+
+def cmd_model_load(args) -> int:
+    import threading
+
+    path = os.path.abspath(args.path) if args.path else ""
+    if path and not os.path.isfile(path):
+        _err(f"no model file at {path}: give the path of a .gguf file")
+        return EXIT_REFUSED
+
+    def run():
+        with _admin(args) as admin:
+            done = threading.Event()
+            if sys.stderr.isatty():  # the load itself is one blocking call: show its progress beside it
+                threading.Thread(target=_show_load_progress, args=(admin.socket, done), daemon=True).start()
+            try:
+                info = admin.load_model(path, args.backend or "")
+            finally:
+                done.set()
+            print(f"loaded {info.path} ({info.n_layers} layers, {info.backend} backend)")
+        return EXIT_OK
+    return _daemon_verb(run)
+
+
+def _show_load_progress(socket: str, done) -> None:
+    from ntx_client import Client, NtxError
+    width = 0
+    with Client(socket, timeout=2) as c:
+        while not done.wait(0.3):
+            try:
+                s = c.status()
+            except NtxError:
+                continue
+            if s.load_progress and s.state == 2:  # loading
+                text = f"{s.load_progress} ({s.load_fraction:.0%})"
+                sys.stderr.write("\r" + text.ljust(width))
+                sys.stderr.flush()
+                width = len(text)
+    if width:
+        sys.stderr.write("\r" + " " * width + "\r")
+
+
+def cmd_model_unload(args) -> int:
+    def run():
+        with _admin(args) as admin:
+            admin.unload_model(args.drain_timeout or 0)
+        print("model unloaded")
+        return EXIT_OK
+    return _daemon_verb(run)
+
+
+def cmd_drain(args) -> int:
+    def run():
+        with _admin(args) as admin:
+            r = admin.drain(args.drain_timeout or 0)
+        print(f"draining: {r.finished} requests finished, {r.cancelled} cancelled; no new ones until "
+              "ntx-admin resume")
+        return EXIT_OK
+    return _daemon_verb(run)
+
+
+def cmd_resume(args) -> int:
+    def run():
+        with _admin(args) as admin:
+            admin.resume()
+        print("admitting requests again")
+        return EXIT_OK
+    return _daemon_verb(run)
+
+
+def cmd_shutdown(args) -> int:
+    def run():
+        with _admin(args) as admin:
+            admin.shutdown(args.drain_timeout or 0)
+        print("ntransformerd is draining and will exit")
+        return EXIT_OK
+    return _daemon_verb(run)
+
+
+def _add_daemon_verbs(sub) -> None:
+    def common(s, *, drain: bool = False):
+        s.add_argument("--admin-socket", help="the daemon's admin socket (default $NTX_ADMIN_SOCKET, "
+                       "else admin.sock next to the user socket)")
+        s.add_argument("--timeout", type=float, help="seconds before the call gives up")
+        if drain:
+            s.add_argument("--drain-timeout", type=float, metavar="S",
+                           help="seconds in-flight requests get to finish (default: the daemon's drain_timeout)")
+
+    m = sub.add_parser("model", help="load or unload the daemon's model").add_subparsers(dest="verb", required=True)
+    s = m.add_parser("load", help="load a GGUF (in-flight requests finish first)")
+    s.add_argument("path", nargs="?", metavar="PATH", help="GGUF file (default: the embedded model)")
+    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), help="default: the daemon's")
+    common(s)
+    s.set_defaults(func=cmd_model_load)
+    s = m.add_parser("unload", help="drop the model; requests get FAILED_PRECONDITION until a load")
+    common(s, drain=True)
+    s.set_defaults(func=cmd_model_unload)
+    for name, func, text in (("drain", cmd_drain, "stop admitting requests; finish or cancel in-flight ones"),
+                             ("resume", cmd_resume, "admit requests again after a drain"),
+                             ("shutdown", cmd_shutdown, "drain, then the daemon exits 0 (as SIGTERM)")):
+        s = sub.add_parser(name, help=text)
+        common(s, drain=name != "resume")
+        s.set_defaults(func=func)
+
+
 # --------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time a raw read of this many bytes")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_verify)
+    _add_daemon_verbs(sub)
     return p
 
 

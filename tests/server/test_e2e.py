@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from ntx_client import Client
+from ntx_client.client import CHAT_REPETITION_PENALTY
 from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 PY = sys.executable
@@ -64,7 +65,7 @@ def test_cli_chat_generate_equals_ntx_model_run_chat(daemon, engine, solo):
     prompt_ids = engine.encode_chat([{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "What is 2+2?"}])
     assert last["prompt_ids"] == prompt_ids
-    assert last["ids"] == solo(engine, prompt_ids, 8)
+    assert last["ids"] == solo(engine, prompt_ids, 8, repetition_penalty=CHAT_REPETITION_PENALTY)
 
 
 def test_cli_chat_keeps_history(daemon):

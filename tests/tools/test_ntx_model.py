@@ -38,7 +38,8 @@ def test_every_quant_type_generates(default_model_path, tmp_path, capsys, ftype)
     assert main(["quantize", default_model_path, out, "--type", ftype, "--quiet", "--allow-requantize"]) == 0
     m = GGUFModel(out)
     assert TYPES[ftype] in {t.qtype for t in m.tensors.values()}
-    res = run_json(capsys, "run", out, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-eos", "--json")
+    res = run_json(capsys, "run", out, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-eos", "--json",
+                   "--temperature", "0")
     assert len(res["ids"]) == 8 and res["text"].strip(), res
     if ftype in ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_1"):
         assert "Paris" in res["text"], res["text"]
@@ -46,7 +47,8 @@ def test_every_quant_type_generates(default_model_path, tmp_path, capsys, ftype)
 
 def test_run_json_and_dump_logits(default_model_path, tmp_path, capsys):
     dump = tmp_path / "logits.npy"
-    res = run_json(capsys, "run", "--prompt", PROMPT, "--max-tokens", "4", "--json", "--dump-logits", str(dump))
+    res = run_json(capsys, "run", "--prompt", PROMPT, "--max-tokens", "4", "--json", "--dump-logits", str(dump),
+                   "--temperature", "0")
     assert res["prompt_ids"] == [504, 3575, 282, 4649, 314]
     assert res["ids"][0] == 7042 and res["text"].startswith(" Paris")
     logits = np.load(dump)
@@ -64,7 +66,7 @@ def test_run_seed_is_repeatable(capsys):
 
 def test_run_chat_stops_at_end_of_turn(capsys):
     res = run_json(capsys, "run", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "40",
-                   "--json")
+                   "--json", "--temperature", "0")
     assert res["finish_reason"] == "eos" and "Paris" in res["text"]
     assert res["prompt_ids"][:1] == [1]  # <|im_start|> of the ChatML system turn
 
@@ -173,3 +175,22 @@ def test_plan_without_prompt(capsys):
     with pytest.raises(SystemExit):
         main(["run"])
     assert "--prompt" in capsys.readouterr().err
+
+
+def test_one_default_temperature_and_chat_penalty():
+    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.tools.ntx_model import _sampling, build_parser
+    from ntx_client import cli
+    from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
+
+    assert SamplingParams().temperature == DEFAULT_TEMPERATURE  # the daemon's default for an unset one
+    run = build_parser().parse_args(["run", "--prompt", "x"])
+    gen = cli.parser().parse_args(["generate", "x"])
+    assert run.temperature == cli._sampling(gen)["temperature"] == DEFAULT_TEMPERATURE
+    assert _sampling(run).repetition_penalty == 1.0 and cli._sampling(gen)["repetition_penalty"] is None
+    chat_run = build_parser().parse_args(["run", "--prompt", "x", "--chat", "--temperature", "0"])
+    assert _sampling(chat_run).repetition_penalty == CHAT_REPETITION_PENALTY == cli._sampling(gen, chat=True)[
+        "repetition_penalty"]
+    off = build_parser().parse_args(["run", "--prompt", "x", "--chat", "--repeat-penalty", "1", "--presence-penalty",
+                                     "0.5"])
+    assert _sampling(off).repetition_penalty == 1.0 and _sampling(off).presence_penalty == 0.5

@@ -33,6 +33,7 @@ from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, 
                                          NotReady, QueueFull, ServiceError, ShuttingDown)
 
 log = logging.getLogger("ntransformerd")
+RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the last seconds
 
 _ids = itertools.count(1)
 
@@ -324,7 +325,7 @@ class Scheduler:
             self.last_batch = len(batch)
             now = time.monotonic()
             self._recent.append((now, n_new))
-            while self._recent and self._recent[0][0] < now - 5.0:
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
 
     def sample_and_stream(self, engine, r: Request, logits) -> None:
@@ -348,12 +349,14 @@ class Scheduler:
     def snapshot(self) -> dict:
         with self._cv:
             now = time.monotonic()
-            span = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
-            tps = sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+            # steps within the window only: steps are what prune it, so when idle it is stale
+            recent = [(t, n) for t, n in self._recent if t >= now - RATE_WINDOW_S]
+            span = now - recent[0][0] if len(recent) > 1 else 0.0
+            tps = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
             reqs = [dict(id=r.id, state=r.state, slot=r.slot, prompt_tokens=len(r.prompt_ids),
                          generated_tokens=r.generated, age_seconds=now - r.t_created)
                     for r in list(self._live) + list(self._queue)]
-            steps_per_s = (len(self._recent) - 1) / span if span > 0 else 0.0
+            steps_per_s = (len(recent) - 1) / span if span > 0 else 0.0
             return dict(state=self.state, load_progress=self.load_progress, load_fraction=self.load_fraction,
                         error=self.error, live=len(self._live), queued=len(self._queue),
                         batch=self.last_batch, free_slots=self.engine.kv.free_slots if self.engine else 0,

@@ -245,6 +245,19 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _engine_memory(engine) -> tuple[int, int]:
+    """(VRAM, pinned host RAM) bytes of the engine: on the cuda backend what CuPy's device pool
+    holds (every device allocation goes through it) and the layers the tier plan keeps in
+    pinned RAM; the cpu backend holds neither."""
+    if engine is None or engine.backend_name != "cuda":
+        return 0, 0
+    import cupy
+
+    plan = getattr(engine, "plan", None)
+    pinned = plan.bytes("pinned") if plan is not None else 0
+    return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
+
+
 def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
     s, cfg, engine = scheduler.snapshot(), daemon.config, scheduler.engine
     r = pb.StatusResponse(state=STATES[s["state"]], load_progress=s["load_progress"], load_fraction=s["load_fraction"],
@@ -254,6 +267,7 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
                           requests_total=s["requests_total"], tokens_generated_total=s["tokens_total"],
                           uptime_seconds=s["uptime"], memory_bytes=_rss_bytes(), error=s["error"], pid=os.getpid(),
                           requests=[pb.RequestInfo(**q) for q in s["requests"]])
+    r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
     if engine is not None:
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend

@@ -69,15 +69,18 @@ def cmd_tokenize(args) -> int:
 
 def _sampling(args):
     from ntransformerd.engine.sampler import SamplingParams
+    from ntx_client.client import CHAT_REPETITION_PENALTY
 
     kw = dict(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
               seed=args.seed)
-    if args.temperature == 0:
-        return SamplingParams.greedy(**kw)
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+    if args.repetition_penalty is None and args.chat:
+        kw["repetition_penalty"] = CHAT_REPETITION_PENALTY
+    for name in ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    return SamplingParams(**kw)
+    if args.temperature == 0:
+        return SamplingParams.greedy(**kw)
+    return SamplingParams(temperature=args.temperature, **kw)
 
 
 def cmd_run(args) -> int:
@@ -260,6 +263,7 @@ def cmd_synth(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ntransformerd.tools.synth import FTYPES, SHAPES
+    from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
 
     p = argparse.ArgumentParser(prog="ntx-model", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -282,11 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     s.add_argument("--system", help="system message (with --chat)")
     s.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    s.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"0 = greedy; >0 samples (default {DEFAULT_TEMPERATURE}, as ntx-client and the daemon)")
     s.add_argument("--top-k", type=int, dest="top_k")
     s.add_argument("--top-p", type=float, dest="top_p")
     s.add_argument("--min-p", type=float, dest="min_p")
-    s.add_argument("--repetition-penalty", type=float, dest="repetition_penalty")
+    s.add_argument("--repeat-penalty", "--repetition-penalty", type=float, dest="repetition_penalty",
+                   help=f"1 = off (default 1, or {CHAT_REPETITION_PENALTY} with --chat: it keeps greedy chats out "
+                        "of loops)")
+    s.add_argument("--frequency-penalty", type=float, dest="frequency_penalty")
+    s.add_argument("--presence-penalty", type=float, dest="presence_penalty")
     s.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same output")
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation")

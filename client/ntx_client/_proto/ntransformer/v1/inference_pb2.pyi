@@ -266,7 +266,7 @@ class TierStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., layers: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_second: _Optional[float] = ..., source: _Optional[str] = ..., read_bytes: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_bytes_per_second: _Optional[float] = ..., reads: _Optional[int] = ..., read_errors: _Optional[int] = ..., commands: _Optional[int] = ..., commands_in_flight: _Optional[int] = ..., max_commands_in_flight: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid")
+    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "vram_bytes", "pinned_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,8 @@ class StatusResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     load_progress: str
     load_fraction: float
@@ -309,4 +311,6 @@ class StatusResponse(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     error: str
     pid: int
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    vram_bytes: int
+    pinned_bytes: int
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
