@@ -74,7 +74,7 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--code", nargs="+", required=True, help="checkouts to compare (the first is the base)")
+    ap.add_argument("--code", nargs="+", help="checkouts to compare (the first is the base)")
     ap.add_argument("--env", nargs="*", default=None, help="per variant, KEY=VALUE[,KEY=VALUE] for its process")
     ap.add_argument("--dir", default="/tmp/ntx", help="synthetic 8B files (made here if missing)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -87,6 +87,8 @@ def main() -> int:
         print(json.dumps(worker(code, path, None if mvl == "-" else int(mvl), a.batches)))
         return 0
 
+    if not a.code:
+        ap.error("--code: give the checkouts to compare")
     sys.path.insert(0, HERE)
     from resident import synthetic_8b
     envs = a.env or [""] * len(a.code)

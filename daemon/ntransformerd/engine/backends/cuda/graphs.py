@@ -73,9 +73,8 @@ class StepGraphs:
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
 
     def n_splits(self, n: int) -> int:
-        """Attention splits per (row, head) of an n-row bucket: the one-launch attention's grid
-        is sized for the longest context, so a bucket of many rows takes fewer."""
-        return min(64 if n <= 2 else self.s.batched_splits, self.kv.max_ctx)
+        """Attention splits per (row, head) of an n-row bucket (launch.decode_splits)."""
+        return K.decode_splits(n, self.kv.max_ctx, self.s)
 
     # ---- capture --------------------------------------------------------------------------------
 

@@ -295,6 +295,13 @@ def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 12
     return max(1, min(64, -(-(max_pos + 1) // per), room))
 
 
+def decode_splits(n_rows: int, max_ctx: int, s: CudaSettings = DEFAULT) -> int:
+    """Attention splits per (row, head) of a decode step (one token per row) of n_rows rows, the
+    same whether the step is captured or eager (so both compute the same sums): attn_decode's
+    grid is sized for the longest context, so a step of many rows takes fewer."""
+    return min(64 if n_rows <= 2 else s.batched_splits, max_ctx)
+
+
 def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldk: int, ldv: int):
     """Rows of k and v (row strides ldk, ldv) to the cache at (slot, pos)."""
     kc = kv_layer.k

@@ -226,6 +226,8 @@ class CudaOps:
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
+        if self.arena is None and one_token and n <= K.MATVEC_MAX_ROWS:  # as a captured step splits
+            n_splits = K.decode_splits(n, kv_layer.k.shape[1], s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if fused and one_token and tiles is None and K.bucket_of(n) <= s.attn_one_launch_max_bucket:
