@@ -52,8 +52,10 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="same seed, same output")
     p.add_argument("--stop", action="append", metavar="S", help="stop at this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation")
-    p.add_argument("--wait", nargs="?", type=float, const=600.0, metavar="SECONDS",
-                   help="wait for a starting or loading daemon, showing its load progress (default 600 s)")
+    p.add_argument("--wait", action="store_true",
+                   help="wait for a starting or loading daemon, showing its load progress on a terminal")
+    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long --wait waits (default 600)")
 
 
 def _human(n: float) -> str:
@@ -130,8 +132,8 @@ def _stream(chunks, out=None) -> list[str]:
 
 def cmd_generate(client: Client, args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.wait is not None:
-        wait_until_serving(client, args.wait)
+    if args.wait:
+        wait_until_serving(client, args.wait_timeout)
     if args.raw:
         if args.system:
             raise SystemExit("ntx-client: --system needs the chat template: drop --raw")
@@ -177,8 +179,8 @@ def cmd_chat(client: Client, args) -> int:
     if interactive:
         _line_editing()
         print("ntx-client chat: type a message; /help for commands, /exit or Ctrl-D to leave.", file=sys.stderr)
-    if args.wait is not None:
-        wait_until_serving(client, args.wait)
+    if args.wait:
+        wait_until_serving(client, args.wait_timeout)
     while True:
         try:
             line = input(">>> " if interactive else "")

@@ -147,7 +147,7 @@ def test_wait_for_a_loading_daemon_and_the_admin_verbs(new_daemon, synth_model, 
     d = new_daemon("--model", model, "--max-ctx", "128")
     try:
         # straight away: the socket is not there yet, then the model loads
-        assert cli.main(["--socket", d.socket, "generate", "--wait", "120", "--raw", "--temperature", "0",
+        assert cli.main(["--socket", d.socket, "generate", "--wait", "--wait-timeout", "120", "--raw", "--temperature", "0",
                          "--max-tokens", "3", "--ignore-eos", "Hello"]) == 0
         assert capsys.readouterr().out.strip()
         verb = ["--admin-socket", d.admin_socket, "--timeout", "60"]
