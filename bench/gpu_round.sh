@@ -5,7 +5,7 @@
 #   TESTS=0 skips the tests; AB=0 the A/B; PYTEST_PATHS narrows the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; L=$OUT/logs; mkdir -p "$L"
+OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/daemon
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$L/gpu.txt" 2>&1

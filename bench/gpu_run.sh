@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: precompile kernels, run the benchmark, then build llama-bench in the background
 # while the decode profile runs, then llama-bench on the same files (waiting up to 2*LLAMA_WAIT s
-# for its build), then the gpu tests. Logs and JSON go to $OUT.
+# for its build), then the gpu tests. Logs and JSON go to $OUT (default bench/out/).
 #   (device tool) carry: .whl .llama .gpu-data ; command: bash bench/gpu_run.sh
 #   LLAMA_NGL=0 skips llama-bench's partial-offload runs (the streaming comparison).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-$(dirname "$0")/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/daemon
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/gpu.txt" 2>&1

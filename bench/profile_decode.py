@@ -1,6 +1,6 @@
 """Where a captured decode step spends its time, kernel by kernel, in the real sequence.
 
-    python bench/profile_decode.py --dir /tmp/ntx --json out.json [--types q8_0 q4_k_m] [--batch 1 16]
+    python bench/profile_decode.py --dir /tmp/ntx [--json bench/out/profile.json] [--types q8_0 q4_k_m] [--batch 1 16]
 
 The step's kernels are queued eagerly behind a spin kernel (so the GPU runs them back to back,
 never waiting for Python), with a timing event after each launch; the gap between two events
@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/ntx")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--json", default="profile.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "profile.json"))
     ap.add_argument("--max-ctx", type=int, default=1024)
     ap.add_argument("--no-prefill", action="store_true", help="decode steps only")
     a = ap.parse_args()
@@ -204,6 +204,7 @@ def main() -> int:
         out["files"].append(f)
         del dec, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
     return 0

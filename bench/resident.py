@@ -1,6 +1,6 @@
 """Resident-model speed of the CUDA backend on synthetic Llama-3-8B-shaped files.
 
-    python bench/resident.py --dir /tmp/ntx --json out.json [--types q8_0 q4_k_m]
+    python bench/resident.py --dir /tmp/ntx [--json bench/out/resident.json] [--types q8_0 q4_k_m]
 
 Measures in one run: device-to-device copy bandwidth (bytes read + written) and from it the
 HBM roofline (model bytes / bandwidth) per file; decode tok/s at batch 1, 4, 16 from the
@@ -175,7 +175,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/ntx")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
-    ap.add_argument("--json", default="resident.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "resident.json"))
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--max-ctx", type=int, default=1024)
     a = ap.parse_args()
@@ -227,6 +227,7 @@ def main() -> int:
         res["files"].append(r)
         del dec, plain, eager, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
     print("\n| file | roofline tok/s | decode B=1 | % roofline | B=4 | B=16 | B16/B1 | python % (B=1) | prefill 512 |")

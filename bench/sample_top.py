@@ -2,7 +2,7 @@
 kernels/sample.cu) against argmax_rows, the host's part of a draw from n ids against one from a
 whole row, and a batch-1 step of an 8B file as greedy / device top ids / whole rows to the host.
 
-    python bench/sample_top.py --dir /tmp/ntx --json sample.json [--code DIR]
+    python bench/sample_top.py --dir /tmp/ntx [--json bench/out/sample.json] [--code DIR]
 
 Kernel times: CUDA events around 200 launches, per launch. Step rates: 64 steps after 4 of
 warm-up, each with its sampling (SamplingParams defaults: top-k 40, top-p 0.95, min-p 0.05).
@@ -24,7 +24,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--code", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir),
                     help="the checkout whose daemon/ is imported (default: this one)")
-    ap.add_argument("--json", default="sample.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "sample.json"))
     a = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(a.code), "daemon"))
     sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +88,7 @@ def main() -> int:
     out["steps"] = sampled_rates(dec, kv, model.config, a.steps, modes=("greedy", "device_top", "host_rows"))
     print(f"{a.type} B=1: greedy {out['steps']['greedy']:.1f} tok/s, sampled with the device's top ids "
           f"{out['steps']['device_top']:.1f}, with whole rows to the host {out['steps']['host_rows']:.1f}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
     return 0

@@ -1,6 +1,6 @@
 """Streaming-tier speed of the CUDA backend on synthetic Llama-3-shaped Q4_K_M files.
 
-    python3 bench/streaming.py --dir /tmp/ntx --json streaming.json [--no-70b]
+    python3 bench/streaming.py --dir /tmp/ntx [--json bench/out/streaming.json] [--no-70b]
 
 1. the pinned → device ceiling (cudaMemcpyAsync of 1 GiB from page-locked memory), same run;
 2. 8B Q4_K_M with 32, 24, 16, 8, 0 resident layers (rest pinned) at batch 1, 4, 16: decode
@@ -131,7 +131,7 @@ def plain_odirect(path: str, nbytes: int, threads: int = 8, chunk: int = 16 << 2
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/ntx")
-    ap.add_argument("--json", default="streaming.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "streaming.json"))
     ap.add_argument("--splits", type=int, nargs="+", default=[32, 24, 16, 8, 0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--no-70b", action="store_true")
@@ -140,6 +140,7 @@ def main() -> int:
     ap.add_argument("--no-odirect", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "runs": []}
 
     def save():
