@@ -206,23 +206,23 @@ class Engine:
             else:
                 logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
         else:
-            logits = self._forward(Batch.of(segments), all_logits, layers)
-            if top is not None:
-                logits = TopLogits.of(logits, top)
+            logits = self._forward(Batch.of(segments), all_logits, layers, top=top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
 
-    def _forward(self, batch: Batch, all_logits: bool, layers=None) -> np.ndarray:
-        """The model on one batch, eagerly; host logits."""
+    def _forward(self, batch: Batch, all_logits: bool, layers=None, *, top: int | None = None):
+        """The model on one batch, eagerly; host logits, or with top a TopLogits (picked where
+        the logits are: on the GPU only the top rows come to the host)."""
         if self.pipeline is not None:
             if layers is not None:
                 raise ValueError("a pipelined engine runs every layer (its stages hold fixed ranges)")
-            return self.pipeline.run(batch, all_logits=all_logits)
+            logits = self.pipeline.run(batch, all_logits=all_logits)
+            return logits if top is None else TopLogits.of(logits, top)
         with self.ops.step_context(batch):
             logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, layers=layers,
                                    all_logits=all_logits)
-        return self.ops.to_host(logits)
+        return self.ops.to_host(logits) if top is None else self.ops.top(logits, top)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""

@@ -16,6 +16,7 @@ from threadpoolctl import ThreadpoolController
 from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KVCache, KVLayer
 from ntransformerd.engine.model import Batch
+from ntransformerd.engine.sampler import TopLogits
 
 
 def rope_frequencies(cfg: LlamaConfig, freq_factors: np.ndarray | None) -> np.ndarray:
@@ -55,6 +56,11 @@ class CpuOps:
     @staticmethod
     def to_host(x: np.ndarray) -> np.ndarray:
         return x
+
+    @staticmethod
+    def top(logits: np.ndarray, n: int):
+        """Each row's n most likely ids and their logits (sampler.TopLogits)."""
+        return TopLogits.of(logits, n)
 
     @staticmethod
     def matmul(x: np.ndarray, w, residual: np.ndarray | None = None):

@@ -28,6 +28,7 @@ from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 from ntransformerd.engine.backends.cuda.weights import Stacked
 from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.model import Batch
+from ntransformerd.engine.sampler import TopLogits
 
 
 def _ld(x) -> int:
@@ -150,6 +151,12 @@ class CudaOps:
     @staticmethod
     def to_host(x) -> np.ndarray:
         return cp.asnumpy(x)
+
+    @staticmethod
+    def top(logits, n: int) -> TopLogits:
+        """Each row's n most likely ids and their logits, picked on the device (top_rows): only
+        those come to the host."""
+        return TopLogits(*K.top_rows(cp.ascontiguousarray(logits), n))
 
     @staticmethod
     def step_context(batch: Batch):
