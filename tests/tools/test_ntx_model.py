@@ -169,6 +169,21 @@ def test_progress_only_on_a_terminal(synth_model, tmp_path, capsys):
     assert cap.err == "" and cap.out.count("\n") == 1 and cap.out.startswith("wrote ")
 
 
+def test_progress_on_a_terminal_goes_to_stderr(tmp_path, monkeypatch, capsys):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["synth", str(tmp_path / "p.gguf"), "--shape", "tiny", "--type", "q8_0"]) == 0
+    shown = term.getvalue()
+    assert "\rsynth: " in shown and "(100%" in shown and shown.endswith("\r")  # erased before the last line
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'p.gguf'} (")
+
+
 def test_plan_without_prompt(capsys):
     assert main(["run", "--plan"]) == 0
     assert capsys.readouterr().out.startswith("[cpu] ")

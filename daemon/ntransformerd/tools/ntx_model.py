@@ -172,26 +172,23 @@ def _plan_devices(args, config) -> int:
 
 
 class _Progress:
-    """One self-overwriting line on stderr, shown only when stderr is a terminal (a log or a
-    pipe gets the final line only); close() ends it so the next message starts clean."""
+    """Bytes written so far, on one self-overwriting line of stderr only when it is a terminal
+    (a log or a pipe gets the final line only)."""
 
     def __init__(self, prefix: str, quiet: bool):
-        self.prefix, self.on, self.shown = prefix, not quiet and sys.stderr.isatty(), False
+        from ntx_client.cli import StatusLine
+
+        self.prefix, self.quiet, self.line = prefix, quiet, StatusLine()
         self.t0 = time.monotonic()
 
     def __call__(self, done: int, total: int, *_) -> None:
-        if not self.on:
-            return
-        dt = max(time.monotonic() - self.t0, 1e-6)
-        sys.stderr.write(f"\r{self.prefix}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB "
-                         f"({100 * done / max(total, 1):.0f}%, {done / dt / 1e6:.0f} MB/s)")
-        sys.stderr.flush()
-        self.shown = True
+        if not self.quiet:
+            dt = max(time.monotonic() - self.t0, 1e-6)
+            self.line.show(f"{self.prefix}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB "
+                           f"({100 * done / max(total, 1):.0f}%, {done / dt / 1e6:.0f} MB/s)")
 
     def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
-            self.shown = False
+        self.line.close()
 
 
 @contextlib.contextmanager
