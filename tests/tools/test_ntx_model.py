@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -135,6 +136,22 @@ def test_quantize_into_a_full_filesystem_leaves_nothing(synth_model, tmp_path):
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("ntx-model: error: cannot write ") \
         and "nothing was written" in r.stderr, r.stderr
     assert r.stdout == "" and list(out_dir.iterdir()) == []
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a private tmpfs needs root and unshare")
+def test_quantize_onto_a_full_tmpfs_leaves_nothing(synth_model, tmp_path):
+    """A real full filesystem: a 2 MiB tmpfs, mounted in a mount namespace of its own."""
+    out_dir = tmp_path / "small"
+    out_dir.mkdir()
+    cmd = (f"mount -t tmpfs -o size=2m ntx-test {out_dir} && {sys.executable} -m ntransformerd.tools.ntx_model "
+           f"quantize {synth_model('tiny', 'q8_0')} {out_dir}/o.gguf --type q8_0; rc=$?; ls -A {out_dir}; exit $rc")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"ntx-model: error: cannot write {out_dir}/o.gguf: ") and r.stderr.count("\n") == 1
+    assert r.stderr.endswith("(nothing was written)\n"), r.stderr
+    assert r.stdout == ""  # `ls -A` inside the namespace: no file, not even a partial one
 
 
 def test_requantizing_needs_allow_requantize(synth_model, tmp_path, capsys):

@@ -360,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # the temporary file is gone by now (tools.atomic)
         where = getattr(args, "output", None) or e.filename or "the output"
-        why = e.strerror or f"{e}, the disk is full?"  # numpy's short write has no errno
+        why = e.strerror or str(e)  # numpy's short write has no errno
+        if not e.strerror and "space" not in why:
+            why += " (is the disk full?)"
         print(f"ntx-model: error: cannot write {where}: {why} (nothing was written)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
