@@ -47,7 +47,7 @@ class Chunk:
             u = m.usage
             usage = dict(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                          queue_seconds=u.queue_seconds, prefill_seconds=u.prefill_seconds,
-                         decode_seconds=u.decode_seconds)
+                         decode_seconds=u.decode_seconds, cached_prompt_tokens=u.cached_prompt_tokens)
         return cls(m.text, list(m.token_ids), list(m.prompt_ids), FINISH_REASONS.get(m.finish_reason), usage)
 
 
@@ -75,14 +75,15 @@ def collect(chunks) -> Completion:
 def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
-                     **sampling) -> pb.GenerateRequest:
-    """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids."""
+                     prefix_cache: bool = True, **sampling) -> pb.GenerateRequest:
+    """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids. prefix_cache=False:
+    the daemon neither starts from cached KV nor keeps this request's."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_ids")
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-    req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos)
+    req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos, no_prefix_cache=not prefix_cache)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

@@ -84,6 +84,12 @@ def path(*, empty: str | None = None) -> Check:
 _GROUP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
 
 
+def boolean(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} = {v!r}: use true or false")
+    return v
+
+
 def group_name(key: str, v: Any) -> str:
     if not isinstance(v, str):
         raise ConfigError(f"{key} = {v!r}: must be a group name in quotes (\"\" for none), not {_kind(v)}")
@@ -186,6 +192,8 @@ KEYS: dict[str, Key] = {
     "max_ctx": Key(integer(16, 1 << 24), "positions per sequence (capped by the model)", "N", int),
     "kv_dtype": Key(choice("f32", "f16"), "KV-cache storage: f32 or f16", "TYPE"),
     "prefill_chunk": Key(integer(1, 1 << 20), "prompt tokens per scheduler step", "N", int),
+    "prefix_cache": Key(boolean, "start prompts from the cached KV of earlier sequences sharing their prefix "
+                        "(--no-prefix-cache: off)", shown="on"),
     "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
@@ -227,6 +235,8 @@ class DaemonConfig:
     max_ctx: int = 4096  # positions per sequence (capped by the model)
     kv_dtype: str = "f32"
     prefill_chunk: int = 256  # prompt tokens per step across all prefilling requests
+    # keep finished sequences' KV in free slots and start prompts from the longest shared prefix
+    prefix_cache: bool = True
     default_max_tokens: int = 512  # when a request does not say
     drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = "info"
@@ -281,6 +291,10 @@ def argument_parser() -> argparse.ArgumentParser:
     for name, key in KEYS.items():
         default = FIELDS[name].default
         shown = key.shown or (repr(default) if default == "" else str(default))
+        if isinstance(default, bool):  # --name / --no-name
+            p.add_argument(f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"{key.help} (default: {shown})")
+            continue
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=key.flag_type, metavar=key.metavar,
                        help=f"{key.help} (default: {shown})")
     return p

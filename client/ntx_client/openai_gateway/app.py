@@ -236,7 +236,7 @@ class Gateway:
                 last = c
             return "".join(text), last
         text, last = await _unless_gone(request, collect())
-        usage = protocol.usage_object(last.usage["prompt_tokens"], last.usage["completion_tokens"])
+        usage = protocol.usage_object(last.usage)
         self.metrics.done(endpoint, 200, usage, time.monotonic() - t0)
         self.metrics.in_flight.dec()
         return JSONResponse(protocol.completion_object(job, model, text, last.finish_reason, usage))
@@ -255,7 +255,7 @@ class Gateway:
                     yield _sse(protocol.chunk_object(job, model, c.text, None))
                 if c.finish_reason is not None:
                     yield _sse(protocol.chunk_object(job, model, None, c.finish_reason))
-                    usage = protocol.usage_object(c.usage["prompt_tokens"], c.usage["completion_tokens"])
+                    usage = protocol.usage_object(c.usage)
             if job.include_usage and usage is not None:
                 yield _sse(protocol.usage_chunk(job, model, usage))
             yield "data: [DONE]\n\n"

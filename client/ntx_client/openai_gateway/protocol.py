@@ -289,9 +289,11 @@ def parse_completion(body) -> Job:
 
 # ---- responses -------------------------------------------------------------------------------
 
-def usage_object(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_object(usage: dict) -> dict:
+    """OpenAI's usage from the daemon's; cached_tokens: prompt tokens the prefix cache held."""
+    p, c = usage["prompt_tokens"], usage["completion_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)}}
 
 
 def completion_object(job: Job, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:

@@ -155,8 +155,28 @@ class Engine:
 
     # ---- sequences ------------------------------------------------------------------------
 
-    def open(self) -> int:
-        return self.kv.alloc()
+    def open(self, slot: int | None = None, *, keep: int = 0) -> int:
+        """A KV-cache slot for a new sequence: any free one, or `slot` keeping the first `keep`
+        positions it still holds (the prefix cache's reuse of a finished sequence)."""
+        if not 0 <= keep <= self.max_ctx:
+            raise ValueError(f"cannot keep {keep} positions of a context of {self.max_ctx}")
+        slot = self.kv.alloc(slot)
+        self.kv.lengths[slot] = keep
+        return slot
+
+    def free_slot_ids(self) -> tuple[int, ...]:
+        return self.kv.free_ids
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give slot `dst` the first n positions of slot `src` (a prompt prefix they share);
+        only what `dst` does not hold yet is copied. `src` may be free: the caller (the prefix
+        cache) knows which positions its keys and values still hold."""
+        start = self.length(dst)
+        if not start <= n <= self.max_ctx:
+            raise ValueError(f"cannot copy {n} positions into slot {dst} of length {start} "
+                             f"(context {self.max_ctx})")
+        self.kv.copy_prefix(src, dst, n, start)
+        self.kv.lengths[dst] = n
 
     def close(self, slot: int) -> None:
         self.kv.free(slot)

@@ -52,10 +52,17 @@ class SlotTable:
         self.lengths = np.zeros(n_slots, np.int64)
         self._free = list(range(n_slots - 1, -1, -1))
 
-    def alloc(self) -> int:
+    def alloc(self, slot: int | None = None) -> int:
+        """A free slot (`slot` itself when given), empty. Its keys and values are not cleared:
+        the prefix cache reopens a slot and keeps the positions it still holds."""
         if not self._free:
             raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
-        slot = self._free.pop()
+        if slot is None:
+            slot = self._free.pop()
+        elif slot in self._free:
+            self._free.remove(slot)
+        else:
+            raise ValueError(f"KV slot {slot} is not free")
         self.lengths[slot] = 0
         return slot
 
@@ -68,6 +75,10 @@ class SlotTable:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def free_ids(self) -> tuple[int, ...]:
+        return tuple(self._free)
 
 
 class KVCache(SlotTable):
@@ -85,3 +96,9 @@ class KVCache(SlotTable):
 
     def layer(self, i: int) -> KVLayer:
         return self.layers[i]
+
+    def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        """Positions [start, n) of slot `src` into slot `dst`, every layer (a shared prompt prefix)."""
+        for layer in self.layers:
+            layer.k[dst, start:n] = layer.k[src, start:n]
+            layer.v[dst, start:n] = layer.v[src, start:n]

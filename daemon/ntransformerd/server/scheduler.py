@@ -6,7 +6,9 @@ The request path, in the order it runs:
     schedule(ids, params)        → Request, queued       (caller's thread; bounded queue)
     loop, one thread owning the engine, each iteration:
         retire()                 finished / cancelled / past-deadline requests leave, slots freed
-        admit()                  queued requests take free KV-cache slots
+                                 (their KV stays for the prefix cache)
+        admit()                  queued requests take free KV-cache slots, starting from the
+                                 longest cached or live prefix of their prompt
         compose()                one decode token per decoding request + prefill chunks, the
                                  chunks sharing `prefill_chunk` tokens so a long prompt cannot
                                  stall the others
@@ -31,6 +33,7 @@ from collections.abc import Iterator, Sequence
 
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
                                          NotReady, QueueFull, ServiceError, ShuttingDown)
+from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
 
 log = logging.getLogger("ntransformerd")
 RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the last seconds
@@ -52,7 +55,8 @@ class Output:
 class Request:
     """One generation, from queued to retired. Written by the scheduler thread, except cancel()."""
 
-    def __init__(self, prompt_ids: list[int], params, *, max_tokens: int, deadline: float | None):
+    def __init__(self, prompt_ids: list[int], params, *, max_tokens: int, deadline: float | None,
+                 prefix_cache: bool = True):
         self.id = next(_ids)
         self.prompt_ids = prompt_ids
         self.params = params
@@ -63,6 +67,9 @@ class Request:
         self.prefilled = 0  # prompt tokens already in the KV cache
         self.next_token: int | None = None  # sampled, not yet run through the model
         self.generated = 0
+        self.generated_ids: list[int] = []
+        self.prefix_cache = prefix_cache  # may start from, and leave its KV to, the prefix cache
+        self.cached = 0  # prompt tokens taken from the prefix cache
         self.error: ServiceError | None = None  # set by cancel(); delivered by retire()
         self.outputs: queue.Queue[Output | ServiceError | None] = queue.Queue()
         self.t_created = time.monotonic()
@@ -87,6 +94,7 @@ class Request:
     def usage(self) -> dict:
         now = self.t_done or time.monotonic()
         return dict(prompt_tokens=len(self.prompt_ids), completion_tokens=self.generated,
+                    cached_prompt_tokens=self.cached,
                     queue_seconds=(self.t_admitted or now) - self.t_created,
                     prefill_seconds=(self.t_first or now) - (self.t_admitted or now),
                     decode_seconds=now - (self.t_first or now))
@@ -107,6 +115,8 @@ class Scheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.steps = self.requests_total = self.tokens_total = 0
+        self.prompt_tokens_total = self.prefill_tokens_total = 0
+        self.prefix = None  # PrefixCache of the attached engine
         self.last_batch = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self.t_start = time.monotonic()
@@ -129,6 +139,7 @@ class Scheduler:
     def attach(self, engine) -> None:
         with self._cv:
             self.engine, self.state, self.error = engine, "serving", ""
+            self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache)
             self.load_progress, self.load_fraction = "loaded", 1.0
             self._cv.notify_all()
 
@@ -202,7 +213,7 @@ class Scheduler:
         return tok.encode(text, parse_special=parse_special, add_special=add_special)
 
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
-                 deadline: float | None = None) -> Request:
+                 deadline: float | None = None, prefix_cache: bool = True) -> Request:
         """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull."""
         from ntransformerd.engine.engine import Continuation
 
@@ -217,7 +228,7 @@ class Scheduler:
             max_tokens = self.config.default_max_tokens
         if not 1 <= max_tokens <= n_ctx:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
-        req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline)
+        req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline, prefix_cache=prefix_cache)
         req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens)
         with self._cv:
             self._ready_engine()
@@ -264,7 +275,7 @@ class Scheduler:
             else:
                 self._live.remove(r)
                 if self.engine is not None and r.slot >= 0:
-                    self.engine.close(r.slot)
+                    self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache)
             if r.state != "done":
                 r.state = "done"
                 r.outputs.put(r.error)
@@ -272,11 +283,35 @@ class Scheduler:
             self._cv.notify_all()
 
     def admit(self) -> None:
-        """Queued requests take free KV-cache slots, oldest first."""
+        """Queued requests take free KV-cache slots, oldest first, each starting from the
+        longest prefix of its prompt that a free or live slot holds."""
         while self._queue and len(self._live) < self.config.max_batch and self.engine.kv.free_slots:
             r = self._queue.popleft()
-            r.slot, r.state, r.t_admitted = self.engine.open(), "prefill", time.monotonic()
+            live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
+            r.slot, r.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache)
+            r.cached = r.prefilled
+            r.state, r.t_admitted = "prefill", time.monotonic()
+            self.prompt_tokens_total += len(r.prompt_ids)
             self._live.append(r)
+
+    def _kv_tokens(self, r: Request) -> list[int]:
+        """The token ids whose keys and values r's slot holds."""
+        n = self.engine.length(r.slot)
+        return (r.prompt_ids + r.generated_ids)[:n] if n > len(r.prompt_ids) else r.prompt_ids[:n]
+
+    def _waits_for_shared_prefill(self, r: Request) -> bool:
+        """Another prefilling request, older, will compute prompt positions r shares: r waits
+        for them (and copies them next iteration) instead of computing them twice."""
+        if not (self.prefix.enabled and r.prefix_cache):
+            return False
+        for o in self._live:
+            if o is r:
+                return False
+            if o.state == "prefill" and o.prefix_cache and \
+                    min(common_prefix(r.prompt_ids, o.prompt_ids), len(r.prompt_ids) - 1) > max(o.prefilled,
+                                                                                                r.prefilled):
+                return True
+        return False
 
     def compose(self) -> list[tuple[Request, list[int], bool]]:
         """(request, tokens, completes_prompt) for this step: all decode tokens, then prefill
@@ -286,7 +321,12 @@ class Scheduler:
             if r.state == "decode":
                 batch.append((r, [r.next_token], True))
         for r in self._live:
-            if r.state == "prefill" and budget > 0:
+            if r.state == "prefill" and r.prefix_cache and self.prefix.enabled:
+                live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
+                filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live)
+                r.cached += filled - r.prefilled
+                r.prefilled = filled
+            if r.state == "prefill" and budget > 0 and not self._waits_for_shared_prefill(r):
                 chunk = r.prompt_ids[r.prefilled:r.prefilled + budget]
                 budget -= len(chunk)
                 batch.append((r, chunk, r.prefilled + len(chunk) == len(r.prompt_ids)))
@@ -314,6 +354,7 @@ class Scheduler:
         for (r, tokens, complete), row in zip(batch, logits):
             if r.state == "prefill":
                 r.prefilled += len(tokens)
+                self.prefill_tokens_total += len(tokens)
                 if not complete:
                     continue
                 r.state, r.t_first = "decode", time.monotonic()
@@ -333,6 +374,7 @@ class Scheduler:
         token = r.cont.sample(logits)
         text, reason = r.cont.push(token, room=engine.length(r.slot) + 1 <= engine.max_ctx)
         r.generated = r.cont.generated
+        r.generated_ids.append(token)
         first = r.prompt_ids if r.generated == 1 else None
         if reason is not None:
             return self.finish(r, token, text, reason, first)
@@ -362,6 +404,10 @@ class Scheduler:
                         batch=self.last_batch, free_slots=self.engine.kv.free_slots if self.engine else 0,
                         tokens_per_second=tps, steps_per_second=steps_per_s, steps=self.steps,
                         requests_total=self.requests_total, tokens_total=self.tokens_total,
+                        prompt_tokens_total=self.prompt_tokens_total, prefill_tokens_total=self.prefill_tokens_total,
+                        prefix_hit_tokens_total=self.prefix.hit_tokens if self.prefix else 0,
+                        prefix_evictions_total=self.prefix.evictions if self.prefix else 0,
+                        prefix_cached_slots=len(self.prefix.held) if self.prefix else 0,
                         uptime=now - self.t_start, requests=reqs)
 
 

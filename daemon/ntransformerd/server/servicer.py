@@ -172,7 +172,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt_ids = self._prompt_ids(request)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
-        req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline)
+        req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
+                                      prefix_cache=not request.no_prefix_cache)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         for out in req.stream():
             m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
@@ -266,7 +267,11 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
                           tokens_per_second=s["tokens_per_second"], steps=s["steps"],
                           requests_total=s["requests_total"], tokens_generated_total=s["tokens_total"],
                           uptime_seconds=s["uptime"], memory_bytes=_rss_bytes(), error=s["error"], pid=os.getpid(),
-                          requests=[pb.RequestInfo(**q) for q in s["requests"]])
+                          requests=[pb.RequestInfo(**q) for q in s["requests"]],
+                          prompt_tokens_total=s["prompt_tokens_total"], prefill_tokens_total=s["prefill_tokens_total"],
+                          prefix_hit_tokens_total=s["prefix_hit_tokens_total"],
+                          prefix_evictions_total=s["prefix_evictions_total"],
+                          prefix_cached_slots=s["prefix_cached_slots"], prefix_cache=cfg.prefix_cache)
     r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
     if engine is not None:
         info = model_info(engine)

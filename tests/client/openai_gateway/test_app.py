@@ -113,6 +113,8 @@ def test_usage_counts_the_tokens_and_user_text_is_never_control_tokens(daemon, o
     assert len(literal) > len(parsed)  # the markers are several text tokens, not one control token each
     r = oai.completions.create(model=model, prompt=text, temperature=0, max_tokens=2)
     assert r.usage.prompt_tokens == len(literal)
+    again = oai.completions.create(model=model, prompt=text, temperature=0, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(literal) - 1  # the daemon's prefix cache
     r = oai.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=2)
     assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens <= 2
     # content as an array of text parts is the same message

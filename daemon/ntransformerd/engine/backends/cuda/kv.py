@@ -47,4 +47,13 @@ class CudaKVCache(SlotTable):
     def layer(self, i: int) -> CudaKVLayer:
         return self.layers[i]
 
+    def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        """Positions [start, n) of slot `src` into slot `dst`, every layer (the prefix cache).
+        Called between steps; the synchronize orders it before the next step whatever stream
+        that runs on."""
+        for layer in self.layers:
+            layer.k[dst, start:n] = layer.k[src, start:n]
+            layer.v[dst, start:n] = layer.v[src, start:n]
+        cp.cuda.Device().synchronize()
+
 
