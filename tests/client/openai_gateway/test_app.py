@@ -66,7 +66,8 @@ def test_models_lists_the_daemons_model(oai, model):
 
 
 def test_chat_greedy_equals_ntx_client_generate_streaming_and_not(daemon, oai, model):
-    ref = ntx_client_generate(daemon, "--max-tokens", str(N), PROMPT)
+    # OpenAI's sampling has no repetition penalty; ntx-client's chat default of 1.1 is turned off
+    ref = ntx_client_generate(daemon, "--max-tokens", str(N), "--repeat-penalty", "1", PROMPT)
     messages = [{"role": "user", "content": PROMPT}]
     r = oai.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N)
     assert r.choices[0].message.content == ref["text"] and r.choices[0].message.role == "assistant"
