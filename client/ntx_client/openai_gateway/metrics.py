@@ -30,7 +30,11 @@ class _DaemonStatus:
         counters = {name: CounterMetricFamily(f"ntx_daemon_{name}", doc, labels=["target"]) for name, doc in (
             ("requests", "requests the daemon accepted"),
             ("tokens_generated", "tokens the daemon generated"),
-            ("steps", "engine steps the daemon ran"))}
+            ("steps", "engine steps the daemon ran"),
+            ("prompt_tokens", "prompt tokens of the requests the daemon admitted"),
+            ("prefill_tokens", "prompt tokens run through the model (the rest came from the prefix cache)"),
+            ("prefix_hit_tokens", "prompt tokens taken from the prefix cache"),
+            ("prefix_evictions", "cached sequences dropped to make room"))}
         tier_bytes = GaugeMetricFamily("ntx_daemon_tier_bytes", "bytes of layers placed in each tier",
                                        labels=["target", "tier"])
         tier_rate = GaugeMetricFamily("ntx_daemon_tier_bytes_per_second", "bytes per second streamed from each tier",
@@ -45,6 +49,10 @@ class _DaemonStatus:
             counters["requests"].add_metric([target], s.requests_total)
             counters["tokens_generated"].add_metric([target], s.tokens_generated_total)
             counters["steps"].add_metric([target], s.steps)
+            counters["prompt_tokens"].add_metric([target], s.prompt_tokens_total)
+            counters["prefill_tokens"].add_metric([target], s.prefill_tokens_total)
+            counters["prefix_hit_tokens"].add_metric([target], s.prefix_hit_tokens_total)
+            counters["prefix_evictions"].add_metric([target], s.prefix_evictions_total)
             for t in s.tiers:
                 tier_bytes.add_metric([target, t.name], t.bytes)
                 tier_rate.add_metric([target, t.name], t.bytes_per_second)

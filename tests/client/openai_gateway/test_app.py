@@ -278,7 +278,8 @@ def test_health_and_metrics(stack, oai, model):
     daemon, gw = stack
     code, _, h = gw.request("GET", "/health")
     assert code == 200 and h["status"] == "ok" and h["daemons"][0]["state"] == "serving" and h["daemons"][0]["model"] == model
-    oai.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+    for _ in range(2):  # the second one starts from the first's KV
+        oai.completions.create(model=model, prompt="Hello there, metrics", max_tokens=2, temperature=0)
     _, headers, text = gw.request("GET", "/metrics")
     assert headers["content-type"].startswith("text/plain")
     from prometheus_client.parser import text_string_to_metric_families
@@ -292,6 +293,9 @@ def test_health_and_metrics(stack, oai, model):
         st = c.status()
     assert samples[("ntx_daemon_requests_total", target)] <= st.requests_total
     assert samples[("ntx_daemon_free_slots", target)] == daemon.max_batch
+    assert 0 < samples[("ntx_daemon_prefill_tokens_total", target)] <= samples[("ntx_daemon_prompt_tokens_total",
+                                                                                  target)]
+    assert samples[("ntx_daemon_prefix_hit_tokens_total", target)] > 0
     tiers = {dict(k[1])["tier"] for k in samples if k[0] == "ntx_daemon_tier_bytes"}
     assert tiers == {t.name for t in st.tiers} and tiers
 
