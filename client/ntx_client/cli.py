@@ -34,7 +34,8 @@ def _sampling(args, *, chat: bool = False) -> dict:
                 temperature=DEFAULT_TEMPERATURE if args.temperature is None else args.temperature,
                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=penalty,
                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
+                seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos,
+                speculative=args.speculative or "")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="same seed, same output")
     p.add_argument("--stop", action="append", metavar="S", help="stop at this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation")
+    p.add_argument("--speculative", metavar="MODE", help="speculative decoding: off, auto, ngram, draft, skip, "
+                   "prefix (default: the daemon's); lossless, it changes only the speed")
     p.add_argument("--wait", action="store_true",
                    help="wait for a starting or loading daemon, showing its load progress on a terminal")
     p.add_argument("--wait-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -273,6 +276,12 @@ def cmd_status(client: Client, args) -> int:
              str(s.free_slots), f"{s.tokens_per_second:.1f}")])
     for t in s.tiers:
         print(_tier_line(t))
+    if s.skip_layers:
+        print(f"  skipped layers: {','.join(map(str, s.skip_layers))}")
+    sp = s.speculation
+    if sp.passes or sp.default_mode not in ("", "off"):
+        print(f"  speculation: default {sp.default_mode or 'off'}{', draft ' + sp.draft_model if sp.draft_model else ''}; "
+              f"{sp.passes} passes, acceptance {sp.acceptance:.0%}, {sp.tokens_per_pass:.2f} tokens per pass")
     if s.error:
         print(f"error: {s.error}")
     return 0

@@ -75,15 +75,17 @@ def collect(chunks) -> Completion:
 def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
-                     prefix_cache: bool = True, **sampling) -> pb.GenerateRequest:
+                     prefix_cache: bool = True, speculative: str = "", **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids. prefix_cache=False:
-    the daemon neither starts from cached KV nor keeps this request's."""
+    the daemon neither starts from cached KV nor keeps this request's. speculative: "" (the
+    daemon's default), off, auto, ngram, draft, skip or prefix."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_ids")
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-    req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos, no_prefix_cache=not prefix_cache)
+    req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos, no_prefix_cache=not prefix_cache,
+                             speculative=speculative or "")
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

@@ -163,6 +163,28 @@ def _bool_flag(text: str) -> bool:
 # ---- end of storage checks ----------------------------------------------------------------------
 
 
+def speculative_mode(key: str, v: Any) -> str:
+    from ntransformerd.engine.speculative import parse_mode
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = {v!r}: must be a mode in quotes, not {_kind(v)}")
+    try:
+        parse_mode(v)
+    except ValueError as e:
+        raise ConfigError(f"{key} = {v!r}: {e}") from None
+    return v.strip().lower()
+
+
+def skip_spec(key: str, v: Any) -> str:
+    from ntransformerd.engine.layer_skip import parse_skip
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = {v!r}: must be \"auto\", \"auto:0.03\", a count or \"3,7,11\" in quotes")
+    try:
+        parse_skip(v)
+    except ValueError as e:
+        raise ConfigError(f"{key} = {v!r}: {e}") from None
+    return v.strip().lower()
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One configuration key: how its value is checked, and its flag."""
@@ -210,6 +232,12 @@ KEYS: dict[str, Key] = {
     "noiommu": Key(boolean, "accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)", "BOOL",
                    _bool_flag),
     # ---- end of storage keys --------------------------------------------------------------------
+    "speculative": Key(speculative_mode, "speculative decoding of requests that do not say: off, auto, ngram, "
+                       "draft, skip[:LAYERS] or prefix[:N] (lossless)", "MODE"),
+    "draft": Key(path(empty=""), "a small GGUF with the model's vocabulary that drafts for it (speculative draft)",
+                 "PATH", shown="none"),
+    "skip_layers": Key(skip_spec, "layers left out of every step: auto[:THRESHOLD], N or 3,7,11 "
+                       "(lossy; ntx-model calibrate-skip measures it)", "SPEC", shown="none"),
 }
 
 
@@ -253,6 +281,9 @@ class DaemonConfig:
     nvme_release: str = "nvme"  # on stop: hand the drive back to nvme, or "keep" it on vfio-pci
     noiommu: bool = False  # accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)
     # ---- end of storage keys ------------------------------------------------------------------
+    speculative: str = "off"  # engine/speculative.py: the mode of requests that do not say
+    draft: str = ""  # the draft model of speculative "draft"
+    skip_layers: str = ""  # engine/layer_skip.py: resolved against the model's cached calibration
 
     def __post_init__(self):
         for name in FIELDS:

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow"]
+__all__ = ["SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow", "draw_from"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -153,6 +153,32 @@ class Sampler:
         ids = top_sorted(x, p.top_k)
         return self._draw(ids, x[ids])
 
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution sample() draws from: (ids, probabilities float64), most likely first.
+
+        The same chain (ignore_eos ban, penalties from `history`, top-k, top-p, min-p,
+        temperature); greedy is a point mass on the argmax. Speculative decoding verifies drafts
+        against exactly this distribution, so accepting by it keeps sample()'s distribution.
+        """
+        p = self.params
+        x = np.asarray(logits, dtype=np.float32).reshape(-1).copy()
+        if x.shape != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
+        if np.isnan(x).any():
+            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
+        if self._banned is not None and self._banned.size:
+            x[self._banned] = -np.inf
+        x = apply_penalties(x, history, p)
+        if not np.isfinite(x.max()):
+            raise ValueError("no token can be drawn: every logit is -inf")
+        if p.temperature == 0.0:
+            return np.array([int(np.argmax(x))]), np.ones(1)
+        ids = top_sorted(x, p.top_k)
+        ids, v = filter_candidates(ids, x[ids], p.top_p, p.min_p)
+        z = v.astype(np.float64) / p.temperature
+        w = np.exp(z - z[0])
+        return ids, w / w.sum()
+
     def need(self) -> int | None:
         """How many of a row's most likely ids (TopLogits) make sample_top draw exactly what
         sample would from the whole row; None where only the whole row will do (penalties, which
@@ -276,6 +302,13 @@ def top_sorted(x: np.ndarray, top_k: int) -> np.ndarray:
     else:
         ids = np.arange(n)
     return ids[np.lexsort((ids, -x[ids]))]  # logit descending, then id ascending
+
+
+def draw_from(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """The id a uniform u in [0, 1) picks from a distribution by its running sum (as _draw does)."""
+    c = np.cumsum(probs)
+    k = int(np.searchsorted(c, u * c[-1], side="right"))
+    return int(ids[min(k, len(ids) - 1)])
 
 
 def filter_candidates(ids: np.ndarray, v: np.ndarray, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -199,6 +199,7 @@ class Daemon:
             old = self.scheduler.engine
             try:
                 engine, resources = self._open_engine(path, backend, show=old is None)
+                draft_engine, costs = self._speculation(engine, show=old is None)
             except Exception as e:
                 where = path or self.config.model or "the default model"
                 if old is None:
@@ -210,7 +211,7 @@ class Daemon:
                 raise
             if old is not None:
                 self.unload_model(self.config.drain_timeout)
-            self.scheduler.attach(engine)
+            self.scheduler.attach(engine, draft_engine=draft_engine, costs=costs)
             self._resources[id(engine)] = resources
             self.set_health(True)
             self.notifier.status(self._serving_status())
@@ -251,6 +252,8 @@ class Daemon:
             model = GGUFModel(path)
             source = StorageHandle.for_file(c.storage, path)
         n = model.config.n_layers
+        from ntransformerd.engine import layer_skip
+        skip = layer_skip.skip_layers_for(model.path, c.skip_layers, n)  # auto / N read the cached calibration
         seen: set[int] = set()  # per load: a reload reports its progress again
 
         def loaded(i):
@@ -260,7 +263,8 @@ class Daemon:
 
         ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
                             kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
-                            vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source)
+                            vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source,
+                            skip_layers=skip or None)
         try:
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
                 fill(set(range(n)) - set(_storage_layers(model, ecfg)))
@@ -285,6 +289,21 @@ class Daemon:
                  engine.backend_name, n, source.name)
         closers = [source.close] + ([lambda fd=model.staged_fd: os.close(fd)] if fill is not None else [])
         return engine, (source, closers)
+
+    def _speculation(self, engine, *, show: bool):
+        """The draft engine (its vocabulary checked against the model) and the step cost table
+        that speculation plans its draft lengths with, measured once here, before any request."""
+        from ntransformerd.engine import speculative
+
+        c = self.config
+        draft_engine = speculative.load_draft_engine(c.draft, engine) if c.draft else None
+        if show:
+            self._progress("measuring step costs for speculative decoding", 0.97)
+        verify = speculative.time_steps(engine, (1, 2, 4, 8, 16), repeats=3)
+        draft = speculative.time_steps(draft_engine, (1,), repeats=3)[1] / verify[1] if draft_engine else 0.0
+        costs = speculative.StepCosts({k: v / verify[1] for k, v in verify.items()}, draft)
+        log.info("speculation: step costs %s%s", costs.to_dict(), f", draft model {c.draft}" if draft_engine else "")
+        return draft_engine, costs
 
     def storage_stats(self) -> dict | None:
         """The loaded engine's storage counters (bytes, seconds, commands, errors)."""

@@ -12,8 +12,12 @@ The request path, in the order it runs:
         compose()                one decode token per decoding request + prefill chunks, the
                                  chunks sharing `prefill_chunk` tokens so a long prompt cannot
                                  stall the others
-        engine.step(batch)       one batched forward
+        draft()                  speculating requests: each draft source proposes tokens for
+                                 its requests, batched (speculative.Speculator.plan)
+        engine.step(batch)       one batched forward; a speculating request's segment is its
+                                 last token and its draft, verified in the same step
         sample() → detokenize()  per request whose prompt is done; stream the delta out
+                                 (a speculating request: the accepted drafts and one more)
 
 Each Request carries its own Sampler, StopMatcher and Detokenizer and follows exactly the rules
 of `engine.generate`, so a request's output is the one it would get alone (up to the engine's
@@ -30,6 +34,8 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
                                          NotReady, QueueFull, ServiceError, ShuttingDown)
@@ -75,6 +81,8 @@ class Request:
         self.t_created = time.monotonic()
         self.t_admitted = self.t_first = self.t_done = None
         self.cont = None  # engine.Continuation: sampling, stop strings, text; set by schedule()
+        self.speculator = None  # speculative.Speculator of its mode; None: off
+        self.spec = None  # speculative.SpecSeq while decoding with speculation
 
     def cancel(self, error: ServiceError | None = None) -> None:
         """Ask the scheduler to drop this request at its next iteration (any thread)."""
@@ -107,6 +115,9 @@ class Scheduler:
         self.config = config
         self.notifier = notifier
         self.engine = None
+        self.draft_engine = None  # --draft: a small same-vocabulary model for speculation
+        self.costs = None  # speculative.StepCosts measured at load
+        self._speculators: dict[str, object] = {}  # mode → speculative.Speculator
         self.state = "no_model"  # no_model | loading | serving | draining | failed
         self.load_progress, self.load_fraction, self.error = "", 0.0, ""
         self._cv = threading.Condition()
@@ -136,9 +147,10 @@ class Scheduler:
         with self._cv:
             self.state, self.load_progress, self.load_fraction = "loading", progress, fraction
 
-    def attach(self, engine) -> None:
+    def attach(self, engine, *, draft_engine=None, costs=None) -> None:
         with self._cv:
             self.engine, self.state, self.error = engine, "serving", ""
+            self.draft_engine, self.costs, self._speculators = draft_engine, costs, {}
             self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache)
             self.load_progress, self.load_fraction = "loaded", 1.0
             self._cv.notify_all()
@@ -147,6 +159,7 @@ class Scheduler:
         """Take the engine away (unload); only when nothing is live."""
         with self._cv:
             engine, self.engine, self.state = self.engine, None, "no_model"
+            self.draft_engine, self._speculators = None, {}
             return engine
 
     def fail(self, message: str) -> None:
@@ -212,8 +225,31 @@ class Scheduler:
             return encode_chat(engine, messages)
         return tok.encode(text, parse_special=parse_special, add_special=add_special)
 
+    def speculator(self, mode: str | None):
+        """The Speculator for a request's mode ('' = the daemon's default), None for off;
+        raises InvalidRequest for a mode this daemon cannot serve."""
+        from ntransformerd.engine import speculative
+
+        try:
+            name, arg = speculative.parse_mode(mode or self.config.speculative)
+            if name == "off":
+                return None
+            if name in ("skip", "prefix") and not arg:  # the daemon's own layers for this source
+                dname, darg = speculative.parse_mode(self.config.speculative)
+                arg = darg if dname == name else ""
+            key = f"{name}:{arg}" if arg else name
+            with self._cv:
+                spec = self._speculators.get(key)
+                if spec is None:
+                    draft = speculative.make_draft(key, self.engine, draft_engine=self.draft_engine)
+                    spec = speculative.Speculator(self.engine, draft, costs=self.costs)
+                    self._speculators[key] = spec
+                return spec
+        except ValueError as e:
+            raise InvalidRequest(f"{e}") from None
+
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
-                 deadline: float | None = None, prefix_cache: bool = True) -> Request:
+                 deadline: float | None = None, prefix_cache: bool = True, speculative: str = "") -> Request:
         """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull."""
         from ntransformerd.engine.engine import Continuation
 
@@ -230,6 +266,7 @@ class Scheduler:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
         req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline, prefix_cache=prefix_cache)
         req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens)
+        req.speculator = self.speculator(speculative)
         with self._cv:
             self._ready_engine()
             if len(self._live) + len(self._queue) >= self.config.max_batch + self.config.max_queue:
@@ -274,6 +311,9 @@ class Scheduler:
                 self._queue.remove(r)
             else:
                 self._live.remove(r)
+                if r.spec is not None:
+                    r.speculator.close(r.spec)
+                    r.spec = None
                 if self.engine is not None and r.slot >= 0:
                     self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache)
             if r.state != "done":
@@ -332,6 +372,19 @@ class Scheduler:
                 batch.append((r, chunk, r.prefilled + len(chunk) == len(r.prompt_ids)))
         return batch
 
+    def draft(self, batch: list[tuple[Request, list[int], bool]]) -> dict[int, object]:
+        """Draft tokens for every speculating request in decode, each source drafting for all of
+        its requests at once: {request id: speculative.Proposal}."""
+        groups: dict[int, list[Request]] = {}
+        for r, _, _ in batch:
+            if r.state == "decode" and r.spec is not None:
+                groups.setdefault(id(r.speculator), []).append(r)
+        proposals = {}
+        for reqs in groups.values():
+            for r, p in zip(reqs, reqs[0].speculator.plan([r.spec for r in reqs])):
+                proposals[r.id] = p
+        return proposals
+
     def run(self, batch: list[tuple[Request, list[int], bool]]) -> None:
         """One engine step for the whole batch, then sample and stream for each request."""
         engine = self.engine
@@ -339,8 +392,19 @@ class Scheduler:
         # them (Sampler.need): the GPU then picks them on the device instead of copying all logits.
         needs = [r.cont.need() for r, tokens, complete in batch if complete]
         top = max(needs) if needs and None not in needs else None
+        if any(r.speculator is not None for r, _, _ in batch):  # speculation verifies whole rows
+            top = None
         try:
-            logits = engine.step([(r.slot, tokens) for r, tokens, _ in batch], top=top)
+            proposals = self.draft(batch)
+            items = [(r.slot, tokens + proposals[r.id].tokens if r.id in proposals else tokens) for r, tokens, _ in batch]
+            if any(p.tokens for p in proposals.values()):  # every row of a verified draft is needed
+                flat = engine.step(items, all_logits=True)
+                ends = np.cumsum([len(t) for _, t in items])
+                logits = [flat[e - len(t):e] for (_, t), e in zip(items, ends)]
+            else:
+                logits = engine.step(items, top=top)
+                logits = [logits[i] if batch[i][0].id not in proposals else logits[i][None]  # rows (1, V)
+                          for i in range(len(batch))]
         except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
             log.exception("engine step failed for requests %s", [r.id for r, _, _ in batch])
             with self._cv:
@@ -358,6 +422,13 @@ class Scheduler:
                 if not complete:
                     continue
                 r.state, r.t_first = "decode", time.monotonic()
+                if r.speculator is not None:  # from its first token on, a speculating request draws by its seed
+                    r.spec = r.speculator.open(r.cont, r.slot)
+                    n_new += self.stream_tokens(engine, r, [r.spec.first(row[-1] if row.ndim == 2 else row)])
+                    continue
+            if r.id in proposals:
+                n_new += self.stream_tokens(engine, r, r.speculator.accept(r.spec, row, proposals[r.id]))
+                continue
             self.sample_and_stream(engine, r, row)
             n_new += 1
         with self._cv:
@@ -381,9 +452,31 @@ class Scheduler:
         r.next_token = token
         r.outputs.put(Output([token], text, prompt_ids=first))
 
-    def finish(self, r: Request, token: int, text: str, reason: str, first) -> None:
+    def stream_tokens(self, engine, r: Request, tokens: list[int]) -> int:
+        """A speculating request's tokens of this step, through the same Continuation rules,
+        streamed as one output; tokens after the end (a stop, EOS, the budget) are dropped.
+        Returns how many were taken."""
+        before, texts, taken, reason = r.cont.generated, [], [], None
+        for token in tokens:
+            text, reason = r.cont.push(token, room=len(r.cont.history) + 1 <= engine.max_ctx)
+            texts.append(text)
+            taken.append(token)
+            if reason is not None:
+                break
+        r.generated = r.cont.generated
+        r.generated_ids += taken
+        first = r.prompt_ids if before == 0 else None
+        if reason is not None:
+            self.finish(r, taken, "".join(texts), reason, first)
+        else:
+            r.next_token = taken[-1]
+            r.outputs.put(Output(taken, "".join(texts), prompt_ids=first))
+        return len(taken)
+
+    def finish(self, r: Request, token, text: str, reason: str, first) -> None:
         r.t_done = time.monotonic()
-        r.outputs.put(Output([token], text, prompt_ids=first, finish_reason=reason, usage=r.usage()))
+        ids = list(token) if isinstance(token, list) else [token]
+        r.outputs.put(Output(ids, text, prompt_ids=first, finish_reason=reason, usage=r.usage()))
         r.state = "done"  # retire() frees the slot at the top of the next iteration
 
     # ---- status (any thread) --------------------------------------------------------------
@@ -399,6 +492,16 @@ class Scheduler:
                          generated_tokens=r.generated, age_seconds=now - r.t_created)
                     for r in list(self._live) + list(self._queue)]
             steps_per_s = (len(recent) - 1) / span if span > 0 else 0.0
+            specs = [sp.stats() for sp in self._speculators.values()]
+            passes = sum(x["passes"] for x in specs)
+            proposed, accepted = sum(x["proposed"] for x in specs), sum(x["accepted"] for x in specs)
+            speculation = dict(default_mode=self.config.speculative, passes=passes, proposed=proposed,
+                               accepted=accepted, acceptance=accepted / proposed if proposed else 0.0,
+                               tokens_per_pass=(sum(x["tokens_per_pass"] * x["passes"] for x in specs) / passes
+                                                if passes else 0.0),
+                               draft_model=self.draft_engine.model.path if self.draft_engine is not None else "",
+                               costs=self.costs.to_dict() if self.costs is not None else None,
+                               sources={x["source"]: x for x in specs})
             return dict(state=self.state, load_progress=self.load_progress, load_fraction=self.load_fraction,
                         error=self.error, live=len(self._live), queued=len(self._queue),
                         batch=self.last_batch, free_slots=self.engine.kv.free_slots if self.engine else 0,
@@ -408,7 +511,8 @@ class Scheduler:
                         prefix_hit_tokens_total=self.prefix.hit_tokens if self.prefix else 0,
                         prefix_evictions_total=self.prefix.evictions if self.prefix else 0,
                         prefix_cached_slots=len(self.prefix.held) if self.prefix else 0,
-                        uptime=now - self.t_start, requests=reqs)
+                        uptime=now - self.t_start, requests=reqs, speculation=speculation,
+                        skip_layers=list(getattr(getattr(self.engine, "config", None), "skip_layers", None) or ()))
 
 
 def encode_chat(engine, messages: Sequence[dict]) -> list[int]:

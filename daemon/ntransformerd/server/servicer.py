@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import json
 import os
 import time
 
@@ -173,7 +174,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                      prefix_cache=not request.no_prefix_cache)
+                                      prefix_cache=not request.no_prefix_cache, speculative=request.speculative)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         for out in req.stream():
             m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
@@ -273,6 +274,12 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
                           prefix_evictions_total=s["prefix_evictions_total"],
                           prefix_cached_slots=s["prefix_cached_slots"], prefix_cache=cfg.prefix_cache)
     r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
+    sp = s["speculation"]
+    r.skip_layers.extend(s["skip_layers"])
+    r.speculation.CopyFrom(pb.SpeculationStatus(
+        default_mode=sp["default_mode"], draft_model=sp["draft_model"], passes=sp["passes"], proposed=sp["proposed"],
+        accepted=sp["accepted"], acceptance=sp["acceptance"], tokens_per_pass=sp["tokens_per_pass"],
+        cost_table=json.dumps(sp["costs"]) if sp["costs"] else ""))
     if engine is not None:
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend

@@ -91,7 +91,8 @@ def cmd_run(args) -> int:
     config = EngineConfig(
         backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
         vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
-        stream_depth=args.stream_depth, storage=args.storage, devices=args.devices)
+        stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
+        skip_layers=_skip_layers(args) or None)
     if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
@@ -151,6 +152,15 @@ def cmd_run(args) -> int:
         print(f"\n[{finish}; {stats['generated_tokens']} tokens, prefill {stats['prefill_s']:.2f} s, "
               f"decode {stats['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _skip_layers(args) -> tuple[int, ...]:
+    if not args.skip_layers:
+        return ()
+    from ntransformerd.engine import layer_skip
+    from ntransformerd.engine.gguf_file import GGUFModel
+    path = _model_path(args.model)
+    return layer_skip.skip_layers_for(path, args.skip_layers, GGUFModel(path).config.n_layers)
 
 
 def _plan_devices(args, config) -> int:
@@ -309,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
     s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
+    s.add_argument("--skip-layers", metavar="SPEC", help="leave layers out: auto[:THRESHOLD] | N | 3,7,11 "
+                   "(N and auto read the calibration of ntx-model calibrate-skip)")
     s.add_argument("--devices", metavar="IDS", help="GPUs to spread the layers over, e.g. 0,1 (with --plan; "
                    "--vram-budget then applies per device, or give one per device: 24GiB,48GiB)")
     s.set_defaults(func=cmd_run)
@@ -340,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_synth)
+
+    from ntransformerd.tools import quality
+    quality.add_commands(sub)
     return p
 
 

@@ -74,7 +74,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "chat", "prompt_ids", "sampling", "max_tokens", "stop", "ignore_eos", "no_prefix_cache")
+    __slots__ = ("model", "prompt", "chat", "prompt_ids", "sampling", "max_tokens", "stop", "ignore_eos", "speculative", "no_prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
@@ -92,8 +93,9 @@ class GenerateRequest(_message.Message):
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
+    speculative: str
     no_prefix_cache: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculative: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "queue_seconds", "prefill_seconds", "decode_seconds", "cached_prompt_tokens")
@@ -269,8 +271,28 @@ class TierStatus(_message.Message):
     last_error: str
     def __init__(self, name: _Optional[str] = ..., layers: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_second: _Optional[float] = ..., source: _Optional[str] = ..., read_bytes: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_bytes_per_second: _Optional[float] = ..., reads: _Optional[int] = ..., read_errors: _Optional[int] = ..., commands: _Optional[int] = ..., commands_in_flight: _Optional[int] = ..., max_commands_in_flight: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
+class SpeculationStatus(_message.Message):
+    __slots__ = ("default_mode", "draft_model", "passes", "proposed", "accepted", "acceptance", "tokens_per_pass", "cost_table")
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_PASS_FIELD_NUMBER: _ClassVar[int]
+    COST_TABLE_FIELD_NUMBER: _ClassVar[int]
+    default_mode: str
+    draft_model: str
+    passes: int
+    proposed: int
+    accepted: int
+    acceptance: float
+    tokens_per_pass: float
+    cost_table: str
+    def __init__(self, default_mode: _Optional[str] = ..., draft_model: _Optional[str] = ..., passes: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance: _Optional[float] = ..., tokens_per_pass: _Optional[float] = ..., cost_table: _Optional[str] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache")
+    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +314,8 @@ class StatusResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    SKIP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +345,8 @@ class StatusResponse(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     error: str
     pid: int
+    speculation: SpeculationStatus
+    skip_layers: _containers.RepeatedScalarFieldContainer[int]
     vram_bytes: int
     pinned_bytes: int
     prompt_tokens_total: int
@@ -329,4 +355,4 @@ class StatusResponse(_message.Message):
     prefix_evictions_total: int
     prefix_cached_slots: int
     prefix_cache: bool
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""`ntx-model perplexity` and `ntx-model calibrate-skip`: what a model (or a lossy trick on it)
+costs in quality, measured on a text.
+
+    ntx-model perplexity [MODEL] --file TEXT [--ctx 512] [--chunks N] [--skip-layers …] [--json]
+    ntx-model calibrate-skip [MODEL] --file TEXT [--ctx 512] [--chunks N] [--max-k K] [--json]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+
+def progress_bar(label: str, *, stream=None):
+    """progress(done, total) drawing a bar on stderr when it is a terminal, else nothing."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+    t0 = time.monotonic()
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        fill = width * done // max(total, 1)
+        eta = (time.monotonic() - t0) / max(done, 1) * (total - done)
+        stream.write(f"\r{label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}  eta {eta:4.0f} s")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+    return show
+
+
+def _read_text(path: str) -> tuple[str, str]:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from None
+
+
+def _engine(args, skip=()):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    return Engine.load(args.model, config=EngineConfig(backend=args.backend, max_seqs=1, max_ctx=args.ctx,
+                                                        prefill_chunk=min(args.ctx, 512), skip_layers=tuple(skip) or None))
+
+
+def cmd_perplexity(args) -> int:
+    from ntransformerd.engine import layer_skip
+    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.engine.gguf_file import GGUFModel
+    from ntransformerd.engine.perplexity import perplexity, text_tokens
+
+    path = args.model or default_model_path()
+    n_layers = GGUFModel(path).config.n_layers
+    skip = layer_skip.skip_layers_for(path, args.skip_layers, n_layers)
+    engine = _engine(args, skip)
+    text, _ = _read_text(args.file)
+    tokens = text_tokens(engine, text)
+    t0 = time.perf_counter()
+    p = perplexity(engine, tokens, ctx=args.ctx, max_chunks=args.chunks, progress=progress_bar("perplexity"))
+    seconds = time.perf_counter() - t0
+    out = {"model": path, "file": args.file, "n_tokens": len(tokens), "skip_layers": list(skip),
+           **p.to_dict(), "seconds": round(seconds, 2)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"perplexity {p.perplexity:.4f}  ({p.chunks} chunks of {p.ctx} tokens, {p.tokens_scored} scored, "
+              f"{len(tokens)} in the text{', skipping layers ' + ','.join(map(str, skip)) if skip else ''}; "
+              f"{seconds:.1f} s)")
+    return 0
+
+
+def cmd_calibrate_skip(args) -> int:
+    from ntransformerd.engine import layer_skip
+    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.engine.perplexity import text_tokens
+
+    path = args.model or default_model_path()
+    sha = layer_skip.file_sha256(path)
+    engine = _engine(args)
+    text, text_sha = _read_text(args.file)
+    tokens = text_tokens(engine, text)
+    bars = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in bars:
+            bars[stage] = progress_bar(f"{stage:>10}")
+        if bars[stage] is not None:
+            bars[stage](done, total)
+
+    cal = layer_skip.calibrate(engine, tokens, ctx=args.ctx, model_sha256=sha, text_sha256=text_sha,
+                               max_k=args.max_k, max_chunks=args.chunks, progress=progress)
+    saved = layer_skip.save(cal, path)
+    if args.json:
+        print(json.dumps({"model": path, "saved": saved, **cal.to_dict()}))
+        return 0
+    print(f"{path}: {len(cal.similarity)} layers, {cal.chunks} chunks of {cal.ctx} tokens of {args.file}")
+    print("layer  cos(in, out)")
+    for i in cal.order + [i for i in range(len(cal.similarity)) if i not in cal.order]:
+        print(f"{i:5d}  {cal.similarity[i]:.4f}{'' if i in cal.order else '  (never skipped)'}")
+    base = cal.table[0]["perplexity"]
+    print("\n  k  perplexity   vs k=0  layers")
+    for row in cal.table:
+        print(f"{row['k']:3d}  {row['perplexity']:10.4f}  {100 * (row['perplexity'] / base - 1):+6.2f}%  "
+              f"{','.join(map(str, row['layers'])) or '-'}")
+    auto = cal.auto(layer_skip.AUTO_THRESHOLD)
+    print(f"\nauto (+{100 * layer_skip.AUTO_THRESHOLD:g}%) skips {len(auto)}: {','.join(map(str, auto)) or 'none'}")
+    print(f"saved {saved}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register the commands on ntx-model's subparsers."""
+    s = sub.add_parser("perplexity", help="perplexity on a text, as llama.cpp's llama-perplexity computes it")
+    s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
+    s.add_argument("--file", required=True, metavar="TEXT", help="UTF-8 text file")
+    s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512); the second half is scored")
+    s.add_argument("--chunks", type=int, metavar="N", help="score only the first N chunks")
+    s.add_argument("--skip-layers", metavar="SPEC", help="auto[:THRESHOLD] | N | 3,7,11 (see calibrate-skip)")
+    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_perplexity)
+
+    s = sub.add_parser("calibrate-skip", help="per-layer similarity and the perplexity of skipping the k most similar")
+    s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
+    s.add_argument("--file", required=True, metavar="TEXT", help="UTF-8 calibration text")
+    s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    s.add_argument("--chunks", type=int, metavar="N", help="use only the first N chunks")
+    s.add_argument("--max-k", type=int, metavar="K", help="largest number of skipped layers tried (default n/4)")
+    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_calibrate_skip)
