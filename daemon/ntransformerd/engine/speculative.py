@@ -192,6 +192,17 @@ class Proposal:
     q: list[tuple[np.ndarray, np.ndarray] | None]
 
 
+def draw_draft(seq: SpecSeq, row: np.ndarray, proposal: Proposal) -> int:
+    """Draw the next draft token from a draft model's row by the sequence's own sampler chain
+    (its history plus the drafts so far), and append it and its distribution to the proposal."""
+    hist = seq.cont.history + proposal.tokens
+    ids, q = seq.cont.sampler.distribution(row, hist)
+    x = draw_from(ids, q, seq.uniform(len(hist), _DRAFT))
+    proposal.tokens.append(x)
+    proposal.q.append((ids, q))
+    return x
+
+
 def verify(seq: SpecSeq, rows: np.ndarray, proposal: Proposal) -> tuple[list[int], int]:
     """(tokens to emit, drafts accepted) from the target's rows (len(proposal) + 1, V) for
     [t, d1 … dk]; the rule of the module docstring."""
@@ -348,11 +359,7 @@ class ModelDraft(Draft):
                     s = seqs[i]
                     if self.own:
                         s.state["fed"] += inputs[i]
-                    hist = s.cont.history + out[i].tokens
-                    ids, q = s.cont.sampler.distribution(row, hist)
-                    x = draw_from(ids, q, s.uniform(len(hist), _DRAFT))
-                    out[i].tokens.append(x)
-                    out[i].q.append((ids, q))
+                    x = draw_draft(s, row, out[i])
                     inputs[i] = [x]
         finally:
             if not self.own:  # the target verifies these positions itself
