@@ -74,7 +74,7 @@ def main() -> int:
         ap.error("--ref-python is required")
 
     from ntransformerd.engine.engine import default_model_path
-    from ntransformerd.engine.quantize import quantize_file
+    from ntransformerd.tools.quantize import quantize_file
 
     src = default_model_path()
     with open(TEXT, "rb") as f:

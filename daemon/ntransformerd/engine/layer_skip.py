@@ -145,8 +145,8 @@ def layer_similarity(engine, tokens: Sequence[int], *, ctx: int, max_chunks: int
                      progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Mean cosine similarity of each layer's input and output over all positions of the chunks.
 
-    Runs model.block layer by layer (the one block the forward pass runs) so the hidden state
-    between layers can be read; the chunking is perplexity's.
+    Runs the model's layers one at a time (model.run_layers, as the forward pass does) so the
+    hidden state between layers can be read; the chunking is perplexity's.
     """
     cfg, ops, weights = engine.cfg, engine.ops, engine.weights
     n_chunks = len(tokens) // ctx if max_chunks is None else min(len(tokens) // ctx, max_chunks)
@@ -163,11 +163,8 @@ def layer_similarity(engine, tokens: Sequence[int], *, ctx: int, max_chunks: int
             batch = Batch.of([Segment(slot, 0, chunk)])
             with ops.step_context(batch):
                 x = ops.embed(weights, batch.tokens)  # (N, D)
-                rope = ops.rope_table(batch.positions)
                 for i in range(cfg.n_layers):
-                    w = weights.acquire(i)
-                    y = llama.block(ops, cfg, x, w, engine.kv.layer(i), batch, rope)  # (N, D)
-                    weights.release(i)
+                    y = llama.run_layers(ops, cfg, weights, engine.kv, batch, x, [i])  # (N, D)
                     a, b = np.asarray(ops.to_host(x), np.float64), np.asarray(ops.to_host(y), np.float64)
                     cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
                     total[i] += cos.sum()

@@ -346,8 +346,8 @@ class ModelDraft(Draft):
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return out
+        inputs = {i: self._pending(seqs[i]) for i in active}  # an own engine's slot opens here
         slot = {i: seqs[i].state["slot"] if self.own else seqs[i].slot for i in active}
-        inputs = {i: self._pending(seqs[i]) for i in active}
         start = {i: engine.length(slot[i]) for i in active}
         try:
             for j in range(max(ks)):

@@ -1,0 +1,262 @@
+"""Speculative decoding is lossless: greedy ids equal plain greedy for every draft source on the
+real model; sampled output keeps plain sampling's distribution (chi-square over 20,000 seeded
+draws, which a broken rule fails); a seed gives one text; draft lengths adapt and switch off."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+
+import numpy as np
+import pytest
+
+from ntransformerd.engine import speculative as sp
+from ntransformerd.engine.engine import Continuation, Engine, EngineConfig, generate
+from ntransformerd.engine.sampler import SamplingParams
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
+# A PCIe-bound stream's shape (a 16-token step costs little more than one), fixed so draft lengths
+# do not depend on this machine's timing.
+FLAT = sp.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
+
+
+@pytest.fixture(scope="module")
+def prompts(default_engine):
+    with open(os.path.join(GOLDEN, "forward_smollm2.json")) as f:
+        g = json.load(f)
+    with open(os.path.join(GOLDEN, "code_edit_prompt.json")) as f:
+        code = json.load(f)
+    by_name = {p["name"]: p["prompt_ids"] for p in g["prompts"]}
+    return {"numbers": by_name["numbers"], "chat": by_name["chat"],
+            "code_edit": default_engine.encode_chat(code["messages"])}
+
+
+@pytest.fixture(scope="module")
+def draft_engine(default_engine, tmp_path_factory):
+    """The Q4_0 copy of the default model as a separate draft engine."""
+    from ntransformerd.tools.quantize import quantize_file
+
+    path = str(tmp_path_factory.mktemp("draft") / "q4_0.gguf")
+    quantize_file(default_engine.model.path, path, "q4_0")
+    return sp.load_draft_engine(path, default_engine)
+
+
+def plain(engine, ids, params):
+    return [ev.token for ev in generate(engine, ids, params)]
+
+
+def speculated(engine, ids, params, draft, costs=FLAT):
+    s = sp.Speculator(engine, draft, costs=costs)
+    return [ev.token for ev in sp.generate(engine, ids, params, s)], s.stats()
+
+
+@pytest.mark.parametrize("source", ["ngram", "draft", "skip:8,12,16,20", "prefix:15"])
+def test_greedy_ids_identical_for_every_source(default_engine, draft_engine, prompts, source):
+    e = default_engine
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    draft = sp.make_draft(source, e, draft_engine=draft_engine)
+    for name in ("numbers", "chat"):
+        ids = prompts[name]
+        want = plain(e, ids, params)
+        got, stats = speculated(e, ids, params, draft)
+        assert got == want, f"{source} on {name}: diverges at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        assert stats["proposed"] > 0, f"{source} on {name}: nothing was drafted, nothing was verified"
+        assert e.kv.free_slots == e.config.max_seqs and (draft_engine.kv.free_slots == draft_engine.config.max_seqs)
+
+
+def test_ngram_yields_two_tokens_per_pass_on_a_code_edit(default_engine, prompts):
+    e = default_engine
+    params = SamplingParams.greedy(max_tokens=64)
+    want = plain(e, prompts["code_edit"], params)
+    got, stats = speculated(e, prompts["code_edit"], params, sp.NgramDraft())
+    assert got == want
+    assert stats["tokens_per_pass"] >= 2.0, stats
+
+
+def test_sampled_speculation_is_repeatable_by_seed(default_engine, prompts):
+    e = default_engine
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.2,
+                            max_tokens=24, ignore_eos=True, seed=1234)
+    a, sa = speculated(e, prompts["code_edit"], params, sp.NgramDraft())
+    b, _ = speculated(e, prompts["code_edit"], params, sp.NgramDraft())
+    c, _ = speculated(e, prompts["code_edit"], SamplingParams(**{**params.__dict__, "seed": 99}), sp.NgramDraft())
+    assert a == b and sa["proposed"] > 0
+    assert a != c
+
+
+def test_draft_model_with_another_vocabulary_is_refused(default_engine):
+    other = types.SimpleNamespace(path="other.gguf", config=default_engine.cfg,
+                                  metadata=dict(default_engine.model.metadata))
+    tokens = list(other.metadata["tokenizer.ggml.tokens"])
+    tokens[1000] = "not-the-same"
+    other.metadata["tokenizer.ggml.tokens"] = tokens
+    with pytest.raises(sp.VocabularyMismatch, match="token 1000"):
+        sp.check_vocabulary(default_engine.model, other)
+    other.metadata["tokenizer.ggml.tokens"] = tokens[:-5]
+    with pytest.raises(sp.VocabularyMismatch, match="different vocabularies"):
+        sp.check_vocabulary(default_engine.model, other)
+    sp.check_vocabulary(default_engine.model, default_engine.model)
+
+
+def test_modes_parse_and_bad_ones_are_clear():
+    assert sp.parse_mode("") == ("off", "")
+    assert sp.parse_mode("skip:3,7") == ("skip", "3,7")
+    assert sp.parse_mode("prefix:8") == ("prefix", "8")
+    for bad in ("fast", "ngram:3", "prefix:x"):
+        with pytest.raises(ValueError, match="speculative"):
+            sp.parse_mode(bad)
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    d = sp.NgramDraft()
+    assert d.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3], 3) == [7, 8, 5]
+    assert d.lookup([1, 2, 3, 4], 2) == []  # nothing repeats
+    assert d.lookup([5, 6, 5], 4) == [6, 5]  # a 1-gram match, what follows it
+
+
+def test_draft_length_adapts_and_switches_off():
+    steep = sp.StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0})  # compute-bound: k tokens cost k
+    c = sp.Controller(steep, probe_every=4)
+    for _ in range(5):
+        c.update(4, 0)  # every draft rejected
+    ks = [c.next_k(16) for _ in range(8)]
+    assert ks.count(0) == 6 and ks.count(1) == 2, ks  # off, probing with one token every 4 passes
+    c = sp.Controller(FLAT)
+    for _ in range(10):
+        c.update(8, 8)  # every draft accepted
+    assert c.next_k(16) == 16 and c.next_k(5) == 5
+    c = sp.Controller(sp.StepCosts({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.1, 16: 5.5}))
+    for _ in range(10):
+        c.update(4, 2)
+    assert 1 <= c.next_k(16) <= 4  # resident-like costs and middling acceptance: short drafts
+
+
+def test_cost_table_interpolates_and_extends():
+    t = sp.StepCosts({1: 1.0, 2: 1.5, 4: 2.5})
+    assert t.verify_cost(3) == pytest.approx(2.0)
+    assert t.verify_cost(6) == pytest.approx(3.5)
+
+
+# ---- the distribution of sampled speculation -----------------------------------------------------
+
+N_DRAWS = 20000
+PARAMS = SamplingParams(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.5,
+                        penalty_last_n=16, max_tokens=8, seed=0)
+
+
+class Memo:
+    """Logits and sampler distributions of one tiny model per token prefix, computed once: the
+    20,000 draws below meet only a few dozen distinct prefixes."""
+
+    def __init__(self, engine, layers=None):
+        self.engine, self.layers, self.rows, self.dists = engine, layers, {}, {}
+
+    def row(self, prefix: tuple) -> np.ndarray:
+        if prefix not in self.rows:
+            slot = self.engine.open()
+            try:
+                self.rows[prefix] = self.engine.step([(slot, list(prefix))], layers=self.layers)[0]
+            finally:
+                self.engine.close(slot)
+        return self.rows[prefix]
+
+
+class MemoSampler:
+    """The real Sampler's distribution, memoized by history (which fixes the row here)."""
+
+    def __init__(self, sampler, memo: dict):
+        self.sampler, self.memo, self.vocab_size = sampler, memo, sampler.vocab_size
+
+    def distribution(self, row, history):
+        key = (id(row), tuple(history))
+        if key not in self.memo:
+            self.memo[key] = self.sampler.distribution(row, history)
+        return self.memo[key]
+
+
+def two_tokens(engine, target: Memo, draft: Memo, prompt, seed: int, k: int, cache: dict, verify=sp.verify):
+    """The first two tokens of a speculative continuation with draft length k, by the real rule."""
+    cont = Continuation(engine, prompt, SamplingParams(**{**PARAMS.__dict__, "seed": seed}))
+    cont.sampler = MemoSampler(cont.sampler, cache)
+    seq = sp.SpecSeq(cont, slot=-1, controller=None, seed=seed)
+    out = []
+    while len(out) < 2:
+        hist = tuple(cont.history)
+        proposal = sp.Proposal([], [])
+        for _ in range(k):
+            sp.draw_draft(seq, draft.row(hist + tuple(proposal.tokens)), proposal)
+        rows = [target.row(hist + tuple(proposal.tokens[:j])) for j in range(k + 1)]
+        tokens, _ = verify(seq, rows, proposal)
+        for t in tokens:
+            cont.history.append(t)
+            out.append(t)
+    return tuple(out[:2])
+
+
+def exact(engine, target: Memo, prompt, cache):
+    """Plain sampling's exact distribution of the first token and of the second."""
+    s = MemoSampler(Continuation(engine, prompt, PARAMS).sampler, cache)
+    ids, p = s.distribution(target.row(tuple(prompt)), list(prompt))
+    first = dict(zip(ids.tolist(), p))
+    second: dict[int, float] = {}
+    for y, py in first.items():
+        ids2, p2 = s.distribution(target.row(tuple(prompt) + (y,)), list(prompt) + [y])
+        for z, pz in zip(ids2.tolist(), p2):
+            second[z] = second.get(z, 0.0) + py * pz
+    return first, second
+
+
+def chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    """p-value of Pearson's chi-square of counts against probs, cells of expected count < 5 pooled
+    (Wilson-Hilferty's normal approximation of the chi-square tail)."""
+    big = [i for i, p in probs.items() if p * n >= 5]
+    obs = [counts.get(i, 0) for i in big] + [n - sum(counts.get(i, 0) for i in big)]
+    exp_ = [probs[i] * n for i in big] + [n - sum(probs[i] * n for i in big)]
+    cells = [(o, e) for o, e in zip(obs, exp_) if e > 1e-9] + [(o, 0.0) for o, e in zip(obs, exp_) if e <= 1e-9 and o]
+    if any(e == 0.0 for _, e in cells):
+        return 0.0  # a token plain sampling can never draw
+    x = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    z = ((x / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model):
+    engine = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=64))
+    # the tiny model's 2 layers: its first layer alone drafts for it (close to it, not equal)
+    return engine, Memo(engine), Memo(engine, layers=[0])
+
+
+def spec_counts(tiny, verify=sp.verify):
+    engine, target, draft = tiny
+    prompt = [17, 300, 17, 4000, 52, 300]  # repeats: the repetition penalty changes the distributions
+    cache: dict = {}
+    firsts, seconds = {}, {}
+    accepted = 0
+    for seed in range(N_DRAWS):
+        a, b = two_tokens(engine, target, draft, prompt, seed, k=2, cache=cache, verify=verify)
+        firsts[a] = firsts.get(a, 0) + 1
+        seconds[b] = seconds.get(b, 0) + 1
+    return prompt, cache, firsts, seconds
+
+
+def test_sampled_speculation_keeps_the_distribution(tiny):
+    engine, target, _ = tiny
+    prompt, cache, firsts, seconds = spec_counts(tiny)
+    p1, p2 = exact(engine, target, prompt, cache)
+    assert len(p1) >= 4 and len(p2) >= 8, "the filters left too few candidates for a meaningful test"
+    assert chi_square_p(firsts, p1, N_DRAWS) > 1e-3
+    assert chi_square_p(seconds, p2, N_DRAWS) > 1e-3
+
+
+def test_a_broken_rule_is_caught(tiny, monkeypatch):
+    """The same test fails a rule that draws the rejected case from p instead of the residual
+    max(p - q, 0): it over-produces the draft's favourite tokens."""
+    engine, target, _ = tiny
+    monkeypatch.setattr(sp, "residual_draw", lambda ids, p, x, q, vocab, u: sp.draw_from(ids, p, u))
+    prompt, cache, firsts, seconds = spec_counts(tiny)
+    p1, p2 = exact(engine, target, prompt, cache)
+    assert min(chi_square_p(firsts, p1, N_DRAWS), chi_square_p(seconds, p2, N_DRAWS)) < 1e-6
