@@ -26,15 +26,15 @@ fi
 if [ "${SLICE:-1}" = 1 ] && [ -f .gpu-data/smollm2-4l.gguf ]; then
   # Greedy ids on the real-weights slice: ntx-model run before (.ab/old) and after, and the daemon after.
   args=(run .gpu-data/smollm2-4l.gguf --backend cuda --prompt "The capital of France is" --temperature 0 --max-tokens 24 --ignore-eos --json)
-  python3 -c "import sys; sys.path.insert(0, '.ab/old/daemon'); from ntransformerd.tools.ntx_model import main; sys.exit(main(sys.argv[1:]))"     "${args[@]}" 2>"$L/slice_old.err" | tail -1 > "$L/slice_old.json"
-  python3 -m ntransformerd.tools.ntx_model "${args[@]}" 2>"$L/slice_new.err" | tail -1 > "$L/slice_new.json"
+  python3 -c "import sys; sys.path.insert(0, '.ab/old/daemon'); from ntransformerd.tools.ntx_model import main; sys.exit(main(sys.argv[1:]))"     "${args[@]}" 2>"$L/slice.err" | tail -1 > "$L/slice_old.json"
+  python3 -m ntransformerd.tools.ntx_model "${args[@]}" 2>>"$L/slice.err" | tail -1 > "$L/slice_new.json"
   python3 - "$L" <<'PY' 2>&1 | tee "$L/slice.log"
 import json, sys
 d = sys.argv[1]
 old, new = (json.load(open(f"{d}/slice_{w}.json")).get("ids") for w in ("old", "new"))
 print("slice greedy ids (ntx-model run, cuda): old == new:", old == new, len(new or []), "ids")
 PY
-  sock=/tmp/ntx-gpu.sock
+  sock=$(mktemp -d /tmp/ntx-gpu.XXXXXX)/ntx.sock  # a private directory: the daemon refuses /tmp itself
   python3 -m ntransformerd.main --socket $sock --socket-group '' --config /dev/null --backend cuda \
     --model .gpu-data/smollm2-4l.gguf --log-level warning > "$L/daemon.log" 2>&1 &
   dpid=$!
@@ -53,7 +53,7 @@ except Exception as e:
 PY
 fi
 if [ "${SPEC:-0}" = 1 ]; then
-  timeout ${SPEC_TIMEOUT:-300} python3 bench/speculative_gpu.py --dir /tmp/ntx --json "$L/speculative_gpu.json" 2>&1 \
+  timeout ${SPEC_TIMEOUT:-300} python3 bench/speculative_gpu.py --dir /tmp/ntx ${SPEC_ARGS:-} --json "$L/speculative_gpu.json" 2>&1 \
     | tee "$L/speculative_gpu.log" | tail -30
   echo "speculative done at $(( $(date +%s) - t0 )) s"
 fi

@@ -296,9 +296,10 @@ def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 12
 
 
 def decode_splits(n_rows: int, max_ctx: int, s: CudaSettings = DEFAULT) -> int:
-    """Attention splits per (row, head) of a decode step (one token per row) of n_rows rows, the
-    same whether the step is captured or eager (so both compute the same sums): attn_decode's
-    grid is sized for the longest context, so a step of many rows takes fewer."""
+    """Attention splits per (row, head) of a step of n_rows rows (not a prefill chunk's tensor-core
+    attention), the same whether the step is captured or eager and whatever the rows' positions,
+    so a row's sums depend on its own position alone: the grid is sized for the longest context,
+    so a step of many rows takes fewer."""
     return min(64 if n_rows <= 2 else s.batched_splits, max_ctx)
 
 

@@ -144,7 +144,7 @@ class CudaOps:
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
             chunk = c.head_dim in K.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= K.CHUNK_ROWS
             tiles = cp.asarray(K.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
-            splits = K.attention_splits(len(batch.tokens), c.n_heads, int(batch.positions.max()), c.head_dim)
+            splits = None  # attention(): a count that depends on the rows alone, not their positions
             self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles, splits)
         return self._batch[1:]
 
@@ -233,8 +233,12 @@ class CudaOps:
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
-        if self.arena is None and one_token and n <= K.MATVEC_MAX_ROWS:  # as a captured step splits
-            n_splits = K.decode_splits(n, kv_layer.k.shape[1], s)
+        if n_splits is None:
+            # As a captured step splits, and never by the step's positions: a row's split
+            # boundaries, so its sums, then depend on its own position alone, whatever else the
+            # step holds (a verify step gives the tokens plain decoding gives).
+            max_ctx = kv_layer.k.shape[1]
+            n_splits = min(K.decode_splits(n, max_ctx, s), K.attention_splits(n, c.n_heads, max_ctx - 1, c.head_dim))
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if fused and one_token and tiles is None and K.bucket_of(n) <= s.attn_one_launch_max_bucket:
