@@ -19,8 +19,8 @@ from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backe
     ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC,
     MMA_MIN_BUCKET, MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, QAct, argmax, attention_,
     attention_chunk_, attention_decode_, attention_scratch, attention_splits, bucket_of, chunk_heads, chunk_tiles,
-    decode_splits, dequantize_rows, kernel_names, kv_append_, matmul, matvec, mmh_grid, precompile, quantize, reads_f16,
-    reads_qact, rms_norm, rope_, rope_kv_, swiglu, top_rows)
+    dequantize_rows, kernel_names, kv_append_, matmul, matvec, mmh_grid, precompile, quantize, reads_f16,
+    reads_qact, rms_norm, rope_, rope_kv_, step_splits, swiglu, top_rows)
 from ntransformerd.engine.backends.cuda.nvrtc import available, cp, kernel, kernel_source, pdl  # noqa: F401
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
 from ntransformerd.engine.backends.cuda.settings import CudaSettings

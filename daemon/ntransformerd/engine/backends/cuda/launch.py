@@ -295,12 +295,14 @@ def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 12
     return max(1, min(64, -(-(max_pos + 1) // per), room))
 
 
-def decode_splits(n_rows: int, max_ctx: int, s: CudaSettings = DEFAULT) -> int:
+def step_splits(n_rows: int, max_ctx: int, cfg: LlamaConfig, s: CudaSettings = DEFAULT) -> int:
     """Attention splits per (row, head) of a step of n_rows rows (not a prefill chunk's tensor-core
     attention), the same whether the step is captured or eager and whatever the rows' positions,
-    so a row's sums depend on its own position alone: the grid is sized for the longest context,
-    so a step of many rows takes fewer."""
-    return min(64 if n_rows <= 2 else s.batched_splits, max_ctx)
+    so a row's sums depend on its own position alone (a verify step of k + 1 tokens gives what
+    the same rows give in any step of that shape). The grid is sized for the longest context, so
+    a step of many rows takes fewer; the partials' scratch caps them too (attention_splits)."""
+    return min(64 if n_rows <= 2 else s.batched_splits, max_ctx,
+               attention_splits(n_rows, cfg.n_heads, max_ctx - 1, cfg.head_dim))
 
 
 def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldk: int, ldv: int):

@@ -233,12 +233,8 @@ class CudaOps:
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
-        if n_splits is None:
-            # As a captured step splits, and never by the step's positions: a row's split
-            # boundaries, so its sums, then depend on its own position alone, whatever else the
-            # step holds (a verify step gives the tokens plain decoding gives).
-            max_ctx = kv_layer.k.shape[1]
-            n_splits = min(K.decode_splits(n, max_ctx, s), K.attention_splits(n, c.n_heads, max_ctx - 1, c.head_dim))
+        if n_splits is None:  # by the row count alone, as a captured step (launch.step_splits)
+            n_splits = K.step_splits(n, kv_layer.k.shape[1], c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if fused and one_token and tiles is None and K.bucket_of(n) <= s.attn_one_launch_max_bucket:
