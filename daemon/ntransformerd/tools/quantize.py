@@ -546,7 +546,9 @@ def quantize_file(src: str, dst: str, ftype: str, *,
     """
     import gguf
 
-    if os.path.exists(dst) and os.path.samefile(src, dst):
+    if ftype not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
+    if os.path.exists(dst) and os.path.exists(src) and os.path.samefile(src, dst):
         # the writer truncates dst before the reader has read src: the model would be lost
         raise ValueError(f"{dst} is the input file: write the output to another path")
     reader = gguf.GGUFReader(src)
