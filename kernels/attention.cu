@@ -29,9 +29,8 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
 #define MAXD 8
 
 // Positions per split for a row of len positions: an even share of n_splits, and at least 8
-// when there are many (row, head) pairs. Measured on the 8B decode step (H200, 2026-11-29): for
-// 1 row, a floor of 8 made attention slower (fewer warps, each with more dependent work); for
-// 16 rows, no floor made it slower (many warps for one position each).
+// when there are many (row, head) pairs: for one row a floor of 8 leaves fewer warps, each with
+// more dependent work; for many rows no floor gives many warps with one position each.
 __device__ __forceinline__ int split_len(int len, int n_splits, int pairs) {
     return max(pairs >= 256 ? 8 : 1, (len + n_splits - 1) / n_splits);
 }

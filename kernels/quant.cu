@@ -405,10 +405,9 @@ __device__ __forceinline__ int mvq_rows(int units, int step, int& beg, int& end)
 }
 
 // mvq_q8_0 hands row groups out grid-stride: the launcher sizes its grid to what the SMs hold at
-// once (a persistent grid: no tail wave, no block start per group). Measured on the H200 (8B
-// decode step, B=1): the Q8_0 step 3.04 -> 2.94 ms with this loop (same run, same attention);
-// persistent or a block per group, no difference past the spread (2.90 / 2.91 ms). The same loop
-// made the K-quant kernels slower (Q4_K_M 2.375 -> 2.42 ms), so they keep a block per group.
+// once (a persistent grid: no tail wave, no block start per group), which made the Q8_0 decode
+// step faster; the same loop made the K-quant kernels slower, so they keep a block per group
+// (bench/RESULTS.md, "tried and rejected").
 template <int R, int KS> __device__ __forceinline__ int mvq_stride() { return gridDim.x * (KS == 1 ? 4 : 1) * R; }
 
 #define MVQ_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const signed char *__restrict__ xh, \
