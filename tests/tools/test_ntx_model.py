@@ -155,18 +155,20 @@ def test_quantize_onto_a_full_tmpfs_leaves_nothing(synth_model, tmp_path):
 
 
 def test_requantizing_needs_allow_requantize(synth_model, tmp_path, capsys):
-    src, out = synth_model("tiny", "q8_0"), tmp_path / "q4.gguf"
-    assert main(["quantize", src, str(out), "--type", "q4_0", "--quiet"]) == 2
+    src, out = synth_model("tiny", "q4_0"), tmp_path / "q8.gguf"
+    assert main(["quantize", src, str(out), "--type", "q8_0", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "already quantized" in err and "--allow-requantize" in err and "Q8_0 -> Q4_0" in err
+    assert "already quantized" in err and "--allow-requantize" in err and "Q4_0 -> Q8_0" in err
     assert not out.exists() and list(tmp_path.iterdir()) == []
-    assert main(["quantize", src, str(out), "--type", "q4_0", "--allow-requantize"]) == 0
+    assert main(["quantize", src, str(out), "--type", "q8_0", "--allow-requantize"]) == 0
     cap = capsys.readouterr()
     assert cap.err.startswith("ntx-model: warning: ") and "already quantized" in cap.err
     assert cap.out == f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)\n"
-    assert Q.Q4_0 in {t.qtype for t in GGUFModel(out).tensors.values()}
-    # dequantizing loses nothing more: no flag needed
-    assert main(["quantize", src, str(tmp_path / "f16.gguf"), "--type", "f16", "--quiet"]) == 0
+    assert Q.Q8_0 in {t.qtype for t in GGUFModel(out).tensors.values()}
+    # dequantizing, or keeping each tensor's own type, loses nothing more: no flag needed
+    from ntransformerd.tools.quantize import requantized
+    assert requantized(src, "f16") == {} and requantized(src, "f32") == {}
+    assert requantized(src, "q4_0") == {}  # a q4_0 file is its own plan (token_embd Q6_K included)
 
 
 def test_overwriting_an_output_keeps_its_mode_and_no_partial_file(synth_model, tmp_path, capsys):
