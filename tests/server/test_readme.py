@@ -91,8 +91,8 @@ def how(block: Block) -> tuple[str, str]:
     for text, kind, why in HOW:
         if text in block.text:
             return kind, why
-    raise AssertionError(f"README.md line {block.line}: a command block tests/test_readme.py does not know; add "
-                         f"it to HOW:\n{block.text}")
+    raise AssertionError(f"README.md line {block.line}: a command block tests/server/test_readme.py does not "
+                         f"know; add it to HOW:\n{block.text}")
 
 
 BLOCKS = readme_blocks()
