@@ -237,7 +237,7 @@ def spec_counts(tiny, verify=sp.verify):
     firsts, seconds = {}, {}
     accepted = 0
     for seed in range(N_DRAWS):
-        a, b = two_tokens(engine, target, draft, prompt, seed, k=2, cache=cache, verify=verify)
+        a, b = two_tokens(engine, target, draft, prompt, seed, k=1, cache=cache, verify=verify)
         firsts[a] = firsts.get(a, 0) + 1
         seconds[b] = seconds.get(b, 0) + 1
     return prompt, cache, firsts, seconds
