@@ -129,7 +129,14 @@ def cmd_run(args) -> int:
     ids, text, finish = [], [], None
     t1 = time.perf_counter()
     first_token_s = None
-    for ev in generate(engine, prompt_ids, params, dump_logits=dump):
+    if args.speculative not in (None, "off"):  # lossless: the same tokens, fewer target passes
+        from ntransformerd.tools.quality import speculator
+        spec = speculator(engine, args.speculative, args.draft)
+        from ntransformerd.engine.speculative import generate as spec_generate
+        events = spec_generate(engine, prompt_ids, params, spec)
+    else:
+        spec, events = None, generate(engine, prompt_ids, params, dump_logits=dump)
+    for ev in events:
         if first_token_s is None:
             first_token_s = time.perf_counter() - t1
         ids.append(ev.token)
@@ -145,6 +152,8 @@ def cmd_run(args) -> int:
     decode_tps = (len(ids) - 1) / (total_s - first_token_s) if len(ids) > 1 and total_s > first_token_s else 0.0
     stats = {"prompt_tokens": len(prompt_ids), "generated_tokens": len(ids),
              "prefill_s": round(first_token_s or 0.0, 4), "decode_tok_s": round(decode_tps, 2)}
+    if spec is not None:
+        stats["speculation"] = {k: v for k, v in spec.stats().items() if k != "costs"}
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": "".join(text),
                           "finish_reason": finish, **stats}))
@@ -319,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
     s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
+    s.add_argument("--speculative", metavar="MODE", help="speculative decoding: ngram, draft (with --draft), "
+                   "skip[:LAYERS], prefix[:N], auto; the same output, fewer target passes")
+    s.add_argument("--draft", metavar="MODEL", help="a small GGUF with the model's vocabulary that drafts for it")
     s.add_argument("--skip-layers", metavar="SPEC", help="leave layers out: auto[:THRESHOLD] | N | 3,7,11 "
                    "(N and auto read the calibration of ntx-model calibrate-skip)")
     s.add_argument("--devices", metavar="IDS", help="GPUs to spread the layers over, e.g. 0,1 (with --plan; "

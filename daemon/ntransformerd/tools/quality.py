@@ -1,5 +1,5 @@
 """`ntx-model perplexity` and `ntx-model calibrate-skip`: what a model (or a lossy trick on it)
-costs in quality, measured on a text.
+costs in quality, measured on a text; and the speculator behind `ntx-model run --speculative`.
 
     ntx-model perplexity [MODEL] --file TEXT [--ctx 512] [--chunks N] [--skip-layers …] [--json]
     ntx-model calibrate-skip [MODEL] --file TEXT [--ctx 512] [--chunks N] [--max-k K] [--json]
@@ -109,6 +109,16 @@ def cmd_calibrate_skip(args) -> int:
     print(f"\nauto (+{100 * layer_skip.AUTO_THRESHOLD:g}%) skips {len(auto)}: {','.join(map(str, auto)) or 'none'}")
     print(f"saved {saved}")
     return 0
+
+
+def speculator(engine, mode: str, draft_path: str | None):
+    """`ntx-model run --speculative MODE [--draft MODEL]`: the Speculator, its costs measured now."""
+    from ntransformerd.engine import speculative
+
+    draft_engine = speculative.load_draft_engine(draft_path, engine) if draft_path else None
+    spec = speculative.Speculator(engine, speculative.make_draft(mode, engine, draft_engine=draft_engine))
+    spec.costs  # measured now, while a KV slot is free for it
+    return spec
 
 
 def add_commands(sub) -> None:
