@@ -124,11 +124,59 @@ def _missing() -> str | None:
     return None
 
 
+def _boot(work: str, runner: str, subst: dict, *, qemu_extra: list[str] = (), append: str = "",
+          smp: str = "2", timeout_s: float = 600) -> str:
+    """Boot systemd as PID 1 in a guest that runs `runner` (a shell script) once basic.target
+    is up; returns the console. Every block device the runner writes is an emulated one."""
+    kernel, kver = _kernel()
+    for name, text in (("ntx-test.service", SERVICE), ("ntx-test.target", TARGET), ("runner.sh", runner)):
+        with open(os.path.join(work, name), "w") as f:
+            f.write(text % subst)
+    entries = [("bin", stat.S_IFDIR | 0o755, b""), ("mods", stat.S_IFDIR | 0o755, b"")]
+    with open("/bin/busybox", "rb") as f:
+        entries.append(("bin/busybox", stat.S_IFREG | 0o755, f.read()))
+    for m in MODULES:
+        ko = subprocess.run(["modinfo", "-k", kver, "-n", m], capture_output=True, text=True).stdout.strip()
+        if ko.endswith(".ko"):
+            with open(ko, "rb") as f:
+                entries.append((f"mods/{m}.ko", stat.S_IFREG | 0o644, f.read()))
+    entries.append(("init", stat.S_IFREG | 0o755, (INIT % subst).encode()))
+    initrd = os.path.join(work, "initrd.cpio")
+    with open(initrd, "wb") as f:
+        f.write(_cpio(entries))
+    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-smp", smp, "-m", "2G",
+           "-display", "none", "-monitor", "none", "-serial", "stdio", "-no-reboot",
+           "-kernel", kernel, "-initrd", initrd,
+           "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+           *qemu_extra,
+           "-append", "console=ttyS0 rdinit=/init panic=-1 systemd.unit=ntx-test.target "
+                      f"systemd.show_status=0 quiet {append}"]
+    t0 = time.monotonic()
+    log = os.path.join(work, "console.log")  # tail it while the guest runs
+    with open(log, "wb") as out:
+        guest = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while guest.poll() is None:  # stop early if the guest can only wait at a prompt
+                with open(log, "rb") as f:
+                    seen = f.read()
+                if b"You are in rescue mode" in seen or b"You are in emergency mode" in seen \
+                        or b"NTX-VM-ERROR" in seen or time.monotonic() - t0 > timeout_s:
+                    break
+                time.sleep(1)
+        finally:
+            if guest.poll() is None:
+                guest.kill()
+            guest.wait()
+    with open(log, "rb") as f:
+        console = f.read().decode(errors="replace").replace("\r\n", "\n")
+    print(f"guest ran {time.monotonic() - t0:.0f} s")
+    return console
+
+
 def test_service_under_systemd_in_a_vm():
     why = _missing()
     if why:
         pytest.skip(why)
-    kernel, kver = _kernel()
     work = tempfile.mkdtemp(prefix="ntx-vm-", dir="/var/tmp")  # not /tmp: the guest mounts a tmpfs there
     model_dir = None
     try:
@@ -141,46 +189,7 @@ def test_service_under_systemd_in_a_vm():
         os.chmod(work, 0o755)
         os.chmod(model, 0o644)
         subst = dict(work=work, bindir=BINDIR, root=ROOT, model=model, modules=" ".join(MODULES))
-        for name, text in (("ntx-test.service", SERVICE), ("ntx-test.target", TARGET), ("runner.sh", RUNNER)):
-            with open(os.path.join(work, name), "w") as f:
-                f.write(text % subst)
-        entries = [("bin", stat.S_IFDIR | 0o755, b""), ("mods", stat.S_IFDIR | 0o755, b"")]
-        with open("/bin/busybox", "rb") as f:
-            entries.append(("bin/busybox", stat.S_IFREG | 0o755, f.read()))
-        for m in MODULES:
-            ko = subprocess.run(["modinfo", "-k", kver, "-n", m], capture_output=True, text=True).stdout.strip()
-            if ko.endswith(".ko"):
-                with open(ko, "rb") as f:
-                    entries.append((f"mods/{m}.ko", stat.S_IFREG | 0o644, f.read()))
-        entries.append(("init", stat.S_IFREG | 0o755, (INIT % subst).encode()))
-        initrd = os.path.join(work, "initrd.cpio")
-        with open(initrd, "wb") as f:
-            f.write(_cpio(entries))
-        cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-smp", "2", "-m", "2G",
-               "-display", "none", "-monitor", "none", "-serial", "stdio", "-no-reboot",
-               "-kernel", kernel, "-initrd", initrd,
-               "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
-               "-append", "console=ttyS0 rdinit=/init panic=-1 systemd.unit=ntx-test.target "
-                          "systemd.show_status=0 quiet"]
-        t0 = time.monotonic()
-        log = os.path.join(work, "console.log")  # tail it while the guest runs
-        with open(log, "wb") as out:
-            guest = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                while guest.poll() is None:  # stop early if the guest can only wait at a prompt
-                    with open(log, "rb") as f:
-                        seen = f.read()
-                    if b"You are in rescue mode" in seen or b"You are in emergency mode" in seen \
-                            or b"NTX-VM-ERROR" in seen or time.monotonic() - t0 > 600:
-                        break
-                    time.sleep(1)
-            finally:
-                if guest.poll() is None:
-                    guest.kill()
-                guest.wait()
-        with open(log, "rb") as f:
-            console = f.read().decode(errors="replace").replace("\r\n", "\n")
-        print(f"guest ran {time.monotonic() - t0:.0f} s")
+        console = _boot(work, RUNNER, subst)
         tail = "\n".join(console.splitlines()[-60:])
         assert "NTX-VM-VERDICT=ok" in console, tail
         assert re.search(r"NTX-VM-SOCKET 660 ntransformer", console), tail
@@ -191,3 +200,191 @@ def test_service_under_systemd_in_a_vm():
         shutil.rmtree(work, ignore_errors=True)
         if model_dir:
             shutil.rmtree(model_dir, ignore_errors=True)
+
+
+# ---- the service on its NVMe drive --------------------------------------------------------------
+# One guest, two emulated NVMe controllers behind an emulated IOMMU: "ntxdata" (blank, the
+# dedicated drive) and "ntxboot" (ext4, mounted at /srv: the policy refuses it). In order: stage
+# the default model onto ntxdata; the daemon reading the GGUF file gives the reference ids; the
+# same daemon on storage = "nvme:ntxdata" (most layers streamed from the drive) gives the same ids
+# and counts its reads; SIGKILL mid-generation: systemd restarts it, same ids; `model` unset (the
+# model from the drive alone): same ids; stop: Result=success, the drive back on nvme, every
+# extent intact; then one refusal per start: drive absent, refused by policy, another model,
+# not root, corrupt header (the IOMMU-off refusal needs a guest without one:
+# tests/system/test_service.py covers its message).
+
+NVME_RUNNER = r"""set -u
+bin=%(bindir)s
+say() { echo "NTX-VM-$*"; }
+fail() { echo "NTX-VM-VERDICT=fail: $*"; journalctl -u ntransformerd --no-pager | tail -40; systemctl poweroff --no-block; exit 1; }
+cd /
+%(root)s/packaging/install.sh --bindir "$bin" >/dev/null || fail "install.sh"
+case "%(root)s" in /tmp/*|/var/tmp/*)
+    mkdir -p /etc/systemd/system/ntransformerd.service.d
+    printf '[Service]\nBindReadOnlyPaths=%(root)s\n' > /etc/systemd/system/ntransformerd.service.d/ntx-test-checkout.conf
+    systemctl daemon-reload ;;
+esac
+useradd -M -N -G ntransformer ntxuser || fail "useradd"
+chmod o+x /root
+modprobe -a nvme ext4 vfio-pci vfio_iommu_type1
+ctrl_of() { for c in /sys/class/nvme/nvme*; do [ "$(tr -d ' ' < $c/serial)" = "$1" ] && basename $c; done; }
+for i in $(seq 100); do [ -n "$(ctrl_of ntxdata)" ] && [ -n "$(ctrl_of ntxboot)" ] && [ -e /dev/$(ctrl_of ntxdata)n1 ] && [ -e /dev/$(ctrl_of ntxboot)n1 ] && break; sleep 0.2; done
+DATA=/dev/$(ctrl_of ntxdata)n1; BOOT=/dev/$(ctrl_of ntxboot)n1
+PCI=$(basename $(readlink -f /sys/class/nvme/$(ctrl_of ntxdata)/device))
+mkdir -p /srv && mount -t ext4 $BOOT /srv || fail "mount ntxboot"
+say "INFO data=$DATA pci=$PCI"
+$bin/ntx-admin stage %(model)s --device $DATA --yes-i-mean-ntxdata 2>&1 | tail -2 || fail "stage"
+conf() { cat > /etc/ntransformer/ntransformerd.toml <<CONFIG_END
+backend = "cpu"
+max_ctx = 256
+max_batch = 2
+vram_budget = "56MiB"
+pinned_budget = "8MiB"
+$1
+CONFIG_END
+}
+gen() {  # tag max_tokens
+    out=$(runuser -u ntxuser -- $bin/ntx-client generate --raw --temperature 0 --max-tokens $2 --json "Hello" 2>&1) || fail "generate $1: $out"
+    say "IDS $1 $(echo "$out" | tail -1)"
+}
+status() { say "STATUS $1 $(runuser -u ntxuser -- $bin/ntx-client status --json | tr -d '\n')"; }
+t0=$(date +%%s)
+conf 'model = "%(model)s"
+storage = "file"'
+systemctl start ntransformerd || fail "start file"
+say "STARTED file after $(( $(date +%%s) - t0 )) s"
+gen file 4
+systemctl stop ntransformerd
+t0=$(date +%%s)
+conf 'model = "%(model)s"
+storage = "nvme:ntxdata"'
+systemctl start ntransformerd || fail "start nvme"
+say "STARTED nvme after $(( $(date +%%s) - t0 )) s"
+say "DRIVER serving $(basename $(readlink /sys/bus/pci/devices/$PCI/driver))"
+say "STATUSTEXT serving $(systemctl show -p StatusText --value ntransformerd)"
+gen nvme 4
+status nvme
+runuser -u ntxuser -- $bin/ntx-client generate --raw --temperature 0 --max-tokens 64 --json "Hello" > /run/kill.out 2>&1 &
+for i in $(seq 600); do [ -s /run/kill.out ] && break; sleep 0.1; done
+systemctl kill -s KILL ntransformerd
+wait
+for i in $(seq 240); do [ "$(systemctl is-active ntransformerd)" = active ] && break; sleep 0.5; done
+say "RESTARTED $(systemctl is-active ntransformerd) NRestarts=$(systemctl show -p NRestarts --value ntransformerd)"
+gen after-kill 4
+t0=$(date +%%s)
+conf 'storage = "nvme:ntxdata"'
+systemctl restart ntransformerd || fail "start drive-only"
+say "STARTED drive-only after $(( $(date +%%s) - t0 )) s"
+gen drive-only 4
+status drive-only
+systemctl stop ntransformerd
+say "STOPPED $(systemctl show -p Result --value ntransformerd) $(systemctl is-active ntransformerd)"
+for i in $(seq 100); do [ -e $DATA ] && break; sleep 0.1; done
+say "DRIVER stopped $(basename $(readlink /sys/bus/pci/devices/$PCI/driver))"
+say "INTACT $($bin/python %(root)s/tests/system/guest_steps.py --intact $DATA 2>&1 | tail -1)"
+refuse() {  # tag, then the config body
+    conf "$2"
+    systemctl start ntransformerd && fail "$1 was not refused"
+    say "REFUSED $1 status=$(systemctl show -p StatusText --value ntransformerd)"
+    say "JOURNAL $1 $(journalctl -u ntransformerd --no-pager -o cat | grep -a 'refused' | tail -1)"
+    systemctl reset-failed ntransformerd
+}
+refuse absent 'storage = "nvme:nosuchdrive"'
+refuse policy 'storage = "nvme:ntxboot"'
+refuse other-model 'model = "%(other)s"
+storage = "nvme:ntxdata"'
+mkdir -p /run/nonroot && chown ntxuser /run/nonroot
+systemd-run --unit ntx-nonroot --wait -p User=ntxuser -p Type=notify -p NotifyAccess=main \
+    $bin/ntransformerd --config /dev/null --socket /run/nonroot/x.sock --socket-group "" --backend cpu --storage nvme:ntxdata >/dev/null 2>&1
+say "REFUSED not-root status=$(systemctl show -p StatusText --value ntx-nonroot)"
+say "JOURNAL not-root $(journalctl -u ntx-nonroot --no-pager -o cat | grep -a 'refused' | tail -1)"
+printf '\377\377\377\377' | dd of=$DATA bs=1 seek=300 conv=notrunc 2>/dev/null; sync
+refuse corrupt 'storage = "nvme:ntxdata"'
+say "DMAR $(dmesg | grep -c 'DMAR: \[DMA')"
+echo "NTX-VM-VERDICT=ok"
+systemctl poweroff --no-block
+"""
+
+
+def _marks(console: str, kind: str) -> dict[str, str]:
+    """'NTX-VM-KIND tag rest' lines → {tag: rest}."""
+    out = {}
+    for m in re.finditer(rf"^NTX-VM-{kind} (\S+) ?(.*)$", console, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_service_on_its_nvme_drive_in_a_vm():
+    import json
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    from ntransformerd.engine.engine import default_model_path
+    try:
+        model = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    work = tempfile.mkdtemp(prefix="ntx-vm-", dir="/var/tmp")
+    model_dir = tempfile.mkdtemp(prefix="ntx-vm-model-", dir="/var/lib")
+    try:
+        from ntransformerd.tools.synth import synthesize
+        os.chmod(model_dir, 0o755)
+        os.chmod(work, 0o755)
+        other = os.path.join(model_dir, "other.gguf")
+        synthesize(other, shape="tiny", ftype="q8_0")
+        os.chmod(other, 0o644)
+        data, boot = os.path.join(work, "data.img"), os.path.join(work, "boot.img")
+        with open(data, "wb") as f:
+            f.truncate(160 << 20)
+        with open(boot, "wb") as f:
+            f.truncate(32 << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", boot], check=True)   # an image file
+        subst = dict(work=work, bindir=BINDIR, root=ROOT, model=model, other=other, modules=" ".join(MODULES))
+        qemu = ["-device", "intel-iommu,intremap=on,caching-mode=on",
+                "-drive", f"file={data},if=none,id=nv0,format=raw,cache=unsafe",
+                "-device", "nvme,serial=ntxdata,drive=nv0",
+                "-drive", f"file={boot},if=none,id=nv1,format=raw,cache=unsafe",
+                "-device", "nvme,serial=ntxboot,drive=nv1"]
+        console = _boot(work, NVME_RUNNER, subst, qemu_extra=qemu, append="intel_iommu=on", smp="1",
+                        timeout_s=1100)
+        results = os.environ.get("NTX_VM_RESULTS_SERVICE")
+        if results:
+            with open(results, "w") as f:
+                f.write(console)
+        tail = "\n".join(console.splitlines()[-80:])
+        assert "NTX-VM-VERDICT=ok" in console, tail
+        ids = {k: json.loads(v)["ids"] for k, v in _marks(console, "IDS").items()}
+        assert len(ids["file"]) == 4 and ids["nvme"] == ids["file"], ids
+        assert ids["after-kill"] == ids["file"] and ids["drive-only"] == ids["file"], ids
+        drivers = _marks(console, "DRIVER")
+        assert drivers["serving"] == "vfio-pci" and drivers["stopped"] == "nvme", drivers
+        for tag in ("nvme", "drive-only"):
+            st = json.loads(_marks(console, "STATUS")[tag])
+            tier = next(t for t in st["tiers"] if t["name"] == "storage")
+            assert tier["layers"] >= 20 and tier["source"].startswith("nvme ntxdata at "), tier
+            assert int(tier["read_bytes"]) >= int(tier["bytes"]) * int(st["steps"]) > 0, (tier, st["steps"])
+            assert int(tier["commands"]) > 0 and int(tier.get("read_errors", 0)) == 0, tier
+        assert "NRestarts=1" in _marks(console, "RESTARTED")["active"], console
+        assert _marks(console, "STOPPED")["success"] == "inactive"
+        assert _marks(console, "INTACT")["INTACT"].split()[0] == hashlib_sha256(model), console
+        refused, journal = _marks(console, "REFUSED"), _marks(console, "JOURNAL")
+        for tag, words in (("absent", "drive absent: no NVMe drive with serial 'nosuchdrive'"),
+                           ("policy", "refused by policy"),
+                           ("other-model", "holds a staged copy of SmolLM2-135M-Instruct.Q4_1.gguf"),
+                           ("not-root", "not root"),
+                           ("corrupt", "staged header is corrupt")):
+            assert words in refused[tag] and words in journal[tag], (tag, refused[tag], journal[tag])
+        assert "mounted at /srv" in refused["policy"]
+        assert list(_marks(console, "DMAR")) == ["0"], "DMAR faults in the guest log: " + tail
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def hashlib_sha256(path: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
