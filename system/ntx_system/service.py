@@ -278,15 +278,22 @@ def prepare(cfg: ServiceConfig, *, status: Status = lambda text: None, bound_by:
         # While the kernel still owns it: a blank, corrupt or foreign header refuses here,
         # before the drive leaves the kernel.  A drive already on vfio-pci is checked by
         # ntransformerd through its own driver.
+        # Under the unit the device cgroup (DevicePolicy=closed) covers this step too, so the
+        # node cannot be opened there: ntransformerd then checks the header through its driver.
         try:
             layout = staging.read_layout(first.devnode)
+        except PermissionError:
+            layout = None
+            status(f"nvme: {first.devnode} is not readable here; ntransformerd checks the staged "
+                   f"header through its own driver")
         except (staging.StagingError, ValueError, KeyError) as exc:
             raise Refused(f"the staged copy on {first.devnode} (serial {serial}) is unusable: "
                           f"{exc}") from None
-        check_staged_model(layout, f"{first.devnode} (serial {serial})", cfg.model, model_sha)
-        record.staged_name, record.staged_sha256 = layout.model_name, layout.model_sha256
-        status(f"nvme: staged copy of {layout.model_name} ({len(layout.extents)} extents) "
-               f"checked")
+        if layout is not None:
+            check_staged_model(layout, f"{first.devnode} (serial {serial})", cfg.model, model_sha)
+            record.staged_name, record.staged_sha256 = layout.model_name, layout.model_sha256
+            status(f"nvme: staged copy of {layout.model_name} ({len(layout.extents)} extents) "
+                   f"checked")
     before = bind(pci, sysfs=sysfs)
     record.previous_driver = before
     group = _group_of(pci, sysfs)

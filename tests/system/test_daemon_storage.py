@@ -19,7 +19,7 @@ from ntx_system.spec import STATUS_UNRECOVERED_READ_ERROR
 from .fake_nvme import FakeNvmeController, FakeNvmeTransport
 
 SERIAL = "ntxfake"
-PROMPT_IDS = [1, 17, 923, 44, 5012]
+PROMPT_IDS = [1, 17, 923, 44, 1512]
 MAX_TOKENS = 6
 
 
@@ -52,7 +52,7 @@ def drive(tmp_path_factory):
     from ntransformerd.tools import synth
     d = tmp_path_factory.mktemp("nvmed")
     shape = synth.Shape(n_layers=6, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, rope_base=10000.0,
-                        llama31_rope=False)
+                        llama31_rope=False, vocab=2048)
     model = str(d / "six.gguf")
     synth.synthesize(model, shape=shape, ftype="q8_0", seed=3)
     other = str(d / "other.gguf")
