@@ -1,9 +1,12 @@
 """The daemon's NVMe-tier read rate against `dd iflag=direct`, on the same emulated drive.
 
     sudo .venv/bin/python bench/nvme_read.py [--runs 5] [--queues 1] [--depth 32] [--json out.json]
+                                             [--model PATH]
 
-Boots one QEMU guest (TCG, intel-iommu, an emulated NVMe; tests/system/vmguest.py), stages the
-default model onto the drive with `ntx-admin stage`, then, median of `--runs` runs each:
+Boots one QEMU guest (TCG, intel-iommu, an emulated NVMe; tests/system/vmguest.py), stages a
+model onto the drive with `ntx-admin stage` (by default a synthetic 16-layer Q8_0 one of 52 MB
+with a 2048-token vocabulary, which a TCG guest opens in seconds; the default model's
+49152-token metadata alone takes minutes there), then, median of `--runs` runs each:
 
   dd        dd if=/dev/nvmeXn1 bs=1M iflag=direct over the staged bytes (the kernel's driver)
   ntx tier  every layer read the way the streaming tier reads it each step: the layer's planned
@@ -78,16 +81,21 @@ def main() -> int:
     p.add_argument("--queues", type=int, default=1)
     p.add_argument("--depth", type=int, default=32)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--model", help="GGUF to stage (default: a synthetic one, see above)")
     args = p.parse_args()
     from tests.system import vmguest
-    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.tools import synth
     why = vmguest.vm_missing()
     if why:
         print(f"nvme_read: cannot boot a guest: {why}", file=sys.stderr)
         return 1
-    model = default_model_path()
     bindir = os.path.dirname(sys.executable)
     with tempfile.TemporaryDirectory(prefix="ntx-bench-") as d:
+        model = args.model
+        if model is None:
+            model = os.path.join(d, "bench16.gguf")
+            synth.synthesize(model, shape=synth.Shape(n_layers=16, d_model=512, d_ff=1536, n_heads=8,
+                                                      n_kv_heads=2, vocab=2048), ftype="q8_0")
         img = os.path.join(d, "drive.img")
         with open(img, "wb") as f:
             f.truncate(os.path.getsize(model) + (64 << 20))

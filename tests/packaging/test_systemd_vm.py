@@ -310,9 +310,9 @@ systemctl poweroff --no-block
 
 
 def _marks(console: str, kind: str) -> dict[str, str]:
-    """'NTX-VM-KIND tag rest' lines → {tag: rest}."""
+    """'NTX-VM-KIND tag rest' lines (after the console's time and unit prefix) → {tag: rest}."""
     out = {}
-    for m in re.finditer(rf"^NTX-VM-{kind} (\S+) ?(.*)$", console, re.M):
+    for m in re.finditer(rf"NTX-VM-{kind} (\S+) ?(.*)$", console, re.M):
         out[m.group(1)] = m.group(2)
     return out
 

@@ -48,6 +48,7 @@ class Daemon:
         self._stop_timeout: float | None = None
         self._load_lock = threading.RLock()  # the recovery holds it around a reload
         self.exit_code = 0
+        self._exit_reason = ""  # why a refusal or failure stopped it (kept as STATUS=)
         self.drive = None  # storage.Drive when storage = "nvme:…"
         self._resources: dict[int, tuple] = {}  # id(engine) → (storage handle, closers)
         self._transport_factory = transport_factory
@@ -88,18 +89,20 @@ class Daemon:
             self._bring_up()
         except Refused as e:
             log.error("refused: %s", e)
-            self.notifier.status(f"refused: {e}")
-            self.scheduler.fail(f"refused: {e}")
-            self.exit_code = 2
-            self.request_shutdown(0)
+            self._exit(2, f"refused: {e}")
             return
         except Exception as e:  # noqa: BLE001 - reported, then the daemon exits 1
             log.error("cannot load the model: %s", e)
-            self.notifier.status(f"failed: {e}")
-            self.exit_code = 1
-            self.request_shutdown(0)
+            self._exit(1, f"failed: {e}")
             return
         self.notifier.ready(self._serving_status())
+
+    def _exit(self, code: int, why: str) -> None:
+        """Stop with exit status `code`; `why` stays the unit's STATUS= after the exit."""
+        self.exit_code, self._exit_reason = code, why
+        self.notifier.status(why)
+        self.scheduler.fail(why)
+        self.request_shutdown(0)
 
     def _bring_up(self):
         """Open the drive (when configured) and load the model, retrying drive failures up to
@@ -145,10 +148,7 @@ class Daemon:
             self._bring_up()
         except Exception as e:  # noqa: BLE001 - the unit's restart policy takes over
             log.error("nvme: giving up: %s", e)
-            self.notifier.status(f"failed: {e}")
-            self.scheduler.fail(str(e))
-            self.exit_code = 1
-            self.request_shutdown(0)
+            self._exit(1, f"failed: {e}")
             return
         log.info("nvme: recovered; serving again")
         self.notifier.status(self._serving_status())
@@ -167,7 +167,7 @@ class Daemon:
 
     def shutdown(self) -> None:
         timeout = self.config.drain_timeout if self._stop_timeout is None else self._stop_timeout
-        self.notifier.stopping("draining")
+        self.notifier.stopping(self._exit_reason or "draining")
         self.set_health(False)
         log.info("stopping: draining in-flight requests for up to %.1f s", timeout)
         finished, cancelled = self.scheduler.drain(timeout)
