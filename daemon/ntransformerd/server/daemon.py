@@ -138,6 +138,9 @@ class Daemon:
 
     def _recover(self, exc: BaseException) -> None:
         self.scheduler.set_loading(f"recovering the NVMe drive after: {exc}", 0.0)
+        # the step that met the error finishes first (its requests get UNAVAILABLE); only then
+        # do its weights and the drive go, so nothing is torn down under a running step
+        self.scheduler.drain(self.config.drain_timeout, reason=f"the NVMe drive failed ({exc})")
         with self._load_lock:
             engine = self.scheduler.detach()
             self._close_engine(engine)
