@@ -193,6 +193,9 @@ def test_service_under_systemd_in_a_vm():
         os.chmod(model, 0o644)
         subst = dict(work=work, bindir=BINDIR, root=ROOT, model=model, modules=" ".join(MODULES))
         console = _boot(work, RUNNER, subst)
+        if os.environ.get("NTX_VM_RESULTS_SYSTEMD"):
+            with open(os.environ["NTX_VM_RESULTS_SYSTEMD"], "w") as f:
+                f.write(console)
         tail = "\n".join(console.splitlines()[-60:])
         assert "NTX-VM-VERDICT=ok" in console, tail
         assert re.search(r"NTX-VM-SOCKET 660 ntransformer", console), tail
