@@ -274,7 +274,7 @@ class DaemonConfig:
     cpu_threads: int = 1
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) ---------------
     storage: str = "file"  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
-    nvme_queues: int = 1  # I/O queue pairs: reads in flight at once (one per reader thread)
+    nvme_queues: int = 2  # I/O queue pairs: reads in flight at once (the stream's 2 readers)
     nvme_queue_depth: int = 32  # commands in flight per queue pair
     nvme_io_timeout: float = 10.0  # seconds before a command counts as lost (the drive is reset)
     nvme_retries: int = 3  # bring-up attempts, at start and after a drive error, before exiting 1

@@ -250,3 +250,23 @@ def test_load_model_of_another_model_than_the_staged_one_keeps_serving(drive, fi
             assert _ids(c) == file_ids
     finally:
         r.stop()
+
+
+def test_a_drive_that_never_comes_up_exits_1_after_the_bounded_retries(tmp_path):
+    from ntx_system.ctrlr import CtrlrError
+    attempts = []
+
+    def broken():
+        attempts.append(time.monotonic())
+        raise CtrlrError("ENABLE_WAIT_FOR_READY_1: CSTS.RDY=1 after CC.EN=1 did not happen within CAP.TO")
+    r = Running(_config(tmp_path, "dead", storage=f"nvme:{SERIAL}", nvme_retries=3), {"transport": broken},
+                tmp_path)
+    try:
+        assert r.daemon._stop.wait(60)
+        assert r.daemon.exit_code == 1 and len(attempts) == 3
+        assert attempts[2] - attempts[1] >= attempts[1] - attempts[0] >= 0.9   # 1 s, then 2 s
+        said = "\n".join(r.notifier.messages)
+        assert "attempt 1/3 failed" in said and "did not come up after 3 attempts" in said
+        assert "STATUS=failed: nvme ntxfake" in said
+    finally:
+        r.stop()
