@@ -153,3 +153,17 @@ def test_chat_commands_are_local(monkeypatch, capsys):
                     [{"role": "user", "content": "last"}]]
     out = capsys.readouterr().out
     assert "/system TEXT" in out and "unknown command /nonsense" in out and "(conversation cleared)" in out
+
+
+def test_status_shows_the_storage_tier_counters():
+    from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_client.cli import _tier_line
+    t = pb.TierStatus(name="storage", layers=29, bytes=64 << 20, bytes_per_second=1 << 20,
+                      source="nvme ntxdata at 0000:00:04.0", read_bytes=3 << 30, reads=870,
+                      read_bytes_per_second=1.5e9, commands=12000, commands_in_flight=7,
+                      max_commands_in_flight=32, read_errors=1, last_error="unrecovered read error")
+    text = _tier_line(t)
+    assert "tier storage: 29 layers, 64.0 MiB" in text
+    assert "source nvme ntxdata at 0000:00:04.0: read 3.0 GiB in 870 reads" in text
+    assert "12000 commands, 7 in flight (max 32), 1 errors" in text and "last error: unrecovered" in text
+    assert "source" not in _tier_line(pb.TierStatus(name="pinned", layers=1, bytes=1 << 20))
