@@ -3,7 +3,8 @@
     ntx-admin devices [--json]                      NVMe devices and whether we may use them
     ntx-admin check                                 IOMMU, vfio, memlock, hugepages, GPU, SB
     ntx-admin setup [--dry-run] [--root DIR]        vfio at boot + IOMMU kernel arguments
-    ntx-admin restore [--dry-run] [--root DIR]      undo exactly what setup did
+    ntx-admin restore [--dry-run] [--root DIR]      undo exactly what setup did (and hand back a
+                                                    drive the service left on vfio-pci)
     ntx-admin stage MODEL.gguf --device /dev/nvmeXnY [--yes-i-mean-SERIAL]
     ntx-admin bind /dev/nvmeXnY|PCI_ADDRESS          give the controller to vfio-pci
     ntx-admin unbind PCI_ADDRESS                     give it back to nvme
@@ -90,7 +91,26 @@ def cmd_setup(args) -> int:
 
 
 def cmd_restore(args) -> int:
+    from .bind import BindError
     from .hostsetup import restore
+    from .service import RUN_DIR, DriveRecord, Refused, release
+    # A drive the service's start step bound and no stop step handed back (the unit removed
+    # by hand mid-run, say) goes back to nvme first: `restore` leaves the host as it was.
+    run_dir = os.path.join(args.root, RUN_DIR.lstrip("/"))
+    try:
+        record = DriveRecord.load(run_dir)
+    except Refused as exc:
+        _err(str(exc))
+        record = None
+    if record is not None and record.release != "keep":
+        if args.dry_run:
+            print(f"restore: would hand {record.pci_address} (serial {record.serial}) back to nvme")
+        else:
+            try:
+                print(f"restore: {release(record, sysfs=os.path.join(args.root, 'sys'), run_dir=run_dir)}")
+            except (BindError, OSError) as exc:
+                _err(f"cannot hand {record.pci_address} back to nvme: {exc}")
+                return EXIT_FAIL
     restore(args.root, dry_run=args.dry_run)
     return EXIT_OK
 

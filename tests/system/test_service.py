@@ -170,3 +170,29 @@ def test_config_keys(tmp_path):
     with pytest.raises(Refused, match="nvme_release"):
         ServiceConfig.from_toml(str(p))
     assert ServiceConfig.from_toml(str(tmp_path / "none.toml")).storage == "file"
+
+
+def test_restore_hands_back_a_drive_the_service_left_bound(tmp_path, monkeypatch, capsys):
+    from ntx_system import admin, bind
+
+    root = tmp_path / "root"
+    fs = FakeSysfs(root / "sys", driver="vfio-pci")
+    run_dir = str(root / "run/ntransformer")
+    DriveRecord(serial="ntxdata", pci_address=fs.addr, iommu_group=5, previous_driver="nvme",
+                bound_by="ntx-admin").save(run_dir)
+
+    def fake_write(path, text):
+        if path.endswith("driver/unbind"):
+            os.unlink(os.path.join(fs.dev, "driver"))
+        elif path.endswith("drivers_probe"):
+            fs.attach(open(os.path.join(fs.dev, "driver_override")).read().strip() or "nvme")
+        else:
+            open(path, "w").write(text)
+    monkeypatch.setattr(bind, "_write", fake_write)
+    monkeypatch.setattr(bind, "vfio_group_holders", lambda group, proc="/proc": [])
+    assert admin.main(["restore", "--dry-run", "--root", str(root)]) == 0
+    assert "would hand 0000:00:04.0 (serial ntxdata) back to nvme" in capsys.readouterr().out
+    assert bind.current_driver(fs.addr, fs.root) == "vfio-pci"        # a dry run changes nothing
+    assert admin.main(["restore", "--root", str(root)]) == 0
+    assert "handed back to nvme" in capsys.readouterr().out
+    assert bind.current_driver(fs.addr, fs.root) == "nvme" and DriveRecord.load(run_dir) is None
