@@ -354,8 +354,8 @@ def _storage_layers(model, ecfg, plan=None) -> list[int]:
             except ImportError:
                 backend = "cpu"
         if backend == "cuda":
-            from ntransformerd.engine.backends import cuda_stream
-            plan = cuda_stream.plan(model, ecfg)
+            from ntransformerd.engine.backends import cuda
+            plan = tiers.cuda_plan(cuda, model, ecfg)
         elif tiers.wanted(ecfg):
             plan = tiers.model_plan(model, ecfg, backend="cpu")
     return list(plan.layers(tiers.STORAGE)) if plan is not None else []
