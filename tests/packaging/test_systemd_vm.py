@@ -338,6 +338,7 @@ def _vm_budgets(model: str, max_ctx: int) -> tuple[int, int, int]:
     return vram, ram, len(plan.layers(tiers.STORAGE))
 
 
+@pytest.mark.timeout(1500)  # the guest's own limit is 1100 s (TCG boots and stages; ~6-10 min on 2 cores)
 def test_service_on_its_nvme_drive_in_a_vm():
     import json
     why = _missing()
