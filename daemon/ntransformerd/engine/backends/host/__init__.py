@@ -183,17 +183,22 @@ class HostSteps:
         return np.frombuffer(self.arena, np.float32, len(out_rows) * v, off).reshape(len(out_rows), v).copy()
 
     def top(self, logits: np.ndarray, n: int) -> TopLogits:
-        """Each row's n most likely ids and their logits, picked in C (NaN counted, as -inf)."""
-        if n > TOPK_MAX:
-            return TopLogits.of(logits, n)
-        logits = np.ascontiguousarray(logits, np.float32)
-        rows, v = logits.shape
-        ids = np.empty((rows, n), np.int64)
-        vals = np.empty((rows, n), np.float32)
-        nan = np.empty(rows, np.int64)
-        self.lib.topk(logits.ctypes.data, rows, v, n, ids.ctypes.data, vals.ctypes.data, nan.ctypes.data,
-                      min(self.threads, rows))
-        return TopLogits(ids, vals, nan, sort=False)
+        return top_rows(self.lib, logits, n, threads=self.threads)
+
+
+def top_rows(lib: native.Library, logits: np.ndarray, n: int, *, threads: int = 1) -> TopLogits:
+    """Each row's n most likely ids and their logits, picked in C (NaN counted, as -inf; ties
+    to the lower id): sampler.TopLogits.of without a sort of the row."""
+    if n > TOPK_MAX:
+        return TopLogits.of(logits, n)
+    logits = np.ascontiguousarray(logits, np.float32)
+    rows, v = logits.shape
+    ids = np.empty((rows, n), np.int64)
+    vals = np.empty((rows, n), np.float32)
+    nan = np.empty(rows, np.int64)
+    lib.topk(logits.ctypes.data, rows, v, n, ids.ctypes.data, vals.ctypes.data, nan.ctypes.data,
+             max(1, min(threads, rows)))
+    return TopLogits(ids, vals, nan, sort=False)
 
 
 def graphs(ops: HostOps, weights: HostWeights, kv: KVCache) -> HostSteps:
