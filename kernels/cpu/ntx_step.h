@@ -47,6 +47,7 @@ typedef struct {
 int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,
              const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads);
 void ntx_struct_sizes(int64_t *out);
+double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads);
 void ntx_topk(const float *x, int64_t rows, int64_t V, int k, int64_t *ids, float *vals,
               int64_t *nan_count, int n_threads);
 

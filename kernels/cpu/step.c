@@ -270,3 +270,16 @@ void ntx_struct_sizes(int64_t *out) {
     out[1] = (int64_t)sizeof(ntx_header);
     out[2] = (int64_t)sizeof(ntx_model);
 }
+
+/* Read `bytes` of `buf` with n_threads threads, `rounds` times; returns a sum so the reads
+ * cannot be elided. The host's read bandwidth that the decode figures are compared with. */
+double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads) {
+    const int64_t *p = (const int64_t *)buf;
+    int64_t n = bytes / 8;
+    int64_t total = 0;
+    for (int r = 0; r < rounds; r++) {
+#pragma omp parallel for num_threads(n_threads) reduction(+ : total) schedule(static)
+        for (int64_t i = 0; i < n; i++) total += p[i];
+    }
+    return (double)total;
+}

@@ -52,6 +52,7 @@ class EngineConfig:
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
     kv_dtype: str = "f32"  # f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
+    cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
     vram_budget: int | str | None = None  # device memory the engine may use in all
     ram_budget: int | str | None = None  # pinned host RAM for streamed layers
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
             raise ValueError("max_ctx and prefill_chunk must be positive")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
         if self.devices is not None:
@@ -144,7 +147,9 @@ class Engine:
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        if hasattr(backend, "graphs"):
+        if self.backend_name == "cpu":
+            self._graphs = backend.graphs(self.ops, self.weights, self.kv, threads=config.cpu_threads)
+        elif hasattr(backend, "graphs"):
             self._graphs = backend.graphs(self.ops, self.weights, self.kv)
 
     @property

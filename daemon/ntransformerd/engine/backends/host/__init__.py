@@ -206,6 +206,6 @@ def top_rows(lib: native.Library, logits: np.ndarray, n: int, *, threads: int = 
     return TopLogits(ids, vals, nan, sort=False)
 
 
-def graphs(ops: HostOps, weights: HostWeights, kv: KVCache) -> HostSteps:
+def graphs(ops: HostOps, weights: HostWeights, kv: KVCache, *, threads: int | None = None) -> HostSteps:
     """The recorded steps the engine runs every batch with."""
-    return HostSteps(ops, weights, kv)
+    return HostSteps(ops, weights, kv, threads=threads)

@@ -166,6 +166,7 @@ class Library:
             "ntx_step": (_i32, [_p, _i32, _p, _p, _p, _p, _i64, _i32]),
             "ntx_topk": (None, [_p, _i64, _i64, _i32, _p, _p, _p, _i32]),
             "ntx_struct_sizes": (None, [_p]),
+            "ntx_read_probe": (ctypes.c_double, [_p, _i64, _i32, _i32]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
