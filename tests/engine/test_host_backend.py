@@ -167,3 +167,21 @@ def test_every_instruction_set_variant(small_model, variant, monkeypatch):
     for segs in ragged_steps(m.config.vocab_size, rng):
         b = Batch.of(segs)
         assert close_enough(steps.run(b), forward(rops, m.config, rw, rkv, b), "q4_1") is None
+
+
+def test_pieces_compose_to_the_whole_pass(small_model):
+    """The host's share of a multi-device step: embed and layer 0 handing hidden states out,
+    then layer 1 and the head from them, gives the whole pass's bits (the hand-off buffer is
+    poisoned between the pieces)."""
+    m = small_model("q8_0")
+    whole, split = Pair(m), Pair(m)
+    rng = np.random.default_rng(6)
+    for segs in ragged_steps(m.config.vocab_size, rng):
+        b = Batch.of(segs)
+        want = whole.steps.run(b, all_logits=True)
+        hand = np.full((len(b.tokens), m.config.d_model), np.nan, np.float32)
+        split.steps.run(b, layers=[0], head=False, out=hand)
+        x = hand.copy()
+        hand[:] = np.nan
+        got = split.steps.run(b, x=x, layers=[1], all_logits=True)
+        assert np.array_equal(got, want)

@@ -28,7 +28,8 @@ from ntransformerd.engine.backends.host.record import (FLOAT_TYPES, HostOps, Mat
                                                        model_consts)
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KVCache
-from ntransformerd.engine.model import Batch, forward
+from ntransformerd.engine.model import Batch, forward, run_layers
+from ntransformerd.engine.model import head as llama_head
 from ntransformerd.engine.sampler import TopLogits
 
 TOPK_MAX = 256  # larger top requests pick on the host with numpy
@@ -148,13 +149,23 @@ class HostSteps:
     def covers(self, segments, layers=None) -> bool:
         return bool(segments)
 
-    def tape(self, batch: Batch, layers, all_logits: bool) -> Tape:
-        key = (None if layers is None else tuple(layers), all_logits)
+    def tape(self, batch: Batch, *, embed: bool, layers, head: bool, all_logits: bool) -> Tape:
+        """The recording of this piece of model.forward, made on first use: the whole pass
+        (forward itself), or the host's share of a multi-device step — embed or take x in, run
+        `layers`, then the head or hand the hidden state out (model.run_layers, model.head)."""
+        key = (embed, None if layers is None else tuple(layers), head, all_logits)
         tape = self.tapes.get(key)
         if tape is None:
-            tape = self.ops.begin()
-            out = forward(self.ops, self.cfg, self.w, self.kv, batch, layers=layers, all_logits=all_logits)
-            self.ops.end(out)
+            ops, cfg = self.ops, self.cfg
+            tape = ops.begin()
+            if embed and head:
+                out = forward(ops, cfg, self.w, self.kv, batch, layers=layers, all_logits=all_logits)
+            else:
+                x = ops.embed(self.w, batch.tokens) if embed else ops.input(cfg.d_model)
+                out = run_layers(ops, cfg, self.w, self.kv, batch, x, range(cfg.n_layers) if layers is None else layers)
+                if head:
+                    out = llama_head(ops, cfg, self.w, out, batch, all_logits=all_logits)
+            ops.end(out)
             self.tapes[key] = tape
         return tape
 
@@ -163,29 +174,42 @@ class HostSteps:
         logits = self.run(Batch.of(list(segments)), layers=layers, all_logits=all_logits)
         return logits if top is None else self.top(logits, top)
 
-    def run(self, batch: Batch, *, layers=None, all_logits: bool = False) -> np.ndarray:
-        """One step: logits (segments, V) of each segment's last row, or (rows, V) of all."""
+    def run(self, batch: Batch, *, x: np.ndarray | None = None, layers=None, head: bool = True,
+            all_logits: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """One step, or the host's piece of one: from the tokens (or from hidden states x (N, D)),
+        through `layers` (default all), to logits (segments, V) of each segment's last row, or
+        (rows, V) of all — or without the head to the hidden states (N, D). `out`, if given,
+        receives the result (e.g. pinned memory bound for another device) and is returned."""
         n = len(batch.tokens)
         if int(batch.positions.max()) >= self.kv.max_ctx:
             raise ValueError(f"position {int(batch.positions.max())} is past the KV cache's {self.kv.max_ctx}")
-        tape = self.tape(batch, layers, all_logits)
+        tape = self.tape(batch, embed=x is None, layers=layers, head=head, all_logits=all_logits)
         tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)
         positions = np.ascontiguousarray(batch.positions, dtype=np.int64)
         lengths = np.diff(batch.offsets)
         slots = np.repeat(np.array([s.slot for s in batch.segments], np.int64), lengths)
-        out_rows = np.arange(n, dtype=np.int64) if all_logits else np.ascontiguousarray(batch.last_rows, np.int64)
+        out_rows = (np.arange(n, dtype=np.int64) if all_logits or not head
+                    else np.ascontiguousarray(batch.last_rows, np.int64))
         instrs, nbytes, offsets = tape.layout(_cap(n), _cap(len(out_rows)))
         if self.arena.nbytes < nbytes:
             self.arena = np.zeros(nbytes + 4096, np.uint8)
+        if x is not None:
+            d = self.cfg.d_model
+            if x.shape != (n, d):
+                raise ValueError(f"hidden states of shape {x.shape}, the step has ({n}, {d})")
+            np.frombuffer(self.arena, np.float32, n * d, offsets[tape.input.id]).reshape(n, d)[:] = x
         h = header(tokens, positions, slots, out_rows)
         rc = self.lib.step(ctypes.addressof(instrs), len(instrs), ctypes.addressof(h), self.arena.ctypes.data,
                            ctypes.addressof(self.consts), self.scratch.ctypes.data, self.scratch_per_thread,
                            self.threads)
         if rc != 0:
             raise RuntimeError(f"the CPU step failed ({rc}): head_dim {self.cfg.head_dim} or GQA group too large")
-        v = tape.output.width
-        off = offsets[tape.output.id]
-        return np.frombuffer(self.arena, np.float32, len(out_rows) * v, off).reshape(len(out_rows), v).copy()
+        w, rows = tape.output.width, (len(out_rows) if head else n)
+        result = np.frombuffer(self.arena, np.float32, rows * w, offsets[tape.output.id]).reshape(rows, w)
+        if out is None:
+            return result.copy()
+        out[...] = result
+        return out
 
     def top(self, logits: np.ndarray, n: int) -> TopLogits:
         return top_rows(self.lib, logits, n, threads=self.threads)

@@ -73,6 +73,7 @@ class Tape:
         self.instrs: list[dict] = []
         self.bufs: list[Buf] = []
         self.keep: list = []  # objects whose memory the instructions point into
+        self.input: Buf | None = None  # hidden states written before the step (a piece's input)
         self.output: Buf | None = None
         self._layouts: dict[tuple[int, int], tuple[ctypes.Array, int, dict[int, int]]] = {}
 
@@ -110,6 +111,9 @@ class Tape:
                 if b is not None:
                     first.setdefault(b.id, start[i])
                     last[b.id] = end[i]
+        if self.input is not None:  # written before the first instruction
+            first[self.input.id] = 0
+            last.setdefault(self.input.id, 0)
         if self.output is not None:
             last[self.output.id] = len(self.instrs)
         size = {b.id: -(-b.row_bytes * (cap_out if b.rows == ROWS_OUT else cap_rows) // ALIGN) * ALIGN
@@ -162,6 +166,11 @@ class HostOps:
 
     def step_context(self, batch):  # the engine's eager path never runs on this backend
         raise RuntimeError("the cpu backend runs recorded steps only (HostSteps)")
+
+    def input(self, width: int) -> Buf:
+        """Hidden states handed in from another device, one row per step row."""
+        self.tape.input = self.tape.buf(width, ROWS_ALL)
+        return self.tape.input
 
     def embed(self, weights, tokens) -> Buf:
         m: Matrix = weights.token_embd
