@@ -7,10 +7,10 @@
 
 enum ntx_op {
     NTX_OP_EMBED = 1,      /* out (rows, n) = dequantized rows `tokens` of w */
-    NTX_OP_RMS_NORM = 2,   /* out = x / rms(x) * w, per row of n */
+    NTX_OP_RMS_NORM = 2,   /* out = x / rms(x) * w, per row of n; y: also quantized for wtype */
     NTX_OP_QUANT = 3,      /* out (bytes) = x's rows as activations for weight type wtype */
     NTX_OP_MATMUL = 4,     /* out (rows, m) = act x · w rows (+ res) */
-    NTX_OP_SWIGLU = 5,     /* out = silu(x) * y, rows × n */
+    NTX_OP_SWIGLU = 5,     /* out = silu(x) * y, rows × n; res: also quantized for wtype */
     NTX_OP_ROWS = 6,       /* out (n_out, n) = x rows out_rows */
     NTX_OP_ATTN_WRITE = 7, /* RoPE on q (x, in place) and k (y); k, v (res) into the cache */
     NTX_OP_ATTN = 8,       /* out = causal GQA attention of q (x) over the cache */

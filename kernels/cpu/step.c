@@ -52,6 +52,9 @@ static void op_rms_norm(const ntx_instr *in, const ntx_header *h, char *arena, i
         float k = 1.0f / sqrtf(ss / (float)n + in->eps);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) y[i] = (x[i] * k) * w[i];
+        if (in->y >= 0) /* fused: the row quantized for the matmuls that read it */
+            ntx_quantize_act(in->wtype, y, 1, (int)n, (int)n,
+                             arena + in->y + r * ntx_act_row_bytes(in->wtype, (int)n));
     }
 }
 
@@ -76,11 +79,27 @@ static void op_matmul(const ntx_instr *in, const ntx_header *h, char *arena, int
 }
 
 static void op_swiglu(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
-    int64_t lo, hi, n = rows_of(h, in->rows) * in->n;
-    share(n, 64, t, nt, &lo, &hi);
     const float *g = F(arena, in->x), *u = F(arena, in->y);
     float *o = F(arena, in->out);
-    for (int64_t i = lo; i < hi; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    if (in->res < 0) {
+        int64_t lo, hi, n = rows_of(h, in->rows) * in->n;
+        share(n, 64, t, nt, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        return;
+    }
+    /* fused with the quantization of its output (act at res): split by (row, chunk of 256
+     * elements), whole activation blocks each */
+    int64_t n = in->n, chunk = n % 256 == 0 ? 256 : n, per_row = n / chunk, lo, hi;
+    size_t rb = ntx_act_row_bytes(in->wtype, (int)n);
+    share(rows_of(h, in->rows) * per_row, 1, t, nt, &lo, &hi);
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t r = it / per_row, e0 = (it % per_row) * chunk;
+        const float *gr = g + r * n + e0, *ur = u + r * n + e0;
+        float *orow = o + r * n + e0;
+        for (int64_t i = 0; i < chunk; i++) orow[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
+        ntx_quantize_act(in->wtype, orow, 1, (int)chunk, (int)chunk,
+                         arena + in->res + r * rb + ntx_act_row_bytes(in->wtype, (int)e0));
+    }
 }
 
 static void op_rows(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {

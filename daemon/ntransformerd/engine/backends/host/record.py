@@ -162,6 +162,7 @@ class HostOps:
     def end(self, output: Buf) -> Tape:
         tape, self.tape = self.tape, None
         tape.output = output
+        fuse_quantization(tape)
         return tape
 
     def step_context(self, batch):  # the engine's eager path never runs on this backend
@@ -234,6 +235,23 @@ class HostOps:
         out = self.tape.buf(q.width, ROWS_ALL)
         self.tape.emit(OP_ATTN, out=out, x=q, **ptrs)
         return out
+
+
+def fuse_quantization(tape: Tape) -> None:
+    """A norm's or SwiGLU's output quantized by the op itself, row by row as it is made: one
+    phase (and one barrier) less per fused op. Each producer takes the first quantization of
+    its output; a second format (mixed weight types) keeps its own instruction."""
+    producer = {ins["out"].id: ins for ins in tape.instrs if ins["out"] is not None}
+    kept = []
+    for ins in tape.instrs:
+        p = producer.get(ins["x"].id) if ins["op"] == OP_QUANT else None
+        if p is not None and p["op"] in (OP_RMS_NORM, OP_SWIGLU) and "act" not in p and p["rows"] == ins["rows"]:
+            p["act"] = ins["out"]
+            p["wtype"] = ins["wtype"]
+            p["y" if p["op"] == OP_RMS_NORM else "res"] = ins["out"]
+            continue
+        kept.append(ins)
+    tape.instrs = kept
 
 
 def model_consts(cfg, rope_cos: np.ndarray, rope_sin: np.ndarray, *, max_ctx: int, kv_f16: bool) -> ModelConsts:
