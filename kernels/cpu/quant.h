@@ -22,6 +22,7 @@
 
 #define NTX_HIDDEN __attribute__((visibility("hidden")))
 #define NTX_INLINE static inline __attribute__((always_inline))
+#define NTX_UNROLL _Pragma("GCC unroll 4") /* tile loops: accumulators must stay in registers */
 #define NTX_PORTABLE static __attribute__((unused)) /* the dots a SIMD build may not call */
 
 #define NTX_TW 2 /* weight rows per tile */

@@ -31,33 +31,47 @@ NTX_INLINE __m256 vec_w(const int t, const uint8_t *w, int i) {
 
 NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
                            const uint8_t *a, size_t arb, int n, float *out) {
-    const float *x[NA];
+    const float *x[NTX_TA];
+    NTX_UNROLL
     for (int ia = 0; ia < NA; ia++) x[ia] = (const float *)(const void *)(a + ia * arb);
-    float s[NW][NA];
+    float s[NTX_TW][NTX_TA];
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) s[iw][ia] = 0.0f;
     int i = 0;
 #if defined(__AVX2__)
-    __m256 acc[NW][NA];
+    __m256 acc[NTX_TW][NTX_TA];
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-        __m256 xv[NA];
+        __m256 xv[NTX_TA];
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) xv[ia] = _mm256_loadu_ps(x[ia] + i);
+        NTX_UNROLL
         for (int iw = 0; iw < NW; iw++) {
             __m256 wv = vec_w(t, w + iw * wrb, i);
+            NTX_UNROLL
             for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_fmadd_ps(wv, xv[ia], acc[iw][ia]);
         }
     }
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) s[iw][ia] = ntx_hsum(acc[iw][ia]);
 #endif
     for (; i < n; i++)
+        NTX_UNROLL
         for (int iw = 0; iw < NW; iw++) {
             float wv = scalar_w(t, w + iw * wrb, i);
+            NTX_UNROLL
             for (int ia = 0; ia < NA; ia++) s[iw][ia] += wv * x[ia][i];
         }
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) out[iw * NTX_TA + ia] = s[iw][ia];
 }
 

@@ -183,14 +183,17 @@ NTX_INLINE __m256i unpack(const int t, const uint8_t *wb) {
 NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
                             const uint8_t *a, size_t arb, int nb, float *out) {
     const int BB = block_bytes(t), OFF = offset(t), HAS_M = t == L_Q4_1 || t == L_Q5_1;
-    __m256 acc[NW][NA];
-    float macc[NW][NA];
+    __m256 acc[NTX_TW][NTX_TA];
+    float macc[NTX_TW][NTX_TA];
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps(), macc[iw][ia] = 0.0f;
     for (int b = 0; b < nb; b++) {
-        const ntx_q8_32 *ab[NA];
-        __m256i q[NA], base[NA];
-        __m256 da[NA];
+        const ntx_q8_32 *ab[NTX_TA];
+        __m256i q[NTX_TA], base[NTX_TA];
+        __m256 da[NTX_TA];
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) {
             ab[ia] = (const ntx_q8_32 *)(a + ia * arb) + b;
             q[ia] = ntx_load256(ab[ia]->q);
@@ -201,20 +204,26 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
                                                          _mm256_set1_epi8((char)OFF), q[ia]))
                            : _mm256_setzero_si256();
         }
+        NTX_UNROLL
         for (int iw = 0; iw < NW; iw++) {
             const uint8_t *wb = w + iw * wrb + (size_t)b * BB;
             __m256i u = unpack(t, wb);
             __m256 dw = _mm256_set1_ps(ntx_f16(wb));
             float m = HAS_M ? ntx_f16(wb + 2) : 0.0f;
+            NTX_UNROLL
             for (int ia = 0; ia < NA; ia++) {
                 __m256i s8 = t == L_Q8_0 && !Q8_0_OFFSET ? _mm256_sign_epi8(q[ia], ntx_load256(wb + 2)) : q[ia];
                 __m256i sum = ntx_dpbusd(base[ia], u, s8);
                 acc[iw][ia] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, da[ia]), acc[iw][ia]);
-                if (HAS_M) macc[iw][ia] += m * ab[ia]->s;
+                /* an explicit fma: every tile shape rounds the same way, so an output's bits do
+                 * not depend on how the caller splits rows among threads */
+                if (HAS_M) macc[iw][ia] = __builtin_fmaf(m, ab[ia]->s, macc[iw][ia]);
             }
         }
     }
+    NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) out[iw * NTX_TA + ia] = ntx_hsum(acc[iw][ia]) + macc[iw][ia];
 }
 
