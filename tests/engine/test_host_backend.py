@@ -185,3 +185,52 @@ def test_pieces_compose_to_the_whole_pass(small_model):
         hand[:] = np.nan
         got = split.steps.run(b, x=x, layers=[1], all_logits=True)
         assert np.array_equal(got, want)
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
+
+
+@pytest.fixture(scope="module")
+def fast_engine(default_model):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    return Engine(default_model, config=EngineConfig(backend="cpu", max_seqs=4, max_ctx=1024))
+
+
+def test_perplexity_within_half_a_percent_of_the_exact_run(fast_engine):
+    """The default model on the GPL-3 text, ctx 512, the golden's first chunks: the exact run
+    (llama.cpp on the all-F32 copy, which our float32 reference equals to 1e-6) against the
+    fast backend's 8-bit activations."""
+    import json
+    import math
+
+    from ntransformerd.engine.perplexity import perplexity
+    with open(os.path.join(GOLDEN, "perplexity_smollm2.json")) as f:
+        g = json.load(f)
+    if not os.path.exists(g["text"]):
+        pytest.skip(f"{g['text']} is missing")
+    chunks = 2
+    exact = math.exp(sum(c["nll_sum"] for c in g["chunks"][:chunks]) / sum(c["tokens"] for c in g["chunks"][:chunks]))
+    p = perplexity(fast_engine, g["ids"], ctx=g["ctx"], max_chunks=chunks)
+    assert abs(p.perplexity / exact - 1) < 0.005, f"fast {p.perplexity:.4f}, exact {exact:.4f}"
+
+
+def test_greedy_matches_llama_cpp_q4_1_where_it_is_decisive(fast_engine):
+    """llama.cpp on the Q4_1 file also multiplies 8-bit activations: wherever its top-2 margin
+    is above 1.0 the fast backend picks the same token (up to its first close call)."""
+    import json
+    with open(os.path.join(GOLDEN, "forward_smollm2.json")) as f:
+        g = json.load(f)
+    e, compared = fast_engine, []
+    for p in g["prompts"]:
+        slot = e.open()
+        try:
+            logits, cont = e.prefill(slot, p["prompt_ids"]), []
+            n = next((i for i, m in enumerate(p["q4_1_margins"]) if m <= 1.0), len(p["q4_1_margins"]))
+            for _ in range(n):
+                cont.append(int(np.argmax(logits)))
+                logits = e.step([(slot, [cont[-1]])])[0]
+        finally:
+            e.close(slot)
+        assert cont == p["q4_1_continuation"][:n], (p["name"], cont, p["q4_1_continuation"][:n])
+        compared.append(n)
+    assert max(compared) >= 16, f"too few decisive steps to compare: {compared}"
