@@ -14,7 +14,7 @@ from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import model_plan, planner
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan, PlanError, plan_tiers
 from ntransformerd.engine.tiers.sources import (MmapSource, ODirectSource, SlowSource, plan_reads)
-from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
+from ntransformerd.engine.backends.cpu import StreamedCpuWeights
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -153,7 +153,7 @@ def _streamed_engine(model, plan, source=None, poison=True):
 
 
 def _engine(model, **kw):
-    return Engine(model, config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=64, prefill_chunk=3, **kw))
+    return Engine(model, config=EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=64, prefill_chunk=3, **kw))
 
 
 _refs = {}

@@ -8,7 +8,8 @@ import pytest
 
 from ntransformerd.engine.engine import Engine, EngineConfig, pipeline_engine
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.tiers.multi import Handoff, MultiPlan, plan_devices
+from ntransformerd.engine.tiers.multi import MultiPlan, plan_devices
+from ntransformerd.engine.tiers.runs import Handoff
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan
 from ntransformerd.engine.tiers.sources import ODirectSource
 
@@ -96,7 +97,7 @@ def test_planned_devices_bit_identical_small(small):
 
 
 def test_stages_must_cover_the_layers(tiny):
-    from ntransformerd.engine.tiers.multi import Pipeline, Stage
+    from ntransformerd.engine.tiers.runs import Pipeline, Stage
     model, _, _ = tiny
     with pytest.raises(ValueError, match="contiguously"):
         Pipeline([Stage(0, 0, 1, None, None, None)], model.config)

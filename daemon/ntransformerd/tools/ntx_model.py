@@ -176,7 +176,8 @@ def _skip_layers(args) -> tuple[int, ...]:
 def _plan_devices(args, config) -> int:
     from ntransformerd.engine import tiers
     from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.tiers.multi import device_free, parse_devices
+    from ntransformerd.engine.backends import device_free
+    from ntransformerd.engine.tiers.multi import parse_devices
 
     ids = parse_devices(args.devices)
     model = GGUFModel(_model_path(args.model))
