@@ -234,3 +234,23 @@ def test_greedy_matches_llama_cpp_q4_1_where_it_is_decisive(fast_engine):
         assert cont == p["q4_1_continuation"][:n], (p["name"], cont, p["q4_1_continuation"][:n])
         compared.append(n)
     assert max(compared) >= 16, f"too few decisive steps to compare: {compared}"
+
+
+@pytest.mark.parametrize("ftype", ["q4_1", "q8_0", "q4_k", "q6_k", "f16"])
+def test_a_row_gives_the_same_bits_in_any_batch(small_model, ftype):
+    """A row's logits do not depend on the other rows of its step (tiles of rows, remainders):
+    what makes a k-token verify step agree with k one-token steps, and batched decode with solo."""
+    m = small_model(ftype)
+    solo, batched = Pair(m), Pair(m)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, m.config.vocab_size, 9)
+    solo.steps.run(Batch.of([Segment(0, 0, prompt)]))
+    batched.steps.run(Batch.of([Segment(0, 0, prompt)]))
+    others = [Segment(s, 0, rng.integers(0, m.config.vocab_size, n)) for s, n in ((1, 3), (2, 5), (3, 2))]
+    for step in range(3):
+        tok = rng.integers(0, m.config.vocab_size, 1)
+        a = solo.steps.run(Batch.of([Segment(0, 9 + step, tok)]))
+        b = batched.steps.run(Batch.of([Segment(0, 9 + step, tok)] + others))
+        assert np.array_equal(a[0], b[0]), (ftype, step)
+        others = [Segment(s.slot, s.start + len(s.tokens), rng.integers(0, m.config.vocab_size, 1 + step))
+                  for s in others]
