@@ -130,6 +130,11 @@ class Engine:
         self._graphs = backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
 
     @property
+    def steps(self):
+        """The backend's captured or recorded steps (devices.Steps), or None."""
+        return self._graphs
+
+    @property
     def chat_template(self):
         """The GGUF's chat template, compiled on first use (a broken one fails only chats)."""
         if self._chat_template is None:

@@ -15,6 +15,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.server import errors
 from ntransformerd.server.scheduler import Scheduler, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
@@ -304,8 +305,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     @rpc
     def LoadModel(self, request, context):
-        if request.backend and request.backend not in ("cpu", "cuda", "auto"):
-            raise errors.InvalidRequest(f"backend {request.backend!r}: use cpu, cuda or auto")
+        if request.backend and request.backend not in BACKENDS:
+            raise errors.InvalidRequest(f"backend {request.backend[:40]!r}: use {', '.join(BACKENDS)}")
         if request.path and not os.path.isfile(request.path):
             raise errors.InvalidRequest(f"no model file at {request.path}: give the path of a .gguf file")
         return model_info(self.daemon.load_model(request.path or None, request.backend or None))

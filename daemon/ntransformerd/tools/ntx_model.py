@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFError
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 
@@ -344,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="one JSON object per token; the last line has prompt_ids, ids, text")
     s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
-    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--backend", choices=BACKENDS, default="cpu",
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
     s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="KV cache storage (default f32)")
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
     s.add_argument("--max-seqs", type=int, default=1, help="KV-cache slots (the plan reserves their cache)")
