@@ -268,6 +268,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
+        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_256 *ab[NTX_TA];
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) ab[ia] = (const ntx_q8_256 *)(a + ia * arb) + b;

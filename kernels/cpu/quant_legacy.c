@@ -151,9 +151,10 @@ NTX_INLINE int offset(const int t) {
     return t == L_Q4_0 ? 8 : t == L_Q5_0 ? 16 : t == L_Q8_0 && Q8_0_OFFSET ? 128 : 0;
 }
 
+/* The 16 bytes in both lanes, the high lane shifted down a nibble: two ALU operations. */
 NTX_INLINE __m256i nibbles(const uint8_t *qs) {
-    __m128i x = _mm_loadu_si128((const __m128i *)qs);
-    __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    v = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0));
     return _mm256_and_si256(v, _mm256_set1_epi8(15));
 }
 
@@ -190,6 +191,7 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps(), macc[iw][ia] = 0.0f;
     for (int b = 0; b < nb; b++) {
+        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_32 *ab[NTX_TA];
         __m256i q[NTX_TA], base[NTX_TA];
         __m256 da[NTX_TA];
@@ -208,8 +210,15 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         for (int iw = 0; iw < NW; iw++) {
             const uint8_t *wb = w + iw * wrb + (size_t)b * BB;
             __m256i u = unpack(t, wb);
-            __m256 dw = _mm256_set1_ps(ntx_f16(wb));
-            float m = HAS_M ? ntx_f16(wb + 2) : 0.0f;
+            __m256 dw;
+            float m = 0.0f;
+            if (HAS_M) { /* d and m are adjacent halves: one conversion */
+                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ntx_u32(wb)));
+                dw = _mm256_broadcastss_ps(dm);
+                m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            } else {
+                dw = _mm256_set1_ps(ntx_f16(wb));
+            }
             NTX_UNROLL
             for (int ia = 0; ia < NA; ia++) {
                 __m256i s8 = t == L_Q8_0 && !Q8_0_OFFSET ? _mm256_sign_epi8(q[ia], ntx_load256(wb + 2)) : q[ia];
