@@ -141,10 +141,11 @@ void ntx_gemm(int wtype, const void *W, size_t w_row_bytes, int n, int j0, int j
     int nb = n / k->block_elems;
     int group = (int)(NTX_ACT_GROUP_BYTES / arb) / NTX_TA * NTX_TA;
     if (group < NTX_TA) group = NTX_TA;
+    int tw = nr == 1 ? NTX_TW : 2;
     for (int r0 = 0; r0 < nr; r0 += group) {
         int r1 = r0 + group < nr ? r0 + group : nr;
-        for (int j = j0; j < j1; j += NTX_TW) {
-            int nw = j1 - j < NTX_TW ? j1 - j : NTX_TW;
+        for (int j = j0; j < j1; j += tw) {
+            int nw = j1 - j < tw ? j1 - j : tw;
             for (int r = r0; r < r1; r += NTX_TA) {
                 int na = r1 - r < NTX_TA ? r1 - r : NTX_TA;
                 float t[NTX_TW * NTX_TA];

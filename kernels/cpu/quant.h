@@ -3,8 +3,8 @@
  *
  * A weight type answers two calls:
  *   tile(w, wrb, nw, a, arb, na, nb, out): out[iw * NTX_TA + ia] = dot(weight row iw, act row ia)
- *       for iw < nw ≤ NTX_TW, ia < na ≤ NTX_TA; w: nw rows of wrb bytes, a: na rows of arb bytes,
- *       nb blocks per row. A tile unpacks each weight block once and uses it against every act
+ *       for iw < nw, ia < na (nw ≤ NTX_TW with na = 1, or nw ≤ 2 with na ≤ NTX_TA); w: nw rows
+ *       of wrb bytes, a: na rows of arb bytes, nb blocks per row. A tile unpacks each weight block once and uses it against every act
  *       row of the tile (prefill is compute-bound; decode, na = 1, reads each weight byte once).
  *   deq(w, nb, out): one row of nb blocks → float32, bit-exact with gguf.quants.
  */
@@ -25,8 +25,10 @@
 #define NTX_UNROLL _Pragma("GCC unroll 4") /* tile loops: accumulators must stay in registers */
 #define NTX_PORTABLE static __attribute__((unused)) /* the dots a SIMD build may not call */
 
-#define NTX_TW 2 /* weight rows per tile */
-#define NTX_TA 4 /* activation rows per tile */
+/* Tile shapes: up to NTX_TW weight rows against one activation row (decode: more weight rows
+ * share each activation load), or up to 2 weight rows against NTX_TA activation rows. */
+#define NTX_TW 4
+#define NTX_TA 4
 
 enum ntx_act_kind { NTX_ACT_Q8_32, NTX_ACT_Q8_256, NTX_ACT_F32 };
 
@@ -59,6 +61,8 @@ NTX_HIDDEN extern const ntx_kernel ntx_kernel_q2_k, ntx_kernel_q3_k, ntx_kernel_
     case 16 + 2: F(2, 2); break;                                                                   \
     case 16 + 3: F(2, 3); break;                                                                   \
     case 16 + 4: F(2, 4); break;                                                                   \
+    case 24 + 1: F(3, 1); break;                                                                   \
+    case 32 + 1: F(4, 1); break;                                                                   \
     default: break;                                                                                \
     }
 
@@ -146,6 +150,15 @@ NTX_INLINE float ntx_hsum(__m256 v) {
 }
 
 NTX_INLINE __m256i ntx_load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* Decode (one activation row) streams weight rows from memory, NW interleaved rows at a time,
+ * a pattern the hardware prefetchers follow poorly. While a tile works on its block b, fetch
+ * the matching share of the next tile's rows (contiguous after this tile's), so the next tile
+ * finds its bytes in cache. */
+NTX_INLINE void ntx_prefetch_next_tile(const uint8_t *w, size_t wrb, const int NW, size_t b, const int BB) {
+    const uint8_t *p = w + NW * wrb + b * NW * BB;
+    for (int o = 0; o < NW * BB; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+}
 #endif
 
 #endif

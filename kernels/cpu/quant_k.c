@@ -131,18 +131,33 @@ static void deq_q6_k(const uint8_t *w, int nb, float *y) {
     }
 }
 
-/* ---- portable dots ------------------------------------------------------------------------ */
+/* ---- portable dots ------------------------------------------------------------------------
+ * Loops over the bytes in storage order with loop-invariant shifts, so the compiler vectorizes
+ * them for any target. */
+
+/* Σ over two 16-element sub-blocks of one 32-byte group: s[0], s[1]. */
+NTX_INLINE void group_sums(const uint8_t q[32], const int8_t *a, int s[2]) {
+    for (int h = 0; h < 2; h++) {
+        int t = 0;
+#pragma GCC unroll 1 /* a loop the vectorizer sees, not 16 unrolled statements */
+        for (int l = 0; l < 16; l++) t += q[16 * h + l] * a[16 * h + l];
+        s[h] = t;
+    }
+}
 
 NTX_PORTABLE float dot_q2_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q2_K_BYTES, a++) {
         int isum = 0, msum = 0;
-        for (int k = 0; k < 16; k++) {
-            int s = 0;
-            for (int e = 16 * k; e < 16 * k + 16; e++) s += q2_bits(w + 16, e) * a->q[e];
-            isum += (w[k] & 15) * s;
-            msum += (w[k] >> 4) * a->bsums[k];
+        for (int g = 0; g < 8; g++) {
+            uint8_t q[32];
+            const uint8_t *qs = w + 16 + 32 * (g >> 2);
+            for (int l = 0; l < 32; l++) q[l] = (qs[l] >> (2 * (g & 3))) & 3;
+            int s[2];
+            group_sums(q, a->q + 32 * g, s);
+            isum += (w[2 * g] & 15) * s[0] + (w[2 * g + 1] & 15) * s[1];
         }
+        for (int k = 0; k < 16; k++) msum += (w[k] >> 4) * a->bsums[k];
         acc += ntx_f16(w + 80) * a->d * (float)isum - ntx_f16(w + 82) * a->d * (float)msum;
     }
     return acc;
@@ -153,58 +168,66 @@ NTX_PORTABLE float dot_q3_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
     for (int b = 0; b < nb; b++, w += Q3_K_BYTES, a++) {
         int sc[16], isum = 0;
         q3_scales(w + 96, sc);
-        for (int k = 0; k < 16; k++) {
-            int s = 0;
-            for (int e = 16 * k; e < 16 * k + 16; e++) s += q3(w, e) * a->q[e];
-            isum += sc[k] * s;
+        for (int g = 0; g < 8; g++) {
+            uint8_t q[32]; /* q + 4: the low bits and the mask bit as bit 2 */
+            const uint8_t *qs = w + 32 + 32 * (g >> 2);
+            for (int l = 0; l < 32; l++) q[l] = ((qs[l] >> (2 * (g & 3))) & 3) | ((w[l] >> g) & 1) << 2;
+            int s[2];
+            group_sums(q, a->q + 32 * g, s);
+            isum += sc[2 * g] * s[0] + sc[2 * g + 1] * s[1];
         }
+        for (int k = 0; k < 16; k++) isum -= 4 * sc[k] * a->bsums[k];
         acc += ntx_f16(w + 108) * a->d * (float)isum;
     }
     return acc;
 }
 
+/* Q4_K and Q5_K (qh not NULL): sub-block j is the low (even j) or high (odd j) nibble of
+ * 32-byte chunk j / 2, with bit j of qh as bit 4. */
+NTX_INLINE float dot_k45(const uint8_t *w, const uint8_t *qh, const uint8_t *qs, const ntx_q8_256 *a) {
+    int sc[8], mn[8], isum = 0, msum = 0;
+    k_scale_min(w + 4, sc, mn);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *c = qs + 32 * (j >> 1);
+        int s = 0;
+        for (int l = 0; l < 32; l++) {
+            int q = (c[l] >> (4 * (j & 1))) & 15;
+            if (qh) q |= ((qh[l] >> j) & 1) << 4;
+            s += q * a->q[32 * j + l];
+        }
+        isum += sc[j] * s;
+        msum += mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+    }
+    return ntx_f16(w) * a->d * (float)isum - ntx_f16(w + 2) * a->d * (float)msum;
+}
+
 NTX_PORTABLE float dot_q4_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
     float acc = 0.0f;
-    for (int b = 0; b < nb; b++, w += Q4_K_BYTES, a++) {
-        int sc[8], mn[8], isum = 0, msum = 0;
-        k_scale_min(w + 4, sc, mn);
-        for (int j = 0; j < 8; j++) {
-            int s = 0;
-            for (int e = 32 * j; e < 32 * j + 32; e++) s += q4k_bits(w + 16, e) * a->q[e];
-            isum += sc[j] * s;
-            msum += mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-        }
-        acc += ntx_f16(w) * a->d * (float)isum - ntx_f16(w + 2) * a->d * (float)msum;
-    }
+    for (int b = 0; b < nb; b++, w += Q4_K_BYTES, a++) acc += dot_k45(w, NULL, w + 16, a);
     return acc;
 }
 
 NTX_PORTABLE float dot_q5_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
     float acc = 0.0f;
-    for (int b = 0; b < nb; b++, w += Q5_K_BYTES, a++) {
-        int sc[8], mn[8], isum = 0, msum = 0;
-        k_scale_min(w + 4, sc, mn);
-        for (int j = 0; j < 8; j++) {
-            int s = 0;
-            for (int e = 32 * j; e < 32 * j + 32; e++)
-                s += (q4k_bits(w + 48, e) | hbit(w + 16, e) << 4) * a->q[e];
-            isum += sc[j] * s;
-            msum += mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-        }
-        acc += ntx_f16(w) * a->d * (float)isum - ntx_f16(w + 2) * a->d * (float)msum;
-    }
+    for (int b = 0; b < nb; b++, w += Q5_K_BYTES, a++) acc += dot_k45(w, w + 16, w + 48, a);
     return acc;
 }
 
 NTX_PORTABLE float dot_q6_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q6_K_BYTES, a++) {
+        const int8_t *sc = (const int8_t *)(w + 192);
         int isum = 0;
-        for (int k = 0; k < 16; k++) {
-            int s = 0;
-            for (int e = 16 * k; e < 16 * k + 16; e++) s += (q6(w, e) - 32) * a->q[e];
-            isum += (int8_t)w[192 + k] * s;
+        for (int g = 0; g < 8; g++) { /* group g: 32 elements from 128 (g / 4) + 32 (g % 4) */
+            const int c = g >> 2, k = g & 3;
+            const uint8_t *ql = w + 64 * c + 32 * (k & 1), *qh = w + 128 + 32 * c;
+            uint8_t q[32];
+            for (int l = 0; l < 32; l++) q[l] = ((ql[l] >> (4 * (k >> 1))) & 15) | ((qh[l] >> (2 * k)) & 3) << 4;
+            int s[2];
+            group_sums(q, a->q + 32 * g, s);
+            isum += sc[2 * g] * s[0] + sc[2 * g + 1] * s[1];
         }
+        for (int k = 0; k < 16; k++) isum -= 32 * sc[k] * a->bsums[k];
         acc += ntx_f16(w + 208) * a->d * (float)isum;
     }
     return acc;
@@ -268,6 +291,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
+        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_256 *ab[NTX_TA];
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) ab[ia] = (const ntx_q8_256 *)(a + ia * arb) + b;

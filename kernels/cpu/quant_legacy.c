@@ -63,14 +63,42 @@ static void deq_q8_0(const uint8_t *w, int nb, float *y) {
     }
 }
 
-/* ---- portable dots ------------------------------------------------------------------------ */
+/* ---- portable dots ------------------------------------------------------------------------
+ * Written as fixed-length loops over bytes so the compiler vectorizes them for any target. */
+
+/* The 32 nibble codes of a block as bytes, in element order. */
+NTX_INLINE void codes4(const uint8_t *qs, uint8_t u[32]) {
+    for (int i = 0; i < 16; i++) u[i] = qs[i] & 15, u[i + 16] = qs[i] >> 4;
+}
+
+/* Five-bit codes: each bit of qh spread to 0x10 in its byte (a multiply copies the byte into
+ * every lane, a mask keeps lane l's bit l, an add carries it to bit 7). */
+NTX_INLINE void codes5(const uint8_t *qh, const uint8_t *qs, uint8_t u[32]) {
+    uint8_t h[32];
+    for (int k = 0; k < 4; k++) {
+        uint64_t x = (qh[k] * 0x0101010101010101ull) & 0x8040201008040201ull;
+        x = ((x + 0x7f7f7f7f7f7f7f7full) >> 3) & 0x1010101010101010ull;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(h + 8 * k, &x, 8);
+#else
+        for (int l = 0; l < 8; l++) h[8 * k + l] = (uint8_t)(x >> (8 * l));
+#endif
+    }
+    for (int i = 0; i < 16; i++) u[i] = (qs[i] & 15) | h[i], u[i + 16] = (qs[i] >> 4) | h[i + 16];
+}
+
+NTX_INLINE int dot32(const uint8_t u[32], int off, const int8_t *a) {
+    int s = 0;
+    for (int i = 0; i < 32; i++) s += (u[i] - off) * a[i];
+    return s;
+}
 
 NTX_PORTABLE float dot_q4_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q4_0_BYTES, a++) {
-        int s = 0;
-        for (int i = 0; i < 32; i++) s += (nib(w + 2, i) - 8) * a->q[i];
-        acc += ntx_f16(w) * a->d * (float)s;
+        uint8_t u[32];
+        codes4(w + 2, u);
+        acc += ntx_f16(w) * a->d * (float)dot32(u, 8, a->q);
     }
     return acc;
 }
@@ -78,9 +106,9 @@ NTX_PORTABLE float dot_q4_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
 NTX_PORTABLE float dot_q4_1(const uint8_t *w, const ntx_q8_32 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q4_1_BYTES, a++) {
-        int s = 0;
-        for (int i = 0; i < 32; i++) s += nib(w + 4, i) * a->q[i];
-        acc += ntx_f16(w) * a->d * (float)s + ntx_f16(w + 2) * a->s;
+        uint8_t u[32];
+        codes4(w + 4, u);
+        acc += ntx_f16(w) * a->d * (float)dot32(u, 0, a->q) + ntx_f16(w + 2) * a->s;
     }
     return acc;
 }
@@ -88,9 +116,9 @@ NTX_PORTABLE float dot_q4_1(const uint8_t *w, const ntx_q8_32 *a, int nb) {
 NTX_PORTABLE float dot_q5_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q5_0_BYTES, a++) {
-        int s = 0;
-        for (int i = 0; i < 32; i++) s += (q5(w + 2, w + 6, i) - 16) * a->q[i];
-        acc += ntx_f16(w) * a->d * (float)s;
+        uint8_t u[32];
+        codes5(w + 2, w + 6, u);
+        acc += ntx_f16(w) * a->d * (float)dot32(u, 16, a->q);
     }
     return acc;
 }
@@ -98,9 +126,9 @@ NTX_PORTABLE float dot_q5_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
 NTX_PORTABLE float dot_q5_1(const uint8_t *w, const ntx_q8_32 *a, int nb) {
     float acc = 0.0f;
     for (int b = 0; b < nb; b++, w += Q5_1_BYTES, a++) {
-        int s = 0;
-        for (int i = 0; i < 32; i++) s += q5(w + 4, w + 8, i) * a->q[i];
-        acc += ntx_f16(w) * a->d * (float)s + ntx_f16(w + 2) * a->s;
+        uint8_t u[32];
+        codes5(w + 4, w + 8, u);
+        acc += ntx_f16(w) * a->d * (float)dot32(u, 0, a->q) + ntx_f16(w + 2) * a->s;
     }
     return acc;
 }
@@ -151,9 +179,10 @@ NTX_INLINE int offset(const int t) {
     return t == L_Q4_0 ? 8 : t == L_Q5_0 ? 16 : t == L_Q8_0 && Q8_0_OFFSET ? 128 : 0;
 }
 
+/* The 16 bytes in both lanes, the high lane shifted down a nibble: two ALU operations. */
 NTX_INLINE __m256i nibbles(const uint8_t *qs) {
-    __m128i x = _mm_loadu_si128((const __m128i *)qs);
-    __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    v = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0));
     return _mm256_and_si256(v, _mm256_set1_epi8(15));
 }
 
@@ -190,6 +219,7 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps(), macc[iw][ia] = 0.0f;
     for (int b = 0; b < nb; b++) {
+        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_32 *ab[NTX_TA];
         __m256i q[NTX_TA], base[NTX_TA];
         __m256 da[NTX_TA];
@@ -208,8 +238,15 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         for (int iw = 0; iw < NW; iw++) {
             const uint8_t *wb = w + iw * wrb + (size_t)b * BB;
             __m256i u = unpack(t, wb);
-            __m256 dw = _mm256_set1_ps(ntx_f16(wb));
-            float m = HAS_M ? ntx_f16(wb + 2) : 0.0f;
+            __m256 dw;
+            float m = 0.0f;
+            if (HAS_M) { /* d and m are adjacent halves: one conversion */
+                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ntx_u32(wb)));
+                dw = _mm256_broadcastss_ps(dm);
+                m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            } else {
+                dw = _mm256_set1_ps(ntx_f16(wb));
+            }
             NTX_UNROLL
             for (int ia = 0; ia < NA; ia++) {
                 __m256i s8 = t == L_Q8_0 && !Q8_0_OFFSET ? _mm256_sign_epi8(q[ia], ntx_load256(wb + 2)) : q[ia];

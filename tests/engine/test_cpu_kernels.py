@@ -302,29 +302,30 @@ def test_gemm_random_within_bound(lib, qtype):
         check_gemm(lib, qtype, w, n, activations(nr, n, rng))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
 def test_gemm_res_and_ranges(lib, qtype):
     """res adds exactly; res may be out; a [j0, j1) call writes those columns only and gives each
     output the bits a full call gives it (results do not depend on how threads split rows)."""
     rng = np.random.default_rng()
     n = 512 if qtype in K_TYPES else 96
-    rows, nr = 37, 9
+    rows = 37
     w = random_weights(qtype, rows, n, rng)
-    act = quantize_act(lib, qtype, activations(nr, n, rng))
-    full = gemm(lib, qtype, w, n, act)
-    res = rng.standard_normal((nr, rows)).astype(np.float32)
-    assert np.array_equal(gemm(lib, qtype, w, n, act, res=res), full + res)
-    inplace = res.copy()
-    gemm(lib, qtype, w, n, act, out=inplace, res=inplace)
-    assert np.array_equal(inplace, full + res)
-    padded = np.full((nr, rows + 5), np.nan, np.float32)  # ldo > rows
-    for j0, j1 in ((5, 34), (0, 1), (36, 37), (11, 11)):
-        padded[:] = np.nan
-        gemm(lib, qtype, w, n, act, j0=j0, j1=j1, out=padded)
-        assert np.array_equal(padded[:, j0:j1], full[:, j0:j1]), (j0, j1)
-        outside = np.ones(rows + 5, bool)
-        outside[j0:j1] = False
-        assert np.isnan(padded[:, outside]).all(), f"[{j0}, {j1}) wrote outside its range"
+    for nr in (1, 9):  # decode and prefill tiles
+        act = quantize_act(lib, qtype, activations(nr, n, rng))
+        full = gemm(lib, qtype, w, n, act)
+        res = rng.standard_normal((nr, rows)).astype(np.float32)
+        assert np.array_equal(gemm(lib, qtype, w, n, act, res=res), full + res)
+        inplace = res.copy()
+        gemm(lib, qtype, w, n, act, out=inplace, res=inplace)
+        assert np.array_equal(inplace, full + res)
+        padded = np.full((nr, rows + 5), np.nan, np.float32)  # ldo > rows
+        for j0, j1 in ((5, 34), (0, 1), (36, 37), (11, 11), (2, 5)):
+            padded[:] = np.nan
+            gemm(lib, qtype, w, n, act, j0=j0, j1=j1, out=padded)
+            assert np.array_equal(padded[:, j0:j1], full[:, j0:j1]), (nr, j0, j1)
+            outside = np.ones(rows + 5, bool)
+            outside[j0:j1] = False
+            assert np.isnan(padded[:, outside]).all(), f"nr {nr}: [{j0}, {j1}) wrote outside its range"
 
 
 def test_bad_calls_are_visible(lib):
