@@ -66,8 +66,10 @@ def test_run_seed_is_repeatable(capsys):
 
 
 def test_run_chat_stops_at_end_of_turn(capsys):
+    # the exact reference: its first token wins by 0.08 logits, inside the fast backend's
+    # quantized-activation error (0.9 here), so on `cpu` the answer may start otherwise
     res = run_json(capsys, "run", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "40",
-                   "--json", "--temperature", "0")
+                   "--json", "--temperature", "0", "--backend", "cpu-ref")
     assert res["finish_reason"] == "eos" and "Paris" in res["text"]
     assert res["prompt_ids"][:1] == [1]  # <|im_start|> of the ChatML system turn
 
