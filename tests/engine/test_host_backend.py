@@ -254,3 +254,28 @@ def test_a_row_gives_the_same_bits_in_any_batch(small_model, ftype):
         assert np.array_equal(a[0], b[0]), (ftype, step)
         others = [Segment(s.slot, s.start + len(s.tokens), rng.integers(0, m.config.vocab_size, 1 + step))
                   for s in others]
+
+
+def test_the_host_as_two_devices_gives_one_devices_bits(small_model):
+    """The host-as-device path: layer 0 on one host device, layer 1 and the head on another,
+    each running its pieces as recorded steps, the activation handed over (and the old buffer
+    poisoned) between them; every step's logits are the one-device engine's bits."""
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.tiers.multi import MultiPlan
+    from ntransformerd.engine.tiers.planner import VRAM, Plan
+
+    m = small_model("q4_1")
+    cfg = dict(backend="cpu", max_seqs=4, max_ctx=64, prefill_chunk=16)
+    one = Engine(m, config=EngineConfig(**cfg))
+    lb = [m.layer_bytes(i) for i in range(2)]
+    plans = tuple(Plan((VRAM,), (b,), 0, 0, 0, 0, 0, -1, -1) for b in lb)
+    two = Engine(m, config=EngineConfig(**cfg), plan=MultiPlan(plans, (0, 1), (55e9, 55e9), -1), poison=True)
+    assert [st.recorded for st in two.pipeline.stages] == [True, True]
+    rng = np.random.default_rng(8)
+    for e in (one, two):
+        e.open(), e.open()
+    for step in range(4):
+        items = [(0, rng.integers(0, 2048, 5 if step == 0 else 1)), (1, rng.integers(0, 2048, 3 if step == 0 else 2))]
+        a, b = one.step(items, all_logits=True), two.step(items, all_logits=True)
+        assert np.array_equal(a, b), step
+    assert two.pipeline.handoff.stats["copies"] == 4

@@ -111,6 +111,15 @@ class Ops(Protocol):
     def top(self, logits: Array, n: int) -> TopLogits: ...
 
 
+class Pieces(Protocol):
+    """A device that runs each piece of a step as one recorded call (the host's cpu backend):
+    from the tokens or handed-in hidden states x (N, D), through `layers`, to the logits
+    (head) or the hidden states (host arrays)."""
+
+    def run(self, batch: Batch, *, x: np.ndarray | None = None, layers: Sequence[int] | None = None,
+            head: bool = True, all_logits: bool = False, out: np.ndarray | None = None) -> np.ndarray: ...
+
+
 class Steps(Protocol):
     """model.forward captured (CUDA graphs) or recorded per bucket of rows × tokens: the steps a
     bucket covers run from it, the others eagerly."""

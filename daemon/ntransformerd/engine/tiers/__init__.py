@@ -79,6 +79,9 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
     """The multi-device plan (tiers/multi.py) for `model` over len(vram_free) devices. The
     embedding lives on the first device, the output and its norm on the last."""
     c = model.config
+    if skip_list(config):
+        raise PlanError(f"skipped layers over {len(vram_free)} devices are not planned: skip layers on one device, "
+                        "or leave skip_layers out")
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     fixed = _non_layer_bytes(model)
     embd = model.tensors["token_embd.weight"].nbytes

@@ -6,8 +6,8 @@
 Pipeline parallelism. Device d runs one contiguous range of layers [start_d, stop_d): first its
 resident layers, then its streamed ones, which it copies over its own PCIe link through its own
 slot ring (tiers/pipeline.py, one LayerStream per device). After its range the activation (rows
-x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (`Handoff.copy`, the one
-device-to-device step); the embedding lives on the first device, the output on the last.
+x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (tiers/runs.py: Handoff,
+the one device-to-device step); the embedding lives on the first device, the output on the last.
 Budgets apply per device (`vram_budget` one size for every device, or a list). Resident layers
 fill each device in turn (so uneven sizes get shares proportional to what they can hold); the
 streamed layers are then split so each link carries its share in proportion to its bandwidth
@@ -19,26 +19,25 @@ prefetches only `depth` layers ahead, so the links take turns: the bound is the 
 overlap (the MAX over links) only if a streamed layer's bytes were striped over several links
 and gathered with a peer copy to the device that computes it; `explain()` prints both.
 
-`Pipeline` is that forward pass as backend-neutral logic (stages of ops, weights and KV for
-their layer ranges, the handoff between them); on the CPU backend every "device" is host
-memory, the handoff is a host copy (the source poisoned afterwards in tests), and the output is
-bit-identical to the one-device run (tests/engine/test_tiers_multi*.py).
+The engine runs such a plan as it runs every plan (tiers/runs.py: one device per range, its
+share loaded through its backend, model.forward over the runs). On a host backend every
+"device" is host memory and the hand-off a host copy (the source poisoned afterwards in tests);
+the output is bit-identical to the one-device run (tests/engine/test_tiers_multi_pipeline.py).
 
 The 70B-shaped Q4_K_M (synth, 38.2 GiB of layers) at 24 GiB per GPU: one device keeps 39 layers
 resident and streams 19.6 GiB per token; two devices keep all 80 resident (40 + 40) and stream
 nothing. At 16 GiB per GPU two devices stream 13.9 GiB against 27.6 GiB (about half), 6.5 and
 7.4 GiB per link (tests/engine/test_tiers_multi.py).
 
-What a multi-GPU run still needs (not built, not run: no multi-GPU machine was lent):
-  - CUDA: per device (cp.cuda.Device(d)) its own CudaOps, StreamedCudaWeights over its range,
-    KV cache for its layers, copy stream, slots and pinned buffers (pinned with
-    cudaHostAllocPortable so any device can DMA them, or per-device host buffers), captured
-    decode graphs per stage;
-  - the handoff as cudaMemcpyPeerAsync on the receiving device's stream after an event on the
-    sender's (cudaDeviceEnablePeerAccess where the topology allows; it falls back through host
-    memory otherwise); NCCL is not needed for pipeline parallelism (one point-to-point copy per
-    boundary per step); keep NVLink multicast off (device README);
-  - Engine wiring (EngineConfig.devices → one stage per device) and per-device VRAM queries;
+On GPUs the same code loads each device under its own cp.cuda.Device (its CudaOps, CudaWeights
+over its range, a KV cache of its layers) and hands off through host memory; it has not run on
+several GPUs (none was lent). What it still lacks there:
+  - pinned buffers any device can DMA (cudaHostAllocPortable), and captured steps per device
+    (a multi-device engine runs its steps eagerly);
+  - the hand-off as cudaMemcpyPeerAsync on the receiving device's stream after an event on the
+    sender's (cudaDeviceEnablePeerAccess where the topology allows); NCCL is not needed for
+    pipeline parallelism (one point-to-point copy per boundary per step); keep NVLink multicast
+    off (device README);
   - measuring decode tok/s on 2+ GPUs against one (acceptance: >= 1.7x) and output identity.
 """
 
@@ -129,6 +128,10 @@ class MultiPlan:
     @property
     def streamed(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t != VRAM]
+
+    @property
+    def skipped(self) -> list[int]:
+        return []  # plan_devices places every layer (model_plan_devices refuses skipped ones)
 
     @property
     def all_resident(self) -> bool:
