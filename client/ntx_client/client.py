@@ -96,6 +96,11 @@ def collect(chunks) -> Completion:
                       prompt_lps)
 
 
+async def collect_async(chunks) -> Completion:
+    """collect() of an async iterator of chunks."""
+    return collect([c async for c in chunks])
+
+
 def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
@@ -343,4 +348,5 @@ class AdminClient(_Channel):
 
 
 __all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError", "TokenLogprob", "collect",
+           "collect_async",
            "connection_error", "generate_request"]

@@ -37,9 +37,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ntx_client.channels import TLS
-from ntx_client.client import AsyncClient
+from ntx_client.client import AsyncClient, collect_async
 from ntx_client.errors import NtxError
 from ntx_client.openai_gateway import protocol
+from ntx_client.openai_gateway import tools as tools_
 from ntx_client.openai_gateway.errors import APIError, bad_request, from_ntx, shown
 from ntx_client.openai_gateway.metrics import Metrics
 
@@ -145,6 +146,20 @@ class AllowedHosts:
                        f"{', '.join(sorted(self.hosts))}): reach it by one of those, or start ntx-openai with "
                        "--allowed-host NAME.", code="invalid_host")
         await _error_response(err)(scope, receive, send)
+
+
+def _call_mode(text: str, tools) -> str | None:
+    """"call" or "text" once a streamed reply's first characters tell (tools.py: a call starts
+    with "{", plain text does not), "hold" where a JSON response format makes both start so;
+    None while only whitespace came."""
+    head = text.lstrip()
+    if not head:
+        return None
+    if tools.choice != "auto":
+        return "call"
+    if tools.response_schema is not None:
+        return "hold"
+    return "call" if head.startswith("{") else "text"
 
 
 def _sse(obj) -> str:
@@ -297,29 +312,83 @@ class Gateway:
 
     async def _whole(self, request, job, model, chunks, endpoint, t0) -> Response:
         async def collect():
-            text, last = [], None
-            async for c in chunks:
-                text.append(c.text)
-                last = c
-            return "".join(text), last
-        text, last = await _unless_gone(request, collect())
-        usage = protocol.usage_object(last.usage)
+            return await collect_async(chunks)
+        done = await _unless_gone(request, collect())
+        usage = protocol.usage_object(done.usage)
+        text, calls, logprobs = done.text, None, None
+        if job.tools.calls_possible:
+            calls = tools_.read_calls(text)
+        if job.kind == "chat" and job.logprobs is not None and calls is None:
+            logprobs = protocol.chat_logprobs(done.logprobs)
+        elif job.kind != "chat":
+            prompt = await self._echo(job, done.prompt_ids) if job.echo else None
+            if job.logprobs is not None:
+                logprobs = await self._completion_logprobs(job, done.prompt_ids, done.prompt_logprobs, done.logprobs,
+                                                           prompt)
+            text = prompt + text if prompt is not None else text
         self.metrics.done(endpoint, 200, usage, time.monotonic() - t0)
         self.metrics.in_flight.dec()
-        return JSONResponse(protocol.completion_object(job, model, text, last.finish_reason, usage))
+        return JSONResponse(protocol.completion_object(job, model, None if calls else text, done.finish_reason, usage,
+                                                       logprobs=logprobs, tool_calls=calls))
+
+    async def _echo(self, job, prompt_ids) -> str:
+        """The prompt's text, as echo returns it before the completion."""
+        return job.prompt if job.prompt is not None else await self.daemons.client.detokenize(prompt_ids)
+
+    async def _completion_logprobs(self, job, prompt_ids, prompt_lps, lps, prompt: str | None) -> dict:
+        """The legacy logprobs object: with echo, the prompt's tokens first (its first has none)."""
+        if prompt is None or not prompt_ids:
+            return protocol.completion_logprobs(lps, len(job.prompt or ""))
+        head = (await self.daemons.client.detokenize(prompt_ids[:1])).encode()
+        return protocol.completion_logprobs(list(prompt_lps) + list(lps), 0, first=head)
 
     async def _events(self, job, model, first, chunks, endpoint, t0):
         status, usage = 200, None
+        held, mode = [], None  # tool calls possible: text held until it is known to be a call or not
         try:
             if job.kind == "chat":
                 yield _sse(protocol.chunk_object(job, model, "", None, first=True))
             pending = [first] if first is not None else []
+            started = False
             while True:
                 c = pending.pop() if pending else await anext(chunks, None)
                 if c is None:
                     break
-                if c.text:
-                    yield _sse(protocol.chunk_object(job, model, c.text, None))
+                text, lps = c.text, None
+                if job.kind == "chat" and job.tools.calls_possible and mode != "text":
+                    held.append(c)
+                    mode = mode or _call_mode("".join(x.text for x in held), job.tools)
+                    if mode == "text":  # plain text after all: what was held goes out now
+                        text, lps = "".join(x.text for x in held), [t for x in held for t in x.logprobs]
+                        held = []
+                    elif c.finish_reason is None:
+                        continue
+                    else:
+                        whole = "".join(x.text for x in held)
+                        calls = tools_.read_calls(whole)
+                        if calls:
+                            yield _sse(protocol.chunk_object(job, model, None, None, tool_calls=calls))
+                            yield _sse(protocol.chunk_object(job, model, None, "tool_calls"))
+                            usage = protocol.usage_object(c.usage)
+                            continue
+                        text, lps = whole, [t for x in held for t in x.logprobs]
+                elif job.kind == "chat":
+                    lps = c.logprobs
+                logprobs = None
+                if job.logprobs is not None and job.kind == "chat":
+                    logprobs = protocol.chat_logprobs(lps or [])
+                elif job.kind != "chat":
+                    if not started and job.echo:
+                        prompt = await self._echo(job, c.prompt_ids)
+                        if job.logprobs is not None:
+                            logprobs = await self._completion_logprobs(job, c.prompt_ids, c.prompt_logprobs,
+                                                                       c.logprobs, prompt)
+                        text = prompt + text
+                    elif job.logprobs is not None:
+                        logprobs = protocol.completion_logprobs(c.logprobs, 0)
+                started = True
+                if text or (logprobs is not None and (lps or job.kind != "chat")):
+                    yield _sse(protocol.chunk_object(job, model, text, None, logprobs=logprobs))
                 if c.finish_reason is not None:
                     yield _sse(protocol.chunk_object(job, model, None, c.finish_reason))
                     usage = protocol.usage_object(c.usage)

@@ -1,16 +1,18 @@
 """OpenAI request bodies → generation jobs, and generation results → OpenAI response objects.
 
 Parsing checks every field the gateway uses and refuses, by name, the ones it cannot honour
-(n > 1, tools, logprobs, ...). Fields it does not know are ignored, so a client written for a
+(n > 1, logit_bias, ...). Tools and response formats are tools.py's. Fields it does not know are ignored, so a client written for a
 newer API still works. Nothing here talks to the daemon.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 
+from ntx_client.openai_gateway import tools as tools_
 from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
@@ -22,11 +24,12 @@ MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKENS = 1 << 18
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STOP_CHARS = 1024
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOP_LOGPROBS = 20
 # The daemon's defaults are llama.cpp's (top_k 40, min_p 0.05, ...); an OpenAI request means plain
 # softmax sampling at temperature 1 unless it says otherwise.
 OPENAI_SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
-FINISH = {"stop": "stop", "eos": "stop", "length": "length"}
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @dataclasses.dataclass
@@ -39,6 +42,9 @@ class Job:
     prompt: str | None = None  # completions: the text, tokenized by the gateway without special tokens
     stream: bool = False
     include_usage: bool = False
+    tools: tools_.Tools = dataclasses.field(default_factory=tools_.Tools)
+    logprobs: int | None = None  # alternatives per token (None: no log-probabilities)
+    echo: bool = False  # completions: the prompt (and its log-probabilities) before the completion
     id: str = dataclasses.field(default_factory=lambda: "")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -111,26 +117,15 @@ def _unsupported(body: dict, endpoint: str) -> None:
     best_of = _integer(body, "best_of", 1, 128)
     if best_of is not None and best_of != 1:
         raise bad_request("best_of > 1 is not supported: leave it out", "best_of", "unsupported_value")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad_request(f"'{key}' is not supported by this server (no tool calling): leave it out", key,
-                              "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' is not supported by this server (no tool calling): leave it out",
-                          "tool_choice", "unsupported_parameter")
+    if body.get("functions"):
+        raise bad_request("'functions' (deprecated by OpenAI) is not supported by this server: send 'tools'",
+                          "functions", "unsupported_parameter")
     if body.get("function_call") not in (None, "none", "auto"):
-        raise bad_request("'function_call' is not supported by this server: leave it out", "function_call",
-                          "unsupported_parameter")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        param = "logprobs" if body.get("logprobs") not in (None, False, 0) else "top_logprobs"
-        raise bad_request(f"'{param}' is not supported by this server: leave it out", param, "unsupported_parameter")
+        raise bad_request("'function_call' (deprecated by OpenAI) is not supported by this server: send "
+                          "'tool_choice'", "function_call", "unsupported_parameter")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported by this server: leave it out", "logit_bias",
                           "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
-                          "response_format", "unsupported_parameter")
     for key in ("audio", "prediction"):
         if body.get(key):
             raise bad_request(f"'{key}' is not supported by this server: leave it out", key, "unsupported_parameter")
@@ -139,8 +134,6 @@ def _unsupported(body: dict, endpoint: str) -> None:
         raise bad_request("'modalities' other than [\"text\"] is not supported by this server", "modalities",
                           "unsupported_parameter")
     if endpoint == "completion":
-        if _bool(body, "echo"):
-            raise bad_request("'echo' is not supported by this server: leave it out", "echo", "unsupported_parameter")
         if body.get("suffix"):
             raise bad_request("'suffix' (fill in the middle) is not supported by this server: leave it out", "suffix",
                               "unsupported_parameter")
@@ -171,6 +164,13 @@ def _common(body: dict, endpoint: str) -> dict:
     kw["stop"] = _stop(body)
     # not OpenAI's, but vLLM's and llama.cpp's servers take it, and benchmarks rely on it
     kw["ignore_eos"] = _bool(body, "ignore_eos")
+    # ours (the SDKs send it with extra_body): the request's speculative mode, as GenerateRequest's
+    spec = body.get("speculative")
+    if spec is not None:
+        if not isinstance(spec, str) or len(spec) > 64:
+            raise bad_request("Invalid type for 'speculative': expected a mode such as 'off' or 'ngram'.",
+                              "speculative", "invalid_type")
+        kw["speculative"] = spec
     return kw
 
 
@@ -203,9 +203,6 @@ def _content(m: dict, i: int) -> str:
     """A message's text: a string, or an array of text parts (joined)."""
     c = m.get("content")
     if c is None:
-        if m.get("tool_calls") or m.get("function_call"):
-            raise bad_request(f"messages[{i}] has tool calls: tool calling is not supported by this server",
-                              f"messages[{i}].tool_calls", "unsupported_parameter")
         return ""
     if isinstance(c, str):
         return c
@@ -238,19 +235,30 @@ def _messages(body: dict) -> list[dict]:
     if not msgs:
         raise bad_request("Invalid 'messages': empty array. Expected an array with minimum length 1.", "messages",
                           "empty_array")
-    out = []
+    out, called = [], {}  # called: tool call id → function name
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad_request(f"Invalid type for 'messages[{i}]': expected an object, but got {_type_name(m)} "
                               "instead.", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            if role in ("tool", "function"):
-                raise bad_request(f"messages[{i}] has role {role!r}: tool calling is not supported by this server",
-                                  f"messages[{i}].role", "unsupported_value")
             raise bad_request(f"Invalid value for 'messages[{i}].role': {shown(repr(role))}; supported values are "
-                              "'system', 'developer', 'user' and 'assistant'.", f"messages[{i}].role", "invalid_value")
-        out.append({"role": ROLES[role], "content": _content(m, i)})
+                              "'system', 'developer', 'user', 'assistant' and 'tool'.", f"messages[{i}].role",
+                              "invalid_value")
+        text = _content(m, i)
+        if role == "assistant" and m.get("tool_calls") is not None:  # the generic format: tools.py
+            text = tools_.call_text(m["tool_calls"], i)
+            called.update({c.get("id"): c["function"]["name"] for c in m["tool_calls"]})
+        elif role == "assistant" and m.get("function_call") is not None:
+            raise bad_request(f"messages[{i}].function_call (deprecated by OpenAI) is not supported: send "
+                              "'tool_calls'", f"messages[{i}].function_call", "unsupported_parameter")
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id not in called:
+                raise bad_request(f"Invalid 'messages[{i}].tool_call_id': {shown(repr(call_id))} answers no tool call "
+                                  "of an earlier assistant message.", f"messages[{i}].tool_call_id", "invalid_value")
+            text = f"{called[call_id]} returned: {text}"
+        out.append({"role": ROLES[role], "content": text})
     return out
 
 
@@ -269,7 +277,15 @@ def parse_chat(body) -> Job:
         raise _too_large("text of the messages", f"{size} bytes")
     stream, include_usage = _stream(body)
     kw = _common(body, "chat")
-    return Job("chat", model, {**kw, "messages": messages}, stream=stream, include_usage=include_usage)
+    tools = tools_.parse_tools(body)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if _bool(body, "logprobs"):
+        kw["logprobs"] = top or 0
+    elif top:
+        raise bad_request("Invalid value for 'top_logprobs': it needs 'logprobs' set to true.", "top_logprobs",
+                          "invalid_value")
+    return Job("chat", model, {**kw, **tools.constraint(), "messages": tools_.with_tools(messages, tools)},
+               stream=stream, include_usage=include_usage, tools=tools, logprobs=kw.get("logprobs"))
 
 
 def parse_completion(body) -> Job:
@@ -305,7 +321,17 @@ def parse_completion(body) -> Job:
                           "token ids.", "prompt", "invalid_type")
     stream, include_usage = _stream(body)
     kw = _common(body, "completion")
-    job = Job("completion", model, kw, prompt=prompt, stream=stream, include_usage=include_usage)
+    schema = tools_.parse_response_format(body)  # not OpenAI's on this endpoint; vLLM's and ours
+    if schema is not None:
+        kw["json_schema"] = json.dumps(schema)
+    logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = _bool(body, "echo")
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    if echo:
+        kw["prompt_logprobs"] = logprobs is not None
+    job = Job("completion", model, kw, prompt=prompt, stream=stream, include_usage=include_usage, logprobs=logprobs,
+              echo=echo)
     if prompt_ids is not None:
         job.generate["prompt_ids"] = prompt_ids
     return job
@@ -320,21 +346,57 @@ def usage_object(usage: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)}}
 
 
-def completion_object(job: Job, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
+def _token(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries) -> dict:
+    """Chat's logprobs object from the client library's TokenLogprob entries."""
+    def one(t) -> dict:
+        return {"token": _token(t.piece), "logprob": t.logprob, "bytes": list(t.piece)}
+    return {"content": [one(t) | {"top_logprobs": [one(a) for a in t.top]} for t in entries], "refusal": None}
+
+
+def completion_logprobs(entries, offset: int, *, first=None) -> dict:
+    """The legacy completions logprobs object; first: a prompt's first token (id, piece), which
+    has no log-probability. offset: where the first token's text starts in the whole text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(piece: bytes, lp, top) -> None:
+        nonlocal offset
+        token = _token(piece)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(token)
+    if first is not None:
+        add(first, None, None)
+    for t in entries:
+        add(t.piece, t.logprob, {_token(a.piece): a.logprob for a in t.top})
+    return out
+
+
+def completion_object(job: Job, model: str, text: str | None, finish_reason: str | None, usage: dict, *,
+                      logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
     reason = FINISH.get(finish_reason or "", "stop")
     if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": reason}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"], reason = tool_calls, "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice],
             "usage": usage, "system_fingerprint": None}
 
 
-def chunk_object(job: Job, model: str, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
-    """One streamed chunk; `text` None and no finish_reason never happens (nothing to say)."""
+def chunk_object(job: Job, model: str, text: str | None, finish_reason: str | None, *, first: bool = False,
+                 logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+    """One streamed chunk; `text` None and no finish_reason never happens (nothing to say).
+    tool_calls: whole calls, each in one delta (its arguments complete)."""
     reason = FINISH.get(finish_reason) if finish_reason else None
     if job.kind == "chat":
         delta = {}
@@ -342,10 +404,12 @@ def chunk_object(job: Job, model: str, text: str | None, finish_reason: str | No
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     out = {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice],
            "system_fingerprint": None}

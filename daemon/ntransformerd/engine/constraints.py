@@ -38,6 +38,9 @@ MAX_JSON_DEPTH = 64  # nesting of a JSON schema document (llguidance's own parse
 # lexer fuel ~50k/ms to build, ~14k/ms per token; Earley items ~20k/ms per token.
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
               max_lexer_states=100_000, max_grammar_size=200_000, verbose_errors=False)
+# JSON as json.dumps writes it, one line: flexible whitespace lets a sampled small model wander
+# into runs of newlines until max_tokens. A schema may say otherwise in llguidance's "x-guidance".
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPECIAL_PREFIX = b"\xff"  # how llguidance tells a special token's text from plain bytes
 
 
@@ -85,7 +88,7 @@ class Compiler:
                                             "are compiled: flatten it (use $defs and $ref for recursion)")
                 if not isinstance(schema, (dict, bool)):
                     raise InvalidConstraint("the JSON schema must be a JSON object (or true/false)")
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
         except RecursionError:
