@@ -111,13 +111,23 @@ class Ops(Protocol):
     def top(self, logits: Array, n: int) -> TopLogits: ...
 
 
+class Pieces(Protocol):
+    """A device that runs each piece of a step as one recorded call (the host's cpu backend):
+    from the tokens or handed-in hidden states x (N, D), through `layers`, to the logits
+    (head) or the hidden states (host arrays)."""
+
+    def run(self, batch: Batch, *, x: np.ndarray | None = None, layers: Sequence[int] | None = None,
+            head: bool = True, all_logits: bool = False, out: np.ndarray | None = None) -> np.ndarray: ...
+
+
 class Steps(Protocol):
     """model.forward captured (CUDA graphs) or recorded per bucket of rows × tokens: the steps a
     bucket covers run from it, the others eagerly."""
 
     def covers(self, segments: Sequence[Segment], layers: Sequence[int] | None = None) -> bool: ...
 
-    def logits(self, slots, tokens, *, layers=None, last_only: bool = True) -> Array: ...
+    def run_step(self, segments: Sequence[Segment], *, layers: Sequence[int] | None = None,
+                 all_logits: bool = False, top: int | None = None) -> np.ndarray | TopLogits: ...
 
     def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True) -> TopLogits: ...
 
@@ -148,7 +158,7 @@ class Backend(Protocol):
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0) -> KV: ...
 
-    def capture(self, ops: Ops, weights: Weights, kv: KV) -> Steps | None:
+    def capture(self, ops: Ops, weights: Weights, kv: KV, *, threads: int | None = None) -> Steps | None:
         """The captured or recorded steps of this device's whole forward pass, or None."""
 
     def context(self, device: int = 0) -> AbstractContextManager:

@@ -53,6 +53,7 @@ class EngineConfig:
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
     kv_dtype: str = "f32"  # f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
+    cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
     vram_budget: int | str | None = None  # device memory the engine may use in all
     ram_budget: int | str | None = None  # pinned host RAM for streamed layers
@@ -71,6 +72,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.max_seqs <= 4096:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
@@ -120,7 +123,13 @@ class Engine:
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
         # A backend's captured steps (CUDA graphs of model.forward) where one device runs them all.
-        self._graphs = self.backend.capture(self.ops, self.weights, self.kv) if len(layout.devices) == 1 else None
+        self._graphs = (self.backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
+                        if len(layout.devices) == 1 else None)
+
+    @property
+    def steps(self):
+        """The backend's captured or recorded steps (devices.Steps) of a one-device engine, or None."""
+        return self._graphs
 
     def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
         """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
@@ -141,8 +150,11 @@ class Engine:
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
                             device=ordinal)
+            kv = kv if one else HomeKV(kv, mine)
+            # a host device beside others runs its pieces of each step as recorded steps
+            steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
             name = f"{b.name}:{ordinal}" if dev.kind == MAIN else "host"
-            stages.append(Stage(name, ops, weights, kv if one else HomeKV(kv, mine), b, ordinal))
+            stages.append(Stage(name, ops, weights, kv, b, ordinal, steps))
         return stages
 
     @property
@@ -248,11 +260,7 @@ class Engine:
             segments.append(Segment(slot, start, tokens))
         layers = self.layers if layers is None else layers
         if self._graphs is not None and self._graphs.covers(segments, layers):
-            slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
-            if top is not None:
-                logits = self._graphs.top(slots, toks, top, layers=layers, last_only=not all_logits)
-            else:
-                logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
+            logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
         else:
             logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:

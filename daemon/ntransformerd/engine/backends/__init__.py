@@ -50,7 +50,7 @@ class CpuRef:
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0):
         return cpu.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
 
-    def capture(self, ops, weights, kv) -> None:
+    def capture(self, ops, weights, kv, *, threads: int | None = None) -> None:
         return None
 
     def context(self, device: int = 0):
@@ -79,9 +79,8 @@ class Host(CpuRef):
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0):
         return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
 
-    def capture(self, ops, weights, kv):
-        record = getattr(self.module, "graphs", None)
-        return record(ops, weights, kv) if record is not None else None
+    def capture(self, ops, weights, kv, *, threads: int | None = None):
+        return self.module.graphs(ops, weights, kv, threads=threads)
 
 
 class Cuda:
@@ -110,7 +109,7 @@ class Cuda:
         with self.context(device):
             return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
 
-    def capture(self, ops, weights, kv):
+    def capture(self, ops, weights, kv, *, threads: int | None = None):
         return self.module.graphs(ops, weights, kv)
 
     def context(self, device=0):

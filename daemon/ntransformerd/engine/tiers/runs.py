@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntransformerd.engine import model as llama
-from ntransformerd.engine.devices import KV, Backend, Ops, Weights
+from ntransformerd.engine.devices import KV, Backend, Ops, Pieces, Weights
 from ntransformerd.engine.kv_cache import SlotTable
 from ntransformerd.engine.model import Batch
 from ntransformerd.engine.sampler import TopLogits
@@ -142,6 +142,11 @@ class Stage:
     kv: KV
     backend: Backend
     ordinal: int = 0
+    steps: Pieces | None = None  # recorded pieces (a host device's HostSteps: run(batch, x=, layers=, head=)), or None
+
+    @property
+    def recorded(self) -> bool:
+        return self.steps is not None
 
     def context(self):
         return self.backend.context(self.ordinal)
@@ -282,19 +287,26 @@ class Pipeline:
             if mine:
                 with st.context():
                     st.weights.prefetch(mine)
+        # A recorded device (the host's cpu backend) runs each of its pieces as one recorded call
+        # (embed, a group of layers, or the head) on host arrays; the others run model.forward's
+        # pieces eagerly on their ops.
         cur = self.stages[lo.embed]
         with cur.context():
-            x = cur.ops.embed(cur.weights, batch.tokens)  # (N, D)
+            x = (cur.steps.run(batch, layers=[], head=False) if cur.recorded
+                 else cur.ops.embed(cur.weights, batch.tokens))  # (N, D)
         for d, ls in groups:
             st = self.stages[d]
             if st is not cur:
                 x, cur = self.handoff.copy(x, cur, st), st
             with st.context():
-                x = llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, ls)  # (N, D)
+                x = (st.steps.run(batch, x=x, layers=ls, head=False) if st.recorded
+                     else llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, ls))  # (N, D)
         head = self.stages[lo.head]
         if head is not cur:
             x = self.handoff.copy(x, cur, head)
         with head.context():
+            if head.recorded:
+                return head.steps.run(batch, x=x, layers=[], all_logits=all_logits)
             return llama.head(head.ops, self.cfg, head.weights, x, batch, all_logits=all_logits)
 
     def step(self, batch: Batch, *, layers: Sequence[int] | None = None, all_logits: bool = False,
