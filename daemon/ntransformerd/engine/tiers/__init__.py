@@ -22,7 +22,7 @@ from ntransformerd.engine.tiers.sources import open_source
 
 __all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "Figures", "MultiPlan", "Plan", "PlanError",
            "fmt_bytes", "mem_available", "parse_devices", "parse_size", "plan_devices", "plan_tiers", "resident_plan",
-           "cuda_plan", "host_compute", "model_plan", "model_plan_devices", "open_storage", "wanted"]
+           "cuda_plan", "host_compute", "model_plan", "with_schedule", "STEP_ROWS", "model_plan_devices", "open_storage", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
 

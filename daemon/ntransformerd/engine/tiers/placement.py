@@ -27,7 +27,9 @@ fewer hand-offs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, Plan,
@@ -89,6 +91,18 @@ class Figures:
 
     def gpu(self, rows: int) -> float:
         return _interpolate(self.gpu_bps, rows, None) if self.gpu_bps else math.inf
+
+    def to_dict(self) -> dict:
+        return {"link_bps": self.link_bps, "host_bps": {str(r): b for r, b in self.host_bps.items()},
+                "gpu_bps": {str(r): b for r, b in self.gpu_bps.items()}, "disk_bps": self.disk_bps,
+                "handoff_s": self.handoff_s, "measured": self.measured}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Figures":
+        return cls(float(d["link_bps"]), {int(r): float(b) for r, b in d["host_bps"].items()},
+                   {int(r): float(b) for r, b in d.get("gpu_bps", {}).items()},
+                   float(d.get("disk_bps", ASSUMED_DISK_BPS)), float(d.get("handoff_s", 0.0)),
+                   bool(d.get("measured", True)))
 
     def describe(self) -> str:
         host = ", ".join(f"{b / 1e9:.1f} GB/s at {r}" for r, b in sorted(self.host_bps.items()))
@@ -222,3 +236,22 @@ def with_schedule(plan: Plan, figures: Figures, rows: Sequence[int]) -> Plan:
         raise ValueError(f"step rows {list(rows)}: each is at least 1")
     placements = tuple(place_rows(plan, figures, r) for r in sorted(set(rows)))
     return dataclasses.replace(plan, schedule=Schedule(placements, figures))
+
+
+def save_figures(path: str, figures: Figures) -> None:
+    """Write the figures to `path` (a small JSON file; written whole, then renamed into place)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures.to_dict(), f)
+    os.replace(tmp, path)
+
+
+def load_figures(path: str) -> Figures | None:
+    """The figures saved at `path`, or None where there are none or they cannot be read (then
+    they are measured again)."""
+    try:
+        with open(path) as f:
+            return Figures.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
