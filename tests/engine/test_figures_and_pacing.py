@@ -117,3 +117,34 @@ def test_the_hybrid_host_device_uses_cpu_threads(synth_model):
     engine = Engine(model, config=config)
     hosts = [st for st in engine.pipeline.stages if st.name == "host"]
     assert hosts and all(st.steps.threads == 2 for st in hosts)
+
+
+# ---- the keys and flags -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, words", [("host_compute", '"on"', "host_compute = 'on': use off or auto"),
+                                               ("link_cap", '"fast"', "link_cap = 'fast': link cap 'fast'"),
+                                               ("link_cap", "5", 'link_cap = 5: must be a rate in quotes')])
+def test_daemon_keys_name_themselves(tmp_path, key, value, words):
+    from ntransformerd import config
+    f = tmp_path / "d.toml"
+    f.write_text(f"{key} = {value}\n")
+    with pytest.raises(config.ConfigError, match=words):
+        config.load(["--config", str(f)])
+
+
+def test_daemon_keys_reach_the_engine_config(tmp_path):
+    from ntransformerd import config
+    from ntransformerd.engine.engine import EngineConfig
+    c = config.load(["--host-compute", "auto", "--link-cap", "6.5GB/s", "--socket", str(tmp_path / "s.sock")])
+    assert (c.host_compute, c.link_cap) == ("auto", "6.5GB/s")
+    EngineConfig(host_compute=c.host_compute, link_cap=c.link_cap).validate()
+    assert config.load(["--socket", str(tmp_path / "s.sock")]).link_cap == "off"
+
+
+def test_ntx_model_plan_shows_the_placement_per_step_shape(capsys):
+    from ntransformerd.tools.ntx_model import main
+    assert main(["run", "--plan", "--host-compute", "auto", "--max-vram-layers", "10", "--link-cap", "6.5GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "host compute   by step rows (assumed, not measured" in out and "    1 rows  host" in out, out
+    assert main(["run", "--plan", "--max-vram-layers", "10"]) == 0
+    assert "host compute" not in capsys.readouterr().out
