@@ -140,6 +140,12 @@ def check_streaming(d: dict) -> None:
              and r["model"] == "tiny-q4_k_m"}
     assert set(paths) >= {(k, b) for k in (2, 1, 0) for b in (1, 4)}, paths
     assert d["odirect"]["tier_Bps"] > 0 and d["odirect"]["plain_Bps"] > 0, d["odirect"]
+    hybrid = {(r["rows"], r["resident_layers"], r["batch"], r["host_compute"]): r for r in d["runs"]
+              if r.get("rows") in ("hybrid", "capped") and "host_compute" in r}
+    assert set(hybrid) >= {("hybrid", k, b, hc) for k in (1, 0) for b in (1, 4) for hc in ("off", "auto")} | {
+        ("capped", k, 1, hc) for k in (1, 0) for hc in ("off", "auto")}, sorted(hybrid)
+    assert all(r["tok_s"] > 0 and (r["predicted_step_s"] or 0) > 0 and r["vs_off"] > 0
+               for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
 
 
 def check_nvme_read(d: dict) -> None:

@@ -148,3 +148,23 @@ def test_ntx_model_plan_shows_the_placement_per_step_shape(capsys):
     assert "host compute   by step rows (assumed, not measured" in out and "    1 rows  host" in out, out
     assert main(["run", "--plan", "--max-vram-layers", "10"]) == 0
     assert "host compute" not in capsys.readouterr().out
+
+
+def test_a_step_wholly_on_a_recorded_main_device(synth_model):
+    """A hybrid engine whose main device is the host: a step the schedule keeps off the host
+    device (2 rows here) runs as the main device's recorded pass, with the one-device result."""
+    if not _host_available():
+        pytest.skip("the host kernels (backends/host) are not built")
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    hybrid = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, max_vram_layers=1,
+                                               host_compute="auto", cpu_threads=1))
+    assert len(hybrid.pipeline.layout.devices) == 2 and hybrid.pipeline.groups(2, None) == [(0, [0, 1, 2, 3])]
+    plain = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, cpu_threads=1))
+    for e in (hybrid, plain):
+        e.slots = [e.open(), e.open()]
+    for toks in ([3, 5], [7, 11]):
+        a = hybrid.step(list(zip(hybrid.slots, [[t] for t in toks])))
+        b = plain.step(list(zip(plain.slots, [[t] for t in toks])))
+        np.testing.assert_array_equal(a, b)
