@@ -14,6 +14,7 @@ measure again.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -106,9 +107,17 @@ def link_rate(cp, nbytes: int, repeats: int = REPEATS) -> float:
         cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                     stream.ptr)
     rate = nbytes / median_seconds(copy, repeats, sync=stream.synchronize)
-    del dev
-    cp.get_default_memory_pool().free_all_blocks()
+    del dev, host
+    _free(cp)
     return rate
+
+
+def _free(cp) -> None:
+    """Give what a measurement allocated back to the device and the host (the plan was made
+    from the free memory before it)."""
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def gpu_rates(backend, model: GGUFModel, *, layer: int = 0, rows: Sequence[int] = MEASURE_ROWS,
@@ -131,8 +140,8 @@ def gpu_rates(backend, model: GGUFModel, *, layer: int = 0, rows: Sequence[int] 
                 with ops.step_context(batch):
                     run_layers(ops, model.config, weights, kv, batch, x, [layer])
             out[r] = nbytes / median_seconds(run, repeats, sync=cp.cuda.get_current_stream().synchronize)
-        del ops, weights, kv
-        cp.get_default_memory_pool().free_all_blocks()
+        del ops, weights, kv, x, run
+        _free(cp)
     return out
 
 
@@ -176,10 +185,15 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
     if backend.is_host:
         link, gpu_bps = ASSUMED_H2D_BPS, {}
     else:
-        cp = backend.module.cp
-        with backend.context(0):
-            link = link_rate(cp, min(3 * max(plan.layer_bytes if plan else [1 << 26]), 1 << 30))
-        gpu_bps = gpu_rates(backend, model, layer=layer)
+        try:
+            cp = backend.module.cp
+            with backend.context(0):
+                link = link_rate(cp, min(3 * max(plan.layer_bytes if plan else [1 << 26]), 1 << 30))
+            gpu_bps = gpu_rates(backend, model, layer=layer)
+        except Exception as e:  # noqa: BLE001 - the plan still loads, on the figures it can have
+            log.warning("measuring the link and the GPU failed (%s: %s): the link assumed, GPU compute not "
+                        "counted", type(e).__name__, e)
+            return Figures(link_cap or ASSUMED_H2D_BPS, host, {}, measured=False)
     if link_cap is not None:
         link = min(link, link_cap)
     figures = Figures(link, host, gpu_bps)
