@@ -125,7 +125,8 @@ void ntx_quantize_act(int wtype, const float *x, int nr, int n, int ldx, void *a
 /* ---- matmul ------------------------------------------------------------------------------ */
 
 /* Activation rows are taken in groups that fit in L2 beside the weight rows, so a weight row is
- * read from memory once per group and reused from L1 by every tile of the group. */
+ * read from memory once per group (by the group's first tile, which prefetches the next rows)
+ * and reused from L1 by every other tile of the group. */
 #define NTX_ACT_GROUP_BYTES (192 * 1024)
 
 void ntx_gemm(int wtype, const void *W, size_t w_row_bytes, int n, int j0, int j1,
@@ -139,17 +140,18 @@ void ntx_gemm(int wtype, const void *W, size_t w_row_bytes, int n, int j0, int j
     }
     const uint8_t *w = (const uint8_t *)W, *a = (const uint8_t *)act;
     int nb = n / k->block_elems;
-    int group = (int)(NTX_ACT_GROUP_BYTES / arb) / NTX_TA * NTX_TA;
-    if (group < NTX_TA) group = NTX_TA;
-    int tw = nr == 1 ? NTX_TW : 2;
+    int tw = nr == 1 ? 2 : k->prefill_w, ta = nr == 1 ? 1 : k->prefill_a;
+    int group = (int)(NTX_ACT_GROUP_BYTES / arb) / ta * ta;
+    if (group < ta) group = ta;
     for (int r0 = 0; r0 < nr; r0 += group) {
         int r1 = r0 + group < nr ? r0 + group : nr;
         for (int j = j0; j < j1; j += tw) {
             int nw = j1 - j < tw ? j1 - j : tw;
-            for (int r = r0; r < r1; r += NTX_TA) {
-                int na = r1 - r < NTX_TA ? r1 - r : NTX_TA;
+            for (int r = r0; r < r1; r += ta) {
+                int na = r1 - r < ta ? r1 - r : ta;
                 float t[NTX_TW * NTX_TA];
-                k->tile(w + (size_t)j * w_row_bytes, w_row_bytes, nw, a + (size_t)r * arb, arb, na, nb, t);
+                k->tile(w + (size_t)j * w_row_bytes, w_row_bytes, nw, a + (size_t)r * arb, arb, na, nb,
+                        r == r0, t);
                 for (int ia = 0; ia < na; ia++) {
                     size_t o = (size_t)(r + ia) * ldo + j;
                     for (int iw = 0; iw < nw; iw++)

@@ -235,7 +235,8 @@ NTX_PORTABLE float dot_q6_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
 
 #define PORTABLE_TILE(name, dot)                                                                   \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
+        (void)pf;                                                                                  \
         for (int iw = 0; iw < nw; iw++)                                                            \
             for (int ia = 0; ia < na; ia++)                                                        \
                 out[iw * NTX_TA + ia] = dot(w + iw * wrb, (const ntx_q8_256 *)(a + ia * arb), nb);  \
@@ -282,7 +283,7 @@ NTX_INLINE __m256i pair_scales(const __m256i half[2], const int g) {
 }
 
 NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
-                       const uint8_t *a, size_t arb, int nb, float *out) {
+                       const uint8_t *a, size_t arb, int nb, int pf, float *out) {
     const int BB = k_bytes(t), MINS = t == K_Q2 || t == K_Q4 || t == K_Q5;
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[NTX_TW][NTX_TA];
@@ -291,7 +292,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
+        if (pf) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_256 *ab[NTX_TA];
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) ab[ia] = (const ntx_q8_256 *)(a + ia * arb) + b;
@@ -350,7 +351,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
                     hsrc = ntx_load256(wb);
                     qsrc[0] = ntx_load256(wb + 32), qsrc[1] = ntx_load256(wb + 64);
                     d = ntx_f16(wb + 108);
-                    off = 4; /* q + 4 = low bits | mask bit << 2 */
+                    off = 4; /* q + 4 = low bits | mask bit << 2; off is 4 or 32, a shift */
                 } else {
                     sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 192)));
                     d = ntx_f16(wb + 208);
@@ -360,7 +361,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
                 for (int ia = 0; ia < NA; ia++) {
                     /* lanes start at -off Σ_k sc_k bsum_k: the dot of the unsigned codes lands on Σ sc (q - off) a */
                     __m256i c = _mm256_madd_epi16(ntx_load256(ab[ia]->bsums), sc16);
-                    isum[ia] = off ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(c, _mm256_set1_epi32(off)))
+                    isum[ia] = off ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(c, off == 4 ? 2 : 5))
                                    : _mm256_setzero_si256();
                 }
                 const __m256i half[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xee)};
@@ -397,16 +398,16 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
 
 #define SIMD_TILE(name, T)                                                                         \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
         _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
         NTX_TILE_SWITCH(T##_SHAPE, nw, na)                                                         \
         _Pragma("GCC diagnostic pop")                                                              \
     }
-#define K_Q2_SHAPE(NW, NA) k_tile(K_Q2, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q3_SHAPE(NW, NA) k_tile(K_Q3, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q4_SHAPE(NW, NA) k_tile(K_Q4, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q5_SHAPE(NW, NA) k_tile(K_Q5, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q6_SHAPE(NW, NA) k_tile(K_Q6, NW, NA, w, wrb, a, arb, nb, out)
+#define K_Q2_SHAPE(NW, NA) k_tile(K_Q2, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q3_SHAPE(NW, NA) k_tile(K_Q3, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q4_SHAPE(NW, NA) k_tile(K_Q4, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q5_SHAPE(NW, NA) k_tile(K_Q5, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q6_SHAPE(NW, NA) k_tile(K_Q6, NW, NA, w, wrb, a, arb, nb, pf, out)
 SIMD_TILE(tile_q2_k, K_Q2)
 SIMD_TILE(tile_q3_k, K_Q3)
 SIMD_TILE(tile_q4_k, K_Q4)
@@ -414,8 +415,8 @@ SIMD_TILE(tile_q5_k, K_Q5)
 SIMD_TILE(tile_q6_k, K_Q6)
 #endif
 
-const ntx_kernel ntx_kernel_q2_k = {256, Q2_K_BYTES, NTX_ACT_Q8_256, tile_q2_k, deq_q2_k};
-const ntx_kernel ntx_kernel_q3_k = {256, Q3_K_BYTES, NTX_ACT_Q8_256, tile_q3_k, deq_q3_k};
-const ntx_kernel ntx_kernel_q4_k = {256, Q4_K_BYTES, NTX_ACT_Q8_256, tile_q4_k, deq_q4_k};
-const ntx_kernel ntx_kernel_q5_k = {256, Q5_K_BYTES, NTX_ACT_Q8_256, tile_q5_k, deq_q5_k};
-const ntx_kernel ntx_kernel_q6_k = {256, Q6_K_BYTES, NTX_ACT_Q8_256, tile_q6_k, deq_q6_k};
+const ntx_kernel ntx_kernel_q2_k = {256, Q2_K_BYTES, NTX_ACT_Q8_256, tile_q2_k, deq_q2_k, 1, 8};
+const ntx_kernel ntx_kernel_q3_k = {256, Q3_K_BYTES, NTX_ACT_Q8_256, tile_q3_k, deq_q3_k, 1, 8};
+const ntx_kernel ntx_kernel_q4_k = {256, Q4_K_BYTES, NTX_ACT_Q8_256, tile_q4_k, deq_q4_k, 1, 8};
+const ntx_kernel ntx_kernel_q5_k = {256, Q5_K_BYTES, NTX_ACT_Q8_256, tile_q5_k, deq_q5_k, 1, 8};
+const ntx_kernel ntx_kernel_q6_k = {256, Q6_K_BYTES, NTX_ACT_Q8_256, tile_q6_k, deq_q6_k, 1, 8};

@@ -328,6 +328,22 @@ def test_gemm_res_and_ranges(lib, qtype):
             assert np.isnan(padded[:, outside]).all(), f"nr {nr}: [{j0}, {j1}) wrote outside its range"
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_gemm_converts_every_finite_half(lib, qtype):
+    """Against one-hot activation rows a float-weight matmul returns each weight itself: every
+    finite F16 / BF16 bit pattern (subnormals included) converts exactly in every variant."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    exp_mask = 0x7C00 if qtype == Q.F16 else 0x7F80
+    bits = bits[(bits & exp_mask) != exp_mask].astype(np.uint16)  # drop inf / NaN
+    n = 16
+    w = bits[: bits.size // n * n].reshape(-1, n)
+    ref = (w.view(np.float16).astype(np.float32) if qtype == Q.F16
+           else (w.astype(np.uint32) << 16).view(np.float32))
+    x = np.eye(n, dtype=np.float32)
+    out = gemm(lib, qtype, w.view(np.uint8), n, quantize_act(lib, qtype, x))
+    assert np.array_equal(out, ref.T), f"{np.count_nonzero(out != ref.T)} weights converted wrongly"
+
+
 def test_bad_calls_are_visible(lib):
     assert lib.ntx_act_row_bytes(int(Q.Q4_K), 300) == 0  # not a whole super-block
     assert lib.ntx_act_row_bytes(99, 256) == 0  # no such type
