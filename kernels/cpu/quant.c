@@ -55,9 +55,30 @@ const char *ntx_isa(void) {
 /* q = round-half-even(x * 127 / amax), d = amax / 127: |x - d q| ≤ d/2 up to float rounding
  * of the scale (relative 2^-22 of d). The AVX2 path rounds the same product the same way, so
  * every build quantizes bit-identically. */
-static void quantize_block(const float *x, int len, int8_t *q, float *d_out, int *sum_out) {
+static float block_amax(const float *x, int len) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < len; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+#else
+    float m[8] = {0}; /* eight lanes the compiler can keep in vector registers */
+    for (int i = 0; i < len; i += 8)
+        for (int k = 0; k < 8; k++) {
+            float v = fabsf(x[i + k]);
+            m[k] = v > m[k] ? v : m[k];
+        }
     float amax = 0.0f;
-    for (int i = 0; i < len; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int k = 0; k < 8; k++) amax = m[k] > amax ? m[k] : amax;
+    return amax;
+#endif
+}
+
+static void quantize_block(const float *x, int len, int8_t *q, float *d_out, int *sum_out) {
+    float amax = block_amax(x, len);
     float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     int sum = 0;
 #if defined(__AVX2__)
