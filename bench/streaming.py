@@ -1,6 +1,7 @@
 """Streaming-tier speed of the CUDA backend on synthetic Llama-3-shaped Q4_K_M files.
 
     python3 bench/streaming.py --dir /tmp/ntx [--json bench/out/streaming.json] [--no-70b]
+    python3 bench/streaming.py --smoke --dir /tmp/ntx-smoke    # the tiny shape in place of both: does it run?
 
 1. the pinned → device ceiling (cudaMemcpyAsync of 1 GiB from page-locked memory), same run;
 2. 8B Q4_K_M with 32, 24, 16, 8, 0 resident layers (rest pinned) at batch 1, 4, 16: decode
@@ -13,9 +14,7 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import sys
 import threading
@@ -25,10 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "daemon"))
 
-import cupy as cp  # noqa: E402
-
+import common  # noqa: E402
+from ntransformerd.engine.backends.cuda import cp  # noqa: E402 (None without CuPy)
 from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
-from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 
 def log(*a):
@@ -128,56 +126,55 @@ def plain_odirect(path: str, nbytes: int, threads: int = 8, chunk: int = 16 << 2
     return nbytes / dt
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/ntx")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "streaming.json"))
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
     ap.add_argument("--splits", type=int, nargs="+", default=[32, 24, 16, 8, 0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--no-70b", action="store_true")
     ap.add_argument("--deep", type=int, nargs="*", default=[], help="splits also run at --deep-depth, batch 1")
     ap.add_argument("--deep-depth", type=int, default=4)
     ap.add_argument("--no-odirect", action="store_true")
-    args = ap.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "runs": []}
+    args = ap.parse_args(argv)
+    common.require_gpu(__file__)
+    # --smoke: the tiny shape (2 layers) stands in for the 8B and the 70B one
+    big, huge, n_layers = ("tiny", "tiny", 2) if args.smoke else ("llama3-8b", "llama3-70b", 32)
+    label = "tiny-q4_k_m" if args.smoke else "8b-q4_k_m"
+    if args.smoke:
+        args.splits, args.batches, args.deep = [2, 1, 0], [1, 4], [1]
+    out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "smoke": args.smoke, "runs": []}
 
     def save():
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        common.write_json(args.json, out)
 
-    bw = h2d_ceiling()
+    bw = h2d_ceiling(64 << 20 if args.smoke else 1 << 30)
     out["h2d_ceiling_Bps"] = bw
     log(f"pinned -> device ceiling: {bw / 1e9:.1f} GB/s")
 
-    p8 = os.path.join(args.dir, "llama3-8b-q4_k_m.gguf")
-    if not os.path.exists(p8):
-        t = time.perf_counter()
-        synthesize(p8, shape="llama3-8b", ftype="q4_k_m", seed=0)
-        log(f"synth 8B q4_k_m {time.perf_counter() - t:.1f} s")
+    p8 = common.synthetic(args.dir, big, "q4_k_m")
     for k in args.splits:
         t = time.perf_counter()
         e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k))
         load_s = time.perf_counter() - t
         streamed = e.plan.streamed_bytes_per_step
+        layer_bytes = max(e.plan.layer_bytes)
         bound = bw / streamed if streamed else None
         log(f"8B resident {k}: load {load_s:.1f} s, streamed/step {streamed / 2**30:.2f} GiB, "
             f"PCIe bound {bound and round(bound, 1)} tok/s (batch 1)")
         for b in args.batches:
-            steps = 32 if streamed == 0 else (6 if k <= 8 else 10)
+            steps = 3 if args.smoke else 32 if streamed == 0 else (6 if k <= 8 else 10)
             r = decode_rate(e, b, steps)
             path = decode_path(e, b)
-            row = {"model": "8b-q4_k_m", "resident_layers": k, "batch": b, "tok_s": r, "streamed_bytes": streamed,
+            row = {"model": label, "resident_layers": k, "batch": b, "tok_s": r, "streamed_bytes": streamed,
                    "pcie_bound_step_s": bound, "ratio_to_bound": (r / b / bound) if bound else None,
                    "load_s": load_s, "path": path}
             out["runs"].append(row)
             log(f"  batch {b:2d}: {r:8.1f} tok/s [{path}]" + (f"  ({r / b:.2f} steps/s = {100 * r / b / bound:.0f}% "
                                                              f"of the PCIe bound)" if bound else ""))
             save()
-        if k == 16:
+        if k == n_layers // 2:
             pr = prefill_rate(e)
-            out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "prefill_240_tok_s": pr})
+            out["runs"].append({"model": label, "resident_layers": k, "prefill_240_tok_s": pr})
             log(f"  prefill 240 tokens (one chunk): {pr:.0f} tok/s")
         free_engine(e)
         e = None
@@ -189,7 +186,7 @@ def main() -> int:
         bound = bw / streamed
         r = decode_rate(e, 1, 10)
         path = decode_path(e, 1)
-        out["runs"].append({"model": "8b-q4_k_m", "resident_layers": k, "batch": 1, "tok_s": r, "depth": args.deep_depth,
+        out["runs"].append({"model": label, "resident_layers": k, "batch": 1, "tok_s": r, "depth": args.deep_depth,
                             "streamed_bytes": streamed, "pcie_bound_step_s": bound, "ratio_to_bound": r / bound,
                             "path": path})
         log(f"8B resident {k}, depth {args.deep_depth}, batch 1: {r:.1f} tok/s [{path}] "
@@ -200,11 +197,14 @@ def main() -> int:
 
     if not args.no_odirect:
         size = os.path.getsize(p8)
-        plain = plain_odirect(p8, size)
-        log(f"plain O_DIRECT reader (8 threads, 16 MiB): {plain / 1e9:.2f} GB/s")
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=64, max_vram_layers=0,
-                                                ram_budget="300MiB"))
-        assert len(e.plan.layers("storage")) == 32, e.plan.explain()
+        chunk = (1 if args.smoke else 16) << 20
+        plain = plain_odirect(p8, size, chunk=chunk)
+        log(f"plain O_DIRECT reader (8 threads, {chunk >> 20} MiB): {plain / 1e9:.2f} GB/s")
+        # RAM for the staging buffers and less than one layer more: every layer from storage
+        # (--smoke: the tiny shape's two layers need a ring of one slot for that)
+        ram = dict(ram_budget=layer_bytes, stream_depth=1) if args.smoke else dict(ram_budget="300MiB")
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=64, max_vram_layers=0, **ram))
+        assert len(e.plan.layers("storage")) == n_layers, e.plan.explain()
         streamed = e.plan.streamed_bytes_per_step
         slot = e.open()
         e.step([(slot, [1])])  # one lap warm
@@ -217,29 +217,27 @@ def main() -> int:
         path = decode_path(e, 1)
         out["odirect"] = {"plain_Bps": plain, "tier_Bps": tier, "ratio": tier / plain, "file_bytes": size,
                           "stats": e.weights.stream.stats, "path": path}
-        log(f"O_DIRECT tier (32 storage layers, decode [{path}]): {tier / 1e9:.2f} GB/s = "
+        log(f"O_DIRECT tier ({n_layers} storage layers, decode [{path}]): {tier / 1e9:.2f} GB/s = "
             f"{100 * tier / plain:.0f}% of plain")
         free_engine(e)
         e = None
         save()
 
     if not args.no_70b:
-        p70 = os.path.join(args.dir, "llama3-70b-q4_k_m.gguf")
-        if not os.path.exists(p70):
-            t = time.perf_counter()
-            synthesize(p70, shape="llama3-70b", ftype="q4_k_m", seed=0)
-            log(f"synth 70B q4_k_m {time.perf_counter() - t:.1f} s")
+        p70 = common.synthetic(args.dir, huge, "q4_k_m")
         t = time.perf_counter()
-        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, vram_budget="24GiB"))
+        # --smoke: one of the tiny shape's two layers streamed, as most of the 70B's are in 24 GiB
+        budget = {"max_vram_layers": 1} if args.smoke else {"vram_budget": "24GiB"}
+        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, **budget))
         load_s = time.perf_counter() - t
         log(e.plan.explain(h2d_bps=bw))
         streamed = e.plan.streamed_bytes_per_step
         bound = bw / streamed
-        log(f"70B 24 GiB: load {load_s:.1f} s, streamed/step {streamed / 2**30:.2f} GiB, bound {bound:.2f} tok/s")
+        log(f"{huge} {budget}: load {load_s:.1f} s, streamed/step {streamed / 2**30:.2f} GiB, bound {bound:.2f} tok/s")
         for b in (1, 16):
             r = decode_rate(e, b, 4)
             path = decode_path(e, b)
-            out["runs"].append({"model": "70b-q4_k_m", "vram_budget": "24GiB", "batch": b, "tok_s": r,
+            out["runs"].append({"model": f"{huge}-q4_k_m", **budget, "batch": b, "tok_s": r,
                                 "resident_layers": len(e.plan.layers("vram")), "streamed_bytes": streamed,
                                 "pcie_bound_step_s": bound, "ratio_to_bound": r / b / bound, "load_s": load_s,
                                 "plan": e.plan.to_dict(), "path": path})

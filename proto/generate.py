@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the Python stubs of proto/ntransformer/v1/*.proto into client/ntx_client/_proto/.
+"""Generate the Python stubs of proto/ntransformer/v1/*.proto into client/ntx_client/proto/.
 
 The stubs are committed; tests/client/test_proto_stubs.py regenerates them into a temporary
 directory and fails if the committed ones differ. After editing a .proto run:
@@ -15,8 +15,8 @@ import re
 import sys
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
-DEFAULT_OUT = PROTO_ROOT.parent / "client" / "ntx_client" / "_proto"
-PACKAGE = "ntx_client._proto"  # where `ntransformer.v1` lands inside the installed tree
+DEFAULT_OUT = PROTO_ROOT.parent / "client" / "ntx_client" / "proto"
+PACKAGE = "ntx_client.proto"  # where `ntransformer.v1` lands inside the installed tree
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:

@@ -19,7 +19,7 @@ def _modules() -> dict[str, str]:
     for pkg, top in PACKAGES.items():
         base = os.path.join(ROOT, top)
         for d, dirs, files in os.walk(os.path.join(base, pkg)):
-            dirs[:] = [x for x in dirs if x not in ("__pycache__", "_proto")]
+            dirs[:] = [x for x in dirs if x not in ("__pycache__", "proto")]
             for f in files:
                 if f.endswith(".py"):
                     rel = os.path.relpath(os.path.join(d, f), base)[:-3].split(os.sep)

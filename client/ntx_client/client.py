@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 
 from ntx_client import channels, paths
-from ntx_client._proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 from ntx_client.errors import NtxError, connection_error, from_rpc_error
 
 # The command lines' sampling defaults, one for ntx-client and `ntx-model run`: the daemon's own

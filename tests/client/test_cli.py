@@ -96,8 +96,9 @@ def test_wait_shows_the_load_progress_until_serving():
 
 def test_wait_gives_up_on_a_failed_load_and_on_time():
     from ntx_client.errors import ConnectionFailed, NtxError
-    with pytest.raises(NtxError, match="failed to load its model: no such file"):
-        cli.wait_until_serving(_Waiting(_Status(5, error="no such file")), 60, line=cli.StatusLine(_TTY()),
+    with pytest.raises(NtxError, match="not serving: the model failed to load: no such file"):
+        cli.wait_until_serving(_Waiting(_Status(5, error="the model failed to load: no such file")), 60,
+                               line=cli.StatusLine(_TTY()),
                                sleep=lambda s: None)
     t = iter(range(100))
     with pytest.raises(ConnectionFailed, match="no socket"):
@@ -106,7 +107,7 @@ def test_wait_gives_up_on_a_failed_load_and_on_time():
 
 
 def test_status_json_keeps_zeros_and_numbers_as_numbers():
-    from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
     s = pb.StatusResponse(state=pb.SERVING_STATE_SERVING, memory_bytes=123 << 20, steps=12,
                           tokens_generated_total=1 << 40, tiers=[pb.TierStatus(name="ram", layers=30)])
     d = cli.as_dict(s)
@@ -117,7 +118,7 @@ def test_status_json_keeps_zeros_and_numbers_as_numbers():
 
 
 def test_models_table_names_the_file_and_shows_the_gguf_name(capsys):
-    from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
     info = pb.ModelInfo(name="Smollm2 135M 8k Lc100K Mix1 Ep2", path="/m/SmolLM2-135M-Instruct.Q4_1.gguf",
                         architecture="llama", n_layers=30, context_length=4096, backend="cpu", file_bytes=98 << 20)
 
@@ -156,7 +157,7 @@ def test_chat_commands_are_local(monkeypatch, capsys):
 
 
 def test_status_shows_the_storage_tier_counters():
-    from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
     from ntx_client.cli import _tier_line
     t = pb.TierStatus(name="storage", layers=29, bytes=64 << 20, bytes_per_second=1 << 20,
                       source="nvme ntxdata at 0000:00:04.0", read_bytes=3 << 30, reads=870,

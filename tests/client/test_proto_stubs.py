@@ -1,4 +1,4 @@
-"""The committed stubs in client/ntx_client/_proto are what proto/generate.py makes now."""
+"""The committed stubs in client/ntx_client/proto are what proto/generate.py makes now."""
 
 import importlib.util
 import pathlib
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "client" / "ntx_client" / "_proto"
+COMMITTED = ROOT / "client" / "ntx_client" / "proto"
 # Lines that name the generator's own version: a newer grpcio-tools changes them and nothing else.
 VERSION_LINE = re.compile(r"Protobuf Python Version|GRPC_GENERATED_VERSION = |^\s*\d+,\s*$|_runtime_version\.")
 
@@ -37,7 +37,7 @@ def test_committed_stubs_are_fresh(tmp_path):
 
 
 def test_stubs_import_and_name_the_services():
-    from ntx_client._proto.ntransformer.v1 import admin_pb2, inference_pb2
+    from ntx_client.proto.ntransformer.v1 import admin_pb2, inference_pb2
     names = {s.full_name for s in (*inference_pb2.DESCRIPTOR.services_by_name.values(),
                                    *admin_pb2.DESCRIPTOR.services_by_name.values())}
     assert names == {"ntransformer.v1.Inference", "ntransformer.v1.Admin"}

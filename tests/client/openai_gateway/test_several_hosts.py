@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ntx_client import Client, TLS
-from ntx_client._proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -134,7 +134,7 @@ def test_30_requests_spread_over_three_daemons_then_one_killed_the_rest_succeed(
         assert r.usage.completion_tokens >= 1
     spread = [_requests_total(d) - b for d, b in zip(survivors, before)]
     assert sum(spread) == 30 and min(spread) >= 5, f"requests per surviving daemon: {spread}"
-    health = gw.request("GET", "/health")[2]
+    health = gw.request("GET", "/health", headers={"Authorization": f"Bearer {API_KEY}"})[2]
     assert sorted(h["state"] for h in health["daemons"]) == ["serving", "serving", "unreachable"]
 
 
