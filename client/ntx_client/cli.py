@@ -107,7 +107,7 @@ def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | Non
                 if s.state == SERVING:
                     return
                 if s.state == FAILED:
-                    raise NtxError(f"ntransformerd failed to load its model: {s.error or 'see its log'}")
+                    raise NtxError(f"ntransformerd is not serving: {s.error or 'see its log (journalctl -u ntransformerd)'}")
                 if s.state == NO_MODEL:
                     raise NtxError("ntransformerd has no model loaded: sudo ntx-admin model load PATH")
                 line.show(f"waiting for ntransformerd: {s.load_progress or STATES.get(s.state, s.state)}"

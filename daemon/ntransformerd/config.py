@@ -22,6 +22,8 @@ from typing import Any
 
 from ntx_client import paths
 
+from ntransformerd.engine.backends import BACKENDS
+
 DEFAULT_CONFIG_FILE = "/etc/ntransformer/ntransformerd.toml"
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
           "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
@@ -205,7 +207,7 @@ KEYS: dict[str, Key] = {
     "tls_key": Key(path(empty=""), "the key of --tls-cert (PEM)", "PATH"),
     "tls_client_ca": Key(path(empty=""), "CA that signed the clients' certificates (PEM); clients must have one", "PATH"),
     "model": Key(path(empty=""), "GGUF file", "PATH", shown="the embedded SmolLM2-135M-Instruct"),
-    "backend": Key(choice("cpu", "cuda", "auto"), "cpu, cuda or auto", "NAME"),
+    "backend": Key(choice(*BACKENDS), ", ".join(BACKENDS[:-1]) + " or " + BACKENDS[-1], "NAME"),
     "vram_budget": Key(size(1 << 20), "VRAM the tier plan may use, e.g. 24GiB", "SIZE", shown="auto, what is free"),
     "pinned_budget": Key(size(1 << 20), "pinned host RAM for the tier plan, e.g. 64GiB", "SIZE",
                          shown="auto, what is free"),
@@ -255,7 +257,7 @@ class DaemonConfig:
     tls_client_ca: str = ""  # clients must present a certificate signed by this CA (PEM)
     # ---- end of TCP keys -----------------------------------------------------------------------
     model: str = ""  # GGUF path; empty: the embedded default model
-    backend: str = "auto"  # cpu | cuda | auto
+    backend: str = "auto"  # one of engine.backends.BACKENDS: cpu | cpu-ref | cuda | auto
     vram_budget: int | None = None  # bytes of VRAM the tier plan may use (None: what is free)
     pinned_budget: int | None = None  # bytes of pinned host RAM for the tier plan
     max_batch: int = 8  # sequences decoded together (KV-cache slots)

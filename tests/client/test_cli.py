@@ -96,8 +96,9 @@ def test_wait_shows_the_load_progress_until_serving():
 
 def test_wait_gives_up_on_a_failed_load_and_on_time():
     from ntx_client.errors import ConnectionFailed, NtxError
-    with pytest.raises(NtxError, match="failed to load its model: no such file"):
-        cli.wait_until_serving(_Waiting(_Status(5, error="no such file")), 60, line=cli.StatusLine(_TTY()),
+    with pytest.raises(NtxError, match="not serving: the model failed to load: no such file"):
+        cli.wait_until_serving(_Waiting(_Status(5, error="the model failed to load: no such file")), 60,
+                               line=cli.StatusLine(_TTY()),
                                sleep=lambda s: None)
     t = iter(range(100))
     with pytest.raises(ConnectionFailed, match="no socket"):

@@ -216,3 +216,62 @@ def test_fuzz_mutated_files(micro, tmp_path):
     assert slowest < 2.0, f"one file took {slowest:.2f} s"
     assert grown_mb < 200, f"peak RSS grew by {grown_mb:.0f} MB"
     assert outcomes["GGUFError"] > 1000, outcomes
+
+
+# ---- finite scales --------------------------------------------------------------------------
+
+def _tensor(qtype: Q, n_blocks: int, rng) -> "TensorInfo":
+    """A tensor of random blocks whose float fields hold finite values."""
+    from ntransformerd.engine.gguf_file import TensorInfo
+    from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
+    elems, nbytes = QUANT_BLOCKS[qtype]
+    if qtype == Q.F32:
+        data = rng.standard_normal(n_blocks).astype(np.float32).view(np.uint8)
+    elif qtype in (Q.F16, Q.BF16):
+        data = (rng.integers(0, 0x7000, n_blocks) if qtype == Q.F16 else rng.integers(0, 0x7F00, n_blocks)
+                ).astype(np.uint16).view(np.uint8)
+    else:
+        blocks = rng.integers(0, 256, n_blocks * nbytes, dtype=np.uint8).view(BLOCK_DTYPES[qtype])
+        for f in BLOCK_DTYPES[qtype].names:
+            if BLOCK_DTYPES[qtype][f] == np.float16:
+                blocks[f] = rng.standard_normal(n_blocks).astype(np.float16)
+        data = blocks.view(np.uint8)
+    return TensorInfo("blk.0.attn_q.weight", qtype, (n_blocks * elems,), 0, data.size, data)
+
+
+@pytest.mark.parametrize("qtype", [q for q in Q if q.name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")],
+    ids=lambda q: q.name)
+def test_nonfinite_scales_are_found_in_every_block_field(qtype):
+    from ntransformerd.engine.gguf_file import nonfinite_scales
+    from ntransformerd.engine.quants import BLOCK_DTYPES
+    rng = np.random.default_rng()
+    assert nonfinite_scales(_tensor(qtype, 301, rng)) is None
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        cases = [("value", v) for v in ("nan", "inf", "-inf")]
+    else:
+        cases = [(f, v) for f in BLOCK_DTYPES[qtype].names if BLOCK_DTYPES[qtype][f] == np.float16
+                 for v in ("nan", "inf", "-inf")]
+    for field, value in cases:
+        t = _tensor(qtype, 301, rng)
+        i = int(rng.integers(0, 301))
+        if field == "value":
+            vals = t.data.view({Q.F32: np.float32, Q.F16: np.float16}.get(qtype, np.uint16))
+            vals[i] = {"nan": 0x7FC0, "inf": 0x7F80, "-inf": 0xFF80}[value] if qtype == Q.BF16 else float(value)
+        else:
+            t.data.view(BLOCK_DTYPES[qtype])[field][i] = float(value)
+        assert nonfinite_scales(t) == (i, field), (field, value)
+
+
+def test_a_model_with_random_bytes_in_its_weights_is_refused(micro, tmp_path):
+    model = GGUFModel(micro)
+    model.check_finite()
+    t = model.tensors["blk.0.ffn_up.weight"]
+    data = bytearray(open(micro, "rb").read())
+    data[t.offset:t.offset + 64] = np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8).tobytes()
+    data[t.offset + 2 * t.row_bytes:t.offset + 2 * t.row_bytes + 2] = struct.pack("<e", float("nan"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_up.weight' \(.*\): block \d+ has a d scale that is NaN "
+                                        "or infinite; the file is corrupt"):
+        GGUFModel(bad).check_finite()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine.sampler import (
-    SamplingParams, Sampler, StopMatcher, apply_penalties, candidates,
+    InvalidLogits, SamplingParams, Sampler, StopMatcher, apply_penalties, candidates,
 )
 
 V = 1000
@@ -172,10 +172,48 @@ def test_bad_logits_are_rejected():
     s = Sampler(SamplingParams(), 4)
     with pytest.raises(ValueError, match="shape"):
         s.sample(np.zeros(5, np.float32), [])
-    with pytest.raises(ValueError, match="NaN"):
-        s.sample(np.array([0, np.nan, 0, 0], np.float32), [])
-    with pytest.raises(ValueError, match="-inf"):
-        s.sample(np.full(4, -np.inf, np.float32), [])
+    for row, words in (([0, np.nan, 0, 0], "NaN"), ([0, np.inf, 0, 0], r"\+inf"), ([-np.inf] * 4, "every logit is -inf")):
+        with pytest.raises(InvalidLogits, match=words):
+            s.sample(np.array(row, np.float32), [])
+        with pytest.raises(InvalidLogits, match=words):
+            s.distribution(np.array(row, np.float32), [])
+    banned = Sampler(SamplingParams(ignore_eos=True), 4, eog_ids={2})  # NaN under a banned id is still NaN
+    with pytest.raises(InvalidLogits, match="NaN"):
+        banned.sample(np.array([0, 0, np.nan, 0], np.float32), [])
+
+
+def test_tiny_temperatures_are_greedy():
+    for t in (5e-324, 1e-300, 1e-6):
+        s = Sampler(SamplingParams(temperature=t, seed=1), V)
+        assert s.params.is_greedy and s.need() == 1
+        for i in range(5):
+            y = _logits(i)
+            assert s.sample(y, []) == int(np.argmax(y))
+            ids, p = s.distribution(y, [])
+            assert ids.tolist() == [int(np.argmax(y))] and p.tolist() == [1.0]
+    assert not SamplingParams(temperature=1e-4).is_greedy
+
+
+def test_penalties_that_would_empty_the_distribution_are_refused():
+    for r in (1e-300, 1e-40, 0.001, 101.0):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+            SamplingParams(repetition_penalty=r).validate()
+    SamplingParams(repetition_penalty=0.01).validate()
+    SamplingParams(repetition_penalty=100.0).validate()
+
+
+@pytest.mark.parametrize("params", [SamplingParams.greedy(repetition_penalty=0.01),
+                                    SamplingParams(repetition_penalty=0.01, temperature=1.0, seed=3),
+                                    SamplingParams(repetition_penalty=100.0, temperature=1.0, seed=3)])
+def test_a_row_the_penalties_overflow_draws_the_unpenalised_argmax(params):
+    x = np.array([1e37, 3e38, -3e38, 0.5], np.float32)  # within float32, but x / 0.01 and x * 100 are not
+    s = Sampler(params, 4)
+    for _ in range(10):
+        assert s.sample(x, [0, 2]) == 1
+    ids, p = s.distribution(x, [0, 2])
+    assert ids.tolist() == [1] and p.tolist() == [1.0]
+    y = np.array([2.0, 1.0, -1.0, 0.5], np.float32)  # an ordinary row keeps the penalties
+    assert Sampler(SamplingParams.greedy(repetition_penalty=100.0), 4).sample(y, [0]) == 1
 
 
 # ---- validation -------------------------------------------------------------------------------

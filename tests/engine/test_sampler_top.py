@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntransformerd.engine.sampler import TOP_MAX, SamplingParams, Sampler, TopLogits, top_sorted
+from ntransformerd.engine.sampler import TOP_MAX, InvalidLogits, SamplingParams, Sampler, TopLogits, top_sorted
 
 V = 2000
 
@@ -77,8 +77,11 @@ def test_top_rows_report_nan_and_short_rows():
     top = TopLogits.of(x, 5)
     s = Sampler(SamplingParams(), V)
     assert top[0].nan == 0 and top[1].nan == 1
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(InvalidLogits, match="NaN"):
         s.sample(top[1])
+    x[0, 3] = np.inf
+    with pytest.raises(InvalidLogits, match=r"\+inf"):
+        s.sample(TopLogits.of(x, 40)[0])
     with pytest.raises(ValueError, match="most likely ids"):
         s.sample(TopLogits.of(x[:1], 3)[0])  # top_k 40 needs 40
 

@@ -65,7 +65,7 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     path = str(tmp_path / f"small-{ftype}.gguf")
     synthesize(path, shape="small", ftype=ftype, seed=3)
     m = GGUFModel(path)
-    cfg = EngineConfig(max_seqs=2, max_ctx=256)
+    cfg = EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=256)
     cpu_e = Engine(m, config=cfg)
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=256))
     assert gpu_e.backend_name == "cuda" and gpu_e._graphs is not None
@@ -79,7 +79,7 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
 
 def test_real_slice_greedy_identical(real_slice):
     m = GGUFModel(real_slice)
-    cpu_e = Engine(m, config=EngineConfig(max_seqs=1, max_ctx=256))
+    cpu_e = Engine(m, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=256))
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=256))
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = cpu_e.tokenizer.encode(text)

@@ -27,6 +27,8 @@ class FakeEngine:
         self.delay = 0.0  # seconds per step
         self.steps: list[list[tuple[int, int]]] = []  # per step: (slot, n tokens)
         self.tops: list[int | None] = []  # per step: how many most likely ids it was asked for
+        self.model = types.SimpleNamespace(metadata={"general.name": "Fake Llama"}, path="/models/fake.gguf")
+        self.fault = None  # fault(items, logits): raise, or change the logits of a step
 
     @property
     def kv(self):
@@ -52,6 +54,8 @@ class FakeEngine:
         for row, (slot, tokens) in enumerate(items):
             self.lengths[slot] += len(tokens)
             out[row, 1000 + (tokens[-1] * 7) % 1000] = 1.0  # ids 1000..1999: no end-of-generation
+        if self.fault is not None:
+            self.fault(items, out)
         return out if top is None else TopLogits.of(out, top)
 
 
@@ -69,14 +73,9 @@ def make(tokenizer, **cfg):
     return s, engine
 
 
-def iterate(s: Scheduler) -> None:
+def iterate(s: Scheduler) -> str:
     """One iteration of the scheduler loop, on this thread."""
-    with s._cv:
-        s.retire()
-        s.admit()
-        batch = s.compose()
-    if batch:
-        s.run(batch)
+    return s.iterate()
 
 
 GREEDY = SamplingParams.greedy(ignore_eos=True)
@@ -191,3 +190,120 @@ def test_steps_ask_for_the_most_likely_ids_their_samplers_need(tokenizer):
     for _ in range(4):
         iterate(s)
     assert a.generated == 3 and a.state != "decode"
+
+
+# ---- failures: the loop outlives every request ------------------------------------------------
+
+def _tokens(r) -> list[int]:
+    return [i for o in r.stream() for i in o.token_ids]
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(tokenizer):
+    s, engine = make(tokenizer, max_batch=4)
+
+    def lost(items, out):
+        engine.fault = None
+        raise RuntimeError("device lost " + "x" * 5000)
+    engine.fault = lost
+    s.start()
+    try:
+        a = s.schedule([1, 2, 3], GREEDY, max_tokens=4)
+        with pytest.raises(errors.EngineFailed, match="RuntimeError: device lost") as e:
+            list(a.stream())
+        assert len(str(e.value)) < 600  # a bounded part of the exception's text
+        b = s.schedule([4, 5], GREEDY, max_tokens=4)
+        assert len(_tokens(b)) == 4
+    finally:
+        s.stop()
+    assert len(engine.free) == 4 and s.state == "serving"
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
+    s, engine = make(tokenizer, max_batch=4)
+    a = s.schedule([1, 2, 3], GREEDY, max_tokens=6)
+    b = s.schedule([4, 5], GREEDY, max_tokens=6)
+
+    def broken(logits):
+        raise KeyError("the detokenizer lost its table")
+    a.cont.sample = broken
+    for _ in range(10):
+        iterate(s)
+    assert a.state == b.state == "done"
+    with pytest.raises(errors.EngineFailed, match="sampling its next token.*KeyError"):
+        list(a.stream())
+    assert len(_tokens(b)) == 6 and len(engine.free) == 4
+
+
+def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer):
+    faults = []
+    s, engine = make(tokenizer, max_batch=2)
+    s.on_fault = faults.append
+    a = s.schedule([1, 2, 3], GREEDY, max_tokens=6)
+    b = s.schedule([4, 5], SamplingParams(repetition_penalty=1.1, seed=1, ignore_eos=True), max_tokens=6)
+    c = s.schedule([6], GREEDY, max_tokens=6)  # queued: max_batch 2
+    iterate(s)  # a and b prefill and draw their first tokens
+    engine.fault = lambda items, out: out.__setitem__(0, np.nan)  # row 0 is a's
+    iterate(s)
+    engine.fault = None
+    for _ in range(8):
+        iterate(s)
+    for r in (a, c):
+        with pytest.raises(errors.ModelFault, match="model 'Fake Llama' produced invalid logits.*NaN"):
+            list(r.stream())
+    assert len(_tokens(b)) == 6  # its rows were fine: it finishes
+    assert s.state == "failed" and len(faults) == 1 and "ntx-admin model load" in faults[0]
+    with pytest.raises(errors.NotReady, match="Fake Llama.*ntx-admin model load"):
+        s.schedule([1], GREEDY, max_tokens=1)
+    s.detach()
+    s.attach(FakeEngine(tokenizer, slots=2))  # a good load
+    assert s.state == "serving"
+    d = s.schedule([1], GREEDY, max_tokens=2)
+    for _ in range(4):
+        iterate(s)
+    assert len(_tokens(d)) == 2
+
+
+def test_inf_logits_of_a_whole_row_are_a_model_fault_too(tokenizer):
+    s, engine = make(tokenizer, max_batch=2)
+    r = s.schedule([1, 2], SamplingParams(repetition_penalty=1.1, seed=1), max_tokens=3)  # whole rows
+    engine.fault = lambda items, out: out.__setitem__((0, 5), np.inf)
+    iterate(s)
+    iterate(s)
+    with pytest.raises(errors.ModelFault, match=r"\+inf"):
+        list(r.stream())
+    assert s.state == "failed"
+
+
+class _Pings:
+    def __init__(self):
+        self.n = 0
+
+    def watchdog(self):
+        self.n += 1
+
+
+def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
+    pings = _Pings()
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=pings)
+    s.attach(FakeEngine(tokenizer, slots=2))
+
+    def broken():
+        raise RuntimeError("the loop itself is broken")
+    s.start()
+    try:
+        end = time.monotonic() + 5
+        while pings.n < 2 and time.monotonic() < end:  # idle iterations ping
+            time.sleep(0.01)
+        assert pings.n >= 2
+        s.admit = broken
+        time.sleep(0.1)  # an iteration under way when it broke may still ping
+        n = pings.n
+        time.sleep(1.2)
+        assert pings.n == n
+        del s.admit
+        end = time.monotonic() + 5
+        while pings.n == n and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pings.n > n
+    finally:
+        s.stop()

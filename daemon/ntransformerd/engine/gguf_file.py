@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ntransformerd.engine.quants import QUANT_BLOCKS, dequantize, dequantize_rows
+from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, dequantize, dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -127,6 +127,32 @@ def _scan_header(path: str, buf: memoryview) -> None:
         except ValueError:
             raise GGUFError(path, f"tensor {name!r}: unknown tensor type {ttype}") from None
         u64(f"tensor {name!r} offset")
+
+
+# Where a value is NaN or infinite: all exponent bits set (IEEE 754), per float type by its bits.
+_NONFINITE_BITS = {GGMLQuantizationType.F16: (np.uint16, 0x7C00), GGMLQuantizationType.BF16: (np.uint16, 0x7F80),
+                   GGMLQuantizationType.F32: (np.uint32, 0x7F800000)}
+
+
+def nonfinite_scales(t: "TensorInfo") -> tuple[int, str] | None:
+    """(first block, field) of `t` whose float is NaN or infinite, or None.
+
+    For a quantized tensor, its blocks' f16 scale fields (d, dmin, m: every float a block
+    holds; the K-quants' sub-block scales are small integers); for F32, F16 and BF16 every value
+    (their "block" is one value). Reads 2 of every 18-210 bytes of a quantized tensor.
+    """
+    if t.qtype in _NONFINITE_BITS:
+        utype, mask = _NONFINITE_BITS[t.qtype]
+        bad = np.flatnonzero((np.asarray(t.data).view(utype) & mask) == mask)
+        return (int(bad[0]), "value") if bad.size else None
+    dtype = BLOCK_DTYPES[t.qtype]
+    blocks = np.asarray(t.data).view(np.uint8).reshape(-1).view(dtype)
+    for field in dtype.names:
+        if dtype[field] == np.float16:
+            bad = np.flatnonzero((blocks[field].view(np.uint16) & 0x7C00) == 0x7C00)
+            if bad.size:
+                return int(bad[0]), field
+    return None
 
 
 def _metadata_value(field) -> Any:
@@ -325,6 +351,17 @@ class GGUFModel:
             if len(shape) == 1 and t.qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                   GGMLQuantizationType.BF16):
                 raise GGUFError(self.path, f"tensor {name!r} is {t.qtype.name}; norms must be F32/F16/BF16")
+
+    def check_finite(self) -> None:
+        """Raise GGUFError naming the first tensor whose scales (or, for float tensors, values)
+        hold NaN or infinity: such a model can only produce invalid logits. See nonfinite_scales."""
+        for t in self.tensors.values():
+            bad = nonfinite_scales(t)
+            if bad is not None:
+                i, field = bad
+                where = f"value {i}" if field == "value" else f"block {i} has a {field} scale that"
+                raise GGUFError(self.path, f"tensor {t.name!r} ({t.qtype.name}): {where} is NaN or infinite; "
+                                           "the file is corrupt or was written wrong: download or convert it again")
 
     # ---- tensor access --------------------------------------------------------------------
 

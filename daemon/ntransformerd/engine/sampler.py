@@ -9,7 +9,14 @@ min-p -> temperature -> draw. Each step follows its llama-sampling.cpp counterpa
 * top-k keeps the k largest logits (0 = off);
 * top-p keeps the smallest prefix of the sorted distribution whose probability reaches p;
 * min-p keeps ids whose probability is at least ``min_p`` times the largest one;
-* temperature divides the logits; 0 means greedy: the largest logit, lowest id on ties.
+* temperature divides the logits; below ``GREEDY_BELOW`` (0 included) it is greedy: the largest
+  logit, lowest id on ties (dividing by a vanishing temperature would overflow).
+
+Logits that hold NaN or +inf, or no finite value, are the model's fault, not the request's:
+the sampler raises ``InvalidLogits`` so the caller can tell the two apart. Every parameter range
+keeps a finite row finite, so the chain always has a candidate; should the penalties still push
+a row out of range (logits near float32's limit), that token is the argmax of the unpenalised
+row (``unpenalised_fallback``).
 
 Thread rule: a ``Sampler`` and a ``StopMatcher`` belong to one sequence and one thread. Each
 ``Sampler`` owns its numpy Generator, so a seed reproduces a sequence whatever else runs.
@@ -23,21 +30,30 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow", "draw_from"]
+__all__ = ["GREEDY_BELOW", "InvalidLogits", "SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow",
+           "draw_from"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # |logit| grows at most 100x: a finite row stays finite
+
+
+class InvalidLogits(ValueError):
+    """A row of logits no token can be drawn from (NaN, +inf, nothing finite): the model or its
+    backend is broken; no sampling parameter causes it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to choose each next token. Defaults are llama.cpp's (llama-cli / llama-server).
 
-    temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+    temperature: below GREEDY_BELOW (1e-5; 0 included) greedy (argmax); otherwise logits are
+        divided by it.
     top_k: keep the k most likely ids; 0 = off.
     top_p: nucleus sampling, in (0, 1]; 1 = off.
     min_p: drop ids less likely than min_p x the most likely one, in [0, 1]; 0 = off.
-    repetition_penalty: > 0; 1 = off. frequency_penalty, presence_penalty: in [-2, 2]; 0 = off.
+    repetition_penalty: in [0.01, 100]; 1 = off. frequency_penalty, presence_penalty: in [-2, 2]; 0 = off.
     penalty_last_n: how many of the latest history ids the penalties look at; 0 = none,
         -1 = the whole history.
     seed: None draws a fresh seed from the OS; an int in [0, 2**64) makes sampling repeatable.
@@ -62,6 +78,11 @@ class SamplingParams:
         # a list is a natural thing to pass; keep the dataclass hashable and immutable
         if isinstance(self.stop, (list, str)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: a temperature below GREEDY_BELOW."""
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def greedy(cls, **overrides) -> "SamplingParams":
@@ -92,7 +113,7 @@ class SamplingParams:
         integer("top_k", 0, 2**31 - 1)
         number("top_p", 0.0, 1.0, lo_open=True)
         number("min_p", 0.0, 1.0)
-        number("repetition_penalty", 0.0, 100.0, lo_open=True)
+        number("repetition_penalty", *REPETITION_PENALTY_RANGE)
         number("frequency_penalty", -2.0, 2.0)
         number("presence_penalty", -2.0, 2.0)
         integer("penalty_last_n", -1, 2**31 - 1)
@@ -135,23 +156,36 @@ class Sampler:
         if isinstance(logits, TopRow):
             return self.sample_top(logits)
         p = self.params
-        logits = np.asarray(logits)
-        if logits.shape != (self.vocab_size,):
-            raise ValueError(f"logits must have shape ({self.vocab_size},), got {logits.shape}")
-        if np.isnan(logits).any():
-            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
-        x = logits.astype(np.float32, copy=True)
-        if self._banned is not None and self._banned.size:
-            x[self._banned] = -np.inf
-        x = apply_penalties(x, history, p)
-        if not np.isfinite(x.max()):
-            raise ValueError("no token can be drawn: every logit is -inf")
-
-        if p.temperature == 0.0:
+        x = self._penalised(logits, history)
+        if p.is_greedy:
             return int(np.argmax(x))  # first maximum: the lowest id wins ties
-
         ids = top_sorted(x, p.top_k)
         return self._draw(ids, x[ids])
+
+    def _penalised(self, logits, history: Sequence[int]) -> np.ndarray:
+        """A float32 copy of the row, checked, with the ignore_eos ban and the penalties applied.
+
+        InvalidLogits for NaN, +inf or no finite logit. Where the penalties leave no finite
+        maximum (only possible for logits near float32's limit) the row is the unpenalised one
+        reduced to its argmax: that token is drawn whatever the filters (unpenalised_fallback).
+        """
+        x = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if x.shape != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},), got {np.shape(logits)}")
+        top = x.max()  # NaN if any is NaN
+        if np.isnan(top):
+            raise InvalidLogits("logits contain NaN: the forward pass produced invalid numbers")
+        if top == np.inf:
+            raise InvalidLogits("logits contain +inf: the forward pass overflowed")
+        x = x.copy()
+        if self._banned is not None and self._banned.size:
+            x[self._banned] = -np.inf
+        if x.max() == -np.inf:
+            raise InvalidLogits("no token can be drawn: every logit is -inf")
+        y = apply_penalties(x.copy(), history, self.params)
+        if np.isfinite(y.max()):
+            return y
+        return unpenalised_fallback(x)
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The distribution sample() draws from: (ids, probabilities float64), most likely first.
@@ -161,17 +195,8 @@ class Sampler:
         against exactly this distribution, so accepting by it keeps sample()'s distribution.
         """
         p = self.params
-        x = np.asarray(logits, dtype=np.float32).reshape(-1).copy()
-        if x.shape != (self.vocab_size,):
-            raise ValueError(f"logits must have shape ({self.vocab_size},), got {x.shape}")
-        if np.isnan(x).any():
-            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
-        if self._banned is not None and self._banned.size:
-            x[self._banned] = -np.inf
-        x = apply_penalties(x, history, p)
-        if not np.isfinite(x.max()):
-            raise ValueError("no token can be drawn: every logit is -inf")
-        if p.temperature == 0.0:
+        x = self._penalised(logits, history)
+        if p.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)
         ids = top_sorted(x, p.top_k)
         ids, v = filter_candidates(ids, x[ids], p.top_p, p.min_p)
@@ -188,7 +213,7 @@ class Sampler:
                                       or p.presence_penalty != 0.0):
             return None
         banned = 0 if self._banned is None else self._banned.size
-        k = 1 if p.temperature == 0.0 else p.top_k
+        k = 1 if p.is_greedy else p.top_k
         if k <= 0 or k + banned > TOP_MAX:
             return None
         return min(k + banned, self.vocab_size)
@@ -200,16 +225,18 @@ class Sampler:
         if n is None:
             raise ValueError("these sampling parameters need the whole row of logits")
         if top.nan:
-            raise ValueError("logits contain NaN: the forward pass produced invalid numbers")
+            raise InvalidLogits("logits contain NaN: the forward pass produced invalid numbers")
         if top.ids.size < n:
             raise ValueError(f"sampling needs the {n} most likely ids, got {top.ids.size}")
         ids, v = top.ids, top.vals
+        if v.size and v[0] == np.inf:
+            raise InvalidLogits("logits contain +inf: the forward pass overflowed")
         if self._banned is not None and self._banned.size:
             keep = ~np.isin(ids, self._banned)
             ids, v = ids[keep], v[keep]
-        if not np.isfinite(v[0]):
-            raise ValueError("no token can be drawn: every logit is -inf")
-        if p.temperature == 0.0:
+        if v.size == 0 or v[0] == -np.inf:
+            raise InvalidLogits("no token can be drawn: every logit is -inf")
+        if p.is_greedy:
             return int(ids[0])
         k = min(p.top_k, self.vocab_size)
         return self._draw(ids[:k], v[:k])
@@ -281,10 +308,19 @@ def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) ->
     tail = tail[(tail >= 0) & (tail < x.shape[0])]
     ids, counts = np.unique(tail, return_counts=True)
     v = x[ids]
-    v = np.where(v <= 0, v * np.float32(p.repetition_penalty), v / np.float32(p.repetition_penalty))
+    with np.errstate(over="ignore"):  # an overflow is the caller's to handle (Sampler: unpenalised_fallback)
+        v = np.where(v <= 0, v * np.float32(p.repetition_penalty), v / np.float32(p.repetition_penalty))
     v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
     x[ids] = v.astype(np.float32)
     return x
+
+
+def unpenalised_fallback(x: np.ndarray) -> np.ndarray:
+    """The row reduced to its argmax (0 there, -inf elsewhere): what the chain draws from when
+    the penalties push a row out of float32's range. Every filter then keeps that one id."""
+    y = np.full_like(x, -np.inf)
+    y[int(np.argmax(x))] = 0.0
+    return y
 
 
 def top_sorted(x: np.ndarray, top_k: int) -> np.ndarray:

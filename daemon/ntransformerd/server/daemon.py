@@ -42,7 +42,7 @@ class Daemon:
                  run_dir: str | None = None, state_dir: str | None = None):
         self.config = config
         self.notifier = notifier or Notifier()
-        self.scheduler = Scheduler(config=config, notifier=self.notifier)
+        self.scheduler = Scheduler(config=config, notifier=self.notifier, on_fault=self._model_fault)
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._stop_timeout: float | None = None
@@ -101,7 +101,8 @@ class Daemon:
         """Stop with exit status `code`; `why` stays the unit's STATUS= after the exit."""
         self.exit_code, self._exit_reason = code, why
         self.notifier.status(why)
-        self.scheduler.fail(why)
+        if self.scheduler.state != "failed":  # a failed load already said why
+            self.scheduler.fail(f"ntransformerd is stopping: {why}")
         self.request_shutdown(0)
 
     def _bring_up(self):
@@ -156,6 +157,11 @@ class Daemon:
         log.info("nvme: recovered; serving again")
         self.notifier.status(self._serving_status())
 
+    def _model_fault(self, reason: str) -> None:
+        """The scheduler found the model broken (its logits): not serving until a good load."""
+        self.set_health(False)
+        self.notifier.status(f"not serving: {reason}")
+
     def _serving_status(self) -> str:
         e = self.scheduler.engine
         return f"serving {model_name(e)} on {self.config.socket} ({e.backend_name})" if e else "no model"
@@ -206,7 +212,7 @@ class Daemon:
             except Exception as e:
                 where = path or self.config.model or "the default model"
                 if old is None:
-                    self.scheduler.fail(f"{e}")
+                    self.scheduler.fail(f"the model failed to load: {e}")
                     self.notifier.status(f"failed to load {where}: {e}")
                 else:
                     log.error("keeping %s: loading %s failed: %s", model_name(old), where, e)
@@ -271,6 +277,8 @@ class Daemon:
         try:
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
                 fill(set(range(n)) - set(_storage_layers(model, ecfg)))
+            progress("checking the model's scales", 0.02)
+            model.check_finite()  # a NaN scale would only show as NaN logits, request by request
             model.on_layer_loaded(loaded)
             try:
                 engine = Engine(model, config=ecfg)
@@ -300,6 +308,8 @@ class Daemon:
 
         c = self.config
         draft_engine = speculative.load_draft_engine(c.draft, engine) if c.draft else None
+        if draft_engine is not None:
+            draft_engine.model.check_finite()
         if show:
             self._progress("measuring step costs for speculative decoding", 0.97)
         verify = speculative.time_steps(engine, (1, 2, 4, 8, 16), repeats=3)

@@ -37,6 +37,12 @@ class EngineFailed(ServiceError):
     """The engine raised while running this request's batch; the daemon keeps serving."""
 
 
+class ModelFault(ServiceError):
+    """The loaded model produced logits no token can be drawn from (NaN, infinity): the model or
+    its backend is broken. The request fails, and the daemon stops serving that model until a
+    good one is loaded."""
+
+
 class StorageUnavailable(ServiceError):
     """The storage the model streams from (the NVMe drive) failed under this request; the daemon
     brings it up again and serves once it is back."""

@@ -22,6 +22,15 @@ The request path, in the order it runs:
 Each Request carries its own Sampler, StopMatcher and Detokenizer and follows exactly the rules
 of `engine.generate`, so a request's output is the one it would get alone (up to the engine's
 batch-invariance; see tests/server/test_scheduler.py).
+
+Failures never end the loop. What raises while serving one request (admitting it, its prefix
+cache, its drafts, sampling, detokenizing) fails that request alone; an engine step that raises
+fails the requests of that step, since it cannot tell whose row was at fault. Logits no token
+can be drawn from (NaN, +inf: sampler.InvalidLogits) fail their requests with a ModelFault
+naming the model, and the scheduler stops serving that model (state "failed", `on_fault` tells
+the daemon, which turns health NOT_SERVING) until another is attached. The systemd watchdog is
+pinged after each iteration that gets through; a step that never returns, or a loop that
+fails outside any request's work on every iteration, stops the pings.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,12 +47,14 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine.sampler import InvalidLogits
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
-                                         NotReady, QueueFull, ServiceError, ShuttingDown)
+                                         ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown)
 from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
 
 log = logging.getLogger("ntransformerd")
 RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the last seconds
+MAX_DETAIL_CHARS = 300  # of an unexpected exception's text in a client's error message
 
 _ids = itertools.count(1)
 
@@ -111,9 +123,10 @@ class Request:
 class Scheduler:
     """Owns the engine from one thread; other threads tokenize, schedule, cancel and read status."""
 
-    def __init__(self, *, config, notifier):
+    def __init__(self, *, config, notifier, on_fault=None):
         self.config = config
         self.notifier = notifier
+        self.on_fault = on_fault  # on_fault(reason), scheduler thread: the model was found broken
         self.engine = None
         self.draft_engine = None  # --draft: a small same-vocabulary model for speculation
         self.costs = None  # speculative.StepCosts measured at load
@@ -163,6 +176,7 @@ class Scheduler:
             return engine
 
     def fail(self, message: str) -> None:
+        """Stop serving: new requests get NotReady(message), which names the cause and the fix."""
         with self._cv:
             self.state, self.error = "failed", message
 
@@ -206,7 +220,7 @@ class Scheduler:
                 raise NotReady(f"the model is still loading ({self.load_progress}): retry in a few seconds; "
                                "ntx-client status shows progress")
             if self.state == "failed":
-                raise NotReady(f"the model failed to load: {self.error}")
+                raise NotReady(self.error)
             raise NotReady("no model is loaded: load one with the Admin LoadModel verb (as root)")
         return engine
 
@@ -282,24 +296,88 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            self.notifier.watchdog()  # from here, so a stuck step stops the pings
             with self._cv:
                 if self._stop:
                     break
-                self.retire()
-                self.admit()
-                if not self._live:
-                    self._cv.wait(0.5)
-                    continue
-                batch = self.compose()
-            self.run(batch)
+            outcome = self.iterate()
+            if outcome != "failed":
+                self.notifier.watchdog()  # only an iteration that got through pings
+            if outcome == "idle":
+                with self._cv:
+                    if not self._stop and not self._queue:
+                        self._cv.wait(0.5)
+            elif outcome == "failed":
+                time.sleep(0.05)  # a fault that repeats must not spin the loop hot
         with self._cv:
             for r in list(self._queue) + list(self._live):
                 r.cancel(ShuttingDown("ntransformerd stopped"))
             self.retire()
 
+    def iterate(self) -> str:
+        """One iteration: retire → admit → compose → run. "stepped", "idle" (nothing live) or
+        "failed": something outside any one request's work raised; it is logged and the requests
+        of the iteration's step (all live ones, before a step was composed) fail. Never raises."""
+        batch: list = []
+        try:
+            with self._cv:
+                self.retire()
+                self.admit()
+                if not self._live:
+                    return "idle"
+                batch = self.compose()
+            if batch:
+                self.run(batch)
+            return "stepped"
+        except Exception as e:  # noqa: BLE001 - the loop outlives any bug in one iteration
+            log.exception("scheduler iteration failed")
+            with self._cv:
+                for r in [r for r, _, _ in batch] or list(self._live):
+                    self.fail_request(r, e, "scheduling it")
+            return "failed"
+
+    def fail_request(self, r: Request, exc: BaseException, doing: str) -> None:
+        """r ends with the status of `exc` (raised while `doing` r's work) at the next retire();
+        the others go on. Logits no token can be drawn from also stop serving the model."""
+        if isinstance(exc, ServiceError):
+            err = exc
+        elif isinstance(exc, InvalidLogits):
+            err = self.model_fault(exc)
+        else:
+            log.error("request %d failed while %s", r.id, doing, exc_info=exc)
+            detail = f"{type(exc).__name__}: {exc}"
+            if len(detail) > MAX_DETAIL_CHARS:
+                detail = detail[:MAX_DETAIL_CHARS] + "…"
+            err = EngineFailed(f"ntransformerd failed while {doing} ({detail}); it keeps serving: retry, and "
+                               "if it repeats, report it with the daemon's log (journalctl -u ntransformerd)")
+        r.prefix_cache = False  # whatever its KV holds is not worth reusing
+        r.cancel(err)
+
+    def model_fault(self, exc: BaseException) -> ModelFault:
+        """The model produced logits no token can be drawn from: stop serving it (new requests get
+        NotReady naming why) and tell the daemon; the error for the requests that met it."""
+        try:
+            name = repr(model_name(self.engine))
+        except Exception:  # noqa: BLE001 - the reason must come out whatever the engine lacks
+            name = "loaded"
+        reason = (f"the model {name} produced invalid logits ({exc}); the file or the backend is broken: "
+                  "ntransformerd stopped serving it; load a good model with `sudo ntx-admin model load PATH`")
+        with self._cv:
+            first = self.state == "serving"
+            if first:
+                self.state, self.error = "failed", reason
+                for q in self._queue:
+                    q.cancel(ModelFault(reason))
+        if first:
+            log.error("%s", reason)
+            if self.on_fault is not None:
+                try:
+                    self.on_fault(reason)
+                except Exception:  # noqa: BLE001 - the requests still fail with the reason
+                    log.exception("reporting the model fault")
+        return ModelFault(reason)
+
     def retire(self) -> None:
-        """Requests that finished, were cancelled or ran past their deadline leave the batch."""
+        """Requests that finished, failed, were cancelled or ran past their deadline leave the batch."""
         now = time.monotonic()
         for r in list(self._queue) + list(self._live):
             if r.error is None and r.state != "done" and r.deadline is not None and now > r.deadline:
@@ -309,26 +387,48 @@ class Scheduler:
                 continue
             if r in self._queue:
                 self._queue.remove(r)
-            else:
+            elif r in self._live:
                 self._live.remove(r)
-                if r.spec is not None:
-                    r.speculator.close(r.spec)
-                    r.spec = None
-                if self.engine is not None and r.slot >= 0:
-                    self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache)
-            if r.state != "done":
-                r.state = "done"
-                r.outputs.put(r.error)
-            r.outputs.put(None)
-            self._cv.notify_all()
+                self._release(r)
+            self._end(r)
+
+    def _release(self, r: Request) -> None:
+        """r's draft state and KV slot go back (its KV to the prefix cache); a failure here is
+        logged, never passed on to r or the next request."""
+        if r.spec is not None:
+            try:
+                r.speculator.close(r.spec)
+            except Exception:  # noqa: BLE001
+                log.exception("closing the draft state of request %d", r.id)
+            r.spec = None
+        if self.engine is not None and r.slot >= 0:
+            try:
+                self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache)
+            except Exception:  # noqa: BLE001
+                log.exception("freeing KV slot %d of request %d", r.slot, r.id)
+            r.slot = -1
+
+    def _end(self, r: Request) -> None:
+        """r's stream ends: with its error, unless it finished."""
+        if r.state != "done":
+            r.state = "done"
+            r.outputs.put(r.error)
+        r.outputs.put(None)
+        self._cv.notify_all()
 
     def admit(self) -> None:
         """Queued requests take free KV-cache slots, oldest first, each starting from the
         longest prefix of its prompt that a free or live slot holds."""
-        while self._queue and len(self._live) < self.config.max_batch and self.engine.kv.free_slots:
+        while self._queue and self.engine is not None and len(self._live) < self.config.max_batch \
+                and self.engine.kv.free_slots:
             r = self._queue.popleft()
-            live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-            r.slot, r.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache)
+            try:
+                live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
+                r.slot, r.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache)
+            except Exception as e:  # noqa: BLE001
+                self.fail_request(r, e, "giving it a KV-cache slot")
+                self._end(r)
+                continue
             r.cached = r.prefilled
             r.state, r.t_admitted = "prefill", time.monotonic()
             self.prompt_tokens_total += len(r.prompt_ids)
@@ -362,8 +462,12 @@ class Scheduler:
                 batch.append((r, [r.next_token], True))
         for r in self._live:
             if r.state == "prefill" and r.prefix_cache and self.prefix.enabled:
-                live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-                filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live)
+                try:
+                    live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
+                    filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live)
+                except Exception as e:  # noqa: BLE001
+                    self.fail_request(r, e, "copying its prompt's cached keys and values")
+                    continue
                 r.cached += filled - r.prefilled
                 r.prefilled = filled
             if r.state == "prefill" and budget > 0 and not self._waits_for_shared_prefill(r):
@@ -381,7 +485,16 @@ class Scheduler:
                 groups.setdefault(id(r.speculator), []).append(r)
         proposals = {}
         for reqs in groups.values():
-            for r, p in zip(reqs, reqs[0].speculator.plan([r.spec for r in reqs])):
+            try:
+                planned = reqs[0].speculator.plan([r.spec for r in reqs])
+            except Exception as e:  # noqa: BLE001 - a draft source's fault fails its own requests
+                if isinstance(e, InvalidLogits):  # the draft's logits: not a reason to stop serving the model
+                    e = EngineFailed(f"the draft {reqs[0].speculator.draft.name} produced invalid logits ({e}): "
+                                     "retry with another speculative mode (e.g. --speculative off)")
+                for r in reqs:
+                    self.fail_request(r, e, "drafting tokens for it")
+                continue
+            for r, p in zip(reqs, planned):
                 proposals[r.id] = p
         return proposals
 
@@ -394,8 +507,8 @@ class Scheduler:
         top = max(needs) if needs and None not in needs else None
         if any(r.speculator is not None for r, _, _ in batch):  # speculation verifies whole rows
             top = None
+        proposals = self.draft(batch)
         try:
-            proposals = self.draft(batch)
             items = [(r.slot, tokens + proposals[r.id].tokens if r.id in proposals else tokens) for r, tokens, _ in batch]
             if any(p.tokens for p in proposals.values()):  # every row of a verified draft is needed
                 flat = engine.step(items, all_logits=True)
@@ -407,30 +520,18 @@ class Scheduler:
                           for i in range(len(batch))]
         except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
             log.exception("engine step failed for requests %s", [r.id for r, _, _ in batch])
-            with self._cv:
-                # a domain error (the drive under the stream failed) keeps its own status code
-                err = e if isinstance(e, ServiceError) else \
-                    EngineFailed(f"the engine failed on this batch: {e}; the daemon keeps serving, retry")
-                for r, _, _ in batch:
-                    r.cancel(err)
+            # a domain error (the drive under the stream failed) keeps its own status code
+            for r, _, _ in batch:
+                self.fail_request(r, e, "running the model on its batch")
             return
         n_new = 0
         for (r, tokens, complete), row in zip(batch, logits):
-            if r.state == "prefill":
-                r.prefilled += len(tokens)
-                self.prefill_tokens_total += len(tokens)
-                if not complete:
-                    continue
-                r.state, r.t_first = "decode", time.monotonic()
-                if r.speculator is not None:  # from its first token on, a speculating request draws by its seed
-                    r.spec = r.speculator.open(r.cont, r.slot)
-                    n_new += self.stream_tokens(engine, r, [r.spec.first(row[-1] if row.ndim == 2 else row)])
-                    continue
-            if r.id in proposals:
-                n_new += self.stream_tokens(engine, r, r.speculator.accept(r.spec, row, proposals[r.id]))
+            if r.error is not None:  # failed this step (its draft); retire() ends it
                 continue
-            self.sample_and_stream(engine, r, row)
-            n_new += 1
+            try:
+                n_new += self.advance(engine, r, tokens, complete, row, proposals.get(r.id))
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.fail_request(r, e, "sampling its next token")
         with self._cv:
             self.steps += 1
             self.tokens_total += n_new
@@ -439,6 +540,23 @@ class Scheduler:
             self._recent.append((now, n_new))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
+
+    def advance(self, engine, r: Request, tokens: list[int], complete: bool, row, proposal) -> int:
+        """r's share of a step: its prompt progress, or its next tokens sampled and streamed.
+        Returns how many tokens it generated."""
+        if r.state == "prefill":
+            r.prefilled += len(tokens)
+            self.prefill_tokens_total += len(tokens)
+            if not complete:
+                return 0
+            r.state, r.t_first = "decode", time.monotonic()
+            if r.speculator is not None:  # from its first token on, a speculating request draws by its seed
+                r.spec = r.speculator.open(r.cont, r.slot)
+                return self.stream_tokens(engine, r, [r.spec.first(row[-1] if row.ndim == 2 else row)])
+        if proposal is not None:
+            return self.stream_tokens(engine, r, r.speculator.accept(r.spec, row, proposal))
+        self.sample_and_stream(engine, r, row)
+        return 1
 
     def sample_and_stream(self, engine, r: Request, logits) -> None:
         """sample → detokenize → stop strings → stream; the same rules as engine.generate."""
@@ -513,6 +631,11 @@ class Scheduler:
                         prefix_cached_slots=len(self.prefix.held) if self.prefix else 0,
                         uptime=now - self.t_start, requests=reqs, speculation=speculation,
                         skip_layers=list(getattr(getattr(self.engine, "config", None), "skip_layers", None) or ()))
+
+
+def model_name(engine) -> str:
+    """The model's name as clients see it: general.name, else the file name."""
+    return str(engine.model.metadata.get("general.name") or os.path.basename(engine.model.path))
 
 
 def encode_chat(engine, messages: Sequence[dict]) -> list[int]:

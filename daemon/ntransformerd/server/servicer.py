@@ -15,8 +15,9 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.server import errors
-from ntransformerd.server.scheduler import Scheduler
+from ntransformerd.server.scheduler import Scheduler, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
@@ -30,6 +31,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
     errors.EngineFailed: grpc.StatusCode.INTERNAL,
+    errors.ModelFault: grpc.StatusCode.INTERNAL,
     errors.StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate, tokenizer, chat template
 }
@@ -122,10 +124,6 @@ def _check_model(name: str, scheduler: Scheduler) -> None:
     if name and engine is not None and name not in (model_name(engine), os.path.basename(engine.model.path)):
         raise errors.InvalidRequest(f"unknown model {name!r}: this daemon serves {model_name(engine)!r} "
                                     "(ntx-client models); leave model empty for the loaded one")
-
-
-def model_name(engine) -> str:
-    return str(engine.model.metadata.get("general.name") or os.path.basename(engine.model.path))
 
 
 def sampling_params(request: pb.GenerateRequest, max_tokens: int):
@@ -307,8 +305,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     @rpc
     def LoadModel(self, request, context):
-        if request.backend and request.backend not in ("cpu", "cuda", "auto"):
-            raise errors.InvalidRequest(f"backend {request.backend!r}: use cpu, cuda or auto")
+        if request.backend and request.backend not in BACKENDS:
+            raise errors.InvalidRequest(f"backend {request.backend[:40]!r}: use {', '.join(BACKENDS)}")
         if request.path and not os.path.isfile(request.path):
             raise errors.InvalidRequest(f"no model file at {request.path}: give the path of a .gguf file")
         return model_info(self.daemon.load_model(request.path or None, request.backend or None))

@@ -22,6 +22,7 @@ import os
 import re
 
 VRAM, PINNED, STORAGE = "vram", "pinned", "storage"
+HOST = "host"  # computed by the host where it lies (RAM, the page cache), not brought to the GPU
 SKIP = "skip"  # a skipped layer (layer skip): neither loaded, computed nor streamed
 TIERS = (VRAM, PINNED, STORAGE)
 GiB = 1 << 30
@@ -179,6 +180,11 @@ class Plan:
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)
+
+
+def resident_plan(layer_bytes) -> Plan:
+    """Every layer resident (the plan a device without budgets loads)."""
+    return Plan((VRAM,) * len(layer_bytes), tuple(layer_bytes), 0, 0, 0, 0, 0, -1, -1)
 
 
 def plan_tiers(layer_bytes: list[int], *, skip=(), **kw) -> Plan:

@@ -184,6 +184,13 @@ class StepGraphs:
         b, m = self.launch(slots, tokens, layers, advance=advance)
         return b.ids[:m].get(stream=self.stream)
 
+    def run_step(self, segments, *, layers=None, all_logits: bool = False, top: int | None = None):
+        """The engine's step on covered segments: host logits, or with top a TopLogits."""
+        slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
+        if top is not None:
+            return self.top(slots, toks, top, layers=layers, last_only=not all_logits)
+        return self.ops.to_host(self.logits(slots, toks, layers=layers, last_only=not all_logits))
+
     def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True, advance: bool = False) -> TopLogits:
         """One step; each row's (or each sequence's last row's) n most likely ids and their
         logits: a few hundred bytes to the host instead of the logits (Sampler.need)."""

@@ -1,0 +1,304 @@
+/* A recorded step: model.forward's op list, run by a team of threads in one call.
+ *
+ * Python records model.forward once per step shape (backends/host/record.py) into an array
+ * of ntx_instr; ntx_step runs it. Row counts, token ids, positions and KV slots are read from
+ * the step's header at run time, so one recording serves every batch of its shape. Threads
+ * split each instruction's work (rows, columns or (row, KV head) pairs) and meet at a barrier
+ * after it, unless the instruction says the next one reads nothing it writes (the members of a
+ * stacked matmul). One team per step: the threads are created once (OpenMP) and spin briefly
+ * between steps.
+ */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "ntx_cpu.h"
+#include "ntx_step.h"
+
+static inline int64_t rows_of(const ntx_header *h, int32_t sel) {
+    return sel == NTX_ROWS_OUT ? h->n_out : h->n_rows;
+}
+
+/* [lo, hi) of n items for thread t of nt, in chunks of `align` items. */
+static inline void share(int64_t n, int64_t align, int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t chunks = (n + align - 1) / align;
+    int64_t per = chunks / nt, extra = chunks % nt;
+    int64_t c0 = t * per + (t < extra ? t : extra);
+    int64_t c1 = c0 + per + (t < extra ? 1 : 0);
+    *lo = c0 * align < n ? c0 * align : n;
+    *hi = c1 * align < n ? c1 * align : n;
+}
+
+static inline float *F(char *arena, int64_t off) { return (float *)(arena + off); }
+
+static void op_embed(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    int64_t lo, hi;
+    share(h->n_rows, 1, t, nt, &lo, &hi);
+    if (hi > lo)
+        ntx_dequantize_rows(in->wtype, in->w, (size_t)in->w_row_bytes, in->n, h->tokens + lo,
+                            (int)(hi - lo), F(arena, in->out) + lo * in->n);
+}
+
+static void op_rms_norm(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    int64_t lo, hi, n = in->n;
+    share(rows_of(h, in->rows), 1, t, nt, &lo, &hi);
+    const float *w = (const float *)in->w;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *x = F(arena, in->x) + r * n;
+        float *y = F(arena, in->out) + r * n;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+        float k = 1.0f / sqrtf(ss / (float)n + in->eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) y[i] = (x[i] * k) * w[i];
+        if (in->y >= 0) /* fused: the row quantized for the matmuls that read it */
+            ntx_quantize_act(in->wtype, y, 1, (int)n, (int)n,
+                             arena + in->y + r * ntx_act_row_bytes(in->wtype, (int)n));
+    }
+}
+
+static void op_quant(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    int64_t lo, hi;
+    share(rows_of(h, in->rows), 1, t, nt, &lo, &hi);
+    size_t rb = ntx_act_row_bytes(in->wtype, in->n);
+    if (hi > lo)
+        ntx_quantize_act(in->wtype, F(arena, in->x) + lo * in->n, (int)(hi - lo), in->n, in->n,
+                         arena + in->out + lo * rb);
+}
+
+static void op_matmul(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    int64_t lo, hi;
+    share(in->m, 16, t, nt, &lo, &hi);
+    if (hi <= lo) return;
+    const void *act = in->wtype == NTX_F32 || in->wtype == NTX_F16 || in->wtype == NTX_BF16
+                          ? (const void *)F(arena, in->x) : (const void *)(arena + in->x);
+    ntx_gemm(in->wtype, in->w, (size_t)in->w_row_bytes, in->n, (int)lo, (int)hi, act,
+             (int)rows_of(h, in->rows), F(arena, in->out), in->m,
+             in->res >= 0 ? F(arena, in->res) : NULL);
+}
+
+static void op_swiglu(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    const float *g = F(arena, in->x), *u = F(arena, in->y);
+    float *o = F(arena, in->out);
+    if (in->res < 0) {
+        int64_t lo, hi, n = rows_of(h, in->rows) * in->n;
+        share(n, 64, t, nt, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        return;
+    }
+    /* fused with the quantization of its output (act at res): split by (row, chunk of 256
+     * elements), whole activation blocks each */
+    int64_t n = in->n, chunk = n % 256 == 0 ? 256 : n, per_row = n / chunk, lo, hi;
+    size_t rb = ntx_act_row_bytes(in->wtype, (int)n);
+    share(rows_of(h, in->rows) * per_row, 1, t, nt, &lo, &hi);
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t r = it / per_row, e0 = (it % per_row) * chunk;
+        const float *gr = g + r * n + e0, *ur = u + r * n + e0;
+        float *orow = o + r * n + e0;
+        for (int64_t i = 0; i < chunk; i++) orow[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
+        ntx_quantize_act(in->wtype, orow, 1, (int)chunk, (int)chunk,
+                         arena + in->res + r * rb + ntx_act_row_bytes(in->wtype, (int)e0));
+    }
+}
+
+static void op_rows(const ntx_instr *in, const ntx_header *h, char *arena, int t, int nt) {
+    int64_t lo, hi;
+    share(h->n_out, 1, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++)
+        memcpy(F(arena, in->out) + i * in->n, F(arena, in->x) + h->out_rows[i] * in->n,
+               (size_t)in->n * sizeof(float));
+}
+
+/* Rotate one head's first rope_dim elements by the position's angles (cos, sin: rope_dim/2). */
+static inline void rope_head(float *x, const float *cs, const float *sn, int rd, int neox) {
+    int half = rd / 2;
+    if (neox) {
+        for (int i = 0; i < half; i++) {
+            float a = x[i], b = x[i + half];
+            x[i] = a * cs[i] - b * sn[i];
+            x[i + half] = a * sn[i] + b * cs[i];
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * cs[i] - b * sn[i];
+            x[2 * i + 1] = a * sn[i] + b * cs[i];
+        }
+    }
+}
+
+static inline void kv_store(const ntx_model *md, void *base, int64_t off, const float *src) {
+    if (md->kv_f16) {
+        _Float16 *d = (_Float16 *)base + off;
+        for (int i = 0; i < md->head_dim; i++) d[i] = (_Float16)src[i];
+    } else {
+        memcpy((float *)base + off, src, (size_t)md->head_dim * sizeof(float));
+    }
+}
+
+/* Phase 1 of attention: RoPE on q (in place) and k, then k and v into the cache at each row's
+ * slot and position. Split by rows. */
+static void op_attn_write(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
+                          int t, int nt) {
+    int64_t lo, hi;
+    share(h->n_rows, 1, t, nt, &lo, &hi);
+    int hd = md->head_dim, H = md->n_heads, Hk = md->n_kv_heads, rd = md->rope_dim, half = rd / 2;
+    float kbuf[1024];
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t pos = h->positions[r], slot = h->slots[r];
+        const float *cs = md->rope_cos + pos * half, *sn = md->rope_sin + pos * half;
+        float *q = F(arena, in->x) + r * (int64_t)H * hd;
+        const float *k = F(arena, in->y) + r * (int64_t)Hk * hd;
+        const float *v = F(arena, in->res) + r * (int64_t)Hk * hd;
+        for (int hh = 0; hh < H; hh++) rope_head(q + hh * hd, cs, sn, rd, md->rope_neox);
+        for (int kh = 0; kh < Hk; kh++) {
+            memcpy(kbuf, k + kh * hd, (size_t)hd * sizeof(float));
+            rope_head(kbuf, cs, sn, rd, md->rope_neox);
+            int64_t off = ((slot * md->max_ctx + pos) * Hk + kh) * hd;
+            kv_store(md, in->kv_k, off, kbuf);
+            kv_store(md, in->kv_v, off, v + kh * hd);
+        }
+    }
+}
+
+static inline void kv_load(const ntx_model *md, const void *base, int64_t off, float *dst) {
+    if (md->kv_f16) {
+        const _Float16 *s = (const _Float16 *)base + off;
+#pragma omp simd
+        for (int i = 0; i < md->head_dim; i++) dst[i] = (float)s[i];
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)md->head_dim * sizeof(float));
+    }
+}
+
+/* Phase 2: causal GQA attention of each (row, KV head): the row sees positions [0, pos] of its
+ * slot; the g query heads of the KV head share each key and value read. Split by (row, KV head). */
+static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
+                    float *scratch, int t, int nt) {
+    int hd = md->head_dim, H = md->n_heads, Hk = md->n_kv_heads, g = H / Hk;
+    int64_t lo, hi;
+    share(h->n_rows * Hk, 1, t, nt, &lo, &hi);
+    float *sc = scratch;                       /* (g, max_ctx) scores */
+    float *kv = scratch + (int64_t)g * md->max_ctx; /* one key or value row */
+    float acc[16 * 256];
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t r = it / Hk;
+        int kh = (int)(it % Hk);
+        int64_t L = h->positions[r] + 1, slot = h->slots[r];
+        const float *q = F(arena, in->x) + r * (int64_t)H * hd + (int64_t)kh * g * hd;
+        float *o = F(arena, in->out) + r * (int64_t)H * hd + (int64_t)kh * g * hd;
+        int64_t base = slot * md->max_ctx * Hk * hd + (int64_t)kh * hd, step = (int64_t)Hk * hd;
+        for (int64_t l = 0; l < L; l++) {
+            kv_load(md, in->kv_k, base + l * step, kv);
+            for (int j = 0; j < g; j++) {
+                const float *qj = q + j * hd;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int i = 0; i < hd; i++) s += qj[i] * kv[i];
+                sc[j * md->max_ctx + l] = s * md->attn_scale;
+            }
+        }
+        for (int j = 0; j < g; j++) {
+            float *s = sc + j * md->max_ctx, mx = -INFINITY, sum = 0.0f;
+            for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
+            for (int64_t l = 0; l < L; l++) {
+                s[l] = expf(s[l] - mx);
+                sum += s[l];
+            }
+            float inv = 1.0f / sum;
+            for (int64_t l = 0; l < L; l++) s[l] *= inv;
+        }
+        memset(acc, 0, (size_t)g * hd * sizeof(float));
+        for (int64_t l = 0; l < L; l++) {
+            kv_load(md, in->kv_v, base + l * step, kv);
+            for (int j = 0; j < g; j++) {
+                float p = sc[j * md->max_ctx + l], *a = acc + j * hd;
+#pragma omp simd
+                for (int i = 0; i < hd; i++) a[i] += p * kv[i];
+            }
+        }
+        memcpy(o, acc, (size_t)g * hd * sizeof(float));
+    }
+}
+
+int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,
+             const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (md->head_dim > 256 || md->n_heads / md->n_kv_heads > 16 || md->head_dim > 1024)
+        return -1;
+#pragma omp parallel num_threads(n_threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *mine = scratch + t * scratch_per_thread;
+        for (int i = 0; i < n_instr; i++) {
+            const ntx_instr *in = prog + i;
+            switch (in->op) {
+            case NTX_OP_EMBED: op_embed(in, h, arena, t, nt); break;
+            case NTX_OP_RMS_NORM: op_rms_norm(in, h, arena, t, nt); break;
+            case NTX_OP_QUANT: op_quant(in, h, arena, t, nt); break;
+            case NTX_OP_MATMUL: op_matmul(in, h, arena, t, nt); break;
+            case NTX_OP_SWIGLU: op_swiglu(in, h, arena, t, nt); break;
+            case NTX_OP_ROWS: op_rows(in, h, arena, t, nt); break;
+            case NTX_OP_ATTN_WRITE: op_attn_write(in, h, arena, md, t, nt); break;
+            case NTX_OP_ATTN: op_attn(in, h, arena, md, mine, t, nt); break;
+            default: break;
+            }
+            if (!(in->flags & NTX_SAME_PHASE)) {
+#pragma omp barrier
+            }
+        }
+    }
+    return 0;
+}
+
+/* Each row's k largest values (ties: lower id first) and their ids, NaN counted and treated as
+ * -inf: what the sampler needs instead of the whole row. Rows split over threads. */
+void ntx_topk(const float *x, int64_t rows, int64_t V, int k, int64_t *ids, float *vals,
+              int64_t *nan_count, int n_threads) {
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * V;
+        int64_t *id = ids + r * k;
+        float *vl = vals + r * k;
+        int n = 0;
+        int64_t nans = 0;
+        for (int64_t j = 0; j < V; j++) {
+            float v = row[j];
+            if (isnan(v)) {
+                nans++;
+                v = -INFINITY;
+            }
+            if (n == k && !(v > vl[k - 1])) continue;
+            int p = n < k ? n++ : k - 1;
+            while (p > 0 && v > vl[p - 1]) {
+                vl[p] = vl[p - 1];
+                id[p] = id[p - 1];
+                p--;
+            }
+            vl[p] = v;
+            id[p] = j;
+        }
+        nan_count[r] = nans;
+    }
+}
+
+/* sizeof of the structures Python mirrors, checked at load. */
+void ntx_struct_sizes(int64_t *out) {
+    out[0] = (int64_t)sizeof(ntx_instr);
+    out[1] = (int64_t)sizeof(ntx_header);
+    out[2] = (int64_t)sizeof(ntx_model);
+}
+
+/* Read `bytes` of `buf` with n_threads threads, `rounds` times; returns a sum so the reads
+ * cannot be elided. The host's read bandwidth that the decode figures are compared with. */
+double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads) {
+    const int64_t *p = (const int64_t *)buf;
+    int64_t n = bytes / 8;
+    int64_t total = 0;
+    for (int r = 0; r < rounds; r++) {
+#pragma omp parallel for num_threads(n_threads) reduction(+ : total) schedule(static)
+        for (int64_t i = 0; i < n; i++) total += p[i];
+    }
+    return (double)total;
+}
