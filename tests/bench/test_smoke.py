@@ -153,7 +153,15 @@ def check_nvme_read(d: dict) -> None:
     assert d["dmar_faults"] == 0
 
 
-CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+def check_constraint_libraries(d: dict) -> None:
+    libs = {x["library"]: x for x in d["libraries"]}
+    assert set(libs) == {"llguidance", "outlines-core", "xgrammar"}, libs
+    ll = libs["llguidance"]  # a dependency: always measured
+    assert ll["mask"]["tokens"] == d["document_tokens"] > 0 and ll["mask"]["median_us"] > 0, ll
+    assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
+
+
+CPU = {"serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "speculative.py": check_speculative}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,

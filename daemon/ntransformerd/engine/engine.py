@@ -319,9 +319,13 @@ class Continuation:
     the token budget and the context end, with text released whole characters at a time and
     never the start of a possible stop string. `generate` and the daemon's scheduler both use
     it, so a request gives the same text whichever ran it. One owner thread.
+
+    constraint: a constraints.Constraint the output must satisfy: each draw is masked by it, and
+    the output ends ("stop") once it is complete and allows nothing more.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None):
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None,
+                 constraint=None):
         from ntransformerd.engine.sampler import Sampler, StopMatcher
         from ntransformerd.engine.tokenizer import Detokenizer
 
@@ -334,14 +338,20 @@ class Continuation:
         self.eog_ids = tok.eog_ids
         self.history = list(prompt_ids)  # prompt + generated: what the penalties look at
         self.generated = 0
+        self.constraint = constraint
 
     def sample(self, logits) -> int:
         """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
-        return self.sampler.sample(logits, self.history)
+        return self.sampler.sample(logits, self.history, self.mask())
+
+    def mask(self):
+        """The ids the constraint allows next (bool (V,)), None without one."""
+        return None if self.constraint is None else self.constraint.mask()
 
     def need(self) -> int | None:
-        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row."""
-        return self.sampler.need()
+        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row
+        (always with a constraint: its allowed ids may lie anywhere in the row)."""
+        return None if self.constraint is not None else self.sampler.need()
 
     def push(self, token: int, *, room: bool = True) -> tuple[str, str | None]:
         """Account for `token`; return (text to emit, finish reason or None).
@@ -353,12 +363,15 @@ class Continuation:
         if token in self.eog_ids and not self.params.ignore_eos:
             text, _ = self.stops.feed(self.detok.flush())
             return text + self.stops.flush(), "eos"
+        if self.constraint is not None:
+            self.constraint.consume(token)
         text, stopped = self.stops.feed(self.detok.feed(token))
         if stopped:
             return text, "stop"
-        if self.generated >= self.max_tokens or not room:
+        complete = self.constraint is not None and self.constraint.stopped
+        if self.generated >= self.max_tokens or not room or complete:
             tail, _ = self.stops.feed(self.detok.flush())
-            return text + tail + self.stops.flush(), "length"
+            return text + tail + self.stops.flush(), "stop" if complete else "length"
         return text, None
 
 
@@ -371,15 +384,15 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" | "length" | "eos" on the last event
 
 
-def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None
-             ) -> Iterator[GenerationEvent]:
+def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None,
+             constraint=None) -> Iterator[GenerationEvent]:
     """Greedy or sampled continuation of one prompt, streamed token by token.
 
     `params` is a sampler.SamplingParams. If `dump_logits` is a list, the logits of the last
-    prompt position are appended to it.
+    prompt position are appended to it. constraint: a constraints.Constraint (Continuation).
     """
     params.validate()
-    cont = Continuation(engine, prompt_ids, params)
+    cont = Continuation(engine, prompt_ids, params, constraint=constraint)
     slot = engine.open()
     try:
         logits = engine.prefill(slot, prompt_ids)
