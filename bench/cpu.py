@@ -190,7 +190,7 @@ def main(argv=None) -> int:
             for k, v in r.items():
                 runs[eng].setdefault(k, []).append(v)
     per_step = step_bytes(model)
-    result = {"model": os.path.basename(path), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
+    result = {"smoke": args.smoke, "model": os.path.basename(path), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
               "decode_tokens": args.decode_tokens, "batches": args.batch, "step_bytes": per_step,
               "read_bandwidth_GBs": bandwidth / 1e9, "kernels": native.load().variant.name,
               "engines": {e: {k: summary(v) for k, v in r.items()} for e, r in runs.items()}}

@@ -139,7 +139,7 @@ def main() -> int:
           f"median {statistics.median(rb):.2f} GB/s (numpy max over {nbytes / 1e6:.0f} MB)")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(cpu=os.uname().machine, results=results, read_gb_s=rb), f, indent=1)
+        json.dump(dict(cpu=os.uname().machine, results=results, read_gb_s=rb, smoke=args.smoke), f, indent=1)
     return 0
 
 

@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", type=int, nargs="*", default=[32, 24, 16, 8, 0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--no-70b", action="store_true")
+    ap.add_argument("--hybrid-70b", action="store_true", help="also the 70B with host_compute auto")
     ap.add_argument("--deep", type=int, nargs="*", default=[], help="splits also run at --deep-depth, batch 1")
     ap.add_argument("--deep-depth", type=int, default=4)
     ap.add_argument("--no-odirect", action="store_true")
@@ -331,6 +332,18 @@ def main(argv: list[str] | None = None) -> int:
         free_engine(e)
         e = None
         save()
+        if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
+            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
+                                                     cpu_threads=args.threads, **budget))
+            for b in (1, 16):
+                r = decode_rate(e, b, 4)
+                out["runs"].append({"model": f"{huge}-q4_k_m", **budget, "batch": b, "tok_s": r, "host_compute": "auto",
+                                    "host_layers": len(e.plan.layers("host")) if hasattr(e.plan, "layers") else None,
+                                    "pcie_bound_step_s": bound})
+                log(f"  batch {b:2d}, host_compute auto: {r:6.2f} tok/s ({r / b * streamed / bw:.2f}x the PCIe bound)")
+                save()
+            free_engine(e)
+            e = None
 
     if args.hybrid_splits:
         log(f"hybrid rows: host_compute auto vs off, {args.threads} host threads")

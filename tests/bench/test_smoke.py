@@ -153,6 +153,20 @@ def check_nvme_read(d: dict) -> None:
     assert d["dmar_faults"] == 0
 
 
+def check_cpu(d: dict) -> None:
+    for engine in ("cpu", "cpu-ref"):
+        r = d["engines"][engine]
+        assert set(r) == {"prefill", "decode_b1", "decode_b2"}, r
+        assert all(x["median"] > 0 for x in r.values()), r
+    assert d["read_bandwidth_GBs"] > 0 and d["step_bytes"] > 0 and d["kernels"] in ("avx512", "avx2", "generic")
+
+
+def check_cpu_kernels(d: dict) -> None:
+    assert d["read_gb_s"] > 0 and d["results"], d
+    rows = d["results"]
+    assert all(r.get("gb_s", r.get("gop_s", 0)) > 0 for r in rows if isinstance(r, dict)), rows[:3]
+
+
 def check_constraint_libraries(d: dict) -> None:
     libs = {x["library"]: x for x in d["libraries"]}
     assert set(libs) == {"llguidance", "outlines-core", "xgrammar"}, libs
@@ -161,13 +175,13 @@ def check_constraint_libraries(d: dict) -> None:
     assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
 
 
-CPU = {"serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+CPU = {"cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels, "serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "speculative.py": check_speculative}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming}
 VM = {"nvme_read.py": check_nvme_read}
-WITHOUT_SMOKE = {"cpu.py"}  # its smoke mode is not written yet
+WITHOUT_SMOKE: set[str] = set()
 
 
 def test_every_script_has_a_smoke_test():
