@@ -35,7 +35,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate, tokenizer, chat template
 }
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
-STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "loading": pb.SERVING_STATE_LOADING,
+STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "starting": pb.SERVING_STATE_LOADING, "loading": pb.SERVING_STATE_LOADING,
           "serving": pb.SERVING_STATE_SERVING, "draining": pb.SERVING_STATE_DRAINING,
           "failed": pb.SERVING_STATE_FAILED}
 MAX_PROMPT_BYTES = 1 << 20
