@@ -43,13 +43,13 @@ def _sampling(args, *, chat: bool = False) -> dict:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the daemon's)")
     p.add_argument("--temperature", type=float,
-                   help=f"0 = greedy (default {DEFAULT_TEMPERATURE}, as ntx-model run and the daemon)")
+                   help=f"0 (or below 1e-5) = greedy (default {DEFAULT_TEMPERATURE}, as ntx-model run and the daemon)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--min-p", type=float)
     p.add_argument("--repeat-penalty", "--repetition-penalty", type=float, dest="repeat_penalty",
-                   help=f"divide the logits of recent tokens; 1 = off (default 1, or {CHAT_REPETITION_PENALTY} "
-                        "through the chat template)")
+                   help=f"divide the logits of recent tokens, 0.01..100; 1 = off (default 1, or "
+                        f"{CHAT_REPETITION_PENALTY} through the chat template)")
     p.add_argument("--frequency-penalty", type=float, help="subtract per occurrence of a token (-2..2, default 0)")
     p.add_argument("--presence-penalty", type=float, help="subtract once for any token seen (-2..2, default 0)")
     p.add_argument("--seed", type=int, help="same seed, same output")

@@ -329,3 +329,23 @@ def test_the_cost_table_is_kept_per_model_plan_and_machine(tmp_path, monkeypatch
     assert sp.cached_costs(other_plan) is None
     model.write_bytes(b"xy")  # the file changed
     assert sp.cached_costs(_TimedEngine(str(model), cost)) is None
+
+
+def test_mode_errors_name_the_cause_and_quote_the_input_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"no calibration for this one")
+    e = types.SimpleNamespace(cfg=types.SimpleNamespace(n_layers=30), model=types.SimpleNamespace(path=str(model)),
+                              layers=None)
+    cases = [("x" * 20_000, "a speculative mode of 20000 characters is none: use off, auto"),
+             ("prefix:²", "prefix:N takes a layer count in digits 0-9"),
+             ("prefix:30", "runs the first 1..29 of the model's 30 layers"),
+             ("skip:999", "one number is how many layers to skip (the most similar ones), and the model has 30 "
+                          "layers, 28 of them skippable"),
+             ("skip:3,99", "layer 99 does not exist: the model has layers 0..29"),
+             ("skip:abc", "use skip:N"),
+             ("skip:5", f"run `ntx-model calibrate-skip {model} --file TEXT` once")]
+    for mode, words in cases:
+        with pytest.raises(ValueError) as err:
+            sp.make_draft(mode, e)
+        assert words in str(err.value) and len(str(err.value)) < 400, (mode, str(err.value)[:300])

@@ -50,6 +50,11 @@ class _Header:
     alignment: int
 
 
+def _quoted(text: str, limit: int = 80) -> str:
+    """A name read from the file, for a message: bounded (a corrupt length makes it huge)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}… ({len(text)} characters)"
+
+
 def _read_header(path: str, buf: memoryview) -> _Header:
     """Parse the GGUF header with every count and length checked against the bytes that remain;
     raise GGUFError on the first lie. Values come back as Python objects (strings decoded as
@@ -130,27 +135,27 @@ def _read_header(path: str, buf: memoryview) -> _Header:
     for i in range(n_kv):
         key = string(f"metadata key #{i}")
         if key in metadata:
-            raise GGUFError(path, f"duplicate metadata key {key!r}")
-        metadata[key] = value(u32(f"type of {key!r}"), f"metadata {key!r}")
+            raise GGUFError(path, f"duplicate metadata key {_quoted(key)}")
+        metadata[key] = value(u32(f"type of {_quoted(key)}"), f"metadata {_quoted(key)}")
     tensors = []
     names: set[str] = set()
     for i in range(n_tensors):
         name = raw_string(f"tensor #{i} name").decode(errors="replace")
         if name in names:
-            raise GGUFError(path, f"tensor {name!r} appears twice")
+            raise GGUFError(path, f"tensor {_quoted(name)} appears twice")
         names.add(name)
-        n_dims = u32(f"tensor {name!r} dimension count")
+        n_dims = u32(f"tensor {_quoted(name)} dimension count")
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise GGUFError(path, f"tensor {name!r}: {n_dims} dimensions (1..{_MAX_DIMS} allowed)")
-        dims = [u64(f"tensor {name!r} dims") for _ in range(n_dims)]
+            raise GGUFError(path, f"tensor {_quoted(name)}: {n_dims} dimensions (1..{_MAX_DIMS} allowed)")
+        dims = [u64(f"tensor {_quoted(name)} dims") for _ in range(n_dims)]
         if any(d == 0 or d > 2**40 for d in dims) or math.prod(dims) > 2**42:
-            raise GGUFError(path, f"tensor {name!r}: absurd shape {dims}")
-        ttype = u32(f"tensor {name!r} type")
+            raise GGUFError(path, f"tensor {_quoted(name)}: absurd shape {dims}")
+        ttype = u32(f"tensor {_quoted(name)} type")
         try:
             GGMLQuantizationType(ttype)
         except ValueError:
-            raise GGUFError(path, f"tensor {name!r}: unknown tensor type {ttype}") from None
-        tensors.append((name, dims, ttype, u64(f"tensor {name!r} offset")))
+            raise GGUFError(path, f"tensor {_quoted(name)}: unknown tensor type {ttype}") from None
+        tensors.append((name, dims, ttype, u64(f"tensor {_quoted(name)} offset")))
     align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise GGUFError(path, f"general.alignment {align!r} is not a power of two")
@@ -283,16 +288,16 @@ class GGUFModel:
 
     def _tensor_info(self, name: str, dims: list[int], qtype: GGMLQuantizationType, offset: int) -> TensorInfo:
         if qtype not in QUANT_BLOCKS:
-            raise GGUFError(self.path, f"tensor {name!r}: type {qtype.name} is not supported "
+            raise GGUFError(self.path, f"tensor {_quoted(name)}: type {qtype.name} is not supported "
                                        f"(supported: {', '.join(q.name for q in QUANT_BLOCKS)})")
         shape = tuple(reversed(dims))
         block_elems, block_bytes = QUANT_BLOCKS[qtype]
         if shape[-1] % block_elems:
-            raise GGUFError(self.path, f"tensor {name!r}: row of {shape[-1]} is not a multiple of the "
+            raise GGUFError(self.path, f"tensor {_quoted(name)}: row of {shape[-1]} is not a multiple of the "
                                        f"{qtype.name} block ({block_elems})")
         nbytes = math.prod(shape) // block_elems * block_bytes
         if offset % self.alignment or offset + nbytes > len(self.data):
-            raise GGUFError(self.path, f"tensor {name!r}: data at {offset}+{nbytes} lies outside "
+            raise GGUFError(self.path, f"tensor {_quoted(name)}: data at {offset}+{nbytes} lies outside "
                                        f"the file ({len(self.data)} bytes) or is misaligned")
         return TensorInfo(name, qtype, shape, offset, nbytes, self.data[offset:offset + nbytes])
 
@@ -307,10 +312,10 @@ class GGUFModel:
         if value is None:
             raise GGUFError(self.path, f"metadata key {key!r} is missing")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise GGUFError(self.path, f"metadata {key!r} = {value!r} is not an integer")
+            raise GGUFError(self.path, f"metadata {key!r} = {_quoted(repr(value))} is not an integer")
         if kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise GGUFError(self.path, f"metadata {key!r} = {value!r} is not a finite number")
+                raise GGUFError(self.path, f"metadata {key!r} = {_quoted(repr(value))} is not a finite number")
             value = float(value)
         return value
 

@@ -38,17 +38,22 @@ import json
 import logging
 import os
 import platform
+import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine import layer_skip
 from ntransformerd.engine.sampler import draw_from
 
 log = logging.getLogger("ntransformerd")
 SOURCES = ("ngram", "draft", "skip", "prefix")
 MODES = ("off", "auto") + SOURCES
+MAX_MODE_CHARS = 64  # longer is no mode; an error then quotes none of it
+MODE_HELP = ("use off, auto, ngram, draft, skip[:LAYERS] (e.g. skip:3,7,11 or skip:auto:0.2) "
+             "or prefix[:N] (e.g. prefix:8)")
 MAX_DRAFT = 16
 _DRAFT, _ACCEPT, _RESIDUAL, _TARGET = 1, 2, 3, 4  # purposes of a position's uniforms
 
@@ -60,12 +65,13 @@ class VocabularyMismatch(ValueError):
 def parse_mode(mode: str | None) -> tuple[str, str]:
     """'ngram' | 'draft' | 'skip[:SPEC]' | 'prefix[:N]' | 'auto' | 'off' | '' → (name, argument)."""
     s = (mode or "off").strip().lower()
+    if len(s) > MAX_MODE_CHARS:
+        raise ValueError(f"a speculative mode of {len(s)} characters is none: {MODE_HELP}")
     name, _, arg = s.partition(":")
     if name not in MODES or (arg and name not in ("skip", "prefix")):
-        raise ValueError(f"speculative {mode!r}: use off, auto, ngram, draft, skip[:LAYERS] "
-                         "(e.g. skip:3,7,11 or skip:auto:0.2) or prefix[:N] (e.g. prefix:8)")
-    if name == "prefix" and arg and not arg.isdigit():
-        raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count")
+        raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
+    if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
+        raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
     return name, arg
 
 
@@ -108,23 +114,29 @@ class StepCosts:
 
 
 COST_SIZES = (1, 2, 4, 8, 16)
-COST_ROUNDS = 7
+COST_ROUNDS = 5  # timed rounds at most; at least MIN_COST_ROUNDS, more while within COST_BUDGET_S
+MIN_COST_ROUNDS = 3
+COST_BUDGET_S = 10.0
 
 
 def time_steps(engine, sizes: Sequence[int], *, layers=None, context: int = 64,
-               rounds: int = COST_ROUNDS) -> dict[int, float]:
+               rounds: int = COST_ROUNDS, budget_s: float = COST_BUDGET_S) -> dict[int, float]:
     """Median seconds of one step of T tokens after `context` positions, per T.
 
     Every round steps each size once, so a change in the machine's load touches all sizes
     alike; an untimed round first lets each shape be recorded or captured; the median of the
-    rounds ignores a step that another process delayed.
+    rounds ignores a step that another process delayed. Rounds stop at `rounds`, or past
+    `budget_s` once MIN_COST_ROUNDS are done.
     """
     slot = engine.open()
     try:
         ids = (np.arange(context + max(sizes)) * 7919 + 13) % engine.cfg.vocab_size
         engine.prefill(slot, ids[:context])
         seconds: dict[int, list[float]] = {t: [] for t in sizes}
+        start = time.perf_counter()
         for r in range(rounds + 1):
+            if r > min(MIN_COST_ROUNDS, rounds) and time.perf_counter() - start > budget_s:
+                break
             for t in sizes:
                 engine.truncate(slot, context)
                 t0 = time.perf_counter()
@@ -204,8 +216,7 @@ def cost_key(engine, draft_engine=None) -> str:
 
 
 def cost_cache_path(engine, draft_engine=None) -> str:
-    from ntransformerd.engine.layer_skip import state_dir
-    return os.path.join(state_dir(), f"step-costs-{cost_key(engine, draft_engine)}.json")
+    return os.path.join(layer_skip.state_dir(), f"step-costs-{cost_key(engine, draft_engine)}.json")
 
 
 def cached_costs(engine, draft_engine=None) -> StepCosts | None:
@@ -527,8 +538,6 @@ def load_draft_engine(path: str, target, *, backend: str | None = None):
 def make_draft(mode: str, engine, *, draft_engine=None, model_path: str | None = None) -> Draft | None:
     """The draft source a mode names (None for off). auto: the draft model where one is loaded,
     else n-gram lookup."""
-    from ntransformerd.engine import layer_skip
-
     name, arg = parse_mode(mode)
     n = engine.cfg.n_layers
     if name == "off":
@@ -544,14 +553,43 @@ def make_draft(mode: str, engine, *, draft_engine=None, model_path: str | None =
     if name == "prefix":
         k = int(arg) if arg else n // 2
         if not 1 <= k < n:
-            raise ValueError(f"prefix:{k}: the draft runs 1..{n - 1} of the model's {n} layers")
+            raise ValueError(f"speculative prefix:{k}: the draft runs the first 1..{n - 1} of the model's {n} layers")
         return ModelDraft(engine, name=f"prefix:{k}", layers=list(range(k)), own=False)
-    spec = layer_skip.parse_skip(arg or str(n // 4))
-    path = model_path or engine.model.path
-    skip = layer_skip.skip_layers_for(path, spec, n)
+    skip = _skip_layers(arg or str(n // 4), model_path or engine.model.path, n)
     base = engine.layers if engine.layers is not None else range(n)
     return ModelDraft(engine, name=f"skip:{','.join(map(str, skip))}",
                       layers=[i for i in base if i not in set(skip)], own=False)
+
+
+def _skip_layers(arg: str, path: str, n: int) -> tuple[int, ...]:
+    """The layers `skip:ARG` leaves out of the draft, each way it can be wrong named in the
+    speculative mode's own terms."""
+    try:
+        spec = layer_skip.parse_skip(arg)
+    except ValueError:
+        raise ValueError(f"speculative skip:{arg}: use skip:N (the N most similar layers), skip:auto, "
+                         "skip:auto:0.03 or layer indices (skip:3,7,11)") from None
+    if spec is None:
+        raise ValueError(f"speculative skip:{arg} skips no layer: the draft would be the model itself; "
+                         "use speculative off, or name layers (skip:3,7,11)")
+    if spec.layers is not None:
+        bad = [i for i in spec.layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"speculative skip:{arg}: layer {bad[0]} does not exist: the model has layers "
+                             f"0..{n - 1}")
+        if len(spec.layers) >= n:
+            raise ValueError(f"speculative skip:{arg} skips every layer: leave some (the model has {n})")
+        return spec.layers
+    if spec.count is not None and not 1 <= spec.count <= n - 2:
+        raise ValueError(f"speculative skip:{spec.count}: one number is how many layers to skip (the most "
+                         f"similar ones), and the model has {n} layers, {n - 2} of them skippable: give a count "
+                         f"in 1..{n - 2}, or layer indices (skip:3,7,11)")
+    calibration = layer_skip.load_cached(path)
+    if calibration is None:
+        raise ValueError(f"speculative skip:{arg} picks its layers from the model's layer-skip calibration, "
+                         f"and there is none yet: run `ntx-model calibrate-skip {path} --file TEXT` once, "
+                         "or name the layers (skip:3,7,11)")
+    return layer_skip.resolve(spec, n, calibration)
 
 
 # ---- the speculator ----------------------------------------------------------------------------

@@ -47,9 +47,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine import speculative
 from ntransformerd.engine.sampler import InvalidLogits
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
-                                         ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown)
+                                         ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown, shown)
 from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
 
 log = logging.getLogger("ntransformerd")
@@ -250,8 +251,6 @@ class Scheduler:
     def speculator(self, mode: str | None):
         """The Speculator for a request's mode ('' = the daemon's default), None for off;
         raises InvalidRequest for a mode this daemon cannot serve."""
-        from ntransformerd.engine import speculative
-
         try:
             name, arg = speculative.parse_mode(mode or self.config.speculative)
             if name == "off":
@@ -349,8 +348,6 @@ class Scheduler:
         needed: before a queued speculating request is admitted (a slot is free for it then),
         or, where the daemon speculates by default, on its first idle iteration. Kept per model,
         plan and machine (speculative.step_costs), so a restart reads it instead."""
-        from ntransformerd.engine import speculative
-
         with self._cv:
             engine = self.engine
             if self.costs is not None or engine is None or self.state != "serving" or not engine.kv.free_slots:
@@ -694,5 +691,5 @@ def encode_chat(engine, messages: Sequence[dict]) -> list[int]:
         raise InvalidRequest("the chat has no messages: send at least one user message")
     for m in messages:
         if m["role"] not in ("system", "user", "assistant", "tool"):
-            raise InvalidRequest(f"chat role {m['role']!r} is not one of system, user, assistant, tool")
+            raise InvalidRequest(f"chat role {shown(m['role'])} is not one of system, user, assistant, tool")
     return engine.encode_chat(messages)
