@@ -2,6 +2,7 @@
 
     python bench/ab_decode.py --code /tmp/old . --dir /tmp/ntx --rounds 2 --json bench/out/ab.json
     python bench/ab_decode.py --code . . --env '' 'NTX_PDL=0' ...      # one checkout, two settings
+    python bench/ab_decode.py --smoke --dir /tmp/ntx-smoke              # this checkout twice, tiny files
 
 For each file and plan (8B-shaped Q8_0 and Q4_K_M all resident; Q4_K_M with 24 resident layers
 and the rest streamed from pinned RAM) and each variant, a fresh process loads the engine
@@ -21,11 +22,15 @@ import statistics
 import subprocess
 import sys
 
+import common
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLANS = (("q8_0", None), ("q4_k_m", None), ("q4_k_m", 24))  # (type, max resident layers)
+SMOKE_PLANS = (("q8_0", None), ("q4_k_m", None), ("q4_k_m", 1))  # the tiny shape has 2 layers
 
 
 def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]) -> dict:
+    # Imported here: each worker process measures the engine of its own checkout.
     sys.path.insert(0, os.path.join(os.path.abspath(code), "daemon"))
     import cupy as cp
     import numpy as np
@@ -72,33 +77,35 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--code", nargs="+", help="checkouts to compare (the first is the base)")
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--code", nargs="+", help="checkouts to compare (the first is the base; --smoke: . .)")
     ap.add_argument("--env", nargs="*", default=None, help="per variant, KEY=VALUE[,KEY=VALUE] for its process")
     ap.add_argument("--dir", default="/tmp/ntx", help="synthetic 8B files (made here if missing)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--json", default=os.path.join(HERE, "out", "ab.json"))
     ap.add_argument("--worker", nargs=3, metavar=("CODE", "PATH", "MAX_VRAM_LAYERS"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.worker:
         code, path, mvl = a.worker
         print(json.dumps(worker(code, path, None if mvl == "-" else int(mvl), a.batches)))
         return 0
 
+    if a.smoke and not a.code:
+        a.code = [os.path.join(HERE, os.pardir)] * 2
     if not a.code:
         ap.error("--code: give the checkouts to compare")
-    sys.path.insert(0, HERE)
-    from resident import synthetic_8b
+    common.require_gpu(__file__)
+    shape, plans, rounds = ("tiny", SMOKE_PLANS, 1) if a.smoke else ("llama3-8b", PLANS, a.rounds)
     envs = a.env or [""] * len(a.code)
     if len(envs) != len(a.code):
         ap.error("--env takes one entry per --code")
     variants = [(c, e) for c, e in zip(a.code, envs)]
     results = {}  # (plan index, variant index) → list of worker outputs
-    for _ in range(a.rounds):
-        for p, (ftype, mvl) in enumerate(PLANS):
-            path = synthetic_8b(a.dir, ftype)
+    for _ in range(rounds):
+        for p, (ftype, mvl) in enumerate(plans):
+            # here, not in the workers: the files are the same for every variant
+            path = common.synthetic(a.dir, shape, ftype)
             for v, (code, env) in enumerate(variants):
                 penv = dict(os.environ, PYTHONUNBUFFERED="1")
                 penv.update(kv.split("=", 1) for kv in env.split(",") if kv)
@@ -110,7 +117,7 @@ def main() -> int:
                     raise SystemExit(f"worker failed: {code} {ftype} {mvl}")
                 results.setdefault((p, v), []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     table = []
-    for p, (ftype, mvl) in enumerate(PLANS):
+    for p, (ftype, mvl) in enumerate(plans):
         base = None
         for v, (code, env) in enumerate(variants):
             runs = results[(p, v)]
@@ -128,10 +135,8 @@ def main() -> int:
                       f"{med:.3f} ms/step (runs {min(ms):.3f}-{max(ms):.3f}) {row['tok_s']:.1f} tok/s, "
                       f"{row['speed_vs_first']:.3f}x the first, greedy ids {'same' if row['greedy_same_as_first'] else 'DIFFER'}",
                       flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as fh:
-        json.dump({"variants": variants, "rows": table, "raw": {f"{p},{v}": r for (p, v), r in results.items()}}, fh,
-                  indent=1)
+    common.write_json(a.json, {"variants": variants, "shape": shape, "smoke": a.smoke, "rows": table,
+                               "raw": {f"{p},{v}": r for (p, v), r in results.items()}})
     return 0
 
 

@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/nvme_read.py [--runs 5] [--queues 1] [--depth 32] [--json out.json]
                                              [--model PATH]
+    sudo .venv/bin/python bench/nvme_read.py --smoke    # one run of a 4-layer model: does it run?
 
 Boots one QEMU guest (TCG, intel-iommu, an emulated NVMe; tests/system/vmguest.py), stages a
 model onto the drive with `ntx-admin stage` (by default a synthetic 16-layer Q8_0 one of 52 MB
@@ -20,8 +21,6 @@ directory); nothing on the host is touched.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import statistics
@@ -30,6 +29,10 @@ import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+
+import common  # noqa: E402
+from ntransformerd.tools import synth  # noqa: E402
+from tests.system import vmguest  # noqa: E402
 
 GUEST = r"""
 PY=%(python)s
@@ -75,26 +78,26 @@ echo "@@ dmar $(dmesg | grep -c 'DMAR: \[DMA')"
 """
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__file__, __doc__)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--queues", type=int, default=1)
     p.add_argument("--depth", type=int, default=32)
-    p.add_argument("--json", help="write the figures here")
     p.add_argument("--model", help="GGUF to stage (default: a synthetic one, see above)")
-    args = p.parse_args()
-    from tests.system import vmguest
-    from ntransformerd.tools import synth
+    args = p.parse_args(argv)
     why = vmguest.vm_missing()
     if why:
-        print(f"nvme_read: cannot boot a guest: {why}", file=sys.stderr)
-        return 1
+        print(f"bench/nvme_read.py: skipped: it boots a QEMU guest and {why}", file=sys.stderr)
+        return common.SKIP
+    n_layers = 16
+    if args.smoke:
+        args.runs, n_layers = 1, 4
     bindir = os.path.dirname(sys.executable)
     with tempfile.TemporaryDirectory(prefix="ntx-bench-") as d:
         model = args.model
         if model is None:
-            model = os.path.join(d, "bench16.gguf")
-            synth.synthesize(model, shape=synth.Shape(n_layers=16, d_model=512, d_ff=1536, n_heads=8,
+            model = os.path.join(d, f"bench{n_layers}.gguf")
+            synth.synthesize(model, shape=synth.Shape(n_layers=n_layers, d_model=512, d_ff=1536, n_heads=8,
                                                       n_kv_heads=2, vocab=2048), ftype="q8_0")
         img = os.path.join(d, "drive.img")
         with open(img, "wb") as f:
@@ -113,7 +116,7 @@ def main() -> int:
         print(out[-4000:] or res.console[-4000:], file=sys.stderr)
         print("nvme_read: the guest did not report every run", file=sys.stderr)
         return 1
-    row = dict(dd_gbps=statistics.median(dd), ntx_gbps=statistics.median(ntx), dd_runs=dd, ntx_runs=ntx,
+    row = dict(smoke=args.smoke, dd_gbps=statistics.median(dd), ntx_gbps=statistics.median(ntx), dd_runs=dd, ntx_runs=ntx,
                ratio=statistics.median(ntx) / statistics.median(dd), queues=args.queues, depth=args.depth,
                dmar_faults=int(dmar.group(1)), guest_seconds=res.seconds, model=os.path.basename(model),
                stats=(re.search(r"@@ stats (.*)", out) or [None, ""])[1])
@@ -122,9 +125,7 @@ def main() -> int:
     print(f"{'ntx tier':<10} {row['ntx_gbps']:>12.3f}  {' '.join(f'{x:.3f}' for x in ntx)}")
     print(f"ratio ntx/dd {row['ratio']:.2f}; {row['stats']}; DMAR faults {row['dmar_faults']}; "
           f"guest {res.seconds:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(row, f, indent=1)
+    common.write_json(args.json, row)
     return 0 if row["dmar_faults"] == 0 else 1
 
 

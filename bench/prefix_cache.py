@@ -3,6 +3,7 @@
     python bench/prefix_cache.py                  # starts a CPU daemon on the default model
     python bench/prefix_cache.py --socket /run/ntransformer/ntransformerd.sock --history 4000
     python bench/prefix_cache.py --model 70B.gguf --backend cuda --vram-budget 24GiB
+    python bench/prefix_cache.py --smoke     # a daemon on a tiny synthetic model, a short history
 
 Turn 1 sends a history of about --history tokens and a question; turn 2 repeats it with turn 1's
 reply and a new question, the way every chat client does. Each turn is timed from the request to
@@ -13,15 +14,15 @@ table and writes JSON (bench/out/prefix_cache.json by default).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+import common
 from ntx_client import Client
 
 PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps aloud. "
@@ -55,20 +56,22 @@ def turn(c: Client, messages, max_tokens: int, cache: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__file__, __doc__)
     p.add_argument("--socket", help="use a running daemon (default: start one on the default model)")
     p.add_argument("--model", help="model for the daemon this starts")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--vram-budget", help="for the daemon this starts, e.g. 24GiB")
     p.add_argument("--history", type=int, default=1000, help="tokens of chat history (default 1000)")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                                 "prefix_cache.json"))
     args = p.parse_args(argv)
 
     proc, socket = None, args.socket
+    d = tempfile.mkdtemp(prefix="ntx-bench-")
+    if args.smoke:
+        args.history, args.max_tokens = 64, 2
+        if socket is None and args.model is None:
+            args.model = common.synthetic(d, "tiny", vocab=2048)
     if socket is None:
-        d = tempfile.mkdtemp(prefix="ntx-bench-")
         socket = os.path.join(d, "d.sock")
         cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", args.backend,
                "--config", os.devnull, "--max-batch", "4", "--socket-group", "",
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+        shutil.rmtree(d, ignore_errors=True)
     print(f"model {model.name} ({model.backend}), history {rows[0]['turn1']['prompt_tokens']} tokens, greedy")
     print(f"{'cache':>5}  {'turn':>4}  {'prompt':>6}  {'prefilled':>9}  {'hit':>5}  {'TTFT s':>7}  {'x of turn 1':>11}")
     for r in rows:
@@ -109,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'on' if r['prefix_cache'] else 'off':>5}  {k[-1]:>4}  {t['prompt_tokens']:>6}  "
                   f"{t['prefilled_tokens']:>9}  {t['hit_tokens']:>5}  {t['ttft_seconds']:>7.3f}  "
                   f"{t['ttft_seconds'] / r['turn1']['ttft_seconds']:>11.3f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(model=model.name, backend=model.backend, history_tokens=args.history, runs=rows,
-                       host=dict(cpus=os.cpu_count(), load=os.getloadavg())), f, indent=2)
-    print(f"wrote {args.out}")
+    common.write_json(args.json, dict(model=model.name, backend=model.backend, history_tokens=args.history,
+                                      runs=rows, smoke=args.smoke, host=dict(cpus=os.cpu_count(), load=os.getloadavg())))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Where a captured decode step spends its time, kernel by kernel, in the real sequence.
 
     python bench/profile_decode.py --dir /tmp/ntx [--json bench/out/profile.json] [--types q8_0 q4_k_m] [--batch 1 16]
+    python bench/profile_decode.py --smoke --dir /tmp/ntx-smoke     # tiny files: does it run?
 
 The step's kernels are queued eagerly behind a spin kernel (so the GPU runs them back to back,
 never waiting for Python), with a timing event after each launch; the gap between two events
@@ -13,9 +14,8 @@ the captured graph's own step time is printed beside the sum for scale.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
+import functools
 import os
 import sys
 
@@ -23,17 +23,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
-import cupy as cp  # noqa: E402
-
+import common  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
 from ntransformerd.engine.backends.cuda import launch  # noqa: E402
-from ntransformerd.engine.backends.cuda import StepGraphs  # noqa: E402
+from ntransformerd.engine.backends.cuda import StepGraphs, cp  # noqa: E402 (cp is None without CuPy)
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
+from resident import copy_bandwidth, device_step_s  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from resident import copy_bandwidth, device_step_s, synthetic_8b  # noqa: E402
 
-SPIN = cp.RawKernel(r"""
+@functools.cache
+def spin():
+    """A kernel that holds the GPU for `cycles` clocks (compiled on first use)."""
+    return cp.RawKernel(r"""
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();
     while (clock64() - t0 < cycles) { }
@@ -94,7 +95,7 @@ def profile(dec: StepGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
         runs = []
         for _ in range(3):
             with dec.stream:
-                SPIN((1,), (1,), (np.int64(60_000_000),))  # ~30 ms: more than queuing the step takes
+                spin()((1,), (1,), (np.int64(60_000_000),))  # ~30 ms: more than queuing the step takes
                 start = cp.cuda.Event()
                 start.record()
                 rec.launches.clear()
@@ -129,7 +130,7 @@ def profile(dec: StepGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
 
 
 def profile_prefill(ops, cfg, weights, kv, rec: Recorder, n: int = 512) -> dict:
-    """One 512-token prefill chunk through model.forward, timed op by op the same way."""
+    """One n-token prefill chunk through model.forward, timed op by op the same way."""
     from ntransformerd.engine import model as llama
     from ntransformerd.engine.model import Batch, Segment
     rng = np.random.default_rng(0)
@@ -138,7 +139,7 @@ def profile_prefill(ops, cfg, weights, kv, rec: Recorder, n: int = 512) -> dict:
         slot = kv.alloc()
         batch = Batch.of([Segment(slot, 0, rng.integers(0, cfg.vocab_size, n))])
         cp.cuda.Device().synchronize()
-        SPIN((1,), (1,), (np.int64(200_000_000),))  # ~100 ms
+        spin()((1,), (1,), (np.int64(200_000_000),))  # ~100 ms
         start = cp.cuda.Event()
         start.record()
         rec.launches.clear()
@@ -165,23 +166,23 @@ def profile_prefill(ops, cfg, weights, kv, rec: Recorder, n: int = 512) -> dict:
     return {"tokens": n, "total_ms": float(np.median([r[2] for r in runs])), "groups": list(groups.values())}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/ntx")
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "profile.json"))
     ap.add_argument("--max-ctx", type=int, default=1024)
     ap.add_argument("--no-prefill", action="store_true", help="decode steps only")
-    a = ap.parse_args()
-    os.makedirs(a.dir, exist_ok=True)
-    bw = copy_bandwidth()
+    a = ap.parse_args(argv)
+    common.require_gpu(__file__)
+    shape, prefill_tokens = ("tiny", 32) if a.smoke else ("llama3-8b", 512)
+    bw = copy_bandwidth(64 << 20 if a.smoke else 4 << 30)
     print(f"device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
     rec = Recorder()
     rec.install()
-    out = {"copy_bw_Bps": bw, "files": []}
+    out = {"copy_bw_Bps": bw, "shape": shape, "smoke": a.smoke, "files": []}
     for ftype in a.types:
-        model = GGUFModel(synthetic_8b(a.dir, ftype))
+        model = GGUFModel(common.synthetic(a.dir, shape, ftype))
         ops, weights = cuda.load(model)
         kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=a.max_ctx)
         dec = StepGraphs(ops, weights, kv)
@@ -197,16 +198,14 @@ def main() -> int:
                 print(f"{g['kernel'][:28]:28s} {str(tuple(g['grid'])):>14s} {g['count']:3d} {g['us']:9.1f} "
                       f"{g['us_each']:7.2f} {fl or 0:7.2f} {100 * fl / g['us_each'] if fl else 0:5.0f}")
         if not a.no_prefill:
-            p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec)
+            p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec, n=prefill_tokens)
             print(f"\n{ftype} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
             for g in sorted(p["groups"], key=lambda g: -g["us"])[:14]:
                 print(f"  {g['op'][:44]:44s} {g['count']:4d} {g['us'] / 1e3:8.2f} ms")
         out["files"].append(f)
         del dec, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+    common.write_json(a.json, out)
     return 0
 
 

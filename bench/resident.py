@@ -1,6 +1,7 @@
 """Resident-model speed of the CUDA backend on synthetic Llama-3-8B-shaped files.
 
     python bench/resident.py --dir /tmp/ntx [--json bench/out/resident.json] [--types q8_0 q4_k_m]
+    python bench/resident.py --smoke --dir /tmp/ntx-smoke      # tiny files, a few steps: does it run?
 
 Measures in one run: device-to-device copy bandwidth (bytes read + written) and from it the
 HBM roofline (model bytes / bandwidth) per file; decode tok/s at batch 1, 4, 16 from the
@@ -12,8 +13,6 @@ model.forward; and per-matrix matvec times against their byte floors. Prints a t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -22,15 +21,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
-import cupy as cp  # noqa: E402
-
+import common  # noqa: E402
 from ntransformerd.engine import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.backends.cuda import StepGraphs  # noqa: E402
+from ntransformerd.engine.backends.cuda import StepGraphs, cp  # noqa: E402 (cp is None without CuPy)
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
 from ntransformerd.engine.sampler import Sampler, SamplingParams  # noqa: E402
-from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 
 def gpu_time(fn, reps: int = 20, warm: int = 3) -> float:
@@ -88,15 +85,6 @@ def decode_rates(dec: StepGraphs, kv, batch: int, steps: int) -> dict:
             "tok_s": batch / wall, "python_overhead_frac": max(0.0, 1 - dev / wall)}
 
 
-def synthetic_8b(directory: str, ftype: str) -> str:
-    """The Llama-3-8B-shaped file of this type with random weights in directory, made if missing."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"llama3-8b-{ftype}.gguf")
-    if not os.path.exists(path):
-        synthesize(path, shape="llama3-8b", ftype=ftype, seed=0)
-    return path
-
-
 def sampled_rates(dec: StepGraphs, kv, cfg, steps: int, modes=("device_top", "host_rows")) -> dict:
     """Batch-1 decode tok/s with llama.cpp's default sampling (top-k 40, top-p 0.95, min-p 0.05,
     temperature 0.8) as the daemon runs it: "device_top", the step's 40 most likely ids picked on
@@ -145,9 +133,10 @@ def prefill_rate(ops, cfg, weights, kv, n: int = 512, reps: int = 3) -> dict:
 def matvec_breakdown(weights, cfg, bw: float) -> list[dict]:
     ly = weights.acquire(cfg.n_layers // 2)
     rows = []
-    mats = [("qkv" + str(j), t) for j, t in enumerate(ly.qkv)] + [("attn_output", ly.attn_output)] + \
-           [("gate_up" + str(j), t) for j, t in enumerate(ly.gate_up)] + [("ffn_down", ly.ffn_down),
-                                                                       ("output", weights.output)]
+    # the stacks model.block multiplies (one piece per quant type among their members)
+    mats = [(f"attn_qkv{j}", t) for j, t in enumerate(ly.attn_qkv.pieces)] + [("attn_output", ly.attn_output)] + \
+           [(f"ffn_gate_up{j}", t) for j, t in enumerate(ly.ffn_gate_up.pieces)] + [("ffn_down", ly.ffn_down),
+                                                                                  ("output", weights.output)]
     for name, t in mats:
         row = {"matrix": name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.nbytes}
         for b in (1, 16):
@@ -171,22 +160,23 @@ def matvec_breakdown(weights, cfg, bw: float) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/ntx")
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "resident.json"))
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--max-ctx", type=int, default=1024)
-    a = ap.parse_args()
-    os.makedirs(a.dir, exist_ok=True)
+    a = ap.parse_args(argv)
+    common.require_gpu(__file__)
+    shape, steps, prefill_tokens = ("tiny", 4, 32) if a.smoke else ("llama3-8b", a.steps, 512)
     dev = cp.cuda.runtime.getDeviceProperties(0)
-    res = {"device": dev["name"].decode(), "copy_bw_Bps": copy_bandwidth(), "files": []}
+    res = {"device": dev["name"].decode(), "copy_bw_Bps": copy_bandwidth(64 << 20 if a.smoke else 4 << 30),
+           "shape": shape, "smoke": a.smoke, "files": []}
     bw = res["copy_bw_Bps"]
     print(f"device {res['device']}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     for ftype in a.types:
         t0 = time.perf_counter()
-        path = synthetic_8b(a.dir, ftype)
+        path = common.synthetic(a.dir, shape, ftype)
         t_syn = time.perf_counter() - t0
         model = GGUFModel(path)
         cfg = model.config
@@ -206,31 +196,29 @@ def main() -> int:
                   f"(floor {m['floor_us']:.1f}, {100 * m['frac_of_bw']:.0f}% of bw); B=16 {m['us_b16']:.1f} us "
                   f"({m['us_b16'] / m['us']:.1f}x B=1)", flush=True)
         dec = StepGraphs(ops, weights, kv)
-        r["decode"] = [decode_rates(dec, kv, b, a.steps) for b in (1, 4, 16)]
+        r["decode"] = [decode_rates(dec, kv, b, steps) for b in (1, 4, 16)]
         for d in r["decode"]:
             d["frac_of_roofline"] = d["tok_s"] / d["batch"] / r["roofline_tok_s"] if d["batch"] == 1 else None
             print(f"  decode B={d['batch']:2d}: {d['tok_s']:8.1f} tok/s, step {d['step_ms']:.3f} ms, "
                   f"device {d['device_step_ms']:.3f} ms, python {100 * d['python_overhead_frac']:.1f}%", flush=True)
-        r["decode_b1_sampled"] = sampled_rates(dec, kv, cfg, a.steps)
+        r["decode_b1_sampled"] = sampled_rates(dec, kv, cfg, steps)
         print(f"  decode B=1 sampled (top-k 40 defaults): {r['decode_b1_sampled']['device_top']:.1f} tok/s with the "
               f"40 best ids picked on the device, {r['decode_b1_sampled']['host_rows']:.1f} tok/s with whole rows "
               f"sampled on the host", flush=True)
         plain = StepGraphs(ops, weights, kv, pdl=False)
-        r["decode_b1_no_pdl"] = decode_rates(plain, kv, 1, a.steps)
+        r["decode_b1_no_pdl"] = decode_rates(plain, kv, 1, steps)
         print(f"  decode B=1 captured without programmatic dependent launch: "
               f"{r['decode_b1_no_pdl']['tok_s']:.1f} tok/s (pdl {'on' if dec.pdl else 'refused'} above)", flush=True)
         eager = StepGraphs(ops, weights, kv, use_graphs=False)
-        r["decode_eager_b1"] = decode_rates(eager, kv, 1, 16)
+        r["decode_eager_b1"] = decode_rates(eager, kv, 1, min(16, steps))
         print(f"  decode B=1 without graphs: {r['decode_eager_b1']['tok_s']:.1f} tok/s", flush=True)
-        r["prefill"] = prefill_rate(ops, cfg, weights, kv)
-        print(f"  prefill 512: {r['prefill']['tok_s']:.0f} tok/s", flush=True)
+        r["prefill"] = prefill_rate(ops, cfg, weights, kv, n=prefill_tokens)
+        print(f"  prefill {prefill_tokens}: {r['prefill']['tok_s']:.0f} tok/s", flush=True)
         res["files"].append(r)
         del dec, plain, eager, ops, weights, kv, model
         cp.get_default_memory_pool().free_all_blocks()
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    print("\n| file | roofline tok/s | decode B=1 | % roofline | B=4 | B=16 | B16/B1 | python % (B=1) | prefill 512 |")
+    common.write_json(a.json, res)
+    print(f"\n| file | roofline tok/s | decode B=1 | % roofline | B=4 | B=16 | B16/B1 | python % (B=1) | prefill {prefill_tokens} |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in res["files"]:
         d = {x["batch"]: x for x in r["decode"]}

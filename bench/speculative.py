@@ -2,6 +2,7 @@
 target pass and the end-to-end speed-up, on the six reference prompts and a code edit.
 
     .venv/bin/python bench/speculative.py --json bench/out/speculative_cpu.json [--max-tokens 64]
+    .venv/bin/python bench/speculative.py --smoke --dir /tmp/ntx-smoke   # a tiny synthetic model, 8 tokens
 
 Target: the all-F32 copy of the default model (made with `ntx-model quantize`; our CPU engine
 computes it exactly as it computes the Q4_1 file). Sources: n-gram lookup; the Q4_0 copy as a
@@ -16,12 +17,13 @@ Each source runs twice:
   one, as the 70B shape at 24 GiB measured on the H200, and a resident draft ~1% of a streamed
   step), which lets drafts run long: the tokens per pass such a target would get from each
   draft's agreement. Its CPU tok/s means nothing and is not reported as a speed-up.
-The H200 part is bench/speculative_gpu.py.
+The H200 part is bench/speculative_gpu.py. `--smoke` runs the same on a tiny synthetic model of 4
+layers (the first and last are never skipped: the skip draft leaves out the two others, the
+prefix draft is the first layer) with 8 tokens per prompt, still checked token for token.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,8 +31,9 @@ import time
 
 from threadpoolctl import threadpool_limits
 
+import common
 from ntransformerd.engine import layer_skip, speculative as sp
-from ntransformerd.engine.engine import Continuation, Engine, EngineConfig, default_model_path, generate
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate
 from ntransformerd.engine.sampler import SamplingParams
 from ntransformerd.tools.quantize import quantize_file
 
@@ -58,30 +61,34 @@ def timed(events) -> tuple[list[int], float]:
     return ids, time.perf_counter() - t_first
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
     ap.add_argument("--dir", default="/tmp/ntx-quality", help="where the F32 and Q4_0 copies go")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sources", default="ngram,draft,skip,prefix:15")
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
-    src = default_model_path()
-    f32, q4 = os.path.join(args.dir, "smollm2-f32.gguf"), os.path.join(args.dir, "smollm2-q4_0.gguf")
+    if args.smoke:  # the whole vocabulary: the reference prompts are the default model's token ids
+        args.max_tokens, args.sources = 8, args.sources.replace("prefix:15", "prefix:1")
+        src, name, n_skip = common.synthetic(args.dir, "tiny", "q4_1", n_layers=4), "tiny", 2
+    else:
+        src, name, n_skip = default_model_path(), "smollm2", 7
+    f32, q4 = os.path.join(args.dir, f"{name}-f32.gguf"), os.path.join(args.dir, f"{name}-q4_0.gguf")
     for path, t in ((f32, "f32"), (q4, "q4_0")):
         if not os.path.exists(path):
             quantize_file(src, path, t)
-    out = {"max_tokens": args.max_tokens, "load_average": os.getloadavg(), "sources": {}}
+    out = {"max_tokens": args.max_tokens, "model": os.path.basename(src), "smoke": args.smoke,
+           "load_average": os.getloadavg(), "sources": {}}
     with threadpool_limits(1):
         target = Engine.load(f32, config=EngineConfig(max_seqs=2, max_ctx=2048))
         draft_engine = sp.load_draft_engine(q4, target)
         cal = layer_skip.load_cached(src)
         skip = cal.auto(layer_skip.AUTO_THRESHOLD) if cal else None
-        skip_mode = f"skip:{','.join(map(str, skip))}" if skip else "skip:7"
-        if skip is None:  # no saved calibration of the default model: calibrate here (cosine only is enough)
+        skip_mode = f"skip:{','.join(map(str, skip))}" if skip else f"skip:{n_skip}"
+        if skip is None:  # no saved calibration of the model: calibrate here (cosine only is enough)
             sim = layer_skip.layer_similarity(target, prompts(target)[-2][1] * 4, ctx=256, max_chunks=1)
             cal = layer_skip.Calibration("", "", 256, 1, [float(s) for s in sim], [])
-            skip_mode = f"skip:{','.join(map(str, cal.most_similar(7)))}"
+            skip_mode = f"skip:{','.join(map(str, cal.most_similar(n_skip)))}"
         work = prompts(target)
         plain = {}
         for name, ids, ignore in work:
@@ -116,10 +123,7 @@ def main() -> int:
                 out["sources"][key] = res
                 print(f"{key:32} {'6 refs':10} {res['reference_tokens_per_pass']:8.2f}  "
                       f"{'speed-up %.2fx' % res['reference_speedup'] if table == 'cpu' else ''}  costs {res['costs']}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    common.write_json(args.json, out)
     return 0
 
 

@@ -1,6 +1,7 @@
 """What a verify step costs on the GPU, and what speculation buys on a streamed model.
 
     python3 bench/speculative_gpu.py --dir /tmp/ntx --json bench/out/speculative_gpu.json
+    python3 bench/speculative_gpu.py --smoke --dir /tmp/ntx-smoke   # the tiny shape, one layer streamed
 
 1. Verify-step cost: one step of T tokens per sequence (T = 1, 2, 4, 8, 16) against T = 1,
    at batch 1 and 16, for the 70B-shaped Q4_K_M in a 24 GiB VRAM budget (the rest streamed from
@@ -23,8 +24,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,24 +32,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
-sys.path.insert(1, os.path.dirname(__file__))
 
+import common  # noqa: E402
+from ntransformerd.engine.backends.cuda import cp  # noqa: E402 (None without CuPy)
 from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)
 CONTEXT = 40  # prompt tokens of every sequence before the measured steps
-
-
-def model_file(directory: str, shape: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{shape}-q4_k_m.gguf")
-    if not os.path.exists(path):
-        t = time.perf_counter()
-        synthesize(path, shape=shape, ftype="q4_k_m", seed=0)
-        print(f"synthesized {path} in {time.perf_counter() - t:.0f} s", flush=True)
-    return path
 
 
 def prompts(b: int, vocab: int) -> list[list[int]]:
@@ -151,23 +140,29 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / sum(len(x) for x in a)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/tmp/ntx")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "out", "speculative_gpu.json"))
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=25, help="generated tokens per sequence in part 2")
     ap.add_argument("--no-8b", action="store_true")
     ap.add_argument("--no-verify", action="store_true", help="skip part 1")
-    a = ap.parse_args()
-    out = {"verify": {}, "speculative": [], "skip": []}
+    a = ap.parse_args(argv)
+    common.require_gpu(__file__)
+    out = {"smoke": a.smoke, "verify": {}, "speculative": [], "skip": []}
 
-    runs = [("llama3-70b", "24GiB")] + ([] if a.no_8b else [("llama3-8b", None)])
-    for shape, budget in runs:
-        path = model_file(a.dir, shape)
+    # (name, shape, engine settings, streamed: parts 2 and 3 run on it)
+    streamed = ("llama3-70b", "llama3-70b", {"vram_budget": "24GiB"}, True)
+    resident = ("llama3-8b", "llama3-8b", {}, False)
+    if a.smoke:  # the tiny shape's second layer streamed from pinned RAM; few reps, few tokens
+        streamed = ("tiny streamed", "tiny", {"max_vram_layers": 1}, True)
+        resident = ("tiny", "tiny", {}, False)
+        a.reps, a.tokens = 1, 10
+    runs = [streamed] + ([] if a.no_8b else [resident])
+    for shape, synth_shape, settings, is_streamed in runs:
+        path = common.synthetic(a.dir, synth_shape, "q4_k_m")
         t = time.perf_counter()
-        e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=17, max_ctx=256,
-                                                        vram_budget=budget))
+        e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=17, max_ctx=256, **settings))
         print(f"{shape}: loaded in {time.perf_counter() - t:.0f} s; plan {e.plan.explain().splitlines()[1:4]}",
               flush=True)
         for b in () if a.no_verify else (1, 16):
@@ -176,7 +171,7 @@ def main() -> int:
             print(f"{shape} B={b:2d} verify step / one-token step: "
                   + "  ".join(f"T={t}: {v[str(t)]['vs_1']:.2f}x ({v[str(t)]['step_s'] * 1e3:.1f} ms)" for t in TOKENS),
                   flush=True)
-        if shape == "llama3-70b":
+        if is_streamed:
             for b in (1, 16):
                 greedy, plain = plain_greedy(e, b, a.tokens)
                 out["speculative"].append({"batch": b, "plain_tok_s": plain})
@@ -202,12 +197,9 @@ def main() -> int:
                 out["skip"].append({"skipped_fraction": frac, "tok_s": rate})
                 print(f"{shape} B= 1 {100 * frac:.0f}% of layers skipped: {rate:.2f} tok/s", flush=True)
         del e
-        import cupy as cp
         cp.get_default_memory_pool().free_all_blocks()
         cp.get_default_pinned_memory_pool().free_all_blocks()
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+    common.write_json(a.json, out)
     return 0
 
 

@@ -3,6 +3,7 @@
     ntx-client generate "Why is the sky blue?"            # through the model's chat template
     ntx-client generate --raw --temperature 0 --max-tokens 32 --json "Once upon a time"
     ntx-client generate --wait "Hello"                    # waits for a loading daemon
+    ntx-client generate --json-schema person.json "Describe a person"   # output valid against it
     ntx-client chat | status | models | tokenize TEXT
 
 Sampling defaults are shared with `ntx-model run`: temperature 0.8 (the daemon's own default),
@@ -139,26 +140,50 @@ def _stream(chunks, out=None) -> list[str]:
     return text
 
 
+def _read_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"ntx-client: {flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _constraint(args) -> dict:
+    """--json-schema FILE | --regex RE | --grammar FILE as generate()'s keywords."""
+    if args.json_schema:
+        return {"json_schema": _read_file(args.json_schema, "--json-schema")}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar:
+        return {"grammar": _read_file(args.grammar, "--grammar")}
+    return {}
+
+
 def cmd_generate(client: Client, args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.wait:
         wait_until_serving(client, args.wait_timeout)
+    extra = _constraint(args) | ({"logprobs": args.logprobs} if args.logprobs is not None else {})
     if args.raw:
         if args.system:
             raise SystemExit("ntx-client: --system needs the chat template: drop --raw")
-        chunks = client.generate(prompt, **_sampling(args))
+        chunks = client.generate(prompt, **_sampling(args), **extra)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
-        chunks = client.chat(messages, **_sampling(args, chat=True))
+        chunks = client.chat(messages, **_sampling(args, chat=True), **extra)
     if args.json:
         def tee():
             for c in chunks:
                 print(json.dumps({"text": c.text, "ids": c.ids}, ensure_ascii=False), flush=True)
                 yield c
         done = collect(tee())
-        print(json.dumps({"ids": done.ids, "text": done.text, "prompt_ids": done.prompt_ids,
-                          "finish_reason": done.finish_reason, "usage": done.usage}, ensure_ascii=False))
+        out = {"ids": done.ids, "text": done.text, "prompt_ids": done.prompt_ids,
+               "finish_reason": done.finish_reason, "usage": done.usage}
+        if args.logprobs is not None:
+            out["logprobs"] = [{"id": t.id, "logprob": t.logprob, "top": [[a.id, a.logprob] for a in t.top]}
+                               for t in done.logprobs]
+        print(json.dumps(out, ensure_ascii=False))
         return 0
     _stream(chunks)
     sys.stdout.write("\n")
@@ -344,6 +369,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--system", help="system message (chat)")
     g.add_argument("--json", action="store_true", help="one JSON object per chunk; the last has ids and text")
+    k = g.add_mutually_exclusive_group()
+    k.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against the JSON Schema in FILE")
+    k.add_argument("--regex", metavar="RE", help="the output matches the regular expression RE as a whole")
+    k.add_argument("--grammar", metavar="FILE", help="the output is a sentence of the Lark or GBNF grammar in FILE")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each token's log-probability and its N (0..20) most likely alternatives'")
     _add_sampling(g)
     c = sub.add_parser("chat", help="interactive chat, history kept (/help for commands, /exit to leave)")
     c.add_argument("--system", help="system message")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -31,14 +32,31 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """A token's log-probability and, where asked for, the most likely tokens at its position."""
+
+    id: int
+    piece: bytes  # the token's bytes (may hold part of a UTF-8 character)
+    logprob: float
+    top: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, m: pb.TokenLogprob) -> "TokenLogprob":
+        return cls(m.id, m.piece, m.logprob, [cls(t.id, t.piece, t.logprob) for t in m.top])
+
+
+@dataclasses.dataclass
 class Chunk:
-    """One streamed piece of a generation. The last one has finish_reason and usage."""
+    """One streamed piece of a generation. The last one has finish_reason and usage; logprobs
+    (one per id) where asked for, prompt_logprobs (prompt_ids[1:]) on the first."""
 
     text: str
     ids: list[int]
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "eos"
     usage: dict | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_pb(cls, m: pb.GenerateResponse) -> "Chunk":
@@ -48,7 +66,8 @@ class Chunk:
             usage = dict(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                          queue_seconds=u.queue_seconds, prefill_seconds=u.prefill_seconds,
                          decode_seconds=u.decode_seconds, cached_prompt_tokens=u.cached_prompt_tokens)
-        return cls(m.text, list(m.token_ids), list(m.prompt_ids), FINISH_REASONS.get(m.finish_reason), usage)
+        return cls(m.text, list(m.token_ids), list(m.prompt_ids), FINISH_REASONS.get(m.finish_reason), usage,
+                   [TokenLogprob.from_pb(x) for x in m.logprobs], [TokenLogprob.from_pb(x) for x in m.prompt_logprobs])
 
 
 @dataclasses.dataclass
@@ -60,27 +79,39 @@ class Completion:
     prompt_ids: list[int]
     finish_reason: str | None
     usage: dict | None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 def collect(chunks) -> Completion:
-    text, ids, prompt_ids, last = [], [], [], None
+    text, ids, prompt_ids, lps, prompt_lps, last = [], [], [], [], [], None
     for c in chunks:
         text.append(c.text)
         ids += c.ids
         prompt_ids += c.prompt_ids
+        lps += c.logprobs
+        prompt_lps += c.prompt_logprobs
         last = c
-    return Completion("".join(text), ids, prompt_ids, last and last.finish_reason, last and last.usage)
+    return Completion("".join(text), ids, prompt_ids, last and last.finish_reason, last and last.usage, lps,
+                      prompt_lps)
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
-                     prefix_cache: bool = True, speculative: str = "", **sampling) -> pb.GenerateRequest:
+                     prefix_cache: bool = True, speculative: str = "", json_schema: str | dict | None = None,
+                     regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
+                     prompt_logprobs: bool = False, **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids. prefix_cache=False:
     the daemon neither starts from cached KV nor keeps this request's. speculative: "" (the
-    daemon's default), off, auto, ngram, draft, skip or prefix."""
+    daemon's default), off, auto, ngram, draft, skip or prefix. At most one constraint:
+    json_schema (JSON text or a dict), regex, grammar (Lark or GBNF). logprobs: each token's
+    log-probability and its n (0..20) most likely alternatives'; prompt_logprobs: the prompt's too."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_ids")
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint, not {' and '.join(given)}")
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -94,6 +125,11 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
         req.prompt_ids.ids.extend(prompt_ids)
     if max_tokens is not None:
         req.max_tokens = max_tokens
+    for kind, text in given.items():
+        setattr(req.constraint, kind, json.dumps(text) if isinstance(text, dict) else text)
+    if logprobs is not None:
+        req.logprobs = logprobs
+    req.prompt_logprobs = prompt_logprobs
     for k, v in sampling.items():
         if v is not None:
             setattr(req.sampling, k, v)
@@ -306,5 +342,5 @@ class AdminClient(_Channel):
         self._call(self._stub.Shutdown, admin_pb2.ShutdownRequest(timeout_seconds=timeout_seconds))
 
 
-__all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError", "collect",
+__all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError", "TokenLogprob", "collect",
            "connection_error", "generate_request"]

@@ -185,3 +185,97 @@ def test_pieces_compose_to_the_whole_pass(small_model):
         hand[:] = np.nan
         got = split.steps.run(b, x=x, layers=[1], all_logits=True)
         assert np.array_equal(got, want)
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
+
+
+@pytest.fixture(scope="module")
+def fast_engine(default_model):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    return Engine(default_model, config=EngineConfig(backend="cpu", max_seqs=4, max_ctx=1024))
+
+
+def test_perplexity_within_half_a_percent_of_the_exact_run(fast_engine):
+    """The default model on the GPL-3 text, ctx 512, the golden's first chunks: the exact run
+    (llama.cpp on the all-F32 copy, which our float32 reference equals to 1e-6) against the
+    fast backend's 8-bit activations."""
+    import json
+    import math
+
+    from ntransformerd.engine.perplexity import perplexity
+    with open(os.path.join(GOLDEN, "perplexity_smollm2.json")) as f:
+        g = json.load(f)
+    if not os.path.exists(g["text"]):
+        pytest.skip(f"{g['text']} is missing")
+    chunks = 2
+    exact = math.exp(sum(c["nll_sum"] for c in g["chunks"][:chunks]) / sum(c["tokens"] for c in g["chunks"][:chunks]))
+    p = perplexity(fast_engine, g["ids"], ctx=g["ctx"], max_chunks=chunks)
+    assert abs(p.perplexity / exact - 1) < 0.005, f"fast {p.perplexity:.4f}, exact {exact:.4f}"
+
+
+def test_greedy_matches_llama_cpp_q4_1_where_it_is_decisive(fast_engine):
+    """llama.cpp on the Q4_1 file also multiplies 8-bit activations: wherever its top-2 margin
+    is above 1.0 the fast backend picks the same token (up to its first close call)."""
+    import json
+    with open(os.path.join(GOLDEN, "forward_smollm2.json")) as f:
+        g = json.load(f)
+    e, compared = fast_engine, []
+    for p in g["prompts"]:
+        slot = e.open()
+        try:
+            logits, cont = e.prefill(slot, p["prompt_ids"]), []
+            n = next((i for i, m in enumerate(p["q4_1_margins"]) if m <= 1.0), len(p["q4_1_margins"]))
+            for _ in range(n):
+                cont.append(int(np.argmax(logits)))
+                logits = e.step([(slot, [cont[-1]])])[0]
+        finally:
+            e.close(slot)
+        assert cont == p["q4_1_continuation"][:n], (p["name"], cont, p["q4_1_continuation"][:n])
+        compared.append(n)
+    assert max(compared) >= 16, f"too few decisive steps to compare: {compared}"
+
+
+@pytest.mark.parametrize("ftype", ["q4_1", "q8_0", "q4_k", "q6_k", "f16"])
+def test_a_row_gives_the_same_bits_in_any_batch(small_model, ftype):
+    """A row's logits do not depend on the other rows of its step (tiles of rows, remainders):
+    what makes a k-token verify step agree with k one-token steps, and batched decode with solo."""
+    m = small_model(ftype)
+    solo, batched = Pair(m), Pair(m)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, m.config.vocab_size, 9)
+    solo.steps.run(Batch.of([Segment(0, 0, prompt)]))
+    batched.steps.run(Batch.of([Segment(0, 0, prompt)]))
+    others = [Segment(s, 0, rng.integers(0, m.config.vocab_size, n)) for s, n in ((1, 3), (2, 5), (3, 2))]
+    for step in range(3):
+        tok = rng.integers(0, m.config.vocab_size, 1)
+        a = solo.steps.run(Batch.of([Segment(0, 9 + step, tok)]))
+        b = batched.steps.run(Batch.of([Segment(0, 9 + step, tok)] + others))
+        assert np.array_equal(a[0], b[0]), (ftype, step)
+        others = [Segment(s.slot, s.start + len(s.tokens), rng.integers(0, m.config.vocab_size, 1 + step))
+                  for s in others]
+
+
+def test_the_host_as_two_devices_gives_one_devices_bits(small_model):
+    """The host-as-device path: layer 0 on one host device, layer 1 and the head on another,
+    each running its pieces as recorded steps, the activation handed over (and the old buffer
+    poisoned) between them; every step's logits are the one-device engine's bits."""
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.tiers.multi import MultiPlan
+    from ntransformerd.engine.tiers.planner import VRAM, Plan
+
+    m = small_model("q4_1")
+    cfg = dict(backend="cpu", max_seqs=4, max_ctx=64, prefill_chunk=16)
+    one = Engine(m, config=EngineConfig(**cfg))
+    lb = [m.layer_bytes(i) for i in range(2)]
+    plans = tuple(Plan((VRAM,), (b,), 0, 0, 0, 0, 0, -1, -1) for b in lb)
+    two = Engine(m, config=EngineConfig(**cfg), plan=MultiPlan(plans, (0, 1), (55e9, 55e9), -1), poison=True)
+    assert [st.recorded for st in two.pipeline.stages] == [True, True]
+    rng = np.random.default_rng(8)
+    for e in (one, two):
+        e.open(), e.open()
+    for step in range(4):
+        items = [(0, rng.integers(0, 2048, 5 if step == 0 else 1)), (1, rng.integers(0, 2048, 3 if step == 0 else 2))]
+        a, b = one.step(items, all_logits=True), two.step(items, all_logits=True)
+        assert np.array_equal(a, b), step
+    assert two.pipeline.handoff.stats["copies"] == 4

@@ -2,9 +2,15 @@
 and for the RTX 3090 class (sm_86: the 24 GB cards the tiers are for), on a machine without a GPU: NVRTC is a library (the `nvidia-cuda-nvrtc` wheel of the test
 extra, the device's CUDA 13.0), so a kernel that does not compile fails here, in CI, not on the
 next GPU machine. ptxas's report also holds the launch-bounds claims of backends/cuda/launch.py: the
-one-row dp4a matvecs fit the blocks per SM they are compiled for without spilling."""
+one-row dp4a matvecs fit the blocks per SM they are compiled for without spilling.
+
+Compiling every instance for both architectures costs ~60 s of CPU (quant.cu's 141 instances are
+most of it). A family's report is kept in pytest's cache under the hash of everything that
+decides it (the source as compiled, the instance names, the architecture, NVRTC's version), so a
+checkout compiles again only what changed; a clean clone compiles everything."""
 import ctypes
 import glob
+import hashlib
 import os
 import re
 
@@ -72,14 +78,34 @@ def compile_family(family: str, names: list[str], arch: str) -> dict[str, tuple[
     return out
 
 
+def nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert LIB.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0
+    return f"{major.value}.{minor.value}"
+
+
+def cached_compile(cache, family: str, names: list[str], arch: str) -> dict[str, tuple[int, int]]:
+    """compile_family, or its report from an earlier compile of exactly these inputs."""
+    key = hashlib.sha256("\0".join([cuda.kernel_source(family), *names, arch, nvrtc_version()]).encode()).hexdigest()
+    path = f"ntx/nvrtc/{family}-{arch}-{key[:32]}"
+    got = cache.get(path, None) if cache is not None else None
+    if got is not None:
+        return {name: tuple(v) for name, v in got.items()}
+    rep = compile_family(family, names, arch)
+    if cache is not None:
+        cache.set(path, {name: list(v) for name, v in rep.items()})
+    return rep
+
+
 @pytest.fixture(scope="module", params=["sm_90", "sm_86"])
 def report(request) -> dict[tuple[str, str], tuple[int, int]]:
     by_family: dict[str, list[str]] = {}
     for family, name in cuda.kernel_names():
         by_family.setdefault(family, []).append(name)
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     rep = {}
     for family, names in by_family.items():
-        for name, v in compile_family(family, names, request.param).items():
+        for name, v in cached_compile(cache, family, names, request.param).items():
             rep[(family, name)] = v
     return rep
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine.sampler import (
-    InvalidLogits, SamplingParams, Sampler, StopMatcher, apply_penalties, candidates,
+    InvalidLogits, NoAllowedToken, SamplingParams, Sampler, StopMatcher, TopLogits, apply_penalties, candidates,
+    prompt_logprobs, token_logprobs,
 )
 
 V = 1000
@@ -303,3 +304,54 @@ def test_stop_matcher_brute_force():
             assert stopped and "".join(out) + rest == text[: min(hits)], (text, stops, deltas)
         else:
             assert not stopped and "".join(out) + rest == text, (text, stops, deltas)
+
+
+# ---- log-probabilities and the constraint's mask --------------------------------------------------
+
+def test_token_logprobs_are_log_softmax_in_float64():
+    rng = np.random.default_rng(7)
+    row = (rng.standard_normal(5000) * 4).astype(np.float32)
+    row[[11, 12]] = row.max() + 1.0  # a tie at the top: the lower id first
+    lp, top, top_lp = token_logprobs(row, 3, 5)
+    z = row.astype(np.float64)
+    want = z - np.log(np.exp(z - z.max()).sum()) - z.max()
+    assert abs(lp - want[3]) < 1e-12
+    assert top.tolist()[:2] == [11, 12] and top.tolist() == np.lexsort((np.arange(5000), -want))[:5].tolist()
+    assert np.allclose(top_lp, want[top], atol=1e-12)
+    assert token_logprobs(row, 3, 0)[1].size == 0
+    with pytest.raises(InvalidLogits):
+        token_logprobs(np.array([0.0, np.nan], np.float32), 0, 1)
+
+
+def test_prompt_logprobs_row_by_row():
+    rng = np.random.default_rng(8)
+    rows = rng.standard_normal((4, 300)).astype(np.float32)
+    out = prompt_logprobs(rows, [5, 6, 7, 8], 3)
+    for row, t, (lp, top, top_lp) in zip(rows, [5, 6, 7, 8], out):
+        want = token_logprobs(row, t, 3)
+        assert lp == pytest.approx(want[0], abs=1e-12) and top.tolist() == want[1].tolist()
+
+
+def test_the_mask_applies_to_greedy_sampled_and_the_distribution():
+    rng = np.random.default_rng(9)
+    row = rng.standard_normal(1000).astype(np.float32)
+    mask = np.zeros(1000, bool)
+    mask[[3, 500, 900]] = True
+    greedy = Sampler(SamplingParams.greedy(), 1000)
+    assert greedy.sample(row, (), mask) == [3, 500, 900][int(np.argmax(row[[3, 500, 900]]))]
+    sampled = Sampler(SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1), 1000)
+    assert {sampled.sample(row, (), mask) for _ in range(200)} <= {3, 500, 900}
+    ids, p = sampled.distribution(row, (), mask)
+    assert set(ids.tolist()) == {3, 500, 900} and abs(p.sum() - 1) < 1e-12
+    with pytest.raises(ValueError, match="whole row"):
+        greedy.sample(TopLogits.of(row[None], 1)[0], (), mask)
+
+
+def test_a_mask_that_allows_nothing_is_the_requests_fault():
+    row = np.zeros(10, np.float32)
+    row[:5] = -np.inf
+    mask = np.zeros(10, bool)
+    mask[:5] = True  # only ids the model gives no chance
+    with pytest.raises(NoAllowedToken, match="constraint allows no token"):
+        Sampler(SamplingParams.greedy(), 10).sample(row, (), mask)
+    assert not issubclass(NoAllowedToken, InvalidLogits)  # not the model's fault: serving goes on

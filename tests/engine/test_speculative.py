@@ -169,7 +169,8 @@ class MemoSampler:
     def __init__(self, sampler, memo: dict):
         self.sampler, self.memo, self.vocab_size = sampler, memo, sampler.vocab_size
 
-    def distribution(self, row, history):
+    def distribution(self, row, history, mask=None):
+        assert mask is None, "these sequences have no constraint"
         key = (id(row), tuple(history))
         if key not in self.memo:
             self.memo[key] = self.sampler.distribution(row, history)

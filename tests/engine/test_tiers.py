@@ -14,7 +14,7 @@ from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import model_plan, planner
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan, PlanError, plan_tiers
 from ntransformerd.engine.tiers.sources import (MmapSource, ODirectSource, SlowSource, plan_reads)
-from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
+from ntransformerd.engine.backends.cpu import StreamedCpuWeights
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -144,16 +144,13 @@ def _run(engine, prompt=(1, 2, 3, 4, 5, 6, 7), steps=3):
 
 
 def _streamed_engine(model, plan, source=None, poison=True):
-    """The reference engine's ops and cache shape with streamed weights (shares the embedding)."""
-    ref_engine = _refs[model.path][0] if model.path in _refs else None
-    e = Engine.__new__(Engine)
-    e.__dict__.update(ref_engine.__dict__)
-    e.kv = type(ref_engine.kv)(model.config, n_slots=2, max_ctx=64, dtype="f32")
-    return _swap_weights(e, model, plan, source, poison)
+    """An engine like the reference, its weights streamed under `plan` (the reference's embedding
+    and resident layers shared)."""
+    return _swap_weights(_engine(model), model, plan, source, poison)
 
 
 def _engine(model, **kw):
-    return Engine(model, config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=64, prefill_chunk=3, **kw))
+    return Engine(model, config=EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=64, prefill_chunk=3, **kw))
 
 
 _refs = {}
@@ -230,7 +227,7 @@ def test_load_progress_reports_every_layer_once(small, over):
         over = dict(over, ram_budget=lb * 5 // 2)  # VRAM, PINNED, STORAGE, STORAGE
     small.on_layer_loaded(seen.append)
     try:
-        model_plan(small, EngineConfig(backend="cpu", **over), backend="cpu")
+        model_plan(small, EngineConfig(backend="cpu-ref", **over), backend="cpu")
         assert seen == []
         e = _engine(small, **over)
     finally:

@@ -185,9 +185,11 @@ def test_cli_plan_devices(synth_model, capsys):
     assert "device 1" in capsys.readouterr().err
 
 
-def test_engine_refuses_several_devices(synth_model):
+def test_engine_loads_several_devices(synth_model):
+    """Several devices are one engine: on a host backend, simulated devices with a share each
+    (tests/engine/test_tiers_multi_pipeline.py runs them); a repeated device is refused."""
     from ntransformerd.engine.engine import Engine, EngineConfig
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="distinct"):
         EngineConfig(devices="0,0").validate()
-    with pytest.raises(RuntimeError, match="not built yet"):
-        Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(devices="0,1", max_ctx=64))
+    e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu-ref", devices="0,1", max_ctx=64))
+    assert e.plan.n_devices == 2 and [st.name for st in e.pipeline.stages] == ["cpu-ref:0", "cpu-ref:1"]

@@ -1,19 +1,39 @@
 """The engine on the CUDA backend against the CPU backend, through Engine.step (which routes
 one-token steps to the captured decode graphs): synthetic models, and a real-weights slice of
-the default model (`ntx-model slice --layers 4`, carried to the GPU machine in .gpu-data/)."""
+the default model (`ntx-model slice --layers 4`: NTX_REAL_SLICE or .gpu-data/smollm2-4l.gguf where
+one was carried, else made here from the default model)."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
-SLICE = os.environ.get("NTX_REAL_SLICE", os.path.join(os.path.dirname(__file__), "..", "..", ".gpu-data",
-                                                      "smollm2-4l.gguf"))
+CARRIED = (os.environ.get("NTX_REAL_SLICE"),
+           os.path.join(os.path.dirname(__file__), "..", "..", ".gpu-data", "smollm2-4l.gguf"))
+
+
+@pytest.fixture(scope="module")
+def real_slice(tmp_path_factory) -> str:
+    """The first 4 layers of the default model, real weights: a carried copy, or `ntx-model slice`."""
+    for path in CARRIED:
+        if path and os.path.exists(path):
+            return path
+    try:
+        src = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"no real-weights slice carried and none can be made: {e}")
+    out = str(tmp_path_factory.mktemp("slice") / "smollm2-4l.gguf")
+    r = subprocess.run([sys.executable, "-m", "ntransformerd.tools.ntx_model", "slice", src, out, "--layers", "4",
+                        "--quiet"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return out
 
 
 def greedy(engine: Engine, prompt, n):
@@ -45,7 +65,7 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     path = str(tmp_path / f"small-{ftype}.gguf")
     synthesize(path, shape="small", ftype=ftype, seed=3)
     m = GGUFModel(path)
-    cfg = EngineConfig(max_seqs=2, max_ctx=256)
+    cfg = EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=256)
     cpu_e = Engine(m, config=cfg)
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=256))
     assert gpu_e.backend_name == "cuda" and gpu_e._graphs is not None
@@ -57,11 +77,9 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     assert top1 >= 0.99, top1
 
 
-def test_real_slice_greedy_identical():
-    if not os.path.exists(SLICE):
-        pytest.skip(f"no real-weights slice at {SLICE} (ntx-model slice .gpu-data/smollm2-4l.gguf --layers 4)")
-    m = GGUFModel(SLICE)
-    cpu_e = Engine(m, config=EngineConfig(max_seqs=1, max_ctx=256))
+def test_real_slice_greedy_identical(real_slice):
+    m = GGUFModel(real_slice)
+    cpu_e = Engine(m, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=256))
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=256))
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = cpu_e.tokenizer.encode(text)

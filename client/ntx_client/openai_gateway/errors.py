@@ -12,7 +12,8 @@ from ntx_client.errors import NtxError
 
 # The `type` OpenAI's own server puts in its error objects for each status.
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         429: "rate_limit_error",
          500: "server_error", 503: "server_error", 504: "server_error"}
 
 # gRPC status of a daemon error → HTTP status. The daemon answers FAILED_PRECONDITION while its
@@ -52,6 +53,14 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+SHOWN_CHARS = 64  # of a client's own text echoed in an error
+
+
+def shown(text: str) -> str:
+    """`text` for an error message: its first SHOWN_CHARS characters, and how long it was."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def from_ntx(err: NtxError) -> APIError:

@@ -3,6 +3,7 @@
     ntx-openai                                   # the local daemon, http://127.0.0.1:8000/v1
     ntx-openai --port 8080 --api-keys-file ~/.config/ntx/keys
     ntx-openai --target gpu1:7443 --target gpu2:7443 --tls-ca ca.pem --tls-cert me.pem --tls-key me.key
+    ntx-openai --host 0.0.0.0 --allowed-host gpu-box.lan --api-keys-file keys --open-monitoring
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import sys
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,14 +32,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
     p.add_argument("--tls-server-name", help="name the daemons' certificates carry (default: the first target's host)")
     p.add_argument("--api-keys-file", help="require 'Authorization: Bearer KEY' with a KEY from this file "
-                   "(one per line)")
+                   "(one per line), on every route: /health and /metrics too, unless --open-monitoring")
+    p.add_argument("--open-monitoring", action="store_true",
+                   help="serve /health and /metrics without a key even with --api-keys-file (e.g. for a local "
+                        "Prometheus; they show the daemons' sockets, model and queues)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeat for several; * for any). By "
+                        "default only localhost, 127.0.0.1, ::1 and the --host address are answered: a web page "
+                        "cannot reach the gateway through a browser under a name of its own (DNS rebinding)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request line and headers have not all arrived S seconds after "
+                        f"it opened, or after the request's first byte (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request body has not all arrived S seconds after its headers "
+                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="connections and requests served at once; past them a request gets 503 "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
 
 def config_from_args(args):
     from ntx_client.channels import TLS, grpc_target
-    from ntx_client.openai_gateway.app import GatewayConfig, read_api_keys
+    from ntx_client.openai_gateway.app import LOOPBACK_HOSTS, GatewayConfig, read_api_keys
 
     if args.socket and args.target:
         raise SystemExit("ntx-openai: give --socket or --target, not both")
@@ -49,19 +69,28 @@ def config_from_args(args):
                          "refuse clients without a certificate)")
     if not 0 < args.port < 65536:
         raise SystemExit(f"ntx-openai: --port {args.port} is not a TCP port (1..65535)")
+    for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < seconds < float("inf"):
+            raise SystemExit(f"ntx-openai: {flag} {seconds:g} is not a time: give seconds above 0")
+    if args.max_connections < 2:
+        raise SystemExit(f"ntx-openai: --max-connections {args.max_connections} leaves no room for a request: "
+                         "give 2 or more")
+    hosts = {*LOOPBACK_HOSTS, *(args.allowed_host or ())}
+    if args.host not in ("0.0.0.0", "::", ""):  # a wildcard address is no name a client would send
+        hosts.add(args.host)
     if args.target:  # fail here, with the flag's name, rather than on the first request
         grpc_target(args.target)
         tls.credentials()
     keys = read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset()
-    return GatewayConfig(socket=args.socket, targets=tuple(args.target or ()), tls=tls, api_keys=keys)
+    return GatewayConfig(socket=args.socket, targets=tuple(args.target or ()), tls=tls, api_keys=keys,
+                         open_monitoring=args.open_monitoring, allowed_hosts=frozenset(hosts))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        import uvicorn
-
         from ntx_client.openai_gateway.app import create_app
+        from ntx_client.openai_gateway.serve import serve
     except ImportError as e:
         print(f"ntx-openai: {e.name} is missing: install the gateway's extra, pip install 'ntransformer[openai]'",
               file=sys.stderr)
@@ -73,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ntx-openai: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+    serve(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+          header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections)
     return 0
 
 

@@ -69,7 +69,7 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("ntx_openai_requests", "HTTP requests answered, by route and status",
+        self.requests = Counter("ntx_openai_requests", "HTTP requests answered, by route name and status",
                                 ["endpoint", "status"], registry=r)
         self.tokens = Counter("ntx_openai_tokens", "tokens of finished requests", ["kind"], registry=r)
         self.in_flight = Gauge("ntx_openai_in_flight_requests", "generations being served now", registry=r)
@@ -88,8 +88,9 @@ class Metrics:
             self.tokens.labels("completion").inc(usage["completion_tokens"])
             self.seconds.labels(endpoint).observe(seconds)
 
-    def failed(self, path: str, status: int) -> None:
-        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, path)
+    def failed(self, endpoint: str, status: int) -> None:
+        """A request refused or failed before its generation finished; `endpoint` is its route's
+        name, never anything the client chose (each label value is a series kept for good)."""
         self.requests.labels(endpoint, str(status)).inc()
 
     def render(self, statuses) -> tuple[bytes, str]:

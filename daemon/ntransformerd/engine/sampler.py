@@ -18,6 +18,13 @@ keeps a finite row finite, so the chain always has a candidate; should the penal
 a row out of range (logits near float32's limit), that token is the argmax of the unpenalised
 row (``unpenalised_fallback``).
 
+A constraint (engine/constraints.py) reaches the chain as a mask: a boolean row of the ids
+that may come next, applied right after the ignore_eos ban, before the penalties and every
+filter, so greedy, sampled and speculative paths all draw from the masked row.
+
+Log-probabilities (``token_logprobs``, ``prompt_logprobs``) are log-softmax of the model's own
+row in float64: before the penalties, temperature, filters and mask, as OpenAI reports them.
+
 Thread rule: a ``Sampler`` and a ``StopMatcher`` belong to one sequence and one thread. Each
 ``Sampler`` owns its numpy Generator, so a seed reproduces a sequence whatever else runs.
 """
@@ -30,18 +37,24 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["GREEDY_BELOW", "InvalidLogits", "SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow",
-           "draw_from"]
+__all__ = ["GREEDY_BELOW", "InvalidLogits", "MAX_TOP_LOGPROBS", "NoAllowedToken", "SamplingParams", "Sampler",
+           "StopMatcher", "TopLogits", "TopRow", "draw_from", "prompt_logprobs", "token_logprobs"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # |logit| grows at most 100x: a finite row stays finite
+MAX_TOP_LOGPROBS = 20  # alternatives per position a request may ask for (OpenAI's limit)
 
 
 class InvalidLogits(ValueError):
     """A row of logits no token can be drawn from (NaN, +inf, nothing finite): the model or its
     backend is broken; no sampling parameter causes it."""
+
+
+class NoAllowedToken(ValueError):
+    """The request's mask (its constraint) leaves no token with a finite logit: the request's
+    fault, not the model's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,19 +164,23 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self._banned = np.array(sorted(eog_ids), dtype=np.int64) if params.ignore_eos else None
 
-    def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = ()) -> int:
-        """The next id from a row of logits (V,), or from its TopRow where need() allowed one."""
+    def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
+        """The next id from a row of logits (V,), or from its TopRow where need() allowed one;
+        mask: the ids allowed next (bool (V,)), None: all."""
         if isinstance(logits, TopRow):
+            if mask is not None:
+                raise ValueError("a masked row needs the whole row of logits, not its top ids")
             return self.sample_top(logits)
         p = self.params
-        x = self._penalised(logits, history)
+        x = self._penalised(logits, history, mask)
         if p.is_greedy:
             return int(np.argmax(x))  # first maximum: the lowest id wins ties
         ids = top_sorted(x, p.top_k)
         return self._draw(ids, x[ids])
 
-    def _penalised(self, logits, history: Sequence[int]) -> np.ndarray:
-        """A float32 copy of the row, checked, with the ignore_eos ban and the penalties applied.
+    def _penalised(self, logits, history: Sequence[int], mask: np.ndarray | None = None) -> np.ndarray:
+        """A float32 copy of the row, checked, with the ignore_eos ban, the mask and the penalties
+        applied. NoAllowedToken where the mask leaves no id.
 
         InvalidLogits for NaN, +inf or no finite logit. Where the penalties leave no finite
         maximum (only possible for logits near float32's limit) the row is the unpenalised one
@@ -182,20 +199,26 @@ class Sampler:
             x[self._banned] = -np.inf
         if x.max() == -np.inf:
             raise InvalidLogits("no token can be drawn: every logit is -inf")
+        if mask is not None:
+            x[~mask] = -np.inf
+        if x.max() == -np.inf:
+            raise NoAllowedToken("no token can be drawn: the request's constraint allows no token the model can "
+                                 "produce here; check the schema, regex or grammar")
         y = apply_penalties(x.copy(), history, self.params)
         if np.isfinite(y.max()):
             return y
         return unpenalised_fallback(x)
 
-    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
+                     mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The distribution sample() draws from: (ids, probabilities float64), most likely first.
 
-        The same chain (ignore_eos ban, penalties from `history`, top-k, top-p, min-p,
+        The same chain (ignore_eos ban, mask, penalties from `history`, top-k, top-p, min-p,
         temperature); greedy is a point mass on the argmax. Speculative decoding verifies drafts
         against exactly this distribution, so accepting by it keeps sample()'s distribution.
         """
         p = self.params
-        x = self._penalised(logits, history)
+        x = self._penalised(logits, history, mask)
         if p.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)
         ids = top_sorted(x, p.top_k)
@@ -295,6 +318,33 @@ class TopLogits:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+def _log_softmax(rows: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of rows (n, V); InvalidLogits where a row holds NaN or +inf."""
+    z = np.asarray(rows, dtype=np.float64)
+    m = z.max(axis=-1, keepdims=True)  # NaN if any is NaN
+    if not np.isfinite(m).all():
+        raise InvalidLogits("logits contain NaN or +inf, or nothing finite: the forward pass produced invalid numbers")
+    return z - (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))
+
+
+def token_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """(log-probability of `token`, the n most likely ids, their log-probabilities) of one row
+    of logits (V,): log-softmax of the row itself, most likely first, ties lower id first."""
+    lp = _log_softmax(np.asarray(row).reshape(1, -1))[0]
+    top = top_sorted(lp, n) if n > 0 else np.zeros(0, np.int64)
+    return float(lp[token]), top, lp[top]
+
+
+def prompt_logprobs(rows: np.ndarray, targets: Sequence[int], n: int) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """token_logprobs for each row of (k, V) logits and the token that followed it (targets)."""
+    lp = _log_softmax(rows)  # (k, V)
+    out = []
+    for r, t in zip(lp, targets):
+        top = top_sorted(r, n) if n > 0 else np.zeros(0, np.int64)
+        out.append((float(r[t]), top, r[top]))
+    return out
 
 
 def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:

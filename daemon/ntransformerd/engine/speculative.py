@@ -19,6 +19,11 @@ draw from after the same history, so sampled output keeps plain sampling's distr
 is the point-mass case: a draft token is kept while it is the target's argmax, so greedy output
 equals plain greedy output token for token.
 
+A constraint (engine/constraints.py) is part of that chain: p_j is masked by the constraint's
+state after t, d1 … d(j-1), a model draft draws from q masked the same way, and a deterministic
+draft is cut at its first token the constraint refuses, so every draft is allowed and the
+verified tokens respect the constraint exactly as plain decoding's do.
+
 Penalties are why p_j must be recomputed per row: they read the history, and the history of row
 j includes the j drafts before it (which are the real history exactly when they are accepted).
 
@@ -312,7 +317,7 @@ class SpecSeq:
 
     def first(self, logits) -> int:
         """A token drawn from one row, keyed like every other draw of this sequence."""
-        ids, p = self.cont.sampler.distribution(logits, self.cont.history)
+        ids, p = self.cont.sampler.distribution(logits, self.cont.history, self.cont.mask())
         return draw_from(ids, p, self.uniform(len(self.cont.history), _TARGET))
 
 
@@ -328,7 +333,8 @@ def draw_draft(seq: SpecSeq, row: np.ndarray, proposal: Proposal) -> int:
     """Draw the next draft token from a draft model's row by the sequence's own sampler chain
     (its history plus the drafts so far), and append it and its distribution to the proposal."""
     hist = seq.cont.history + proposal.tokens
-    ids, q = seq.cont.sampler.distribution(row, hist)
+    c = seq.cont.constraint
+    ids, q = seq.cont.sampler.distribution(row, hist, None if c is None else c.mask_after(proposal.tokens))
     x = draw_from(ids, q, seq.uniform(len(hist), _DRAFT))
     proposal.tokens.append(x)
     proposal.q.append((ids, q))
@@ -339,9 +345,10 @@ def verify(seq: SpecSeq, rows: np.ndarray, proposal: Proposal) -> tuple[list[int
     """(tokens to emit, drafts accepted) from the target's rows (len(proposal) + 1, V) for
     [t, d1 … dk]; the rule of the module docstring."""
     hist, out, k = list(seq.cont.history), [], len(proposal.tokens)
-    sampler = seq.cont.sampler
+    sampler, c = seq.cont.sampler, seq.cont.constraint
+    masks = [None] * (k + 1) if c is None else c.masks(proposal.tokens)  # row j: after d1 … dj, all kept so far
     for j in range(k + 1):
-        ids, p = sampler.distribution(rows[j], hist + out)
+        ids, p = sampler.distribution(rows[j], hist + out, masks[j])
         pos = len(hist) + len(out)
         if j == k:  # every draft kept: the target's own next token
             out.append(draw_from(ids, p, seq.uniform(pos, _TARGET)))
@@ -632,7 +639,12 @@ class Speculator:
 
     def plan(self, seqs: Sequence[SpecSeq]) -> list[Proposal]:
         ks = [s.ctl.next_k(self.limit(s)) for s in seqs]
-        return self.draft.propose(seqs, ks)
+        proposals = self.draft.propose(seqs, ks)
+        for s, p in zip(seqs, proposals):  # a draft goes no further than the constraint allows
+            if s.cont.constraint is not None and p.tokens:
+                n = s.cont.constraint.valid_prefix(p.tokens)
+                p.tokens, p.q = p.tokens[:n], p.q[:n]
+        return proposals
 
     def accept(self, seq: SpecSeq, rows: np.ndarray, proposal: Proposal) -> list[int]:
         """Verify one sequence's rows, drop its rejected positions from the KV cache."""
@@ -653,12 +665,12 @@ class Speculator:
                     costs=self._costs.to_dict() if self._costs else None)
 
 
-def generate(engine, prompt_ids: Sequence[int], params, speculator: Speculator) -> Iterator:
+def generate(engine, prompt_ids: Sequence[int], params, speculator: Speculator, *, constraint=None) -> Iterator:
     """engine.generate with speculation: the same events; greedy gives the same tokens."""
     from ntransformerd.engine.engine import Continuation, GenerationEvent
 
     params.validate()
-    cont = Continuation(engine, prompt_ids, params)
+    cont = Continuation(engine, prompt_ids, params, constraint=constraint)
     slot = engine.open()
     seq = speculator.open(cont, slot)
     try:

@@ -302,7 +302,8 @@ class Daemon:
         ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
                             kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
                             vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source,
-                            skip_layers=skip or None, cpu_threads=c.cpu_threads or None)
+                            skip_layers=skip or None, cpu_threads=c.cpu_threads or None,
+                            host_compute=c.host_compute, link_cap=c.link_cap)
         try:
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
                 fill(set(range(n)) - set(_storage_layers(model, ecfg)))
@@ -353,12 +354,10 @@ class Daemon:
     def _close_engine(self, engine) -> None:
         if engine is None:
             return
-        close = getattr(engine.weights, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 - its source is closed below either way
-                log.warning("closing the old engine's weights: %s", e)
+        try:
+            engine.unload()  # every device's streams and storage sources
+        except Exception as e:  # noqa: BLE001 - its storage is released below either way
+            log.warning("closing the old engine's weights: %s", e)
         _, closers = self._resources.pop(id(engine), (None, []))
         for fn in closers:
             try:

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ntransformerd.engine import speculative
-from ntransformerd.engine.sampler import InvalidLogits
+from ntransformerd.engine.sampler import InvalidLogits, prompt_logprobs, token_logprobs
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
                                          ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown, shown)
 from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
@@ -69,13 +69,16 @@ class Output:
     prompt_ids: list[int] | None = None  # on the first output
     finish_reason: str | None = None  # "stop" | "length" | "eos" on the last
     usage: dict | None = None  # on the last
+    # Where asked for, per token: (id, logprob, top ids, their logprobs) (sampler.token_logprobs)
+    logprobs: list | None = None  # one per token_ids entry
+    prompt_logprobs: list | None = None  # on the first output: prompt_ids[1:]
 
 
 class Request:
     """One generation, from queued to retired. Written by the scheduler thread, except cancel()."""
 
     def __init__(self, prompt_ids: list[int], params, *, max_tokens: int, deadline: float | None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, logprobs: int | None = None, prompt_logprobs: bool = False):
         self.id = next(_ids)
         self.prompt_ids = prompt_ids
         self.params = params
@@ -96,6 +99,8 @@ class Request:
         self.cont = None  # engine.Continuation: sampling, stop strings, text; set by schedule()
         self.speculator = None  # speculative.Speculator of its mode; None: off
         self.spec = None  # speculative.SpecSeq while decoding with speculation
+        self.logprobs = logprobs  # None: none; n: each token's and its n most likely alternatives'
+        self.prompt_logprobs = [] if prompt_logprobs else None  # filled chunk by chunk while prefilling
 
     def cancel(self, error: ServiceError | None = None) -> None:
         """Ask the scheduler to drop this request at its next iteration (any thread)."""
@@ -270,8 +275,13 @@ class Scheduler:
             raise InvalidRequest(f"{e}") from None
 
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
-                 deadline: float | None = None, prefix_cache: bool = True, speculative: str = "") -> Request:
-        """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull."""
+                 deadline: float | None = None, prefix_cache: bool = True, speculative: str = "",
+                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None) -> Request:
+        """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull.
+
+        logprobs: report each generated token's log-probability and its n most likely
+        alternatives'; prompt_logprobs: the prompt's too (every prompt token is then computed:
+        no prefix cache). constraint: a constraints.Constraint the output must satisfy."""
         from ntransformerd.engine.engine import Continuation
 
         engine = self._ready_engine()
@@ -285,8 +295,10 @@ class Scheduler:
             max_tokens = self.config.default_max_tokens
         if not 1 <= max_tokens <= n_ctx:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
-        req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline, prefix_cache=prefix_cache)
-        req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens)
+        req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline,
+                      prefix_cache=prefix_cache and not prompt_logprobs, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
+        req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens, constraint=constraint)
         req.speculator = self.speculator(speculative)
         with self._cv:
             self._ready_engine()
@@ -549,14 +561,15 @@ class Scheduler:
         engine = self.engine
         # Each row's most likely ids alone where every sampler that draws this step can do with
         # them (Sampler.need): the GPU then picks them on the device instead of copying all logits.
-        needs = [r.cont.need() for r, tokens, complete in batch if complete]
+        needs = [r.cont.need() if r.logprobs is None else None for r, tokens, complete in batch if complete]
         top = max(needs) if needs and None not in needs else None
         if any(r.speculator is not None for r, _, _ in batch):  # speculation verifies whole rows
             top = None
         proposals = self.draft(batch)
         try:
             items = [(r.slot, tokens + proposals[r.id].tokens if r.id in proposals else tokens) for r, tokens, _ in batch]
-            if any(p.tokens for p in proposals.values()):  # every row of a verified draft is needed
+            scoring = any(r.prompt_logprobs is not None and r.state == "prefill" for r, _, _ in batch)
+            if scoring or any(p.tokens for p in proposals.values()):  # every row of a draft or scored prompt
                 flat = engine.step(items, all_logits=True)
                 ends = np.cumsum([len(t) for _, t in items])
                 logits = [flat[e - len(t):e] for (_, t), e in zip(items, ends)]
@@ -591,35 +604,55 @@ class Scheduler:
         """r's share of a step: its prompt progress, or its next tokens sampled and streamed.
         Returns how many tokens it generated."""
         if r.state == "prefill":
+            if r.prompt_logprobs is not None:
+                self.score_prompt(r, tokens, row)
             r.prefilled += len(tokens)
             self.prefill_tokens_total += len(tokens)
             if not complete:
                 return 0
             r.state, r.t_first = "decode", time.monotonic()
+            if isinstance(row, np.ndarray) and row.ndim == 2:  # a chunk's rows: its last one samples
+                row = row[-1]
             if r.speculator is not None:  # from its first token on, a speculating request draws by its seed
                 r.spec = r.speculator.open(r.cont, r.slot)
-                return self.stream_tokens(engine, r, [r.spec.first(row[-1] if row.ndim == 2 else row)])
+                return self.stream_tokens(engine, r, [r.spec.first(row)], row[None])
         if proposal is not None:
-            return self.stream_tokens(engine, r, r.speculator.accept(r.spec, row, proposal))
+            return self.stream_tokens(engine, r, r.speculator.accept(r.spec, row, proposal), row)
+        if isinstance(row, np.ndarray) and row.ndim == 2:
+            row = row[-1]
         self.sample_and_stream(engine, r, row)
         return 1
+
+    def score_prompt(self, r: Request, tokens: list[int], rows) -> None:
+        """The log-probabilities of the prompt tokens that this chunk's rows predict."""
+        start = r.prefilled + 1  # row i predicts prompt position prefilled + i + 1
+        targets = r.prompt_ids[start:start + len(tokens)]
+        rows = np.asarray(rows).reshape(-1, np.shape(rows)[-1])
+        r.prompt_logprobs += [(t, *lp) for t, lp in
+                              zip(targets, prompt_logprobs(rows[:len(targets)], targets, r.logprobs or 0))]
 
     def sample_and_stream(self, engine, r: Request, logits) -> None:
         """sample → detokenize → stop strings → stream; the same rules as engine.generate."""
         token = r.cont.sample(logits)
+        lps = [(token, *token_logprobs(logits, token, r.logprobs))] if r.logprobs is not None else None
         text, reason = r.cont.push(token, room=engine.length(r.slot) + 1 <= engine.max_ctx)
         r.generated = r.cont.generated
         r.generated_ids.append(token)
         first = r.prompt_ids if r.generated == 1 else None
         if reason is not None:
-            return self.finish(r, token, text, reason, first)
+            return self.finish(r, token, text, reason, first, lps)
         r.next_token = token
-        r.outputs.put(Output([token], text, prompt_ids=first))
+        r.outputs.put(self._output(r, [token], text, first, lps))
 
-    def stream_tokens(self, engine, r: Request, tokens: list[int]) -> int:
+    def _output(self, r: Request, tokens: list[int], text: str, first, lps, **end) -> Output:
+        """One output; the first carries the prompt (and its log-probabilities, if asked for)."""
+        prompt_lps = r.prompt_logprobs if first is not None else None
+        return Output(tokens, text, prompt_ids=first, logprobs=lps, prompt_logprobs=prompt_lps, **end)
+
+    def stream_tokens(self, engine, r: Request, tokens: list[int], rows) -> int:
         """A speculating request's tokens of this step, through the same Continuation rules,
         streamed as one output; tokens after the end (a stop, EOS, the budget) are dropped.
-        Returns how many were taken."""
+        rows: the logits each token was drawn from. Returns how many were taken."""
         before, texts, taken, reason = r.cont.generated, [], [], None
         for token in tokens:
             text, reason = r.cont.push(token, room=len(r.cont.history) + 1 <= engine.max_ctx)
@@ -630,17 +663,19 @@ class Scheduler:
         r.generated = r.cont.generated
         r.generated_ids += taken
         first = r.prompt_ids if before == 0 else None
+        lps = ([(t, *token_logprobs(row, t, r.logprobs)) for t, row in zip(taken, rows)]
+               if r.logprobs is not None else None)
         if reason is not None:
-            self.finish(r, taken, "".join(texts), reason, first)
+            self.finish(r, taken, "".join(texts), reason, first, lps)
         else:
             r.next_token = taken[-1]
-            r.outputs.put(Output(taken, "".join(texts), prompt_ids=first))
+            r.outputs.put(self._output(r, taken, "".join(texts), first, lps))
         return len(taken)
 
-    def finish(self, r: Request, token, text: str, reason: str, first) -> None:
+    def finish(self, r: Request, token, text: str, reason: str, first, lps=None) -> None:
         r.t_done = time.monotonic()
         ids = list(token) if isinstance(token, list) else [token]
-        r.outputs.put(Output(ids, text, prompt_ids=first, finish_reason=reason, usage=r.usage()))
+        r.outputs.put(self._output(r, ids, text, first, lps, finish_reason=reason, usage=r.usage()))
         r.state = "done"  # retire() frees the slot at the top of the next iteration
 
     # ---- status (any thread) --------------------------------------------------------------

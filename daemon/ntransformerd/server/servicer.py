@@ -15,6 +15,9 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
+from ntransformerd.engine import constraints
+from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS
 from ntransformerd.server import errors
 from ntransformerd.server.scheduler import Scheduler, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
@@ -151,6 +154,29 @@ def sampling_params(request: pb.GenerateRequest, max_tokens: int):
         raise errors.InvalidRequest(f"bad sampling parameter: {e}") from None
 
 
+def constraint_of(request: pb.GenerateRequest, engine):
+    """The request's compiled constraint (engine/constraints.py), None without one; a schema,
+    regex or grammar the compiler refuses is InvalidRequest with the compiler's message."""
+    kind = request.constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if engine is None:
+        raise errors.NotReady("no model is loaded: load one with the Admin LoadModel verb (as root)")
+    try:
+        compiler = constraints.compiler_for(engine.tokenizer, engine.cfg.vocab_size)
+        return compiler.compile(kind, getattr(request.constraint, kind))
+    except constraints.InvalidConstraint as e:
+        raise errors.InvalidRequest(f"bad constraint: {e}") from None
+
+
+def logprobs_pb(tokenizer, entries) -> list[pb.TokenLogprob]:
+    """scheduler.Output's (id, logprob, top ids, top logprobs) entries as TokenLogprob messages."""
+    def one(i, lp, top=(), top_lp=()):
+        return pb.TokenLogprob(id=int(i), piece=tokenizer.token_bytes(int(i)), logprob=float(lp),
+                               top=[one(j, v) for j, v in zip(top, top_lp)])
+    return [one(*e) for e in entries]
+
+
 def _messages(chat: pb.Chat) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
@@ -179,14 +205,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if max_tokens < 1 or max_tokens > 1 << 31:
             raise errors.InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..the context length")
         params = sampling_params(request, max_tokens)
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.InvalidRequest(f"logprobs {logprobs} is out of range: ask for 0..{MAX_TOP_LOGPROBS} "
+                                        "alternatives per token")
         prompt_ids = self._prompt_ids(request)
+        constraint = constraint_of(request, self.scheduler.engine)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                      prefix_cache=not request.no_prefix_cache, speculative=request.speculative)
+                                      prefix_cache=not request.no_prefix_cache, speculative=request.speculative,
+                                      logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
+                                      constraint=constraint)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
+        tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
         for out in req.stream():
             m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
+            if out.logprobs is not None:
+                m.logprobs.extend(logprobs_pb(tok, out.logprobs))
+            if out.prompt_logprobs is not None:
+                m.prompt_logprobs.extend(logprobs_pb(tok, out.prompt_logprobs))
             if out.finish_reason:
                 m.finish_reason = FINISH[out.finish_reason]
                 m.usage.CopyFrom(pb.Usage(**out.usage))
@@ -316,8 +354,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     @rpc
     def LoadModel(self, request, context):
-        if request.backend and request.backend not in ("cpu", "cuda", "auto"):
-            raise errors.InvalidRequest(f"backend {errors.shown(request.backend)}: use cpu, cuda or auto")
+        if request.backend and request.backend not in BACKENDS:
+            raise errors.InvalidRequest(f"backend {errors.shown(request.backend)}: use {', '.join(BACKENDS)}")
         if request.path and not os.path.isfile(request.path):
             raise errors.InvalidRequest(f"no model file at {errors.shown(request.path, 300)}: give the path of a "
                                         ".gguf file")

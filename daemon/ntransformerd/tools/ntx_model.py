@@ -16,7 +16,9 @@ import time
 
 import numpy as np
 
+from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFError
+from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 
 EXAMPLES = """\
 examples:
@@ -92,7 +94,8 @@ def cmd_run(args) -> int:
         backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
         vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
         stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
-        skip_layers=_skip_layers(args) or None)
+        skip_layers=_skip_layers(args) or None, host_compute=args.host_compute, link_cap=args.link_cap,
+        cpu_threads=args.cpu_threads)
     if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
@@ -175,7 +178,8 @@ def _skip_layers(args) -> tuple[int, ...]:
 def _plan_devices(args, config) -> int:
     from ntransformerd.engine import tiers
     from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.tiers.multi import device_free, parse_devices
+    from ntransformerd.engine.backends import device_free
+    from ntransformerd.engine.tiers.multi import parse_devices
 
     ids = parse_devices(args.devices)
     model = GGUFModel(_model_path(args.model))
@@ -215,8 +219,6 @@ def _writing(output: str, what: str, *, quiet: bool):
     """(temporary path, progress) for a command that writes `output` (checked beforehand with
     atomic.check_output); the file appears only once complete, and one line on stdout says
     what was written."""
-    from ntransformerd.tools.atomic import atomic_output
-
     progress = _Progress(what, quiet)
     try:
         with atomic_output(output) as tmp:
@@ -245,7 +247,6 @@ def _check_requantize(src: str, ftype: str, allow: bool, n_layers: int | None = 
 
 
 def cmd_quantize(args) -> int:
-    from ntransformerd.tools.atomic import check_output
     from ntransformerd.tools.quantize import quantize_file
 
     check_output(args.output, args.input)
@@ -256,7 +257,6 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_slice(args) -> int:
-    from ntransformerd.tools.atomic import check_output
     from ntransformerd.tools.quantize import quantize_file
 
     src = _model_path(args.input)
@@ -268,7 +268,6 @@ def cmd_slice(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from ntransformerd.tools.atomic import check_output
     from ntransformerd.tools.synth import synthesize
 
     check_output(args.output)
@@ -277,13 +276,42 @@ def cmd_synth(args) -> int:
     return 0
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A command's parser that takes its options anywhere among its positionals
+    (`slice IN --layers 1 OUT` as well as `slice --layers 1 IN OUT`). Plain argparse hands the
+    first run of positionals to IN and OUT at once and then finds no place for the second."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixing:  # parse_known_intermixed_args calls back here for its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+def _check_paths(args) -> None:
+    """Every file a command reads is a regular file, and every file it writes is one or absent
+    (tools.atomic): a FIFO would block, a device node would be replaced or read without end."""
+    for name, what in (("model", "a GGUF model file"), ("input", "a GGUF model file"),
+                       ("draft", "a GGUF model file"), ("file", "a UTF-8 text file")):
+        path = getattr(args, name, None)
+        if path:
+            check_input(path, what)
+    if getattr(args, "dump_logits", None):
+        check_output(args.dump_logits)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ntransformerd.tools.synth import FTYPES, SHAPES
     from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
 
     p = argparse.ArgumentParser(prog="ntx-model", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_IntermixedParser)
 
     s = sub.add_parser("info", help="architecture, tensor types, per-layer bytes")
     s.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded model)")
@@ -318,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="one JSON object per token; the last line has prompt_ids, ids, text")
     s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
-    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--backend", choices=BACKENDS, default="cpu",
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
     s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="KV cache storage (default f32)")
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
     s.add_argument("--max-seqs", type=int, default=1, help="KV-cache slots (the plan reserves their cache)")
@@ -327,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ram-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
+    s.add_argument("--host-compute", choices=("off", "auto"), default="off",
+                   help="auto: the host CPU computes some streamed layers beside the GPU, per step shape "
+                        "(--plan shows where); default off")
+    s.add_argument("--link-cap", metavar="RATE", help="pace the stream's host-to-device copies, e.g. 6.5GB/s "
+                   "(a slower PCIe link emulated)")
+    s.add_argument("--cpu-threads", type=int, metavar="N", help="host threads of the cpu backend and of the "
+                   "host's layers (default: every CPU)")
     s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
     s.add_argument("--speculative", metavar="MODE", help="speculative decoding: ngram, draft (with --draft), "
                    "skip[:LAYERS], prefix[:N], auto; the same output, fewer target passes")
@@ -381,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     # past a file-size limit a write fails with EFBIG (reported below) instead of killing us
     xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
+        _check_paths(args)
         return args.func(args)
     except (GGUFError, FileNotFoundError, ValueError) as e:
         print(f"ntx-model: error: {e}", file=sys.stderr)

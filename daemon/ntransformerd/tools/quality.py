@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from ntransformerd.engine.backends import BACKENDS
+
 
 def progress_bar(label: str, *, stream=None):
     """progress(done, total) drawing a bar on stderr when it is a terminal, else nothing."""
@@ -129,7 +131,8 @@ def add_commands(sub) -> None:
     s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512); the second half is scored")
     s.add_argument("--chunks", type=int, metavar="N", help="score only the first N chunks")
     s.add_argument("--skip-layers", metavar="SPEC", help="auto[:THRESHOLD] | N | 3,7,11 (see calibrate-skip)")
-    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--backend", choices=BACKENDS, default="cpu",
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_perplexity)
 
@@ -139,6 +142,7 @@ def add_commands(sub) -> None:
     s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     s.add_argument("--chunks", type=int, metavar="N", help="use only the first N chunks")
     s.add_argument("--max-k", type=int, metavar="K", help="largest number of skipped layers tried (default n/4)")
-    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu")
+    s.add_argument("--backend", choices=BACKENDS, default="cpu",
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_calibrate_skip)

@@ -21,7 +21,6 @@ picks; a K type whose block does not divide the row falls back to Q4_0/Q5_0/Q5_1
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Callable
 
@@ -30,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
+from ntransformerd.tools.atomic import check_input, check_output
 
 GROUP_MAX_EPS = 1e-15  # ggml: a group whose absolute max is below this is all zero
 
@@ -525,6 +525,7 @@ def requantized(src: str, ftype: str, *, n_layers: int | None = None) -> dict[st
     dequantizing to F32/F16/BF16 and copying a tensor of its own type lose nothing more."""
     import gguf
 
+    check_input(src)
     _, _, tensors, plan = _file_plan(gguf.GGUFReader(src), ftype, n_layers)
     return {t.name: (t.tensor_type, plan[t.name]) for t in tensors
             if t.tensor_type not in _FLOAT_TYPES and plan[t.name] not in _FLOAT_TYPES
@@ -548,9 +549,9 @@ def quantize_file(src: str, dst: str, ftype: str, *,
 
     if ftype not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
-    if os.path.exists(dst) and os.path.exists(src) and os.path.samefile(src, dst):
-        # the writer truncates dst before the reader has read src: the model would be lost
-        raise ValueError(f"{dst} is the input file: write the output to another path")
+    check_input(src)
+    # the writer truncates dst before the reader has read src: the model would be lost
+    check_output(dst, src)
     reader = gguf.GGUFReader(src)
     arch, n_layer, tensors, plan = _file_plan(reader, ftype, n_layers)
 

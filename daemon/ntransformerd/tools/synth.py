@@ -23,8 +23,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from ntransformerd.tools.quantize import FTYPES, plan_types
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS
+from ntransformerd.tools.atomic import check_output
+from ntransformerd.tools.quantize import FTYPES, plan_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +183,7 @@ def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", se
     s = SHAPES[shape] if isinstance(shape, str) else shape
     if ftype not in FTYPES:
         raise ValueError(f"unknown type {ftype!r}; one of {', '.join(FTYPES)}")
+    check_output(out)
     hd = s.d_model // s.n_heads
     shapes, types = tensor_shapes(s), tensor_types(s, ftype)
     plan = [(name, shp, types[name]) for name, shp in shapes.items()]

@@ -37,6 +37,7 @@ class GatewayProcess:
     """`ntx-openai` in a subprocess on a free port; .url (…/v1), .port, .log(), .stop()."""
 
     def __init__(self, *flags: str, api_key: str | None = None):
+        self.api_key = api_key
         self.dir = tempfile.mkdtemp(prefix="ntx-openai-")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -69,12 +70,15 @@ class GatewayProcess:
         finally:
             conn.close()
 
-    def wait_ready(self, timeout: float = 30.0) -> "GatewayProcess":
+    def wait_ready(self, timeout: float = 30.0, status: int = 200) -> "GatewayProcess":
+        """Wait until GET /health (with the key) answers `status`: 200 once its daemons serve;
+        503 for a gateway with no daemon behind it, for the tests that never reach one."""
         end = time.monotonic() + timeout
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         while True:
             assert self.proc.poll() is None, f"ntx-openai exited {self.proc.returncode}:\n{self.log()}"
             try:
-                if self.request("GET", "/health")[0] == 200:
+                if self.request("GET", "/health", headers=auth)[0] == status:
                     return self
             except OSError:
                 pass

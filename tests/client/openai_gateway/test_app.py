@@ -16,6 +16,7 @@ import pytest
 from ntx_client import AdminClient, Client
 
 API_KEY = "sk-test-gateway-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "Name three colours of the rainbow."
 N = 16  # short generations keep the module fast on CI's two cores
 
@@ -253,7 +254,7 @@ def test_sse_client_that_disconnects_frees_its_daemon_slot_within_one_step(stack
     body = json.dumps({"model": model, "prompt": "Tell me a long story", "max_tokens": 500, "stream": True,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", gw.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
               b"\r\n\r\n" + body)
     got = b""
@@ -276,11 +277,11 @@ def test_sse_client_that_disconnects_frees_its_daemon_slot_within_one_step(stack
 
 def test_health_and_metrics(stack, oai, model):
     daemon, gw = stack
-    code, _, h = gw.request("GET", "/health")
+    code, _, h = gw.request("GET", "/health", headers=AUTH)
     assert code == 200 and h["status"] == "ok" and h["daemons"][0]["state"] == "serving" and h["daemons"][0]["model"] == model
     for _ in range(2):  # the second one starts from the first's KV
         oai.completions.create(model=model, prompt="Hello there, metrics", max_tokens=2, temperature=0)
-    _, headers, text = gw.request("GET", "/metrics")
+    _, headers, text = gw.request("GET", "/metrics", headers=AUTH)
     assert headers["content-type"].startswith("text/plain")
     from prometheus_client.parser import text_string_to_metric_families
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -337,7 +338,7 @@ def test_queue_full_is_429_and_draining_is_503(small_stack):
             with pytest.raises(openai.InternalServerError) as e:
                 client.completions.create(model=model, prompt="Hi", max_tokens=2)
             assert e.value.status_code == 503 and "drain" in e.value.message
-            code, _, h = gw.request("GET", "/health")
+            code, _, h = gw.request("GET", "/health", headers=AUTH)
             assert code == 503 and h["daemons"][0]["state"] == "draining"
         finally:
             admin.resume()

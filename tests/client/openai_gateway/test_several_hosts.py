@@ -134,7 +134,7 @@ def test_30_requests_spread_over_three_daemons_then_one_killed_the_rest_succeed(
         assert r.usage.completion_tokens >= 1
     spread = [_requests_total(d) - b for d, b in zip(survivors, before)]
     assert sum(spread) == 30 and min(spread) >= 5, f"requests per surviving daemon: {spread}"
-    health = gw.request("GET", "/health")[2]
+    health = gw.request("GET", "/health", headers={"Authorization": f"Bearer {API_KEY}"})[2]
     assert sorted(h["state"] for h in health["daemons"]) == ["serving", "serving", "unreachable"]
 
 

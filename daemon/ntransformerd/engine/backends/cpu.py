@@ -2,21 +2,30 @@
 
 Each op is the plain definition (vLLM's `forward_native`): RMSNorm, RoPE in both orderings
 with Llama 3.1 frequency factors, causal GQA attention over a KV cache, SwiGLU. Weights are
-dequantized to float32 once, at load (or per use for layers that are not kept resident).
+dequantized to float32 once, at load (or per use for layers that are not kept resident); under a
+tier plan, the streamed layers come through tiers' host stream (StreamedCpuWeights), so CI runs
+the GPU's streaming logic on this backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 from threadpoolctl import ThreadpoolController
 
 from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KVCache, KVLayer
 from ntransformerd.engine.model import Batch
+from ntransformerd.engine.quants import dequantize
 from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.tiers.cpu_stream import HostStream
+from ntransformerd.engine.tiers.pipeline import Device
+from ntransformerd.engine.tiers.planner import HOST, VRAM, Plan
+from ntransformerd.engine.tiers.sources import HostMemory, Source
 
 
 def rope_frequencies(cfg: LlamaConfig, freq_factors: np.ndarray | None) -> np.ndarray:
@@ -202,9 +211,78 @@ class CpuWeights:
         """The layers a pass will acquire, in order (the streamed subclass reads ahead itself)."""
 
 
-def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[CpuOps, CpuWeights]:
+class StreamedCpuWeights(CpuWeights):
+    """CpuWeights under a tier plan: its vram layers resident, its pinned and storage layers
+    streamed through a tiers.cpu_stream.HostStream (slots of file bytes, dequantized from there
+    on acquire). acquire(i)/release(i) as every placement answers them."""
+
+    streamed = True
+
+    def __init__(self, model: GGUFModel, plan: Plan, *, source: Source | None = None, poison: bool = False,
+                 readers: int | None = None, host: HostMemory | None = None, device: Device | None = None,
+                 shared: CpuWeights | None = None, link_cap: float | None = None):
+        if shared is None:
+            super().__init__(model, resident=set(plan.layers(VRAM)))
+        else:  # reuse another CpuWeights' embedding, output and resident layers (tests)
+            self.model, self.resident = model, set(plan.layers(VRAM))
+            self.token_embd, self.output, self.output_norm = shared.token_embd, shared.output, shared.output_norm
+            self._layers = {i: shared.acquire(i) for i in self.resident}
+            for i in self.resident:
+                model.layer_loaded(i)
+        self.plan = plan
+        self.host = HostStream(model, plan, source=source, poison=poison, readers=readers, host=host, device=device,
+                               link_cap=link_cap)
+        self.stream, self.source = self.host.stream, self.host.source
+
+    def _views(self, i: int, slot: np.ndarray) -> types.SimpleNamespace:
+        t, r = self.model.layer_tensors(i), self.host.reads[i]
+        out = {}
+        for n in LAYER_TENSORS:
+            raw = r.raw(slot, t[n])
+            if t[n].qtype == Q.F32 and len(t[n].shape) == 1:  # zero-copy: a view of the slot, valid until release
+                out[n] = raw.view(np.float32).reshape(t[n].shape)
+            else:
+                out[n] = dequantize(raw, t[n].qtype, t[n].shape)
+        return prepare_layer(out)  # the same layout resident layers have
+
+    def prefetch(self, layers) -> None:
+        self.host.prefetch(layers)
+
+    def acquire(self, i: int) -> types.SimpleNamespace:
+        layer = self._layers.get(i)
+        if layer is not None:
+            return layer
+        return self._views(i, self.host.acquire(i))
+
+    def release(self, i: int) -> None:
+        if i not in self._layers:
+            self.host.release(i)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def ops_for(model: GGUFModel) -> CpuOps:
     freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
-    return CpuOps(model.config, freq), CpuWeights(model, resident)
+    return CpuOps(model.config, freq)
+
+
+def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[CpuOps, CpuWeights]:
+    return ops_for(model), CpuWeights(model, resident)
+
+
+def load_share(model: GGUFModel, share: Plan, *, source: Source | None = None, poison: bool = False,
+               link_cap: float | None = None) -> tuple[CpuOps, CpuWeights]:
+    """The op set and the weights of a plan's share: its vram and host layers resident, its
+    pinned and storage layers streamed, the others (skip: another device's, or skipped) never
+    loaded."""
+    ops = ops_for(model)
+    if not share.streamed:
+        return ops, CpuWeights(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)})
+    hosted = share.layers(HOST)
+    if hosted:  # one device both streams and computes host layers: the host layers count as resident
+        share = dataclasses.replace(share, tiers=tuple(VRAM if t == HOST else t for t in share.tiers))
+    return ops, StreamedCpuWeights(model, share, source=source, poison=poison, link_cap=link_cap)
 
 
 def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str) -> KVCache:

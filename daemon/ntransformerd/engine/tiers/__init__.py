@@ -1,22 +1,28 @@
-"""Tiers: every layer VRAM-resident, in pinned RAM, or on storage, and the stream between them.
+"""Tiers: where every layer lives (VRAM, pinned RAM, storage) and where it is computed, and the
+streams between them.
 
-    plan, built = tiers.load("cuda", backend_module, model, config)
-    ops, weights = built or backend_module.load(model)
+    plan = tiers.model_plan(model, config, backend="cuda", vram_free=free, layer_bytes=sizes)
+    print(plan.explain())
 
-planner.py decides (explainably), sources.py is where bytes come from (one interface for every
-placement), pipeline.py is the slot ring, cpu_stream.py and backends/cuda/weights.py are the
-streamed weights of each backend. On the CPU, when the plan keeps every layer resident, `built`
-is None and the backend loads its own resident weights; on the GPU every plan, all-resident
-included, is one backends.cuda.CudaWeights.
+planner.py decides (explainably), placement.py which streamed layers the host computes at each
+step shape (from measured figures), multi.py spreads the layers over several devices, sources.py
+is where bytes come from (one interface for every placement), pipeline.py is the slot ring,
+cpu_stream.py the stream on a device that is host memory. Nothing here imports a backend: the
+engine asks its backend (engine/devices.py: Backend) for layer sizes and free memory, hands
+the plan to the backend's load, and opens the storage source the plan reads (open_storage).
 """
 
 from __future__ import annotations
 
-from ntransformerd.engine.tiers.planner import (PINNED, STORAGE, TIERS, VRAM, Plan, PlanError, fmt_bytes,
-                                                mem_available, parse_size, plan_tiers)
+from ntransformerd.engine.tiers.multi import MultiPlan, parse_devices, plan_devices
+from ntransformerd.engine.tiers.placement import STEP_ROWS, Figures, with_schedule
+from ntransformerd.engine.tiers.planner import (HOST, PINNED, SKIP, STORAGE, TIERS, VRAM, Plan, PlanError, fmt_bytes,
+                                                mem_available, parse_size, plan_tiers, resident_plan)
+from ntransformerd.engine.tiers.sources import open_source
 
-__all__ = ["PINNED", "STORAGE", "TIERS", "VRAM", "Plan", "PlanError", "fmt_bytes", "mem_available",
-           "parse_size", "plan_tiers", "load", "cuda_plan", "model_plan", "model_plan_devices", "wanted"]
+__all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "Figures", "MultiPlan", "Plan", "PlanError",
+           "fmt_bytes", "mem_available", "parse_devices", "parse_size", "plan_devices", "plan_tiers", "resident_plan",
+           "cuda_plan", "host_compute", "model_plan", "with_schedule", "STEP_ROWS", "model_plan_devices", "open_storage", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
 
@@ -60,22 +66,34 @@ def skip_list(config) -> list[int]:
     return [int(i) for i in skip] if skip else []
 
 
+def host_compute(config) -> bool:
+    """Does the config have the host compute streamed layers (EngineConfig.host_compute)?"""
+    return getattr(config, "host_compute", "off") == "auto"
+
+
 def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
-               layer_bytes: list[int] | None = None) -> Plan:
-    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
+               layer_bytes: list[int] | None = None, figures: Figures | None = None) -> Plan:
+    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda'); where the
+    config has the host compute, its placement at each step shape from `figures` (the measured
+    rates; None: Figures.assumed)."""
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
-    return plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
-                      vram_free=vram_free, ram_available=ram_available,
+    plan = plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv,
+                      workspace_bytes=work, vram_free=vram_free, ram_available=ram_available,
                       vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
                       max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
+    if host_compute(config):
+        plan = with_schedule(plan, figures or Figures.assumed(), STEP_ROWS + (config.prefill_chunk,))
+    return plan
 
 
 def model_plan_devices(model, config, *, backend: str, vram_free: list[int | None], ram_available: int | None = None,
                        layer_bytes: list[int] | None = None):
     """The multi-device plan (tiers/multi.py) for `model` over len(vram_free) devices. The
     embedding lives on the first device, the output and its norm on the last."""
-    from ntransformerd.engine.tiers.multi import plan_devices
     c = model.config
+    if skip_list(config) or host_compute(config):
+        raise PlanError(f"skipped layers and host compute over {len(vram_free)} devices are not planned: use one "
+                        "device, or leave skip_layers and host_compute out")
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     fixed = _non_layer_bytes(model)
     embd = model.tensors["token_embd.weight"].nbytes
@@ -87,33 +105,13 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
 
 
 def cuda_plan(module, model, config) -> Plan:
-    """The plan on this GPU (module: backends.cuda): its free VRAM, the layers' device image
-    sizes, MemAvailable, and the config's overrides."""
+    """The plan on this GPU (module: backends.cuda, or anything answering layer_nbytes and
+    vram_free): its free VRAM, the layers' device image sizes, MemAvailable, and the config's
+    overrides."""
     sizes = [module.layer_nbytes(model, i) for i in range(model.config.n_layers)]
     return model_plan(model, config, backend="cuda", vram_free=module.vram_free(), layer_bytes=sizes)
 
 
 def open_storage(config, model):
-    from ntransformerd.engine.tiers.sources import open_source
+    """The storage source the config names (EngineConfig.storage), opened on the model's file."""
     return open_source(getattr(config, "storage", "odirect") or "odirect", model.path)
-
-
-def load(backend: str, module, model, config):
-    """(plan, (ops, weights) or None). None: every layer resident, the backend's own load."""
-    from ntransformerd.engine.tiers.multi import parse_devices
-    devices = parse_devices(getattr(config, "devices", None))
-    if devices is not None and len(devices) > 1:
-        raise RuntimeError(f"{len(devices)} devices: `ntx-model run --plan --devices` shows the plan, but the "
-                           "multi-GPU pipeline is not built yet (tiers/multi.py says what it needs)")
-    if backend == "cuda":  # every plan, all-resident included, is one CudaWeights
-        plan = cuda_plan(module, model, config)
-        return plan, module.load(model, plan, source=open_storage(config, model) if plan.layers(STORAGE) else None)
-    if not wanted(config):
-        return None, None
-    from ntransformerd.engine.backends import cpu
-    from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
-    plan = model_plan(model, config, backend="cpu")
-    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
-    ops = cpu.CpuOps(model.config, freq)
-    source = open_storage(config, model) if plan.layers(STORAGE) else None
-    return plan, (ops, StreamedCpuWeights(model, plan, source=source))

@@ -6,8 +6,8 @@
 Pipeline parallelism. Device d runs one contiguous range of layers [start_d, stop_d): first its
 resident layers, then its streamed ones, which it copies over its own PCIe link through its own
 slot ring (tiers/pipeline.py, one LayerStream per device). After its range the activation (rows
-x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (`Handoff.copy`, the one
-device-to-device step); the embedding lives on the first device, the output on the last.
+x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (tiers/runs.py: Handoff,
+the one device-to-device step); the embedding lives on the first device, the output on the last.
 Budgets apply per device (`vram_budget` one size for every device, or a list). Resident layers
 fill each device in turn (so uneven sizes get shares proportional to what they can hold); the
 streamed layers are then split so each link carries its share in proportion to its bandwidth
@@ -19,37 +19,33 @@ prefetches only `depth` layers ahead, so the links take turns: the bound is the 
 overlap (the MAX over links) only if a streamed layer's bytes were striped over several links
 and gathered with a peer copy to the device that computes it; `explain()` prints both.
 
-`Pipeline` is that forward pass as backend-neutral logic (stages of ops, weights and KV for
-their layer ranges, the handoff between them); on the CPU backend every "device" is host
-memory, the handoff is a host copy (the source poisoned afterwards in tests), and the output is
-bit-identical to the one-device run (tests/engine/test_tiers_multi*.py).
+The engine runs such a plan as it runs every plan (tiers/runs.py: one device per range, its
+share loaded through its backend, model.forward over the runs). On a host backend every
+"device" is host memory and the hand-off a host copy (the source poisoned afterwards in tests);
+the output is bit-identical to the one-device run (tests/engine/test_tiers_multi_pipeline.py).
 
 The 70B-shaped Q4_K_M (synth, 38.2 GiB of layers) at 24 GiB per GPU: one device keeps 39 layers
 resident and streams 19.6 GiB per token; two devices keep all 80 resident (40 + 40) and stream
 nothing. At 16 GiB per GPU two devices stream 13.9 GiB against 27.6 GiB (about half), 6.5 and
 7.4 GiB per link (tests/engine/test_tiers_multi.py).
 
-What a multi-GPU run still needs (not built, not run: no multi-GPU machine was lent):
-  - CUDA: per device (cp.cuda.Device(d)) its own CudaOps, StreamedCudaWeights over its range,
-    KV cache for its layers, copy stream, slots and pinned buffers (pinned with
-    cudaHostAllocPortable so any device can DMA them, or per-device host buffers), captured
-    decode graphs per stage;
-  - the handoff as cudaMemcpyPeerAsync on the receiving device's stream after an event on the
-    sender's (cudaDeviceEnablePeerAccess where the topology allows; it falls back through host
-    memory otherwise); NCCL is not needed for pipeline parallelism (one point-to-point copy per
-    boundary per step); keep NVLink multicast off (device README);
-  - Engine wiring (EngineConfig.devices → one stage per device) and per-device VRAM queries;
+On GPUs the same code loads each device under its own cp.cuda.Device (its CudaOps, CudaWeights
+over its range, a KV cache of its layers) and hands off through host memory; it has not run on
+several GPUs (none was lent). What it still lacks there:
+  - pinned buffers any device can DMA (cudaHostAllocPortable), and captured steps per device
+    (a multi-device engine runs its steps eagerly);
+  - the hand-off as cudaMemcpyPeerAsync on the receiving device's stream after an event on the
+    sender's (cudaDeviceEnablePeerAccess where the topology allows); NCCL is not needed for
+    pipeline parallelism (one point-to-point copy per boundary per step); keep NVLink multicast
+    off (device README);
   - measuring decode tok/s on 2+ GPUs against one (acceptance: >= 1.7x) and output identity.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
-
-import numpy as np
 
 from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, PINNED, RAM_RESERVE, STORAGE,
                                                 TIERS, VRAM, Plan, PlanError, _int, fmt_bytes, layer_span, parse_size,
@@ -132,6 +128,10 @@ class MultiPlan:
     @property
     def streamed(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t != VRAM]
+
+    @property
+    def skipped(self) -> list[int]:
+        return []  # plan_devices places every layer (model_plan_devices refuses skipped ones)
 
     @property
     def all_resident(self) -> bool:
@@ -415,141 +415,3 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
         starts.append(p)
     assert sum(len(x.tiers) for x in plans) == n
     return MultiPlan(tuple(plans), tuple(starts), tuple(float(b) for b in bws), _int(ram_limit), tuple(reasons))
-
-
-# ---- the pipeline: stages on devices, the activation handed from one to the next -----------------
-
-class Handoff:
-    """The device-to-device step: the activation leaves device `src` for device `dst`.
-
-    Host memory here (the CPU backend: every "device" is host memory), a real copy so the next
-    stage never aliases the last one's buffer; `poison` fills the source with NaN afterwards
-    (tests: any read of the old buffer shows). The CUDA path implements `copy` as
-    cudaMemcpyPeerAsync into a buffer on `dst`, on dst's compute stream after an event recorded
-    on src's, so no host sync sits between the stages.
-    """
-
-    def __init__(self, poison: bool = False):
-        self.poison = poison
-        self.stats = {"copies": 0, "bytes": 0}
-
-    def copy(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
-        y = np.array(x, copy=True, order="C")
-        if self.poison:
-            x.fill(np.nan)
-        self.stats["copies"] += 1
-        self.stats["bytes"] += y.nbytes
-        return y
-
-
-class StageKV:
-    """The KV cache of one stage: only its layers' KVLayer, on its device."""
-
-    def __init__(self, cfg, start: int, stop: int, *, n_slots: int, max_ctx: int, dtype: str = "f32"):
-        from ntransformerd.engine.kv_cache import KV_DTYPES, KVLayer
-        shape = (n_slots, max_ctx, cfg.n_kv_heads, cfg.head_dim)
-        self._layers = {i: KVLayer(shape, KV_DTYPES[dtype]) for i in range(start, stop)}
-
-    def layer(self, i: int):
-        return self._layers[i]
-
-
-@dataclasses.dataclass
-class Stage:
-    """Device `device` runs layers [start, stop) with its own ops, weights and KV cache."""
-
-    device: int
-    start: int
-    stop: int
-    ops: object
-    weights: object  # acquire(i) / release(i) for i in [start, stop); embedding on the first, output on the last
-    kv: object  # .layer(i)
-
-
-class Pipeline:
-    """model.forward over stages: embed on the first, each stage's layers, hand off, output on the last."""
-
-    def __init__(self, stages: list[Stage], cfg, handoff: Handoff | None = None):
-        if not stages or stages[0].start != 0 or stages[-1].stop != cfg.n_layers or any(
-                a.stop != b.start for a, b in zip(stages, stages[1:])):
-            raise ValueError("pipeline stages must cover the layers contiguously, in order")
-        self.stages, self.cfg, self.handoff = list(stages), cfg, handoff or Handoff()
-
-    def forward(self, batch, *, all_logits: bool = False):
-        """model.forward with each stage's range of layers on its device, x handed between them."""
-        from ntransformerd.engine import model as llama
-        first, last = self.stages[0], self.stages[-1]
-        x = first.ops.embed(first.weights, batch.tokens)  # (N, D) on the first device
-        prev = None
-        for st in self.stages:
-            if prev is not None:
-                x = self.handoff.copy(x, prev.device, st.device)
-            x = llama.run_layers(st.ops, self.cfg, st.weights, st.kv, batch, x, range(st.start, st.stop))
-            prev = st
-        return llama.head(last.ops, self.cfg, last.weights, x, batch, all_logits=all_logits)
-
-    def run(self, batch, *, all_logits: bool = False):
-        """forward inside every stage's step context; host logits."""
-        with contextlib.ExitStack() as stack:
-            for st in self.stages:
-                stack.enter_context(st.ops.step_context(batch))
-            logits = self.forward(batch, all_logits=all_logits)
-        return self.stages[-1].ops.to_host(logits)
-
-    def close(self) -> None:
-        for st in self.stages:
-            close = getattr(st.weights, "close", None)
-            if close:
-                close()
-
-
-class _Share:
-    """What a stage takes from host weights: embedding, output, and its own resident layers."""
-
-    def __init__(self, base, own: range):
-        self.token_embd, self.output, self.output_norm = base.token_embd, base.output, base.output_norm
-        self._base, self._own = base, own
-
-    def acquire(self, i: int):
-        return self._base.acquire(i) if i in self._own else None
-
-
-def cpu_stages(model, mp: MultiPlan, *, n_slots: int, max_ctx: int, kv_dtype: str = "f32", base=None,
-               sources=None, poison: bool = False) -> list[Stage]:
-    """CPU-backend stages for `mp`: per device its ops, streamed weights (its own slot ring over
-    its own share) and KV cache. base: CpuWeights holding the resident layers (shared host
-    memory); sources[d]: the storage source of device d where its plan reads storage."""
-    from ntransformerd.engine.backends.cpu import CpuOps, CpuWeights
-    from ntransformerd.engine.tiers.cpu_stream import StreamedCpuWeights
-    n = model.config.n_layers
-    base = base or CpuWeights(model, resident=set(mp.layers(VRAM)))
-    freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
-    lb = tuple(model.layer_bytes(i) for i in range(n))
-    stages = []
-    for d, ((a, b), p) in enumerate(zip(mp.ranges, mp.devices)):
-        tiers = [VRAM] * n
-        tiers[a:b] = p.tiers  # outside its range nothing is loaded (a stage never acquires it)
-        full = Plan(tuple(tiers), lb, max(p.depth, 1), max(lb), 0, 0, 0, -1, -1)
-        w = StreamedCpuWeights(model, full, source=(sources or {}).get(d), poison=poison,
-                               shared=_Share(base, range(a, b)))
-        kv = StageKV(model.config, a, b, n_slots=n_slots, max_ctx=max_ctx, dtype=kv_dtype)
-        stages.append(Stage(d, a, b, CpuOps(model.config, freq), w, kv))
-    return stages
-
-
-def device_free(ids: Sequence[int], backend: str = "auto") -> tuple[str, list[int | None]]:
-    """(backend, free VRAM per device): cudaMemGetInfo on each GPU when CUDA is there, else
-    ('cpu', unlimited) — the budgets then simulate the devices."""
-    if backend != "cpu":
-        try:
-            from ntransformerd.engine.backends import cuda
-            if cuda.available():
-                import cupy as cp
-                free = []
-                for d in ids:
-                    with cp.cuda.Device(d):
-                        free.append(cp.cuda.runtime.memGetInfo()[0])
-                return "cuda", free
-        except ImportError:
-            pass
-    return "cpu", [None] * len(ids)

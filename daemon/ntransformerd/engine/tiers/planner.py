@@ -22,6 +22,7 @@ import os
 import re
 
 VRAM, PINNED, STORAGE = "vram", "pinned", "storage"
+HOST = "host"  # computed by the host where it lies (RAM, the page cache), not brought to the GPU
 SKIP = "skip"  # a skipped layer (layer skip): neither loaded, computed nor streamed
 TIERS = (VRAM, PINNED, STORAGE)
 GiB = 1 << 30
@@ -97,6 +98,8 @@ class Plan:
     ram_limit: int  # what the plan was allowed to pin in host RAM
     reasons: tuple[str, ...] = ()  # the overrides and limits that shaped it, for explain()
     skipped_streamed_bytes: int = 0  # bytes per step the skipped layers would have streamed
+    # Which streamed layers the host computes at each step shape (placement.Schedule); None: none.
+    schedule: object | None = None
 
     def layers(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -150,6 +153,7 @@ class Plan:
             "streamed_bytes_per_step": self.streamed_bytes_per_step,
             "skipped_streamed_bytes": self.skipped_streamed_bytes,
             "reasons": list(self.reasons),
+            **({"host_compute": self.schedule.to_dict()} if self.schedule is not None else {}),
         }
 
     def explain(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> str:
@@ -176,9 +180,16 @@ class Plan:
                          f"[{layer_span(self.skipped)}]: neither loaded nor computed"
                          + (f", {fmt_bytes(self.skipped_streamed_bytes)} per step not streamed"
                             if self.skipped_streamed_bytes else ""))
+        if self.schedule is not None:
+            lines += self.schedule.explain()
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)
+
+
+def resident_plan(layer_bytes) -> Plan:
+    """Every layer resident (the plan a device without budgets loads)."""
+    return Plan((VRAM,) * len(layer_bytes), tuple(layer_bytes), 0, 0, 0, 0, 0, -1, -1)
 
 
 def plan_tiers(layer_bytes: list[int], *, skip=(), **kw) -> Plan:

@@ -25,14 +25,13 @@ from gguf import GGMLQuantizationType as Q
 from ntransformerd.engine.backends.cpu import rope_frequencies
 from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.backends.host.record import (FLOAT_TYPES, HostOps, Matrix, Tape, header,
-                                                       model_consts)
+                                                       model_consts, top_rows)
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KVCache
 from ntransformerd.engine.model import Batch, forward, run_layers
 from ntransformerd.engine.model import head as llama_head
 from ntransformerd.engine.sampler import TopLogits
 
-TOPK_MAX = 256  # larger top requests pick on the host with numpy
 
 
 def available() -> bool:
@@ -40,8 +39,10 @@ def available() -> bool:
 
 
 def default_threads() -> int:
-    """One thread per CPU this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """OMP_NUM_THREADS where it is set (OpenMP's own convention), else one thread per CPU this
+    process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
 
 
 def matrix(model: GGUFModel, name: str) -> Matrix:
@@ -130,13 +131,15 @@ class HostSteps:
         self.lib = ops.lib
         self.threads = threads or default_threads()
         c = self.cfg
+        cache = getattr(kv, "cache", kv)  # a device's share of a multi-device cache (tiers.runs.HomeKV)
+        self.max_ctx = cache.max_ctx
         freqs = rope_frequencies(c, self._freq_factors(weights.model))
-        theta = np.arange(kv.max_ctx, dtype=np.float64)[:, None] * freqs[None, :]  # (max_ctx, rope_dim/2)
+        theta = np.arange(self.max_ctx, dtype=np.float64)[:, None] * freqs[None, :]  # (max_ctx, rope_dim/2)
         self.rope_cos = np.ascontiguousarray(np.cos(theta), dtype=np.float32)
         self.rope_sin = np.ascontiguousarray(np.sin(theta), dtype=np.float32)
-        self.consts = model_consts(c, self.rope_cos, self.rope_sin, max_ctx=kv.max_ctx,
-                                   kv_f16=kv.dtype == "f16")
-        per = (c.n_heads // c.n_kv_heads) * kv.max_ctx + c.head_dim + 16
+        self.consts = model_consts(c, self.rope_cos, self.rope_sin, max_ctx=self.max_ctx,
+                                   kv_f16=cache.dtype == "f16")
+        per = (c.n_heads // c.n_kv_heads) * self.max_ctx + c.head_dim + 16
         self.scratch_per_thread = per
         self.scratch = np.zeros(self.threads * per, np.float32)
         self.arena = np.zeros(0, np.uint8)
@@ -181,8 +184,8 @@ class HostSteps:
         (rows, V) of all — or without the head to the hidden states (N, D). `out`, if given,
         receives the result (e.g. pinned memory bound for another device) and is returned."""
         n = len(batch.tokens)
-        if int(batch.positions.max()) >= self.kv.max_ctx:
-            raise ValueError(f"position {int(batch.positions.max())} is past the KV cache's {self.kv.max_ctx}")
+        if int(batch.positions.max()) >= self.max_ctx:
+            raise ValueError(f"position {int(batch.positions.max())} is past the KV cache's {self.max_ctx}")
         tape = self.tape(batch, embed=x is None, layers=layers, head=head, all_logits=all_logits)
         tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)
         positions = np.ascontiguousarray(batch.positions, dtype=np.int64)
@@ -213,21 +216,6 @@ class HostSteps:
 
     def top(self, logits: np.ndarray, n: int) -> TopLogits:
         return top_rows(self.lib, logits, n, threads=self.threads)
-
-
-def top_rows(lib: native.Library, logits: np.ndarray, n: int, *, threads: int = 1) -> TopLogits:
-    """Each row's n most likely ids and their logits, picked in C (NaN counted, as -inf; ties
-    to the lower id): sampler.TopLogits.of without a sort of the row."""
-    if n > TOPK_MAX:
-        return TopLogits.of(logits, n)
-    logits = np.ascontiguousarray(logits, np.float32)
-    rows, v = logits.shape
-    ids = np.empty((rows, n), np.int64)
-    vals = np.empty((rows, n), np.float32)
-    nan = np.empty(rows, np.int64)
-    lib.topk(logits.ctypes.data, rows, v, n, ids.ctypes.data, vals.ctypes.data, nan.ctypes.data,
-             max(1, min(threads, rows)))
-    return TopLogits(ids, vals, nan, sort=False)
 
 
 def graphs(ops: HostOps, weights: HostWeights, kv: KVCache, *, threads: int | None = None) -> HostSteps:

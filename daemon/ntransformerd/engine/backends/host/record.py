@@ -14,6 +14,7 @@ size, verify steps and prefill chunks alike.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 
@@ -21,6 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.host.native import Header, Instr, Library, ModelConsts
+from ntransformerd.engine.sampler import TopLogits
 
 OP_EMBED, OP_RMS_NORM, OP_QUANT, OP_MATMUL, OP_SWIGLU, OP_ROWS, OP_ATTN_WRITE, OP_ATTN = range(1, 9)
 ROWS_ALL, ROWS_OUT = 0, 1
@@ -165,8 +167,16 @@ class HostOps:
         fuse_quantization(tape)
         return tape
 
-    def step_context(self, batch):  # the engine's eager path never runs on this backend
-        raise RuntimeError("the cpu backend runs recorded steps only (HostSteps)")
+    def step_context(self, batch):
+        """Nothing to set up: the recorded steps carry their own thread team."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_host(x: np.ndarray) -> np.ndarray:
+        return x
+
+    def top(self, logits: np.ndarray, n: int) -> TopLogits:
+        return top_rows(self.lib, logits, n)
 
     def input(self, width: int) -> Buf:
         """Hidden states handed in from another device, one row per step row."""
@@ -252,6 +262,24 @@ def fuse_quantization(tape: Tape) -> None:
             continue
         kept.append(ins)
     tape.instrs = kept
+
+
+TOPK_MAX = 256  # larger top requests pick on the host with numpy
+
+
+def top_rows(lib: Library, logits: np.ndarray, n: int, *, threads: int = 1) -> TopLogits:
+    """Each row's n most likely ids and their logits, picked in C (NaN counted, as -inf; ties
+    to the lower id): sampler.TopLogits.of without a sort of the row."""
+    if n > TOPK_MAX:
+        return TopLogits.of(logits, n)
+    logits = np.ascontiguousarray(logits, np.float32)
+    rows, v = logits.shape
+    ids = np.empty((rows, n), np.int64)
+    vals = np.empty((rows, n), np.float32)
+    nan = np.empty(rows, np.int64)
+    lib.topk(logits.ctypes.data, rows, v, n, ids.ctypes.data, vals.ctypes.data, nan.ctypes.data,
+             max(1, min(threads, rows)))
+    return TopLogits(ids, vals, nan, sort=False)
 
 
 def model_consts(cfg, rope_cos: np.ndarray, rope_sin: np.ndarray, *, max_ctx: int, kv_f16: bool) -> ModelConsts:

@@ -1,0 +1,91 @@
+"""What every benchmark shares: its arguments, its JSON output, its smoke run.
+
+    p = common.parser(__file__, __doc__)       # --smoke, --json PATH (default bench/out/<script>.json)
+    p.add_argument(...)                         # the script's own
+    args = p.parse_args()
+    ...
+    common.write_json(args.json, result)
+
+A smoke run (`--smoke`) takes the script's whole path once on tiny synthetic models
+(`ntx-model synth --shape tiny`, made by `synthetic`) and a few steps, in seconds: its figures
+mean nothing; it proves that the script still runs against today's engine. tests/bench/
+test_smoke.py runs every script that way (the GPU ones where there is a GPU). A GPU script on a
+host without one says so and exits with SKIP (`require_gpu`), before it touches anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out")  # ignored by git
+SKIP = 77  # exit status of a script that cannot run on this host (automake's "skipped")
+
+
+def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
+    """The script's parser with the shared flags; the first paragraph of doc describes it."""
+    name = os.path.splitext(os.path.basename(script))[0]
+    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny synthetic models and a few steps: proves the script runs (the figures mean nothing)")
+    p.add_argument("--json", metavar="PATH", default=os.path.join(OUT, f"{name}.json"),
+                   help=f"where the results go (default: bench/out/{name}.json)")
+    return p
+
+
+def write_json(path: str, data) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}", flush=True)
+
+
+def synthetic(directory: str, shape: str = "tiny", ftype: str = "q8_0", *, seed: int = 0,
+              vocab: int | None = None, n_layers: int | None = None) -> str:
+    """The synthetic model `shape` (synth.SHAPES: tiny, small, llama3-8b, llama3-70b) in `ftype`
+    with random weights, written into directory if missing (as `ntx-model synth` writes it).
+    vocab: keep only the first tokens of the default model's vocabulary (a smaller file, a
+    faster load); None keeps all 49152, which prompts of real token ids need. n_layers: other
+    than the shape's."""
+    # Imported here, not at the top: a script may first choose which checkout's ntransformerd
+    # it imports (bench/ab_decode.py --code, bench/sample_top.py --code).
+    from ntransformerd.tools import synth
+
+    os.makedirs(directory, exist_ok=True)
+    name = f"{shape}-{ftype}" + (f"-v{vocab}" if vocab else "") + (f"-l{n_layers}" if n_layers else "") + \
+        (f"-s{seed}" if seed else "")
+    path = os.path.join(directory, name + ".gguf")
+    if not os.path.exists(path):
+        s = synth.SHAPES[shape]
+        s = dataclasses.replace(s, vocab=vocab or s.vocab, n_layers=n_layers or s.n_layers)
+        t = time.perf_counter()
+        synth.synthesize(path, shape=s, ftype=ftype, seed=seed)
+        print(f"synthesized {path} in {time.perf_counter() - t:.1f} s", flush=True)
+    return path
+
+
+def gpu_missing() -> str | None:
+    """Why CUDA work cannot run here, or None."""
+    try:
+        import cupy  # optional: the gpu extra
+    except ImportError:
+        return "CuPy is not installed (pip install 'ntransformer[gpu]')"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver
+        return f"CuPy sees no CUDA device ({e.__class__.__name__})"
+    return None if n > 0 else "CuPy sees no CUDA device"
+
+
+def require_gpu(script: str) -> None:
+    """Exit with SKIP, saying why, unless CuPy sees a CUDA device."""
+    why = gpu_missing()
+    if why:
+        print(f"bench/{os.path.basename(script)}: skipped: it needs a CUDA GPU and {why}", file=sys.stderr)
+        raise SystemExit(SKIP)

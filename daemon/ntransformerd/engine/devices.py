@@ -1,0 +1,169 @@
+"""What a device answers: the interfaces model.forward, the engine and the planner rely on.
+
+model.forward calls an `Ops` (the op set), a `Weights` (the layers, handed out one at a time from
+wherever they live) and a `KV` (each layer's keys and values); the engine makes them through a
+`Backend`, one per kind of device (the host's CPU, a CUDA GPU). tiers/ (the planner, the streams,
+the pipeline over devices) sees only these and never imports a backend; a backend receives what
+it needs from the planner (a plan, a storage source) from the engine. Nothing inherits from these
+protocols: they declare what is already answered (tests/engine/test_devices.py checks each
+backend against them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+
+from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
+from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.sampler import TopLogits
+
+Array = Any  # a device array: numpy on the host, CuPy on a GPU
+
+
+class Layer(Protocol):
+    """One block's weights in the layout the backend's matmul takes, under GGUF's names; the
+    stacks multiply as one (attn_q|attn_k|attn_v, ffn_gate|ffn_up)."""
+
+    attn_norm: Array
+    attn_qkv: Any
+    attn_output: Any
+    ffn_norm: Array
+    ffn_gate_up: Any
+    ffn_down: Any
+
+
+class Weights(Protocol):
+    """The model's weights on one device. A pass announces its layers once (prefetch: the
+    streamed ones start coming, in that order), then acquires and releases each in turn; a
+    layer is valid from acquire to release."""
+
+    token_embd: Any
+    output: Any
+    output_norm: Array
+
+    def prefetch(self, layers: Iterable[int]) -> None: ...
+
+    def acquire(self, i: int) -> Layer: ...
+
+    def release(self, i: int) -> None: ...
+
+
+class KVLayer(Protocol):
+    """One layer's cache: keys and values of shape (slots, positions, Hkv, hd), the device's
+    arrays (the attention op writes and reads them)."""
+
+    k: Array
+    v: Array
+
+    def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class KV(Protocol):
+    """The KV cache of a device: the slot table (which sequences are live, their lengths) and
+    each layer's cache."""
+
+    n_slots: int
+    lengths: np.ndarray  # (n_slots,) positions each slot holds
+
+    def layer(self, i: int) -> KVLayer: ...
+
+    def alloc(self, slot: int | None = None) -> int: ...
+
+    def free(self, slot: int) -> None: ...
+
+    def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    @property
+    def free_ids(self) -> tuple[int, ...]: ...
+
+
+class Ops(Protocol):
+    """The op set model.forward calls (model.block names each use), and what the engine asks
+    around a step: its context, the logits on the host, the top ids picked where they are."""
+
+    cfg: LlamaConfig
+
+    def step_context(self, batch: Batch) -> AbstractContextManager: ...
+
+    def embed(self, weights: Weights, tokens: np.ndarray) -> Array: ...
+
+    def rope_table(self, positions: np.ndarray) -> Any: ...
+
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
+
+    def matmul(self, x: Array, w: Any, residual: Array | None = None) -> Any: ...
+
+    def attention(self, q: Array, k: Array, v: Array, kv: KVLayer, batch: Batch, rope: Any = None) -> Array: ...
+
+    def swiglu(self, g: Array, u: Array) -> Array: ...
+
+    def rows(self, x: Array, rows: np.ndarray) -> Array: ...
+
+    def to_host(self, x: Array) -> np.ndarray: ...
+
+    def top(self, logits: Array, n: int) -> TopLogits: ...
+
+
+class Pieces(Protocol):
+    """A device that runs each piece of a step as one recorded call (the host's cpu backend):
+    from the tokens or handed-in hidden states x (N, D), through `layers`, to the logits
+    (head) or the hidden states (host arrays)."""
+
+    def run(self, batch: Batch, *, x: np.ndarray | None = None, layers: Sequence[int] | None = None,
+            head: bool = True, all_logits: bool = False, out: np.ndarray | None = None) -> np.ndarray: ...
+
+
+class Steps(Protocol):
+    """model.forward captured (CUDA graphs) or recorded per bucket of rows × tokens: the steps a
+    bucket covers run from it, the others eagerly."""
+
+    def covers(self, segments: Sequence[Segment], layers: Sequence[int] | None = None) -> bool: ...
+
+    def run_step(self, segments: Sequence[Segment], *, layers: Sequence[int] | None = None,
+                 all_logits: bool = False, top: int | None = None) -> np.ndarray | TopLogits: ...
+
+    def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True) -> TopLogits: ...
+
+
+class Backend(Protocol):
+    """One kind of device. `device` is its ordinal (a GPU's index; 0 for the host).
+
+    load takes a share: a tiers.Plan over every layer of the model whose tiers say what this
+    device holds (vram: resident in its memory; pinned, storage: streamed into it; host:
+    computed here by the host; skip: not this device's) and `depth` its streaming slots.
+    """
+
+    name: str  # the registry's name (backends.BACKENDS)
+    is_host: bool  # computes in host memory: its arrays are numpy, its KV cache host RAM
+
+    def available(self) -> bool: ...
+
+    def layer_bytes(self, model: GGUFModel, i: int) -> int:
+        """Bytes of layer i as this device holds it (what the planner places)."""
+
+    def free_memory(self, device: int = 0) -> int | None:
+        """Device memory free now; None: host memory (the planner reads MemAvailable)."""
+
+    def load(self, model: GGUFModel, share, *, device: int = 0, source=None, poison: bool = False,
+             link_cap: float | None = None) -> tuple[Ops, Weights]:
+        """This device's op set and the weights of its share (source: the storage its streamed
+        layers are read from; poison: fill released buffers, for tests; link_cap: bytes per
+        second its streamed layers' copies are paced to, None: unpaced)."""
+
+    def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0) -> KV: ...
+
+    def capture(self, ops: Ops, weights: Weights, kv: KV, *, threads: int | None = None) -> Steps | None:
+        """The captured or recorded steps of this device's whole forward pass, or None."""
+
+    def context(self, device: int = 0) -> AbstractContextManager:
+        """Makes `device` the current one for the work inside (a GPU's ordinal)."""
+
+    def to_device(self, x: np.ndarray, device: int = 0) -> Array:
+        """A copy of host array x on the device (never a view of x)."""

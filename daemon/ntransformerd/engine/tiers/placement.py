@@ -1,0 +1,257 @@
+"""Which streamed layers the host computes, per step shape, from measured figures.
+
+A layer the GPU does not hold either crosses the link (pinned RAM → device, once per step
+whatever the batch) or is computed by the host where it lies (at the host's memory bandwidth at
+batch 1; a large batch makes the host compute-bound and the link the cheaper path again). A
+step uses both paths at once, so the slower of the two sets its time: for each step shape this
+module picks the host's share that makes the pass shortest.
+
+    figures = Figures(link_bps=55e9, host_bps={1: 68e9, 4: 60e9}, gpu_bps={1: 3e12})
+    plan = with_schedule(plan, figures, rows=(1, 2, 4, 8, 16, 32, 512))
+    print(plan.explain())                      # the placement at each step shape
+
+A step's shape is its number of token rows: B for a decode step at batch B, R × T for R
+sequences verifying T tokens, the chunk length for a prefill chunk; the weights' cost depends on
+it, the attention's little. The figures are measured at load (the link, the host's rate and the
+GPU's per shape); `Figures.assumed` stands in, and says so, until they are.
+
+The pass is simulated as the slot ring runs it (`pass_seconds`): copies start when the pass
+begins and run `depth` streamed layers ahead of the GPU, each waiting for its slot's last user;
+layers are computed in order, resident and streamed ones on the GPU, host ones on the host; a
+change of device costs a hand-off. The candidates spread the host's layers over the streamed ones
+in stretches (`spread`), so that each stretch of host work hides the copies of the
+streamed layers after it; the fastest candidate wins, ties going to fewer host layers, then to
+fewer hand-offs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, Plan,
+                                                layer_span)
+
+# What the H200 machine's host read (14 threads summing an 8 GiB array) while its link copied
+# (issue 23): the one assumed host figure, for decode at batch 1 only.
+ASSUMED_HOST_BPS = 64.2e9
+STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedule covers besides prefill
+
+
+def _interpolate(table: Mapping[int, float], rows: int, beyond: float | None) -> float:
+    """The rate at `rows` from rates measured at some row counts: time per byte linear between
+    two measured shapes; below the smallest, its rate; above the largest, `beyond` (None: its rate)."""
+    pts = sorted(table.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    if rows > pts[-1][0]:
+        return pts[-1][1] if beyond is None else beyond
+    for (r0, b0), (r1, b1) in zip(pts, pts[1:]):
+        if r0 <= rows <= r1:
+            if b0 <= 0 or b1 <= 0:
+                return 0.0
+            w = (rows - r0) / (r1 - r0)
+            return 1.0 / ((1 - w) / b0 + w / b1)
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """The rates a placement is planned from, in bytes of layer weights per second. host_bps
+    and gpu_bps are by step rows; beyond the largest measured shape the host computes nothing
+    (it was not measured there), the GPU keeps its last rate. gpu_bps empty: GPU compute not
+    counted (the bound from the bytes alone)."""
+
+    link_bps: float  # pinned host memory → device
+    host_bps: Mapping[int, float]
+    gpu_bps: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    disk_bps: float = ASSUMED_DISK_BPS  # storage reads, for a storage layer streamed or computed by the host
+    handoff_s: float = 0.0  # one hand-off of the activation between the GPU and the host
+    measured: bool = True
+
+    def __post_init__(self):
+        if self.link_bps <= 0 or self.disk_bps <= 0 or self.handoff_s < 0:
+            raise ValueError(f"figures: link {self.link_bps} and disk {self.disk_bps} B/s must be positive, "
+                             f"hand-off {self.handoff_s} s not negative")
+        if not self.host_bps or any(r < 1 or b < 0 for r, b in self.host_bps.items()) or any(
+                r < 1 or b <= 0 for r, b in self.gpu_bps.items()):
+            raise ValueError("figures: host rates by step rows (≥ 1) are needed, not negative; GPU rates positive")
+
+    @classmethod
+    def assumed(cls) -> "Figures":
+        """Stand-ins until the rates are measured: the H200 machine's link and what its host
+        read beside it, at batch 1 only; compute not counted."""
+        return cls(ASSUMED_H2D_BPS, {1: ASSUMED_HOST_BPS}, measured=False)
+
+    def host(self, rows: int) -> float:
+        return _interpolate(self.host_bps, rows, 0.0)
+
+    def gpu(self, rows: int) -> float:
+        return _interpolate(self.gpu_bps, rows, None) if self.gpu_bps else math.inf
+
+    def to_dict(self) -> dict:
+        return {"link_bps": self.link_bps, "host_bps": {str(r): b for r, b in self.host_bps.items()},
+                "gpu_bps": {str(r): b for r, b in self.gpu_bps.items()}, "disk_bps": self.disk_bps,
+                "handoff_s": self.handoff_s, "measured": self.measured}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Figures":
+        return cls(float(d["link_bps"]), {int(r): float(b) for r, b in d["host_bps"].items()},
+                   {int(r): float(b) for r, b in d.get("gpu_bps", {}).items()},
+                   float(d.get("disk_bps", ASSUMED_DISK_BPS)), float(d.get("handoff_s", 0.0)),
+                   bool(d.get("measured", True)))
+
+    def describe(self) -> str:
+        host = ", ".join(f"{b / 1e9:.1f} GB/s at {r}" for r, b in sorted(self.host_bps.items()))
+        return (f"{'measured' if self.measured else 'assumed, not measured'}: link {self.link_bps / 1e9:.1f} GB/s, "
+                f"host {host} rows" + ("" if self.gpu_bps else "; GPU compute not counted"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PassTime:
+    seconds: float  # the simulated pass over the layers (embedding and output not counted)
+    link_seconds: float  # the link busy with the streamed layers
+    host_seconds: float  # the host busy with its layers
+    handoffs: int
+
+
+def _time(nbytes: float, rate: float) -> float:
+    return nbytes / rate if rate > 0 else math.inf
+
+
+def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int) -> PassTime:
+    """One pass of a step of `rows` rows with the layers in `host` computed by the host and the
+    plan's other streamed layers brought over the link (module docstring)."""
+    gpu, cpu = figures.gpu(rows), figures.host(rows)
+    depth = max(plan.depth, 1)
+    t = link_end = link_s = host_s = 0.0
+    released: list[float] = []  # when each streamed position's slot was given back
+    on_host, handoffs = False, 0
+    for i, (tier, b) in enumerate(zip(plan.tiers, plan.layer_bytes)):
+        if tier == SKIP:
+            continue
+        if (i in host) != on_host:
+            on_host, handoffs, t = i in host, handoffs + 1, t + figures.handoff_s
+        if i in host:
+            dt = _time(b, min(cpu, figures.disk_bps) if tier == STORAGE else cpu)
+            t, host_s = t + dt, host_s + dt
+        elif tier in (PINNED, STORAGE):
+            j = len(released)
+            start = max(link_end, released[j - depth] if j >= depth else 0.0)
+            dt = _time(b, figures.link_bps if tier == PINNED else min(figures.link_bps, figures.disk_bps))
+            link_end, link_s = start + dt, link_s + dt
+            t = max(t, link_end) + _time(b, gpu)
+            released.append(t)
+        else:
+            t += _time(b, gpu)
+    if on_host:  # the output is on the GPU
+        handoffs, t = handoffs + 1, t + figures.handoff_s
+    return PassTime(t, link_s, host_s, handoffs)
+
+
+def spread(m: int, chunk: int, k: int, phase: float = 0.0) -> list[bool]:
+    """Which of m positions the host takes: the positions in chunks of `chunk`, k of the chunks
+    spread evenly (Bresenham); phase 0 ends each period with the host's chunk (the ring's first
+    copies, made while the resident layers compute, are used first), 0.5 centres it."""
+    n = -(-m // chunk)
+    take = [math.floor((c + 1) * k / n + phase) > math.floor(c * k / n + phase) for c in range(n)]
+    return [take[p // chunk] for p in range(m)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each layer is computed at one step shape: the plan's tiers with `host` where the
+    host computes the layer, and the simulated pass beside the all-streamed one."""
+
+    rows: int
+    tiers: tuple[str, ...]
+    time: PassTime
+    streamed: PassTime  # the same pass with every streamed layer crossing the link
+
+    @property
+    def host_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t == HOST]
+
+
+def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
+    """The fastest placement of the plan's streamed layers at a step of `rows` rows."""
+    streamed = plan.streamed
+    m = len(streamed)
+    none = pass_seconds(plan, set(), figures, rows)
+    best_key, best = (none.seconds, 0, none.handoffs), (set(), none)
+    if m and figures.host(rows) > 0:
+        for chunk in sorted({1 << e for e in range(m.bit_length())} | {m}):
+            n = -(-m // chunk)
+            for k in range(1, n + 1):
+                for phase in (0.0, 0.5):
+                    host = {i for i, h in zip(streamed, spread(m, chunk, k, phase)) if h}
+                    pt = pass_seconds(plan, host, figures, rows)
+                    key = (round(pt.seconds, 12), len(host), pt.handoffs)
+                    if key < best_key:
+                        best_key, best = key, (host, pt)
+    host, pt = best
+    tiers = tuple(HOST if i in host else t for i, t in enumerate(plan.tiers))
+    return Placement(rows, tiers, pt, none)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The placement at each step shape, by increasing rows: a step of n rows runs the first
+    with rows ≥ n (any larger step: the last)."""
+
+    placements: tuple[Placement, ...]
+    figures: Figures
+
+    @property
+    def host_layers(self) -> list[int]:
+        """The layers the host computes at some shape (it holds them all)."""
+        return sorted({i for p in self.placements for i in p.host_layers})
+
+    def explain(self) -> list[str]:
+        lines = [f"  host compute   by step rows ({self.figures.describe()}):"]
+        for p in self.placements:
+            hl = p.host_layers
+            streamed = sum(1 for t in p.tiers if t in (PINNED, STORAGE))
+            lines.append(f"    {p.rows:5d} rows  host {len(hl):3d}, link {streamed:3d} layers  "
+                         f"{p.time.seconds * 1e3:8.2f} ms (all over the link {p.streamed.seconds * 1e3:.2f} ms; "
+                         f"link {p.time.link_seconds * 1e3:.2f}, host {p.time.host_seconds * 1e3:.2f}, "
+                         f"{p.time.handoffs} hand-offs)  host [{layer_span(hl)}]")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"figures": {"link_bps": self.figures.link_bps, "host_bps": dict(self.figures.host_bps),
+                            "gpu_bps": dict(self.figures.gpu_bps), "measured": self.figures.measured},
+                "by_rows": [{"rows": p.rows, "host": p.host_layers, "seconds": p.time.seconds,
+                             "streamed_seconds": p.streamed.seconds, "link_seconds": p.time.link_seconds,
+                             "host_seconds": p.time.host_seconds, "handoffs": p.time.handoffs}
+                            for p in self.placements]}
+
+
+def with_schedule(plan: Plan, figures: Figures, rows: Sequence[int]) -> Plan:
+    """The plan with its placement at each of the step shapes `rows` (plan.schedule)."""
+    if any(r < 1 for r in rows):
+        raise ValueError(f"step rows {list(rows)}: each is at least 1")
+    placements = tuple(place_rows(plan, figures, r) for r in sorted(set(rows)))
+    return dataclasses.replace(plan, schedule=Schedule(placements, figures))
+
+
+def save_figures(path: str, figures: Figures) -> None:
+    """Write the figures to `path` (a small JSON file; written whole, then renamed into place)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures.to_dict(), f)
+    os.replace(tmp, path)
+
+
+def load_figures(path: str) -> Figures | None:
+    """The figures saved at `path`, or None where there are none or they cannot be read (then
+    they are measured again)."""
+    try:
+        with open(path) as f:
+            return Figures.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -1,0 +1,335 @@
+"""One step over the devices of a plan: its layers in runs, each run on one device's ops, weights
+and KV cache, the activation (rows × d_model) handed from one device to the next.
+
+    layout = layout_of(plan, layer_bytes)           # which device holds and computes what
+    pipeline = Pipeline(stages, layout, cfg)         # stages: each device's ops, weights, KV
+    logits = pipeline.step(batch)                    # host logits (S, V)
+
+A run is a stretch of consecutive layers on one device with one tier: resident (vram), streamed
+into it (pinned, storage), or computed by the host (host). A step is model.forward over them:
+the embedding on the device that holds it, model.run_layers for each stretch of runs on one
+device, a hand-off where the device changes, the output where it is held. With one device that
+is model.forward itself, nothing added. Several GPUs (tiers/multi.py), a GPU and the host
+(tiers/placement.py) and, in CI, several CPU "devices" all run this same code.
+
+Each device announces its whole share of the step to its weights before the first layer
+(Weights.prefetch), so its stream keeps copying while the other devices compute. A layer's keys
+and values live on each device that computes it at some step shape (the host at batch 1, the GPU
+for a prefill chunk); after each step the positions it wrote are copied to its other homes
+(`DeviceKV.mirror`), so whichever computes it next reads the whole sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ntransformerd.engine import model as llama
+from ntransformerd.engine.devices import KV, Backend, Ops, Pieces, Weights
+from ntransformerd.engine.kv_cache import SlotTable
+from ntransformerd.engine.model import Batch
+from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.tiers.multi import MultiPlan
+from ntransformerd.engine.tiers.planner import HOST, SKIP, Plan, resident_plan
+
+MAIN = "main"  # a device of the engine's backend (a GPU, or the host when it is the only kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive layers computed on one device, with one tier."""
+
+    device: int
+    tier: str
+    layers: tuple[int, ...]
+
+
+def runs_of(tiers: Sequence[str], device_of: Sequence[int]) -> tuple[Run, ...]:
+    """The runs of per-layer tiers and devices; skipped layers belong to no run (a run goes on
+    past them: the layers either side are consecutive in the pass)."""
+    runs: list[Run] = []
+    for i, (t, d) in enumerate(zip(tiers, device_of, strict=True)):
+        if t == SKIP:
+            continue
+        if runs and runs[-1].device == d and runs[-1].tier == t:
+            runs[-1] = Run(d, t, runs[-1].layers + (i,))
+        else:
+            runs.append(Run(d, t, (i,)))
+    return tuple(runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceShare:
+    """What device `ordinal` of one backend kind holds: a Plan over every layer of the model
+    whose tiers are this device's (skip: another device's, or skipped)."""
+
+    kind: str  # MAIN, or HOST: the host's CPU backend beside a GPU
+    ordinal: int
+    plan: Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every layer is held and computed. schedule: (rows, runs) by increasing rows: a step
+    of n token rows runs the first entry with rows ≥ n (the last entry: any larger step)."""
+
+    devices: tuple[DeviceShare, ...]
+    schedule: tuple[tuple[int, tuple[Run, ...]], ...]
+    embed: int = 0  # the device holding the embedding
+    head: int = 0  # the device holding the output and its norm
+
+    def runs_for(self, rows: int) -> tuple[Run, ...]:
+        for limit, runs in self.schedule:
+            if rows <= limit:
+                return runs
+        return self.schedule[-1][1]
+
+    def homes(self) -> dict[int, tuple[int, ...]]:
+        """Each layer's devices: those that compute it in some entry of the schedule."""
+        out: dict[int, set[int]] = {}
+        for _, runs in self.schedule:
+            for r in runs:
+                for i in r.layers:
+                    out.setdefault(i, set()).add(r.device)
+        return {i: tuple(sorted(ds)) for i, ds in sorted(out.items())}
+
+
+def _share(plan: Plan, tiers: Sequence[str], layer_bytes: Sequence[int]) -> Plan:
+    return dataclasses.replace(plan, tiers=tuple(tiers), layer_bytes=tuple(layer_bytes), reasons=())
+
+
+def layout_of(plan: Plan | MultiPlan | None, layer_bytes: Sequence[int]) -> Layout:
+    """The layout of a plan. None: one device, every layer resident. A Plan: one device, and
+    the host beside it where the plan's schedule (placement.Schedule) has it compute layers at
+    some step shapes. A MultiPlan: one device per range of layers, the embedding on the first,
+    the output on the last."""
+    if plan is None:
+        plan = resident_plan(layer_bytes)
+    n = len(plan.tiers)
+    if isinstance(plan, MultiPlan):
+        devices, device_of = [], []
+        for d, ((a, b), p) in enumerate(zip(plan.ranges, plan.devices)):
+            tiers = [SKIP] * n
+            tiers[a:b] = p.tiers
+            devices.append(DeviceShare(MAIN, d, _share(p, tiers, plan.layer_bytes)))
+            device_of += [d] * (b - a)
+        last = len(devices) - 1
+        return Layout(tuple(devices), ((0, runs_of(plan.tiers, device_of)),), 0, last)
+    schedule = getattr(plan, "schedule", None)
+    if schedule is None or not schedule.host_layers:
+        return Layout((DeviceShare(MAIN, 0, plan),), ((0, runs_of(plan.tiers, [0] * n)),))
+    hosted = set(schedule.host_layers)
+    host_tiers = [HOST if i in hosted else SKIP for i in range(n)]
+    host = DeviceShare(HOST, 0, Plan(tuple(host_tiers), plan.layer_bytes, 0, 0, 0, 0, 0, -1, plan.ram_limit))
+    entries = tuple((p.rows, runs_of(p.tiers, [1 if t == HOST else 0 for t in p.tiers]))
+                    for p in schedule.placements)
+    return Layout((DeviceShare(MAIN, 0, plan), host), entries)
+
+
+# ---- the devices of a step ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Stage:
+    """A device as a step sees it: its op set, the weights of its share, its KV cache (layer(i)
+    for the layers it computes), and its backend (to make it current, to copy onto it)."""
+
+    name: str
+    ops: Ops
+    weights: Weights
+    kv: KV
+    backend: Backend
+    ordinal: int = 0
+    steps: Pieces | None = None  # recorded pieces (a host device's HostSteps: run(batch, x=, layers=, head=)), or None
+
+    @property
+    def recorded(self) -> bool:
+        return self.steps is not None
+
+    def context(self):
+        return self.backend.context(self.ordinal)
+
+    def to_device(self, x: np.ndarray):
+        return self.backend.to_device(x, self.ordinal)
+
+
+class Handoff:
+    """The activation leaves one device for the next: to the host (nothing to do when it is
+    there already), then a copy onto the destination, never a view of the source. `poison`
+    fills the source with NaN afterwards (tests: any later read of the old buffer shows).
+
+    Through host memory for every pair, GPUs included; a peer copy (cudaMemcpyPeerAsync on the
+    receiver's stream after an event on the sender's) is the faster form for two GPUs."""
+
+    def __init__(self, poison: bool = False):
+        self.poison = poison
+        self.stats = {"copies": 0, "bytes": 0}
+
+    def copy(self, x, src: Stage, dst: Stage):
+        with src.context():
+            host = src.ops.to_host(x)
+        with dst.context():
+            y = dst.to_device(host)
+        if self.poison:
+            with src.context():
+                x.fill(np.nan)
+        self.stats["copies"] += 1
+        self.stats["bytes"] += host.nbytes
+        return y
+
+
+class HomeKV:
+    """A device's cache for the layers it computes: model layer i is entry j of `cache`, made
+    with as many layers as it holds."""
+
+    def __init__(self, cache: KV, layers: Sequence[int]):
+        self.cache = cache
+        self._index = {i: j for j, i in enumerate(layers)}
+
+    def layer(self, i: int):
+        return self.cache.layer(self._index[i])
+
+
+class DeviceKV(SlotTable):
+    """The engine's KV cache over several devices: one slot table; each layer's keys and values
+    on every device that computes it (Layout.homes), kept equal by `mirror`. One owner thread
+    (the engine's)."""
+
+    def __init__(self, n_slots: int, stages: Sequence[Stage], homes: dict[int, tuple[int, ...]]):
+        super().__init__(n_slots)
+        self.stages, self.homes = list(stages), homes
+
+    def layer(self, i: int):
+        """Layer i's cache on its first home."""
+        return self.stages[self.homes[i][0]].kv.layer(i)
+
+    def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        for st in self.stages:
+            with st.context():
+                st.kv.cache.copy_prefix(src, dst, n, start)
+
+    def mirror(self, batch: Batch, computed: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Copy the positions the step wrote ((device, layers) it computed) to the layers' other homes."""
+        spans = [(s.slot, s.start, s.start + len(s.tokens)) for s in batch.segments]
+        for d, layers in computed:
+            src = self.stages[d]
+            for i in layers:
+                for e in self.homes[i]:
+                    if e == d:
+                        continue
+                    dst = self.stages[e]
+                    a, b = src.kv.layer(i), dst.kv.layer(i)
+                    for slot, p0, p1 in spans:
+                        for name in ("k", "v"):
+                            with src.context():
+                                rows = src.ops.to_host(getattr(a, name)[slot, p0:p1])
+                            with dst.context():
+                                getattr(b, name)[slot, p0:p1] = dst.to_device(rows)
+
+
+class _Announced:
+    """A device's weights inside one step: the pipeline announced the device's whole share of
+    the step (prefetch) before its first run, so a run does not restart the stream."""
+
+    def __init__(self, weights: Weights):
+        self.w = weights
+
+    def prefetch(self, layers) -> None:
+        pass
+
+    def acquire(self, i: int):
+        return self.w.acquire(i)
+
+    def release(self, i: int) -> None:
+        self.w.release(i)
+
+
+class Pipeline:
+    """model.forward over the stages of a layout. One owner thread."""
+
+    def __init__(self, stages: Sequence[Stage], layout: Layout, cfg, handoff: Handoff | None = None):
+        if len(stages) != len(layout.devices):
+            raise ValueError(f"{len(stages)} stages for a layout of {len(layout.devices)} devices")
+        self.stages, self.layout, self.cfg = list(stages), layout, cfg
+        self.handoff = handoff or Handoff()
+        self.kv = (self.stages[0].kv if len(self.stages) == 1
+                   else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes()))
+
+    def groups(self, rows: int, layers: Sequence[int] | None = None) -> list[tuple[int, list[int]]]:
+        """(device, layers) of a step of `rows` token rows, consecutive runs on one device merged;
+        layers: only these (a prefix, the plan minus skipped ones), in the plan's order."""
+        wanted = None if layers is None else set(layers)
+        out: list[tuple[int, list[int]]] = []
+        for r in self.layout.runs_for(rows):
+            ls = [i for i in r.layers if wanted is None or i in wanted]
+            if not ls:
+                continue
+            if out and out[-1][0] == r.device:
+                out[-1][1].extend(ls)
+            else:
+                out.append((r.device, ls))
+        if wanted is not None and sum(len(ls) for _, ls in out) != len(wanted):
+            missing = sorted(wanted - {i for _, ls in out for i in ls})
+            raise ValueError(f"layers {missing} are in no run of the plan (skipped, or not in the model)")
+        return out
+
+    def forward(self, batch: Batch, groups: list[tuple[int, list[int]]], *, all_logits: bool = False):
+        """Logits on the head device: (S, V), or (N, V) with all_logits."""
+        lo = self.layout
+        if lo.embed == lo.head and all(d == lo.embed for d, _ in groups):  # one device: model.forward itself
+            st, ls = self.stages[lo.embed], [i for _, ls in groups for i in ls]
+            with st.context():
+                if st.recorded:  # a host device's ops record: its whole pass is one recorded call
+                    return st.steps.run(batch, layers=ls, all_logits=all_logits)
+                return llama.forward(st.ops, self.cfg, st.weights, st.kv, batch, layers=ls, all_logits=all_logits)
+        for d, st in enumerate(self.stages):  # each device's stream starts on its whole share now
+            mine = [i for e, ls in groups if e == d for i in ls]
+            if mine:
+                with st.context():
+                    st.weights.prefetch(mine)
+        # A recorded device (the host's cpu backend) runs each of its pieces as one recorded call
+        # (embed, a group of layers, or the head) on host arrays; the others run model.forward's
+        # pieces eagerly on their ops.
+        cur = self.stages[lo.embed]
+        with cur.context():
+            x = (cur.steps.run(batch, layers=[], head=False) if cur.recorded
+                 else cur.ops.embed(cur.weights, batch.tokens))  # (N, D)
+        for d, ls in groups:
+            st = self.stages[d]
+            if st is not cur:
+                x, cur = self.handoff.copy(x, cur, st), st
+            with st.context():
+                x = (st.steps.run(batch, x=x, layers=ls, head=False) if st.recorded
+                     else llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, ls))  # (N, D)
+        head = self.stages[lo.head]
+        if head is not cur:
+            x = self.handoff.copy(x, cur, head)
+        with head.context():
+            if head.recorded:
+                return head.steps.run(batch, x=x, layers=[], all_logits=all_logits)
+            return llama.head(head.ops, self.cfg, head.weights, x, batch, all_logits=all_logits)
+
+    def step(self, batch: Batch, *, layers: Sequence[int] | None = None, all_logits: bool = False,
+             top: int | None = None) -> np.ndarray | TopLogits:
+        """One step inside every device's step context: host logits, or with top a TopLogits
+        (picked on the head device, only those rows come to the host)."""
+        groups = self.groups(len(batch.tokens), layers)
+        head = self.stages[self.layout.head]
+        with contextlib.ExitStack() as stack:
+            for st in self.stages:
+                stack.enter_context(st.ops.step_context(batch))
+            logits = self.forward(batch, groups, all_logits=all_logits)
+            with head.context():
+                out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
+        if isinstance(self.kv, DeviceKV):
+            self.kv.mirror(batch, groups)
+        return out
+
+    def close(self) -> None:
+        """Stop each device's streams and close its storage source."""
+        for st in self.stages:
+            close = getattr(st.weights, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,211 @@
+"""Every benchmark still runs: each script of bench/ in its smoke mode (`--smoke`: tiny synthetic
+models and a few steps, bench/common.py), its JSON checked for the figures it exists to make.
+
+The CPU scripts run here. The GPU ones (marker gpu) run where CuPy sees a device; elsewhere each
+proves that it parses its arguments and exits with common.SKIP, saying why, before it touches
+anything. nvme_read.py boots a QEMU guest (markers vm, slow).
+
+Cost: each CPU smoke starts a daemon or loads a few small engines, 5-20 s on 2 cores; a GPU
+smoke compiles the kernels it has not met yet (tens of seconds on the first one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+
+def _common():
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+common = _common()
+GPU_MISSING = common.gpu_missing()
+
+
+def smoke(script: str, tmp_path: pathlib.Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run bench/<script> --smoke with its JSON in tmp_path; (the process, the JSON or None)."""
+    out = tmp_path / f"{script}.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "daemon"), str(ROOT / "client"), str(ROOT / "system"),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    r = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--json", str(out), *args],
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    data = json.loads(out.read_text()) if out.exists() else None
+    return r, data
+
+
+def _ran(r: subprocess.CompletedProcess, data: dict | None) -> dict:
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert data is not None and data["smoke"] is True, r.stdout[-2000:]
+    return data
+
+
+# ---- what each script's JSON must hold ------------------------------------------------------------
+
+def check_serving(d: dict) -> None:
+    levels = {x["clients"]: x for x in d["levels"]}
+    assert sorted(levels) == [1, 2]
+    for n, x in levels.items():
+        assert x["tokens"] == 4 * n, x  # one request per client, 4 tokens each (ignore_eos)
+        assert x["tokens_per_second"] > 0
+
+
+def check_prefix_cache(d: dict) -> None:
+    runs = {r["prefix_cache"]: r for r in d["runs"]}
+    off, on = runs[False]["turn2"], runs[True]["turn2"]
+    assert off["hit_tokens"] == 0 and off["prefilled_tokens"] >= off["prompt_tokens"], off
+    # the second turn repeats the first: with the cache it prefills only what is new
+    assert on["hit_tokens"] > 0 and on["prefilled_tokens"] < on["prompt_tokens"], on
+
+
+def check_quality(d: dict) -> None:
+    rows = {r["type"]: r for r in d["types"]}
+    assert sorted(rows) == sorted(["f32", "q8_0", "q4_0", "q4_k_m", "q6_k"]), rows
+    for t in rows:
+        assert math.isfinite(rows[t]["perplexity"]) and rows[t]["perplexity"] > 1, rows[t]
+        assert rows[t]["tokens_scored"] > 0
+    # f32 holds the Q4_1 source's values exactly: the same perplexity
+    assert abs(rows["f32"]["vs_q4_1"]) < 1e-3, rows["f32"]
+    cal = d["calibration"]
+    assert len(cal["similarity"]) == 2 and os.path.exists(cal["saved"]), cal
+
+
+def check_speculative(d: dict) -> None:
+    # the script itself asserts that every speculative output is the plain greedy one
+    keys = set(d["sources"])
+    for source in ("ngram", "draft", "skip:1,2", "prefix:1"):
+        for table in ("cpu", "streamed"):
+            assert f"{source} [{table}]" in keys, keys
+    for res in d["sources"].values():
+        assert len(res["rows"]) == 7 and res["reference_tokens_per_pass"] >= 1.0, res
+        assert all(r["tokens"] == 8 for r in res["rows"] if r["prompt"] != "code_edit"), res["rows"]
+
+
+def check_resident(d: dict) -> None:
+    assert [f["type"] for f in d["files"]] == ["q8_0", "q4_k_m"]
+    for f in d["files"]:
+        names = [m["matrix"] for m in f["matvec"]]
+        assert names[0] == "attn_qkv0" and "ffn_gate_up0" in names and names[-1] == "output", names
+        assert [x["batch"] for x in f["decode"]] == [1, 4, 16] and all(x["tok_s"] > 0 for x in f["decode"])
+        assert f["prefill"]["tok_s"] > 0 and set(f["decode_b1_sampled"]) == {"device_top", "host_rows"}
+
+
+def check_ab_decode(d: dict) -> None:
+    assert len(d["variants"]) == 2 and d["rows"], d
+    for row in d["rows"]:
+        assert row["median_ms"] > 0
+        # one checkout twice: the same engine gives the same greedy ids
+        assert row["greedy_same_as_first"], row
+
+
+def check_ncu_step(d: dict) -> None:
+    assert d["batch"] == 1 and d["eager_step_wall_s"] > 0, d
+
+
+def check_profile_decode(d: dict) -> None:
+    for f in d["files"]:
+        assert [p["batch"] for p in f["profiles"]] == [1, 16]
+        for p in f["profiles"]:
+            assert p["kernels"] > 0 and p["graph_step_ms"] > 0 and any(g["bytes"] for g in p["groups"]), p
+        assert f["prefill"]["groups"], f["prefill"]
+
+
+def check_sample_top(d: dict) -> None:
+    assert len(d["kernels"]) == 4 and all(k["top40_us"] > 0 for k in d["kernels"])
+    assert set(d["steps"]) == {"greedy", "device_top", "host_rows"}
+
+
+def check_speculative_gpu(d: dict) -> None:
+    assert set(d["verify"]) == {"tiny streamed B=1", "tiny streamed B=16", "tiny B=1", "tiny B=16"}, d["verify"]
+    runs = [r for r in d["speculative"] if "k" in r]
+    assert len(runs) == 6 and all(r["identical_to_record"] for r in runs), runs
+    assert len(d["skip"]) == 3
+
+
+def check_streaming(d: dict) -> None:
+    paths = {(r["resident_layers"], r["batch"]): r["path"] for r in d["runs"] if "batch" in r and "depth" not in r
+             and r["model"] == "tiny-q4_k_m"}
+    assert set(paths) >= {(k, b) for k in (2, 1, 0) for b in (1, 4)}, paths
+    assert d["odirect"]["tier_Bps"] > 0 and d["odirect"]["plain_Bps"] > 0, d["odirect"]
+    hybrid = {(r["rows"], r["resident_layers"], r["batch"], r["host_compute"]): r for r in d["runs"]
+              if r.get("rows") in ("hybrid", "capped") and "host_compute" in r}
+    assert set(hybrid) >= {("hybrid", k, b, hc) for k in (1, 0) for b in (1, 4) for hc in ("off", "auto")} | {
+        ("capped", k, 1, hc) for k in (1, 0) for hc in ("off", "auto")}, sorted(hybrid)
+    assert all(r["tok_s"] > 0 and (r["predicted_step_s"] or 0) > 0 and r["vs_off"] > 0
+               for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
+
+
+def check_nvme_read(d: dict) -> None:
+    assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
+    assert d["dmar_faults"] == 0
+
+
+def check_constraint_libraries(d: dict) -> None:
+    libs = {x["library"]: x for x in d["libraries"]}
+    assert set(libs) == {"llguidance", "outlines-core", "xgrammar"}, libs
+    ll = libs["llguidance"]  # a dependency: always measured
+    assert ll["mask"]["tokens"] == d["document_tokens"] > 0 and ll["mask"]["median_us"] > 0, ll
+    assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
+
+
+CPU = {"serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+       "speculative.py": check_speculative}
+GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
+       "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
+       "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming}
+VM = {"nvme_read.py": check_nvme_read}
+WITHOUT_SMOKE = {"cpu.py"}  # its smoke mode is not written yet
+
+
+def test_every_script_has_a_smoke_test():
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"common.py"}
+    assert scripts == set(CPU) | set(GPU) | set(VM) | WITHOUT_SMOKE
+
+
+@pytest.mark.parametrize("script", sorted(CPU))
+def test_cpu_script_smoke(script, tmp_path):
+    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py") else []  # their models' place
+    CPU[script](_ran(*smoke(script, tmp_path, *args)))
+
+
+@pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is here: test_gpu_script_smoke runs the scripts")
+@pytest.mark.parametrize("script", sorted(GPU))
+def test_gpu_script_without_a_gpu_skips_cleanly(script, tmp_path):
+    r, data = smoke(script, tmp_path, "--dir", str(tmp_path), timeout=120)
+    assert r.returncode == common.SKIP, (r.returncode, r.stderr[-3000:])
+    assert f"bench/{script}: skipped: it needs a CUDA GPU" in r.stderr, r.stderr
+    assert data is None and not any(tmp_path.glob("*.gguf")), "a skipped script wrote files"
+    h = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [str(ROOT / d) for d in ("daemon", "client", "system")])})
+    assert h.returncode == 0 and "--smoke" in h.stdout and "--json" in h.stdout, h.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("script", sorted(GPU))
+def test_gpu_script_smoke(script, tmp_path):
+    GPU[script](_ran(*smoke(script, tmp_path, "--dir", str(tmp_path))))
+
+
+@pytest.mark.vm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_nvme_read_smoke(tmp_path):
+    r, data = smoke("nvme_read.py", tmp_path)
+    if r.returncode == common.SKIP:  # no qemu, guest kernel or busybox, or not root: it says which
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    check_nvme_read(_ran(r, data))

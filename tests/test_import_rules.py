@@ -1,0 +1,107 @@
+"""The engine's folders keep to their sides (DESIGN.md, "Devices"): tiers/ (the planner and the
+streams) never imports a backend, and a backend never imports a private name of tiers/.
+
+Every import is read with `ast`, at any depth: inside functions and under `if TYPE_CHECKING:`
+too, since a hidden import is still a dependency. What the two sides share is declared in
+engine/devices.py (the Backend, Ops, Weights and KV protocols); what a backend needs from the
+planner (a plan, a storage source) is handed over by the engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ENGINE = os.path.join(os.path.dirname(__file__), os.pardir, "daemon", "ntransformerd", "engine")
+TIERS, BACKENDS = "ntransformerd.engine.tiers", "ntransformerd.engine.backends"
+
+
+def _module_of(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root)[:-3].split(os.sep)
+    return ".".join(["ntransformerd", "engine"] + (rel[:-1] if rel[-1] == "__init__" else rel))
+
+
+def imports(path: str, module: str) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, module imported, names taken from it) for every import in the file; relative
+    imports resolved against `module` (the file's own dotted name)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package[:len(package) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.append((node.lineno, base, tuple(a.name for a in node.names)))
+    return out
+
+
+def _files(folder: str):
+    for d, dirs, files in os.walk(folder):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        for f in sorted(files):
+            if f.endswith(".py"):
+                yield os.path.join(d, f)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def violations(root: str = ENGINE) -> list[str]:
+    """Each import that breaks a rule, as 'file:line: what'."""
+    bad = []
+    for path in _files(os.path.join(root, "tiers")):
+        for line, mod, names in imports(path, _module_of(path, root)):
+            hit = [t for t in [mod] + [f"{mod}.{n}" for n in names] if _within(t, BACKENDS)]
+            if hit:
+                bad.append(f"{os.path.relpath(path, root)}:{line}: tiers/ imports the backend {hit[0]}")
+    for path in _files(os.path.join(root, "backends")):
+        for line, mod, names in imports(path, _module_of(path, root)):
+            if not _within(mod, TIERS) and not any(_within(f"{mod}.{n}", TIERS) for n in names):
+                continue
+            private = [p for p in mod.split(".") if p.startswith("_") and p != "__init__"]
+            private += [n for n in names if n.startswith("_")]
+            if private:
+                bad.append(f"{os.path.relpath(path, root)}:{line}: a backend imports tiers' private "
+                           f"{', '.join(private)} (from {mod})")
+    return bad
+
+
+def test_tiers_and_backends_keep_to_their_sides():
+    bad = violations()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rules_catch_each_kind_of_violation(tmp_path):
+    """A fake engine tree with one violation of each kind, at module level, inside a function,
+    relative and absolute: each is reported, and the allowed imports are not."""
+    root = tmp_path / "engine"
+    (root / "tiers").mkdir(parents=True)
+    (root / "backends" / "gpu").mkdir(parents=True)
+    (root / "tiers" / "__init__.py").write_text("from ntransformerd.engine.tiers.planner import Plan\n")
+    (root / "tiers" / "planner.py").write_text(
+        "import numpy as np\n"
+        "from ntransformerd.engine import devices\n"
+        "def f():\n"
+        "    from ntransformerd.engine.backends import cpu\n")  # line 4: a backend, hidden in a function
+    (root / "tiers" / "stream.py").write_text("from ..backends.gpu import weights\n")  # line 1: relative
+    (root / "tiers" / "other.py").write_text("from ntransformerd.engine import backends\n")  # line 1: the registry
+    (root / "backends" / "gpu" / "weights.py").write_text(
+        "from ntransformerd.engine.tiers.pipeline import LayerStream\n"  # public: allowed
+        "from ntransformerd.engine.tiers.planner import VRAM, _int\n"  # line 2: a private name
+        "from ntransformerd.engine.tiers import _helpers\n"  # line 3: a private module
+        "from ...tiers.sources import _align\n")  # line 4: relative, private
+    got = sorted(violations(str(root)))
+    assert got == sorted([
+        "backends/gpu/weights.py:2: a backend imports tiers' private _int (from ntransformerd.engine.tiers.planner)",
+        "backends/gpu/weights.py:3: a backend imports tiers' private _helpers (from ntransformerd.engine.tiers)",
+        "backends/gpu/weights.py:4: a backend imports tiers' private _align (from ntransformerd.engine.tiers.sources)",
+        "tiers/other.py:1: tiers/ imports the backend ntransformerd.engine.backends",
+        "tiers/planner.py:4: tiers/ imports the backend ntransformerd.engine.backends",
+        "tiers/stream.py:1: tiers/ imports the backend ntransformerd.engine.backends.gpu",
+    ]), got
