@@ -228,7 +228,7 @@ class Scheduler:
                            ": it admits no new requests; retry once it is back (systemctl status ntransformerd)")
         if engine is None or self.state != "serving":
             if self.state == "starting":
-                raise NotReady("ntransformerd is starting: its model loads in a moment; retry in a few seconds "
+                raise NotReady("ntransformerd is starting (loading its model comes next): retry in a few seconds "
                                "(ntx-client generate --wait waits for it)")
             if self.state == "loading":
                 raise NotReady(f"the model is still loading ({self.load_progress}): retry in a few seconds; "
