@@ -9,13 +9,26 @@
    every split decodes through the captured step, the streamed ones with their layer copies
    inside its graph (backends/cuda/weights.py); each row says which path ran;
 3. the O_DIRECT tier (every layer from storage) against a plain O_DIRECT reader of the file;
-4. a 70B-shaped Q4_K_M with a 24 GiB VRAM budget, the rest pinned, at batch 1 and 16.
+4. a 70B-shaped Q4_K_M with a 24 GiB VRAM budget, the rest pinned, at batch 1 and 16;
+5. the hybrid rows (issue 23): the 8B at 24, 16, 8, 0 resident layers, batch 1 and 16, with the
+   host computing some streamed layers beside the GPU (host_compute auto, placed from the rates
+   measured at load) against pure streaming (off): tok/s and the plan's predicted step time;
+6. the capped-link rows: the same splits at batch 1 with the stream paced to --link-cap
+   (6.5 GB/s, a PCIe Gen3 x8 link) and --cap-threads host threads (8), hybrid against pure
+   streaming;
+with --llama-bench BIN (a CUDA build: bench/llamacpp/build.sh), `llama-bench -ngl N -t T` at each
+split in the same run, and every ratio against it.
+
+    python3 bench/streaming.py --dir /tmp/ntx --no-70b --no-odirect --splits \
+        --llama-bench /tmp/llama/build/bin/llama-bench        # the hybrid and capped rows only
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -126,15 +139,87 @@ def plain_odirect(path: str, nbytes: int, threads: int = 8, chunk: int = 16 << 2
     return nbytes / dt
 
 
+def llama_bench(binary: str, path: str, ngl: int, threads: int, n: int) -> float:
+    """`llama-bench -ngl N -t T`: its batch-1 decode (tg) in tok/s."""
+    r = subprocess.run([binary, "-m", path, "-ngl", str(ngl), "-t", str(threads), "-p", "0", "-n", str(n),
+                        "-r", "2", "-o", "json"], capture_output=True, text=True, timeout=1200)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-bench -ngl {ngl} -t {threads} failed: {r.stderr[-2000:]}")
+    return float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def predicted_step_s(plan, rows: int) -> tuple[float | None, list[int]]:
+    """The plan's simulated pass at a step of `rows` rows and the layers the host computes there
+    (None, []: the plan has no host-compute schedule)."""
+    sched = plan.schedule
+    if sched is None:
+        return None, []
+    p = next((p for p in sched.placements if p.rows >= rows), sched.placements[-1])
+    return p.time.seconds, p.host_layers
+
+
+def hybrid_rows(args, path: str, label: str, out: dict, save, *, splits, batches, link_cap=None,
+                threads=None, kind: str) -> None:
+    """host_compute auto against off at each split (and llama-bench -ngl N -t T), same run."""
+    for k in splits:
+        rates = {}
+        for hc in ("off", "auto"):
+            t = time.perf_counter()
+            e = Engine.load(path, config=EngineConfig(backend="cuda", max_seqs=max(batches), max_ctx=256,
+                                                      max_vram_layers=k, host_compute=hc, link_cap=link_cap,
+                                                      cpu_threads=threads))
+            load_s = time.perf_counter() - t
+            for b in batches:
+                steps = 3 if args.smoke else (6 if k <= 8 else 10)
+                r = decode_rate(e, b, steps)
+                pred, host = predicted_step_s(e.plan, b)
+                rates[hc, b] = r
+                row = {"rows": kind, "model": label, "resident_layers": k, "batch": b, "host_compute": hc,
+                       "link_cap": link_cap, "cpu_threads": threads, "tok_s": r, "predicted_step_s": pred,
+                       "measured_step_s": b / r, "host_layers": host, "path": decode_path(e, b), "load_s": load_s}
+                if hc == "auto":
+                    row["figures"] = e.plan.schedule.figures.to_dict()
+                    row["vs_off"] = r / rates["off", b]
+                out["runs"].append(row)
+                log(f"  [{kind}] resident {k}, host_compute {hc:4s}, batch {b:2d}: {r:8.1f} tok/s"
+                    + (f"  predicted {pred * 1e3:.2f} ms/step, measured {b / r * 1e3:.2f}, host {len(host)} layers"
+                       if pred is not None else "")
+                    + (f"  ({row['vs_off']:.2f}x off)" if hc == "auto" else ""))
+                save()
+            if hc == "auto":
+                log("\n".join(e.plan.schedule.explain()))
+            free_engine(e)
+            e = None
+        if args.llama_bench:
+            t_lb = threads or args.threads
+            lb = llama_bench(args.llama_bench, path, k, t_lb, 8 if args.smoke else 64)
+            row = {"rows": kind, "model": label, "resident_layers": k, "batch": 1, "engine": "llama-bench",
+                   "cpu_threads": t_lb, "tok_s": lb, "hybrid_vs_llama": rates["auto", 1] / lb,
+                   "streaming_vs_llama": rates["off", 1] / lb}
+            out["runs"].append(row)
+            log(f"  [{kind}] llama-bench -ngl {k} -t {t_lb}: {lb:.1f} tok/s; hybrid {row['hybrid_vs_llama']:.2f}x, "
+                f"pure streaming {row['streaming_vs_llama']:.2f}x")
+            save()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__file__, __doc__)
     ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
-    ap.add_argument("--splits", type=int, nargs="+", default=[32, 24, 16, 8, 0])
+    ap.add_argument("--splits", type=int, nargs="*", default=[32, 24, 16, 8, 0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--no-70b", action="store_true")
+    ap.add_argument("--hybrid-70b", action="store_true", help="also the 70B with host_compute auto")
     ap.add_argument("--deep", type=int, nargs="*", default=[], help="splits also run at --deep-depth, batch 1")
     ap.add_argument("--deep-depth", type=int, default=4)
     ap.add_argument("--no-odirect", action="store_true")
+    ap.add_argument("--hybrid-splits", type=int, nargs="*", default=[24, 16, 8, 0],
+                    help="resident layers of the hybrid and capped-link rows (none: no such rows)")
+    ap.add_argument("--hybrid-batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--link-cap", default="6.5GB/s", help="the capped-link rows' stream rate (off: no such rows)")
+    ap.add_argument("--cap-threads", type=int, default=8, help="host threads of the capped-link rows")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="host threads of the hybrid rows and their llama-bench (default: every CPU)")
+    ap.add_argument("--llama-bench", metavar="BIN", help="a CUDA build of llama-bench: adds -ngl N -t T rows")
     args = ap.parse_args(argv)
     common.require_gpu(__file__)
     # --smoke: the tiny shape (2 layers) stands in for the 8B and the 70B one
@@ -142,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     label = "tiny-q4_k_m" if args.smoke else "8b-q4_k_m"
     if args.smoke:
         args.splits, args.batches, args.deep = [2, 1, 0], [1, 4], [1]
+        args.hybrid_splits, args.hybrid_batches = ([1, 0] if args.hybrid_splits else []), [1, 4]
     out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "smoke": args.smoke, "runs": []}
 
     def save():
@@ -244,6 +330,29 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  batch {b:2d}: {r:6.2f} tok/s [{path}] ({100 * r / b / bound:.0f}% of the PCIe bound)")
             save()
         free_engine(e)
+        e = None
+        save()
+        if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
+            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
+                                                     cpu_threads=args.threads, **budget))
+            for b in (1, 16):
+                r = decode_rate(e, b, 4)
+                out["runs"].append({"model": f"{huge}-q4_k_m", **budget, "batch": b, "tok_s": r, "host_compute": "auto",
+                                    "host_layers": len(e.plan.layers("host")) if hasattr(e.plan, "layers") else None,
+                                    "pcie_bound_step_s": bound})
+                log(f"  batch {b:2d}, host_compute auto: {r:6.2f} tok/s ({r / b * streamed / bw:.2f}x the PCIe bound)")
+                save()
+            free_engine(e)
+            e = None
+
+    if args.hybrid_splits:
+        log(f"hybrid rows: host_compute auto vs off, {args.threads} host threads")
+        hybrid_rows(args, p8, label, out, save, splits=args.hybrid_splits, batches=args.hybrid_batches,
+                    threads=args.threads, kind="hybrid")
+        if args.link_cap not in ("", "off"):
+            log(f"capped-link rows: link {args.link_cap}, {args.cap_threads} host threads")
+            hybrid_rows(args, p8, label, out, save, splits=args.hybrid_splits, batches=[1],
+                        link_cap=args.link_cap, threads=args.cap_threads, kind="capped")
     save()
     return 0
 

@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# Under pytest-xdist every worker is a process of its own on the same cores: the CPU backend's
+# thread teams (and the daemons the tests start, which inherit this) get one thread each, so two
+# workers never spin against each other's barriers.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:

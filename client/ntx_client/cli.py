@@ -19,12 +19,14 @@ import os
 import sys
 import time
 
+import grpc
+
 from ntx_client.channels import TLS, TargetError
 from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, Client, collect
 from ntx_client.errors import ConnectionFailed, NtxError
 
 STATES = {0: "unknown", 1: "no model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
-SERVING, LOADING, FAILED, NO_MODEL = 3, 2, 5, 1
+SERVING, LOADING, FAILED, NO_MODEL, DRAINING = 3, 2, 5, 1, 4
 
 
 def _sampling(args, *, chat: bool = False) -> dict:
@@ -42,13 +44,13 @@ def _sampling(args, *, chat: bool = False) -> dict:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the daemon's)")
     p.add_argument("--temperature", type=float,
-                   help=f"0 = greedy (default {DEFAULT_TEMPERATURE}, as ntx-model run and the daemon)")
+                   help=f"0 (or below 1e-5) = greedy (default {DEFAULT_TEMPERATURE}, as ntx-model run and the daemon)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--min-p", type=float)
     p.add_argument("--repeat-penalty", "--repetition-penalty", type=float, dest="repeat_penalty",
-                   help=f"divide the logits of recent tokens; 1 = off (default 1, or {CHAT_REPETITION_PENALTY} "
-                        "through the chat template)")
+                   help=f"divide the logits of recent tokens, 0.01..100; 1 = off (default 1, or "
+                        f"{CHAT_REPETITION_PENALTY} through the chat template)")
     p.add_argument("--frequency-penalty", type=float, help="subtract per occurrence of a token (-2..2, default 0)")
     p.add_argument("--presence-penalty", type=float, help="subtract once for any token seen (-2..2, default 0)")
     p.add_argument("--seed", type=int, help="same seed, same output")
@@ -93,15 +95,19 @@ class StatusLine:
 
 def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | None = None,
                        sleep=time.sleep, clock=time.monotonic) -> None:
-    """Return once the daemon serves; meanwhile show its load progress. A daemon whose socket is
-    not there yet is waited for too; a failed load, no model or running out of time raise."""
+    """Return once the daemon serves; meanwhile show its load progress. Every state that becomes
+    serving by itself is waited through: no socket yet (or one not answering yet), starting,
+    loading, draining (a model being replaced, a restart). A failed model, no model (both need
+    `ntx-admin model load`) or running out of time raise."""
     line = line or StatusLine()
     end, last = clock() + timeout, None
     try:
         while True:
             try:
                 s = client.status()
-            except ConnectionFailed as e:  # not started yet, or still binding
+            except NtxError as e:  # not started yet, still binding, or going away for a restart
+                if not isinstance(e, ConnectionFailed) and e.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
                 s, last = None, e
                 line.show("waiting for ntransformerd to start")
             if s is not None:
@@ -110,7 +116,7 @@ def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | Non
                 if s.state == FAILED:
                     raise NtxError(f"ntransformerd is not serving: {s.error or 'see its log (journalctl -u ntransformerd)'}")
                 if s.state == NO_MODEL:
-                    raise NtxError("ntransformerd has no model loaded: sudo ntx-admin model load PATH")
+                    raise NtxError("ntransformerd has no model loaded: load one with sudo ntx-admin model load PATH")
                 line.show(f"waiting for ntransformerd: {s.load_progress or STATES.get(s.state, s.state)}"
                           + (f" ({s.load_fraction:.0%})" if s.state == LOADING else ""))
             if clock() >= end:

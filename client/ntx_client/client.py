@@ -326,7 +326,7 @@ class AdminClient(_Channel):
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            err = from_rpc_error(e, self.socket)
+            err = from_rpc_error(e, self.socket, admin=True)
             if err.code == grpc.StatusCode.PERMISSION_DENIED:
                 err.args = (f"permission denied on {self.socket}: the admin socket is root's only (use sudo)",)
             raise err from None

@@ -7,7 +7,7 @@ import os
 
 import grpc
 
-from ntx_client.paths import SOCKET_GROUP
+from ntx_client.paths import ADMIN_SOCKET_ENV, SOCKET_GROUP
 
 
 class NtxError(Exception):
@@ -26,10 +26,17 @@ class PermissionDenied(NtxError):
     """The socket exists but this user may not open it."""
 
 
-def connection_error(path: str, details: str = "") -> NtxError:
-    """Explain why `path` cannot be reached, from what the filesystem says about it."""
+def connection_error(path: str, details: str = "", *, admin: bool = False) -> NtxError:
+    """Explain why `path` (with `admin`, the daemon's admin socket) cannot be reached, from what
+    the filesystem says about it."""
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK) or "ermission denied" in details:
         return permission_denied(path)
+    if admin and not os.path.exists(path):
+        return ConnectionFailed(
+            f"cannot reach ntransformerd's admin socket at {path}: no such socket. Is it running? "
+            f"systemctl status ntransformerd. A daemon started by hand keeps admin.sock next to its --socket "
+            f"(or at its --admin-socket): pass that path with --admin-socket or set {ADMIN_SOCKET_ENV}",
+            grpc.StatusCode.UNAVAILABLE)
     if not os.path.exists(path):
         return ConnectionFailed(
             f"cannot reach ntransformerd at {path}: no such socket. Is it running? "
@@ -78,12 +85,13 @@ def permission_denied(path: str) -> PermissionDenied:
         f"(sudo usermod -aG {group} $USER)", grpc.StatusCode.PERMISSION_DENIED)
 
 
-def from_rpc_error(err: grpc.RpcError, path: str) -> NtxError:
-    """`path`: the daemon's socket path, or for TCP targets their host:port list."""
+def from_rpc_error(err: grpc.RpcError, path: str, *, admin: bool = False) -> NtxError:
+    """`path`: the daemon's socket path (with `admin`, its admin socket), or for TCP targets
+    their host:port list."""
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "failed to" in details.lower()
                                                 or "ermission" in details or "ssl" in details.lower()):
         if not os.path.isabs(path):
             return tcp_connection_error(path, details)
-        return connection_error(path, details)
+        return connection_error(path, details, admin=admin)
     return NtxError(f"{code.name}: {details}", code)

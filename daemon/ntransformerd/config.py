@@ -176,6 +176,17 @@ def speculative_mode(key: str, v: Any) -> str:
     return v.strip().lower()
 
 
+def link_rate(key: str, v: Any) -> str:
+    from ntransformerd.engine.tiers.pipeline import parse_rate
+    if not isinstance(v, str):
+        raise ConfigError(f'{key} = {v!r}: must be a rate in quotes such as "6.5GB/s", or "off"')
+    try:
+        parse_rate(v)
+    except ValueError as e:
+        raise ConfigError(f"{key} = {v!r}: {e}") from None
+    return v.strip()
+
+
 def skip_spec(key: str, v: Any) -> str:
     from ntransformerd.engine.layer_skip import parse_skip
     if not isinstance(v, str):
@@ -221,7 +232,11 @@ KEYS: dict[str, Key] = {
     "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
-    "cpu_threads": Key(integer(0, 4096), "BLAS threads of the CPU backend (0: the BLAS default)", "N", int),
+    "cpu_threads": Key(integer(0, 4096), "threads of the CPU backend's steps (0: every CPU the daemon may use)", "N", int),
+    "host_compute": Key(choice("off", "auto"), "the host CPU computes some streamed layers beside the GPU, "
+                        "per step shape from rates measured at load: off or auto", "MODE"),
+    "link_cap": Key(link_rate, "pace the stream's host-to-device copies to this rate, e.g. 6.5GB/s "
+                    "(a slower PCIe link emulated), or off", "RATE"),
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) -------------------
     "storage": Key(storage_kind, "where streamed layers come from: file, odirect, mmap or nvme:SERIAL", "KIND"),
     "nvme_queues": Key(integer(1, 64), "NVMe I/O queue pairs (reads in flight at once)", "N", int),
@@ -270,10 +285,11 @@ class DaemonConfig:
     default_max_tokens: int = 512  # when a request does not say
     drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = "info"
-    # BLAS threads of the CPU backend. 1 by default: with 2 OpenBLAS threads on 2 cores a batch of
-    # 8 ran 25x slower than one sequence (each small GEMM waited ~16 ms for its worker thread),
-    # which erased what batching gains; 0 leaves OpenBLAS's own default.
-    cpu_threads: int = 1
+    # Threads of the CPU backend's steps (the cpu backend's team; cpu-ref's BLAS threads), and of
+    # the host's share beside a GPU. 0: every CPU the daemon may run on.
+    cpu_threads: int = 0
+    host_compute: str = "off"  # off | auto: engine/tiers/placement.py, from engine/figures.py's rates
+    link_cap: str = "off"  # e.g. "6.5GB/s": the stream's copies paced to it (tiers/pipeline.py)
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) ---------------
     storage: str = "file"  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
     nvme_queues: int = 2  # I/O queue pairs: reads in flight at once (the stream's 2 readers)

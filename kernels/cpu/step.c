@@ -10,6 +10,8 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ntx_cpu.h"
@@ -222,33 +224,70 @@ static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const
     }
 }
 
+/* Chunks per thread of each instruction: a thread that the OS takes off its core for a while
+ * holds up at most the one chunk it claimed, not a share of every phase (a 2-thread team on a
+ * loaded 2-core host). */
+#define NTX_CHUNKS_PER_THREAD 4
+
+static void run_chunk(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
+                      float *mine, int c, int nc) {
+    switch (in->op) {
+    case NTX_OP_EMBED: op_embed(in, h, arena, c, nc); break;
+    case NTX_OP_RMS_NORM: op_rms_norm(in, h, arena, c, nc); break;
+    case NTX_OP_QUANT: op_quant(in, h, arena, c, nc); break;
+    case NTX_OP_MATMUL: op_matmul(in, h, arena, c, nc); break;
+    case NTX_OP_SWIGLU: op_swiglu(in, h, arena, c, nc); break;
+    case NTX_OP_ROWS: op_rows(in, h, arena, c, nc); break;
+    case NTX_OP_ATTN_WRITE: op_attn_write(in, h, arena, md, c, nc); break;
+    case NTX_OP_ATTN: op_attn(in, h, arena, md, mine, c, nc); break;
+    default: break;
+    }
+}
+
+/* Wait until `*done` reaches `target`: spin briefly, then give the core away between looks. */
+static inline void wait_done(const int32_t *done, int32_t target) {
+    for (int spin = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < target; spin++) {
+        if (spin < 2000) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else
+            sched_yield();
+    }
+}
+
+/* The instructions run phase by phase (a phase: instructions up to one without
+ * NTX_SAME_PHASE). Each instruction is cut into the same chunks whoever runs them (each op's
+ * result does not depend on how its items are split); the threads claim chunks from a counter
+ * and count them done, and a phase ends when all of its chunks are done, so no thread waits
+ * for another to arrive, only for claimed work to finish. */
 int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,
              const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (md->head_dim > 256 || md->n_heads / md->n_kv_heads > 16 || md->head_dim > 1024)
         return -1;
+    int nc = n_threads * NTX_CHUNKS_PER_THREAD;
+    int32_t *ctr = calloc((size_t)n_instr * 2 + 2, sizeof(int32_t)); /* claimed, done per phase */
+    if (!ctr) return -2;
 #pragma omp parallel num_threads(n_threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int t = omp_get_thread_num();
         float *mine = scratch + t * scratch_per_thread;
-        for (int i = 0; i < n_instr; i++) {
-            const ntx_instr *in = prog + i;
-            switch (in->op) {
-            case NTX_OP_EMBED: op_embed(in, h, arena, t, nt); break;
-            case NTX_OP_RMS_NORM: op_rms_norm(in, h, arena, t, nt); break;
-            case NTX_OP_QUANT: op_quant(in, h, arena, t, nt); break;
-            case NTX_OP_MATMUL: op_matmul(in, h, arena, t, nt); break;
-            case NTX_OP_SWIGLU: op_swiglu(in, h, arena, t, nt); break;
-            case NTX_OP_ROWS: op_rows(in, h, arena, t, nt); break;
-            case NTX_OP_ATTN_WRITE: op_attn_write(in, h, arena, md, t, nt); break;
-            case NTX_OP_ATTN: op_attn(in, h, arena, md, mine, t, nt); break;
-            default: break;
+        for (int a = 0; a < n_instr;) {
+            int b = a;
+            while (b + 1 < n_instr && (prog[b].flags & NTX_SAME_PHASE)) b++;
+            int32_t total = (int32_t)(b - a + 1) * nc, *claimed = ctr + 2 * a, *done = claimed + 1;
+            for (;;) {
+                int32_t k = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
+                if (k >= total) break;
+                run_chunk(prog + a + k / nc, h, arena, md, mine, k % nc, nc);
+                __atomic_fetch_add(done, 1, __ATOMIC_RELEASE);
             }
-            if (!(in->flags & NTX_SAME_PHASE)) {
-#pragma omp barrier
-            }
+            wait_done(done, total);
+            a = b + 1;
         }
     }
+    free(ctr);
     return 0;
 }
 

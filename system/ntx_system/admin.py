@@ -444,7 +444,7 @@ def _add_daemon_verbs(sub) -> None:
     m = sub.add_parser("model", help="load or unload the daemon's model").add_subparsers(dest="verb", required=True)
     s = m.add_parser("load", help="load a GGUF (in-flight requests finish first)")
     s.add_argument("path", nargs="?", metavar="PATH", help="GGUF file (default: the embedded model)")
-    s.add_argument("--backend", choices=("cpu", "cuda", "auto"), help="default: the daemon's")
+    s.add_argument("--backend", choices=("cpu", "cpu-ref", "cuda", "auto"), help="default: the daemon's")
     common(s)
     s.set_defaults(func=cmd_model_load)
     s = m.add_parser("unload", help="drop the model; requests get FAILED_PRECONDITION until a load")

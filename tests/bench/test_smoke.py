@@ -140,11 +140,31 @@ def check_streaming(d: dict) -> None:
              and r["model"] == "tiny-q4_k_m"}
     assert set(paths) >= {(k, b) for k in (2, 1, 0) for b in (1, 4)}, paths
     assert d["odirect"]["tier_Bps"] > 0 and d["odirect"]["plain_Bps"] > 0, d["odirect"]
+    hybrid = {(r["rows"], r["resident_layers"], r["batch"], r["host_compute"]): r for r in d["runs"]
+              if r.get("rows") in ("hybrid", "capped") and "host_compute" in r}
+    assert set(hybrid) >= {("hybrid", k, b, hc) for k in (1, 0) for b in (1, 4) for hc in ("off", "auto")} | {
+        ("capped", k, 1, hc) for k in (1, 0) for hc in ("off", "auto")}, sorted(hybrid)
+    assert all(r["tok_s"] > 0 and (r["predicted_step_s"] or 0) > 0 and r["vs_off"] > 0
+               for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
 
 
 def check_nvme_read(d: dict) -> None:
     assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
     assert d["dmar_faults"] == 0
+
+
+def check_cpu(d: dict) -> None:
+    for engine in ("cpu", "cpu-ref"):
+        r = d["engines"][engine]
+        assert set(r) == {"prefill", "decode_b1", "decode_b2"}, r
+        assert all(x["median"] > 0 for x in r.values()), r
+    assert d["read_bandwidth_GBs"] > 0 and d["step_bytes"] > 0 and d["kernels"] in ("avx512", "avx2", "generic")
+
+
+def check_cpu_kernels(d: dict) -> None:
+    assert d["read_gb_s"] > 0 and d["results"], d
+    rows = d["results"]
+    assert all(r.get("gb_s", r.get("gop_s", 0)) > 0 for r in rows if isinstance(r, dict)), rows[:3]
 
 
 def check_constraint_libraries(d: dict) -> None:
@@ -155,13 +175,13 @@ def check_constraint_libraries(d: dict) -> None:
     assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
 
 
-CPU = {"serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+CPU = {"cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels, "serving.py": check_serving, "constraint_libraries.py": check_constraint_libraries, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "speculative.py": check_speculative}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming}
 VM = {"nvme_read.py": check_nvme_read}
-WITHOUT_SMOKE = {"cpu.py"}  # its smoke mode is not written yet
+WITHOUT_SMOKE: set[str] = set()
 
 
 def test_every_script_has_a_smoke_test():

@@ -94,6 +94,22 @@ def test_wait_shows_the_load_progress_until_serving():
     assert "loading layer 30/30 (95%)" in text and text.endswith("\r") and not client.answers
 
 
+def test_wait_goes_through_every_state_that_becomes_serving():
+    import grpc
+    from ntx_client.errors import ConnectionFailed, NtxError
+    out = _TTY()
+    client = _Waiting(ConnectionFailed("no socket yet"), NtxError("Socket closed", grpc.StatusCode.UNAVAILABLE),
+                      _Status(2, "starting"), _Status(2, "loading layer 1/30", 0.05),
+                      _Status(4, "switching to SmolLM2"), _Status(3))
+    cli.wait_until_serving(client, 60, line=cli.StatusLine(out), sleep=lambda s: None)
+    assert "waiting for ntransformerd: starting" in "".join(out) and not client.answers
+    for other in (NtxError("permission denied", grpc.StatusCode.PERMISSION_DENIED),):
+        with pytest.raises(NtxError, match="permission denied"):
+            cli.wait_until_serving(_Waiting(other), 60, line=cli.StatusLine(_TTY()), sleep=lambda s: None)
+    with pytest.raises(NtxError, match="no model loaded: load one with sudo ntx-admin model load PATH"):
+        cli.wait_until_serving(_Waiting(_Status(1)), 60, line=cli.StatusLine(_TTY()), sleep=lambda s: None)
+
+
 def test_wait_gives_up_on_a_failed_load_and_on_time():
     from ntx_client.errors import ConnectionFailed, NtxError
     with pytest.raises(NtxError, match="not serving: the model failed to load: no such file"):

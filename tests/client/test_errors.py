@@ -16,6 +16,16 @@ def test_missing_socket_says_is_it_running(tmp_path):
     assert "systemctl status ntransformerd" in str(e)
 
 
+def test_a_missing_admin_socket_says_where_the_admin_socket_is(tmp_path, capsys):
+    from ntx_system import admin
+    path = str(tmp_path / "admin.sock")
+    assert admin.main(["drain", "--admin-socket", path, "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach ntransformerd's admin socket at {path}" in err and "systemctl status ntransformerd" in err
+    assert "next to its --socket" in err and "NTX_ADMIN_SOCKET" in err
+    assert f"--socket {path}" not in err  # not: start a daemon whose user socket is the admin path
+
+
 def test_unreadable_socket_names_the_sockets_own_group(tmp_path):
     sock = tmp_path / "d.sock"
     sock.write_bytes(b"")

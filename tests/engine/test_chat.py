@@ -94,6 +94,18 @@ def test_message_validation(messages, message):
         ChatTemplate(CHATML_TEMPLATE).render(messages)
 
 
+def test_a_conversation_too_long_to_render_is_refused_as_such():
+    t = ChatTemplate(CHATML_TEMPLATE)
+    half = "w" * (chat.MAX_CHAT_CHARS // 2 - 100)
+    assert len(t.render([{"role": "user", "content": half}, {"role": "assistant", "content": half}])) > len(half) * 2
+    for messages in ([{"role": "user", "content": "word " * 600_000}],  # 3 MB in one message
+                     [{"role": "user", "content": half}] * 3):
+        with pytest.raises(ChatTemplateError, match=r"the chat's messages hold over 750,000 characters .*shorten "
+                                                    "or split it") as e:
+            t.render(messages)
+        assert "unsafe" not in str(e.value)
+
+
 def test_template_raise_exception_message_reaches_the_caller():
     src = "{% if messages[0].role != 'system' %}{{ raise_exception('System message required') }}{% endif %}"
     with pytest.raises(ChatTemplateError, match="rejected the conversation: System message required"):

@@ -261,3 +261,92 @@ def test_a_broken_rule_is_caught(tiny, monkeypatch):
     prompt, cache, firsts, seconds = spec_counts(tiny)
     p1, p2 = exact(engine, target, prompt, cache)
     assert min(chi_square_p(firsts, p1, N_DRAWS), chi_square_p(seconds, p2, N_DRAWS)) < 1e-6
+
+
+# ---- the cost table: measured robustly, kept per model, plan and machine ----------------------
+
+class _TimedEngine:
+    """An engine whose step of T tokens sleeps cost(T) seconds; some steps are delayed as if
+    another process took the CPU."""
+
+    def __init__(self, path: str, cost, *, delayed=()):
+        self.model = types.SimpleNamespace(path=path)
+        self.cfg = types.SimpleNamespace(vocab_size=100, n_layers=4)
+        self.config = types.SimpleNamespace(kv_dtype="f32", cpu_threads=0, max_ctx=256, max_seqs=2)
+        self.backend_name, self.plan, self.layers = "cpu", None, None
+        self.cost, self.delayed, self.steps = cost, set(delayed), 0
+        self.slots = [0, 1]
+
+    def open(self):
+        return self.slots.pop()
+
+    def close(self, slot):
+        self.slots.append(slot)
+
+    def prefill(self, slot, ids):
+        pass
+
+    def truncate(self, slot, n):
+        pass
+
+    def step(self, items, *, all_logits=False, layers=None):
+        import time
+        self.steps += 1
+        t = len(items[0][1])
+        time.sleep(self.cost(t) + (0.05 if self.steps in self.delayed else 0.0))
+
+
+def test_cost_table_is_the_median_and_monotone_in_tokens(tmp_path):
+    # a real table's shape with a dip at 4 tokens, and one delayed step in most sizes' rounds
+    base = {1: 0.004, 2: 0.006, 4: 0.005, 8: 0.008, 16: 0.012}
+    e = _TimedEngine(str(tmp_path / "m.gguf"), base.get, delayed=range(6, 40, 6))
+    costs = sp.measure_costs(e, rounds=5)
+    v = [costs.verify[t] for t in sp.COST_SIZES]
+    assert v[0] == 1.0 and all(a <= b for a, b in zip(v, v[1:])), v  # monotone
+    assert 1.0 <= v[1] < 1.9 and v[-1] < 4.0, v  # the delayed steps (50 ms) left no trace
+    assert e.steps == 6 * len(sp.COST_SIZES)  # a warm-up round and 5 timed rounds
+
+
+def test_monotone_pools_violators():
+    assert sp.monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert sp.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert sp.monotone([3.0, 1.0]) == [2.0, 2.0]
+
+
+def test_the_cost_table_is_kept_per_model_plan_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path / "state"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    cost = {1: 0.002, 2: 0.003, 4: 0.004, 8: 0.006, 16: 0.01}.get
+    e = _TimedEngine(str(model), cost)
+    assert sp.cached_costs(e) is None
+    first = sp.step_costs(e)
+    measured = e.steps
+    assert measured > 0 and os.path.exists(sp.cost_cache_path(e))
+    again = _TimedEngine(str(model), cost)  # a restart: the same model, plan and machine
+    assert sp.step_costs(again) == first and again.steps == 0
+    other_plan = _TimedEngine(str(model), cost)
+    other_plan.layers = (0, 1, 3)  # a layer skipped: another plan
+    assert sp.cached_costs(other_plan) is None
+    model.write_bytes(b"xy")  # the file changed
+    assert sp.cached_costs(_TimedEngine(str(model), cost)) is None
+
+
+def test_mode_errors_name_the_cause_and_quote_the_input_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"no calibration for this one")
+    e = types.SimpleNamespace(cfg=types.SimpleNamespace(n_layers=30), model=types.SimpleNamespace(path=str(model)),
+                              layers=None)
+    cases = [("x" * 20_000, "a speculative mode of 20000 characters is none: use off, auto"),
+             ("prefix:²", "prefix:N takes a layer count in digits 0-9"),
+             ("prefix:30", "runs the first 1..29 of the model's 30 layers"),
+             ("skip:999", "one number is how many layers to skip (the most similar ones), and the model has 30 "
+                          "layers, 28 of them skippable"),
+             ("skip:3,99", "layer 99 does not exist: the model has layers 0..29"),
+             ("skip:abc", "use skip:N"),
+             ("skip:5", f"run `ntx-model calibrate-skip {model} --file TEXT` once")]
+    for mode, words in cases:
+        with pytest.raises(ValueError) as err:
+            sp.make_draft(mode, e)
+        assert words in str(err.value) and len(str(err.value)) < 400, (mode, str(err.value)[:300])

@@ -43,7 +43,7 @@ class DaemonProcess:
         cmd = [PY, "-m", "ntransformerd.main", "--socket", self.socket, "--backend", "cpu",
                "--socket-group", self.group, "--config", os.devnull, "--max-batch", str(MAX_BATCH), *flags]
         env = {**{k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM")},
-               **(env or {})}
+               "NTX_STATE_DIR": self.dir, **(env or {})}  # what it measures once (step costs) stays its own
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -4,7 +4,11 @@ corrupt scales (refused at load) and a model whose scales are finite but whose l
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -21,8 +25,8 @@ def _generate_ok(socket: str, within: float = 10.0) -> str:
     """A normal request from a fresh client, answered within `within` seconds."""
     t0 = time.monotonic()
     with Client(socket, timeout=within) as c:
-        done = c.complete("Hello", max_tokens=4, temperature=0, ignore_eos=True)
-    assert len(done.ids) == 4 and time.monotonic() - t0 < within
+        done = c.complete("Hello", max_tokens=2, temperature=0, ignore_eos=True)
+    assert len(done.ids) == 2 and time.monotonic() - t0 < within
     return done.text
 
 
@@ -95,3 +99,83 @@ def test_bad_models_are_refused_or_stop_serving_and_a_good_load_recovers(new_dae
             assert c.health() == "SERVING" and c.status().state == cli.SERVING and not c.status().error
     finally:
         d.cleanup()
+
+
+# ---- start and stop ----------------------------------------------------------------------------
+
+def _socket_appears(d, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not os.path.exists(d.socket):
+        assert d.proc.poll() is None, d.log()
+        assert time.monotonic() < end, d.log()
+        time.sleep(0.002)
+
+
+def test_a_client_in_the_start_window_hears_starting_and_wait_succeeds(new_daemon, synth_model, tmp_path, capsys):
+    d = new_daemon("--model", synth_model("tiny", "q8_0"), "--max-ctx", "128",
+                   env={"NTX_STATE_DIR": str(tmp_path)})
+    try:
+        _socket_appears(d)
+        with Client(d.socket, timeout=10) as c:
+            s = c.status()  # at once: the first load may not have begun
+            assert s.state == cli.LOADING, s
+            try:
+                c.complete("Hello", max_tokens=1)
+            except NtxError as e:  # not "no model is loaded"
+                assert "starting" in str(e) or "loading" in str(e), e
+        rc = cli.main(["--socket", d.socket, "generate", "--wait", "--wait-timeout", "120", "--raw",
+                       "--temperature", "0", "--max-tokens", "2", "Hello"])
+        assert rc == 0, capsys.readouterr().err
+    finally:
+        d.cleanup()
+
+
+# The daemon's own main() with every layer's load slowed: a load long enough to stop in the
+# middle of (each layer is mmapped in microseconds otherwise).
+SLOW_LOAD = """
+import sys, time
+from ntransformerd.engine import gguf_file
+from ntransformerd import main
+loaded = gguf_file.GGUFModel.layer_loaded
+per_layer, first_layer = float(sys.argv[1]), float(sys.argv[2])
+def slow(self, i):
+    time.sleep(per_layer if i else first_layer)
+    loaded(self, i)
+gguf_file.GGUFModel.layer_loaded = slow
+sys.exit(main.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("per_layer, first_layer, during, words", [
+    (1.0, 1.0, "loading layer 1/30", "the load stopped"),  # stops at its next layer
+    (1.0, 120.0, "checking the model's scales", "did not stop within"),  # stuck in one long step: left behind
+])
+def test_sigterm_during_a_load_exits_0_within_6_s(default_model_path, tmp_path, per_layer, first_layer, during,
+                                                  words):
+    sock = str(tmp_path / "d.sock")
+    log_path = tmp_path / "log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LOAD, str(per_layer), str(first_layer), "--socket", sock, "--backend", "cpu",
+             "--config", os.devnull, "--socket-group", "", "--model", default_model_path],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NTX_STATE_DIR": str(tmp_path)})
+    try:
+        end = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
+            time.sleep(0.01)
+        with Client(sock, timeout=10) as c:
+            while c.status().load_progress != during:
+                assert time.monotonic() < end, log_path.read_text()
+                time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert rc == 0 and took < 6.0, (rc, took, text)
+    assert words in text and "loaded " not in text and not os.path.exists(sock), text

@@ -53,7 +53,30 @@ BAD = [  # (name, request or raw bytes, code, words the message must contain)
     ("prompt longer than the context", req(prompt="word " * 3000, max_tokens=2), IA, "context"),
     ("invalid UTF-8 prompt", _raw_prompt(b"ab\xff\xfecd"), IA, "UTF-8"),
     ("not protobuf at all", b"\xff\xff\xff\xff", IA, "not a valid"),
+    ("a skip count past the model's layers", req(prompt="hi", speculative="skip:999", max_tokens=2), IA,
+     "one number is how many layers to skip"),
+    ("a skip count without a calibration", req(prompt="hi", speculative="skip:5", max_tokens=2), IA,
+     "ntx-model calibrate-skip"),
+    ("a prefix length in other digits", req(prompt="hi", speculative="prefix:²", max_tokens=2), IA,
+     "digits 0-9"),
+    ("a 3 MB chat message", req(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="word " * 600_000)]),
+                                max_tokens=2), IA, "shorten or split it"),
 ]
+
+HUGE = "x" * 20_000
+ECHOES = [  # requests carrying 20,000 characters where a short word belongs
+    ("speculative mode", req(prompt="hi", speculative=HUGE, max_tokens=2), "20000 characters is none"),
+    ("model name", req(prompt="hi", model=HUGE, max_tokens=2), "unknown model"),
+    ("chat role", req(chat=pb.Chat(messages=[pb.ChatMessage(role=HUGE, content="x")]), max_tokens=2), "chat role"),
+]
+
+
+@pytest.mark.parametrize("name,request_,words", ECHOES, ids=[e[0] for e in ECHOES])
+def test_errors_never_echo_more_than_a_bounded_prefix_of_the_input(channel, name, request_, words):
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(channel, request_)
+    assert e.value.code() == IA and words in e.value.details(), e.value.details()[:300]
+    assert len(e.value.details()) < 400, e.value.details()[:300]
 
 
 @pytest.fixture(scope="module")

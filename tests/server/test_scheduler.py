@@ -21,7 +21,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
         self.tokenizer, self.max_ctx = tokenizer, max_ctx
-        self.cfg = types.SimpleNamespace(vocab_size=tokenizer.vocab_size)
+        self.cfg = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, n_layers=4)
         self.lengths: dict[int, int] = {}
         self.free = list(range(slots))
         self.delay = 0.0  # seconds per step
@@ -147,13 +147,18 @@ def test_deadline_ends_the_request(tokenizer):
         list(r.stream())
 
 
-def test_not_ready_while_loading_and_without_a_model(tokenizer):
+def test_not_ready_while_starting_loading_and_without_a_model(tokenizer):
     s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=Notifier(environ={}))
-    with pytest.raises(errors.NotReady, match="no model"):
+    assert s.state == "starting" and s.snapshot()["load_progress"] == "starting"
+    with pytest.raises(errors.NotReady, match="ntransformerd is starting.*--wait"):
         s.schedule([1], GREEDY, max_tokens=1)
     s.set_loading("loading layer 3/30", 0.1)
     with pytest.raises(errors.NotReady, match="loading layer 3/30"):
         s.tokenize(text="hi")
+    s.attach(FakeEngine(tokenizer, slots=1))
+    s.detach()
+    with pytest.raises(errors.NotReady, match="no model is loaded"):
+        s.schedule([1], GREEDY, max_tokens=1)
 
 
 def test_drain_refuses_new_work_and_cancels_what_does_not_finish(tokenizer):
@@ -307,3 +312,31 @@ def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
         assert pings.n > n
     finally:
         s.stop()
+
+
+def test_the_speculation_cost_table_is_measured_when_first_needed(tokenizer, monkeypatch):
+    from ntransformerd.engine import speculative
+    calls = []
+
+    def step_costs(engine, draft_engine=None):
+        calls.append(engine)
+        return speculative.StepCosts({1: 1.0, 2: 1.1, 4: 1.5})
+    monkeypatch.setattr(speculative, "step_costs", step_costs)
+    s, engine = make(tokenizer, max_batch=2)  # the daemon's default: no speculation
+    for _ in range(2):
+        assert iterate(s) == "idle"
+    assert calls == [] and s.costs is None  # loads and idle time pay nothing
+    r = s.schedule([1, 2, 3], GREEDY, max_tokens=2, speculative="ngram")
+    assert r.state == "queued"
+    iterate(s)
+    assert calls == [engine] and r.state != "queued"  # measured first, then admitted
+    assert r.speculator.costs.verify == {1: 1.0, 2: 1.1, 4: 1.5}
+    r.cancel()
+    iterate(s)
+    s.schedule([4, 5], GREEDY, max_tokens=2, speculative="ngram")
+    iterate(s)
+    assert len(calls) == 1  # once per model
+
+    s, engine = make(tokenizer, max_batch=2, speculative="ngram")  # speculating by default
+    iterate(s)
+    assert calls[-1] is engine and s.costs is not None  # measured on the first idle iteration

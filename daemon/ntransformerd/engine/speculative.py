@@ -29,23 +29,36 @@ j includes the j drafts before it (which are the real history exactly when they 
 
 Randomness: each draw takes its uniform from a generator keyed by (seed, position, purpose),
 so a seed gives the same text whatever else shares the batch. Draft lengths follow each
-sequence's own acceptance and a cost table measured once per Speculator (status shows it), so
-with a given table they too follow from the seed.
+sequence's own acceptance and a cost table (status shows it), so with a given table they too
+follow from the seed. The table is measured once per model, plan and machine (`step_costs`:
+rounds over every step size, medians, made monotone in tokens) and kept in the state directory,
+so a restart reads it instead of measuring again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine import layer_skip
 from ntransformerd.engine.sampler import draw_from
 
+log = logging.getLogger("ntransformerd")
 SOURCES = ("ngram", "draft", "skip", "prefix")
 MODES = ("off", "auto") + SOURCES
+MAX_MODE_CHARS = 64  # longer is no mode; an error then quotes none of it
+MODE_HELP = ("use off, auto, ngram, draft, skip[:LAYERS] (e.g. skip:3,7,11 or skip:auto:0.2) "
+             "or prefix[:N] (e.g. prefix:8)")
 MAX_DRAFT = 16
 _DRAFT, _ACCEPT, _RESIDUAL, _TARGET = 1, 2, 3, 4  # purposes of a position's uniforms
 
@@ -57,12 +70,13 @@ class VocabularyMismatch(ValueError):
 def parse_mode(mode: str | None) -> tuple[str, str]:
     """'ngram' | 'draft' | 'skip[:SPEC]' | 'prefix[:N]' | 'auto' | 'off' | '' → (name, argument)."""
     s = (mode or "off").strip().lower()
+    if len(s) > MAX_MODE_CHARS:
+        raise ValueError(f"a speculative mode of {len(s)} characters is none: {MODE_HELP}")
     name, _, arg = s.partition(":")
     if name not in MODES or (arg and name not in ("skip", "prefix")):
-        raise ValueError(f"speculative {mode!r}: use off, auto, ngram, draft, skip[:LAYERS] "
-                         "(e.g. skip:3,7,11 or skip:auto:0.2) or prefix[:N] (e.g. prefix:8)")
-    if name == "prefix" and arg and not arg.isdigit():
-        raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count")
+        raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
+    if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
+        raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
     return name, arg
 
 
@@ -96,31 +110,149 @@ class StepCosts:
     def to_dict(self) -> dict:
         return {"verify": {str(k): round(v, 4) for k, v in sorted(self.verify.items())}, "draft": round(self.draft, 4)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCosts":
+        verify = {int(k): float(v) for k, v in d["verify"].items()}
+        if 1 not in verify or not all(v > 0 for v in verify.values()):
+            raise ValueError("a cost table needs T = 1 and positive costs")
+        return cls(verify, float(d.get("draft", 0.0)))
 
-def time_steps(engine, sizes: Sequence[int], *, layers=None, context: int = 64, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one step of T tokens (best of `repeats`) after `context` positions, per T."""
+
+COST_SIZES = (1, 2, 4, 8, 16)
+COST_ROUNDS = 5  # timed rounds at most; at least MIN_COST_ROUNDS, more while within COST_BUDGET_S
+MIN_COST_ROUNDS = 3
+COST_BUDGET_S = 10.0
+
+
+def time_steps(engine, sizes: Sequence[int], *, layers=None, context: int = 64,
+               rounds: int = COST_ROUNDS, budget_s: float = COST_BUDGET_S) -> dict[int, float]:
+    """Median seconds of one step of T tokens after `context` positions, per T.
+
+    Every round steps each size once, so a change in the machine's load touches all sizes
+    alike; an untimed round first lets each shape be recorded or captured; the median of the
+    rounds ignores a step that another process delayed. Rounds stop at `rounds`, or past
+    `budget_s` once MIN_COST_ROUNDS are done.
+    """
     slot = engine.open()
     try:
         ids = (np.arange(context + max(sizes)) * 7919 + 13) % engine.cfg.vocab_size
         engine.prefill(slot, ids[:context])
-        out = {}
-        for t in sizes:
-            best = float("inf")
-            for _ in range(repeats):
+        seconds: dict[int, list[float]] = {t: [] for t in sizes}
+        start = time.perf_counter()
+        for r in range(rounds + 1):
+            if r > min(MIN_COST_ROUNDS, rounds) and time.perf_counter() - start > budget_s:
+                break
+            for t in sizes:
                 engine.truncate(slot, context)
                 t0 = time.perf_counter()
                 engine.step([(slot, ids[context:context + t])], all_logits=t > 1, layers=layers)
-                best = min(best, time.perf_counter() - t0)
-            out[t] = best
-        return out
+                if r:
+                    seconds[t].append(time.perf_counter() - t0)
+        return {t: float(np.median(v)) for t, v in seconds.items()}
     finally:
         engine.close(slot)
 
 
-def measure_costs(engine, draft: "Draft", *, sizes=(1, 2, 4, 8, 16)) -> StepCosts:
-    """The cost table of this engine and draft, measured now (a few dozen steps)."""
-    t = time_steps(engine, sizes)
-    return StepCosts({k: v / t[1] for k, v in t.items()}, draft.step_seconds(engine) / t[1])
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest to `values` in least squares (pool adjacent
+    violators): a step of more tokens never costs less than one of fewer."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def measure_costs(engine, draft: "Draft | None" = None, *, draft_engine=None, sizes=COST_SIZES,
+                  rounds: int = COST_ROUNDS) -> StepCosts:
+    """The cost table of this engine, measured now (rounds x sizes steps): relative to one
+    token, monotone in tokens; the draft cost from `draft` (a source) or `draft_engine` (a
+    separate draft model)."""
+    t = time_steps(engine, sizes, rounds=rounds)
+    ts = sorted(t)
+    rel = monotone([t[k] / t[1] for k in ts])
+    verify = {k: max(1.0, v) for k, v in zip(ts, rel)}
+    if draft_engine is not None:
+        d = time_steps(draft_engine, (1,), rounds=rounds)[1] / t[1]
+    else:
+        d = draft.step_seconds(engine) / t[1] if draft is not None else 0.0
+    return StepCosts(verify, d)
+
+
+# ---- the cost table's cache --------------------------------------------------------------------
+
+COSTS_VERSION = 2
+
+
+def _file_id(path: str | None) -> list | None:
+    """What identifies a model file without reading it: path, size, modification time, inode."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [path]
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _machine() -> dict:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"arch": platform.machine(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0))}
+
+
+def cost_key(engine, draft_engine=None) -> str:
+    """A name for this model, plan and machine: a table measured for them stays valid."""
+    plan = getattr(engine, "plan", None)
+    config = getattr(engine, "config", None)
+    key = {"version": COSTS_VERSION, "model": _file_id(engine.model.path),
+           "draft": _file_id(draft_engine.model.path) if draft_engine is not None else None,
+           "backend": getattr(engine, "backend_name", ""), "layers": list(getattr(engine, "layers", None) or ()),
+           "plan": plan.explain() if plan is not None else "resident",
+           "config": {k: str(getattr(config, k, "")) for k in ("kv_dtype", "cpu_threads", "max_ctx", "max_seqs")},
+           "machine": _machine()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cost_cache_path(engine, draft_engine=None) -> str:
+    return os.path.join(layer_skip.state_dir(), f"step-costs-{cost_key(engine, draft_engine)}.json")
+
+
+def cached_costs(engine, draft_engine=None) -> StepCosts | None:
+    """The table kept for this model, plan and machine, or None."""
+    try:
+        with open(cost_cache_path(engine, draft_engine)) as f:
+            return StepCosts.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def step_costs(engine, draft_engine=None) -> StepCosts:
+    """The cost table for this engine (and draft model) on this machine: the kept one, else
+    measured now (on the thread that owns the engine; it needs one free KV slot) and kept."""
+    costs = cached_costs(engine, draft_engine)
+    if costs is not None:
+        return costs
+    t0 = time.monotonic()
+    costs = StepCosts.from_dict(measure_costs(engine, draft_engine=draft_engine).to_dict())  # as it is kept
+    path = cost_cache_path(engine, draft_engine)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(costs.to_dict(), f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("speculation: cannot keep the step cost table in %s (%s); it is measured again next start",
+                    path, e)
+    log.info("speculation: step costs %s measured in %.1f s", costs.to_dict(), time.monotonic() - t0)
+    return costs
 
 
 # ---- per-sequence state ----------------------------------------------------------------------
@@ -313,7 +445,7 @@ class ModelDraft(Draft):
 
     def step_seconds(self, engine) -> float:
         target = self.engine if self.own else engine
-        return time_steps(target, (1,), layers=self.layers)[1]
+        return time_steps(target, (1,), layers=self.layers, rounds=3)[1]
 
     def relative_cost(self, costs: StepCosts, n_layers: int) -> float:
         # a self-draft reads its share of the layers (and the output head, which we neglect)
@@ -413,8 +545,6 @@ def load_draft_engine(path: str, target, *, backend: str | None = None):
 def make_draft(mode: str, engine, *, draft_engine=None, model_path: str | None = None) -> Draft | None:
     """The draft source a mode names (None for off). auto: the draft model where one is loaded,
     else n-gram lookup."""
-    from ntransformerd.engine import layer_skip
-
     name, arg = parse_mode(mode)
     n = engine.cfg.n_layers
     if name == "off":
@@ -430,14 +560,43 @@ def make_draft(mode: str, engine, *, draft_engine=None, model_path: str | None =
     if name == "prefix":
         k = int(arg) if arg else n // 2
         if not 1 <= k < n:
-            raise ValueError(f"prefix:{k}: the draft runs 1..{n - 1} of the model's {n} layers")
+            raise ValueError(f"speculative prefix:{k}: the draft runs the first 1..{n - 1} of the model's {n} layers")
         return ModelDraft(engine, name=f"prefix:{k}", layers=list(range(k)), own=False)
-    spec = layer_skip.parse_skip(arg or str(n // 4))
-    path = model_path or engine.model.path
-    skip = layer_skip.skip_layers_for(path, spec, n)
+    skip = _skip_layers(arg or str(n // 4), model_path or engine.model.path, n)
     base = engine.layers if engine.layers is not None else range(n)
     return ModelDraft(engine, name=f"skip:{','.join(map(str, skip))}",
                       layers=[i for i in base if i not in set(skip)], own=False)
+
+
+def _skip_layers(arg: str, path: str, n: int) -> tuple[int, ...]:
+    """The layers `skip:ARG` leaves out of the draft, each way it can be wrong named in the
+    speculative mode's own terms."""
+    try:
+        spec = layer_skip.parse_skip(arg)
+    except ValueError:
+        raise ValueError(f"speculative skip:{arg}: use skip:N (the N most similar layers), skip:auto, "
+                         "skip:auto:0.03 or layer indices (skip:3,7,11)") from None
+    if spec is None:
+        raise ValueError(f"speculative skip:{arg} skips no layer: the draft would be the model itself; "
+                         "use speculative off, or name layers (skip:3,7,11)")
+    if spec.layers is not None:
+        bad = [i for i in spec.layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"speculative skip:{arg}: layer {bad[0]} does not exist: the model has layers "
+                             f"0..{n - 1}")
+        if len(spec.layers) >= n:
+            raise ValueError(f"speculative skip:{arg} skips every layer: leave some (the model has {n})")
+        return spec.layers
+    if spec.count is not None and not 1 <= spec.count <= n - 2:
+        raise ValueError(f"speculative skip:{spec.count}: one number is how many layers to skip (the most "
+                         f"similar ones), and the model has {n} layers, {n - 2} of them skippable: give a count "
+                         f"in 1..{n - 2}, or layer indices (skip:3,7,11)")
+    calibration = layer_skip.load_cached(path)
+    if calibration is None:
+        raise ValueError(f"speculative skip:{arg} picks its layers from the model's layer-skip calibration, "
+                         f"and there is none yet: run `ntx-model calibrate-skip {path} --file TEXT` once, "
+                         "or name the layers (skip:3,7,11)")
+    return layer_skip.resolve(spec, n, calibration)
 
 
 # ---- the speculator ----------------------------------------------------------------------------
@@ -462,6 +621,10 @@ class Speculator:
         if self._costs is None:  # measured once: draft lengths then follow from the seed alone
             self._costs = measure_costs(self.engine, self.draft)
         return self._costs
+
+    def use_costs(self, costs: StepCosts) -> None:
+        """Plan with `costs` (the engine's table; this source's own draft cost is derived)."""
+        self._costs = dataclasses.replace(costs, draft=self.draft.relative_cost(costs, self.engine.cfg.n_layers))
 
     def open(self, cont, slot: int) -> SpecSeq:
         return SpecSeq(cont, slot, Controller(self.costs, max_draft=self.max_draft), cont.params.seed)

@@ -6,7 +6,8 @@
     wait()    until SIGTERM/SIGINT or the Admin Shutdown verb
     shutdown() STOPPING=1, health NOT_SERVING, drain within drain_timeout, stop the servers,
               release the engine, close the drive (queues deleted, controller disabled),
-              remove the sockets
+              remove the sockets. A load under way stops at its next layer (ShuttingDown);
+              shutdown waits for it at most LOAD_STOP_WAIT_S, then exits without it
 
 A refusal (the drive absent, refused by policy, another model staged, a corrupt header, no
 IOMMU, not root) exits 2, which the unit does not restart; a drive that will not come up after
@@ -33,6 +34,7 @@ from ntransformerd.server.systemd import Notifier
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
+LOAD_STOP_WAIT_S = 3.0  # how long shutdown waits for a load under way to notice it should stop
 INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -87,6 +89,9 @@ class Daemon:
         from ntx_system.service import Refused
         try:
             self._bring_up()
+        except errors.ShuttingDown:
+            log.info("the load stopped: ntransformerd is stopping")
+            return
         except Refused as e:
             log.error("refused: %s", e)
             self._exit(2, f"refused: {e}")
@@ -143,7 +148,7 @@ class Daemon:
         # do its weights and the drive go, so nothing is torn down under a running step
         self.scheduler.drain(self.config.drain_timeout, reason=f"the NVMe drive failed ({exc})")
         with self._load_lock:
-            engine = self.scheduler.detach()
+            engine = self.scheduler.detach(replacing="bringing the NVMe drive up again")
             self._close_engine(engine)
             self.drive.close()
         if self._stop.is_set():
@@ -184,11 +189,19 @@ class Daemon:
         self.server.stop(grace=1.0).wait(2.0)
         self.admin_server.stop(grace=0.5).wait(1.0)
         self.scheduler.stop()
-        with self._load_lock:
+        # a load under way stops at its next layer (_check_stop); one stuck in a long step (a
+        # kernel compile) is left behind: the process exits around it
+        locked = self._load_lock.acquire(timeout=LOAD_STOP_WAIT_S)
+        if not locked:
+            log.warning("a model load did not stop within %.0f s; exiting without waiting for it", LOAD_STOP_WAIT_S)
+        try:
             self._close_engine(self.scheduler.detach())  # its buffers (on a GPU host the device) go
             if self.drive is not None:
                 self.drive.close()
                 self.drive.release()
+        finally:
+            if locked:
+                self._load_lock.release()
         for path in (self.config.socket, self.config.admin_socket):
             sockets.remove(path)
         log.info("stopped")
@@ -207,8 +220,17 @@ class Daemon:
         with self._load_lock:
             old = self.scheduler.engine
             try:
+                self._check_stop()
                 engine, resources = self._open_engine(path, backend, show=old is None)
-                draft_engine, costs = self._speculation(engine, show=old is None)
+                try:
+                    draft_engine, costs = self._speculation(engine, show=old is None)
+                    self._check_stop()
+                except BaseException:
+                    self._resources[id(engine)] = resources
+                    self._close_engine(engine)
+                    raise
+            except errors.ShuttingDown:
+                raise
             except Exception as e:
                 where = path or self.config.model or "the default model"
                 if old is None:
@@ -219,7 +241,7 @@ class Daemon:
                     self.notifier.status(f"{self._serving_status()} (loading {where} failed: {e})")
                 raise
             if old is not None:
-                self.unload_model(self.config.drain_timeout)
+                self.unload_model(self.config.drain_timeout, replacing=f"switching to {model_name(engine)}")
             self.scheduler.attach(engine, draft_engine=draft_engine, costs=costs)
             self._resources[id(engine)] = resources
             self.set_health(True)
@@ -236,7 +258,14 @@ class Daemon:
         from ntransformerd.server.storage import StorageHandle
 
         c = self.config
-        progress = self._progress if show else (lambda text, fraction: self.notifier.status(text))
+
+        def progress(text: str, fraction: float) -> None:
+            self._check_stop()
+            if show:
+                self._progress(text, fraction)
+            else:
+                self.notifier.status(text)
+
         t0 = time.monotonic()
         path = path or c.model or None
         fill = None
@@ -273,7 +302,8 @@ class Daemon:
         ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
                             kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
                             vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source,
-                            skip_layers=skip or None)
+                            skip_layers=skip or None, cpu_threads=c.cpu_threads or None,
+                            host_compute=c.host_compute, link_cap=c.link_cap)
         try:
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
                 fill(set(range(n)) - set(_storage_layers(model, ecfg)))
@@ -303,20 +333,17 @@ class Daemon:
 
     def _speculation(self, engine, *, show: bool):
         """The draft engine (its vocabulary checked against the model) and the step cost table
-        that speculation plans its draft lengths with, measured once here, before any request."""
+        kept from an earlier start on this machine; without one, the scheduler measures it when
+        speculation first needs it (Scheduler.ensure_costs), not here: loads stay fast."""
         from ntransformerd.engine import speculative
 
         c = self.config
+        if c.draft and show:
+            self._progress(f"loading the draft model {os.path.basename(c.draft)}", 0.97)
         draft_engine = speculative.load_draft_engine(c.draft, engine) if c.draft else None
         if draft_engine is not None:
             draft_engine.model.check_finite()
-        if show:
-            self._progress("measuring step costs for speculative decoding", 0.97)
-        verify = speculative.time_steps(engine, (1, 2, 4, 8, 16), repeats=3)
-        draft = speculative.time_steps(draft_engine, (1,), repeats=3)[1] / verify[1] if draft_engine else 0.0
-        costs = speculative.StepCosts({k: v / verify[1] for k, v in verify.items()}, draft)
-        log.info("speculation: step costs %s%s", costs.to_dict(), f", draft model {c.draft}" if draft_engine else "")
-        return draft_engine, costs
+        return draft_engine, speculative.cached_costs(engine, draft_engine)
 
     def storage_stats(self) -> dict | None:
         """The loaded engine's storage counters (bytes, seconds, commands, errors)."""
@@ -327,12 +354,10 @@ class Daemon:
     def _close_engine(self, engine) -> None:
         if engine is None:
             return
-        close = getattr(engine.weights, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 - its source is closed below either way
-                log.warning("closing the old engine's weights: %s", e)
+        try:
+            engine.unload()  # every device's streams and storage sources
+        except Exception as e:  # noqa: BLE001 - its storage is released below either way
+            log.warning("closing the old engine's weights: %s", e)
         _, closers = self._resources.pop(id(engine), (None, []))
         for fn in closers:
             try:
@@ -340,14 +365,21 @@ class Daemon:
             except Exception as e:  # noqa: BLE001
                 log.warning("releasing the old engine's storage: %s", e)
 
+    def _check_stop(self) -> None:
+        """Raise ShuttingDown once a stop is requested: a load ends at its next step."""
+        if self._stop.is_set():
+            raise errors.ShuttingDown("ntransformerd is stopping: the model load was abandoned")
+
     def _progress(self, text: str, fraction: float) -> None:
         self.scheduler.set_loading(text, fraction)
         self.notifier.status(text)
 
-    def unload_model(self, timeout: float) -> None:
+    def unload_model(self, timeout: float, *, replacing: str = "") -> None:
+        """Drain and close the loaded engine; `replacing`: another is ready to take its place."""
         self.set_health(False)
-        self.scheduler.drain(timeout, reason="ntransformerd is replacing its model")
-        self._close_engine(self.scheduler.detach())
+        self.scheduler.drain(timeout, reason="ntransformerd is replacing its model" if replacing else
+                             "ntransformerd is unloading its model")
+        self._close_engine(self.scheduler.detach(replacing=replacing))
         log.info("model unloaded")
 
 

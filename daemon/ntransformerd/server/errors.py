@@ -1,5 +1,16 @@
 """What can go wrong with a request, as domain errors. servicer.STATUS_CODES maps them to gRPC."""
 
+MAX_SHOWN_CHARS = 40  # of a client's value quoted back in an error message
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A client's value for an error message: its repr, or for a long one the start of it and
+    its length, so an error never carries the client's input back whole."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
 
 class ServiceError(Exception):
     """Base: the message is shown to the client as is, so it names the cause and the fix."""

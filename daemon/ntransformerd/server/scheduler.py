@@ -47,9 +47,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ntransformerd.engine import speculative
 from ntransformerd.engine.sampler import InvalidLogits, prompt_logprobs, token_logprobs
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest,
-                                         ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown)
+                                         ModelFault, NotReady, QueueFull, ServiceError, ShuttingDown, shown)
 from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
 
 log = logging.getLogger("ntransformerd")
@@ -134,10 +135,11 @@ class Scheduler:
         self.on_fault = on_fault  # on_fault(reason), scheduler thread: the model was found broken
         self.engine = None
         self.draft_engine = None  # --draft: a small same-vocabulary model for speculation
-        self.costs = None  # speculative.StepCosts measured at load
+        self.costs = None  # speculative.StepCosts: kept from an earlier start, or measured when first needed
         self._speculators: dict[str, object] = {}  # mode → speculative.Speculator
-        self.state = "no_model"  # no_model | loading | serving | draining | failed
-        self.load_progress, self.load_fraction, self.error = "", 0.0, ""
+        # starting (until the first load begins) | loading | serving | draining | failed | no_model
+        self.state = "starting"
+        self.load_progress, self.load_fraction, self.error = "starting", 0.0, ""
         self._cv = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._live: list[Request] = []
@@ -173,11 +175,15 @@ class Scheduler:
             self.load_progress, self.load_fraction = "loaded", 1.0
             self._cv.notify_all()
 
-    def detach(self):
-        """Take the engine away (unload); only when nothing is live."""
+    def detach(self, *, replacing: str = ""):
+        """Take the engine away (unload); only when nothing is live. `replacing`: another model
+        follows (state loading with that progress text, not no_model)."""
         with self._cv:
-            engine, self.engine, self.state = self.engine, None, "no_model"
-            self.draft_engine, self._speculators = None, {}
+            engine, self.engine = self.engine, None
+            self.state = "loading" if replacing else "no_model"
+            if replacing:
+                self.load_progress, self.load_fraction = replacing, 0.99
+            self.draft_engine, self._speculators, self.costs = None, {}, None
             return engine
 
     def fail(self, message: str) -> None:
@@ -221,6 +227,9 @@ class Scheduler:
             raise Draining(getattr(self, "_draining_reason", "ntransformerd is draining") +
                            ": it admits no new requests; retry once it is back (systemctl status ntransformerd)")
         if engine is None or self.state != "serving":
+            if self.state == "starting":
+                raise NotReady("ntransformerd is starting (loading its model comes next): retry in a few seconds "
+                               "(ntx-client generate --wait waits for it)")
             if self.state == "loading":
                 raise NotReady(f"the model is still loading ({self.load_progress}): retry in a few seconds; "
                                "ntx-client status shows progress")
@@ -247,8 +256,6 @@ class Scheduler:
     def speculator(self, mode: str | None):
         """The Speculator for a request's mode ('' = the daemon's default), None for off;
         raises InvalidRequest for a mode this daemon cannot serve."""
-        from ntransformerd.engine import speculative
-
         try:
             name, arg = speculative.parse_mode(mode or self.config.speculative)
             if name == "off":
@@ -331,6 +338,7 @@ class Scheduler:
         of the iteration's step (all live ones, before a step was composed) fail. Never raises."""
         batch: list = []
         try:
+            self.ensure_costs()
             with self._cv:
                 self.retire()
                 self.admit()
@@ -346,6 +354,42 @@ class Scheduler:
                 for r in [r for r, _, _ in batch] or list(self._live):
                     self.fail_request(r, e, "scheduling it")
             return "failed"
+
+    def ensure_costs(self) -> None:
+        """The speculation cost table, measured on this thread (it owns the engine) when first
+        needed: before a queued speculating request is admitted (a slot is free for it then),
+        or, where the daemon speculates by default, on its first idle iteration. Kept per model,
+        plan and machine (speculative.step_costs), so a restart reads it instead."""
+        with self._cv:
+            engine = self.engine
+            if self.costs is not None or engine is None or self.state != "serving" or not engine.kv.free_slots:
+                return
+            waiting = [r for r in self._queue if r.speculator is not None]
+            default = speculative.parse_mode(self.config.speculative)[0] != "off"
+            if not waiting and not (default and not self._live):
+                return
+            draft_engine = self.draft_engine
+        self.set_status(f"measuring step costs for speculative decoding ({len(waiting)} requests wait)")
+        try:
+            costs = speculative.step_costs(engine, draft_engine)
+        except Exception as e:  # noqa: BLE001 - the requests that wait for it fail; the next one tries again
+            log.exception("measuring the speculation cost table")
+            for r in waiting:
+                self.fail_request(r, e, "measuring the speculation cost table")
+            return
+        finally:
+            self.set_status("")
+        with self._cv:
+            if self.engine is engine:
+                self.costs = costs
+                for spec in self._speculators.values():
+                    spec.use_costs(costs)
+
+    def set_status(self, text: str) -> None:
+        """What the loop is busy with besides serving (Status shows it as load_progress)."""
+        with self._cv:
+            if self.state == "serving":
+                self.load_progress = text or "loaded"
 
     def fail_request(self, r: Request, exc: BaseException, doing: str) -> None:
         """r ends with the status of `exc` (raised while `doing` r's work) at the next retire();
@@ -433,6 +477,8 @@ class Scheduler:
         longest prefix of its prompt that a free or live slot holds."""
         while self._queue and self.engine is not None and len(self._live) < self.config.max_batch \
                 and self.engine.kv.free_slots:
+            if self._queue[0].speculator is not None and self.costs is None and self.state == "serving":
+                break  # the next iteration measures the cost table first (ensure_costs)
             r = self._queue.popleft()
             try:
                 live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
@@ -680,5 +726,5 @@ def encode_chat(engine, messages: Sequence[dict]) -> list[int]:
         raise InvalidRequest("the chat has no messages: send at least one user message")
     for m in messages:
         if m["role"] not in ("system", "user", "assistant", "tool"):
-            raise InvalidRequest(f"chat role {m['role']!r} is not one of system, user, assistant, tool")
+            raise InvalidRequest(f"chat role {shown(m['role'])} is not one of system, user, assistant, tool")
     return engine.encode_chat(messages)

@@ -37,8 +37,12 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     errors.StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate, tokenizer, chat template
 }
+# A status message travels in gRPC metadata (16 KB at most): longer ones keep their start (the
+# cause) and their end (the fix). Messages quote clients' values bounded (errors.shown); this
+# is the last guard.
+MAX_MESSAGE_CHARS = 2000
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
-STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "loading": pb.SERVING_STATE_LOADING,
+STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "starting": pb.SERVING_STATE_LOADING, "loading": pb.SERVING_STATE_LOADING,
           "serving": pb.SERVING_STATE_SERVING, "draining": pb.SERVING_STATE_DRAINING,
           "failed": pb.SERVING_STATE_FAILED}
 MAX_PROMPT_BYTES = 1 << 20
@@ -48,9 +52,17 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message for an exception raised while serving a call."""
     for cls in type(exc).__mro__:
         if cls in STATUS_CODES:
-            return STATUS_CODES[cls], str(exc)
+            return STATUS_CODES[cls], bounded(str(exc))
     log.exception("unexpected error serving a request", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in ntransformerd ({type(exc).__name__}: {exc}); see its log"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error in ntransformerd ({type(exc).__name__}: {exc}); "
+                                             "see its log (journalctl -u ntransformerd)")
+
+
+def bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    head, tail = MAX_MESSAGE_CHARS * 2 // 3, MAX_MESSAGE_CHARS // 4
+    return f"{message[:head]} … [{len(message) - head - tail} characters left out] … {message[-tail:]}"
 
 
 def _abort(context, exc: BaseException):
@@ -124,7 +136,7 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
 def _check_model(name: str, scheduler: Scheduler) -> None:
     engine = scheduler.engine
     if name and engine is not None and name not in (model_name(engine), os.path.basename(engine.model.path)):
-        raise errors.InvalidRequest(f"unknown model {name!r}: this daemon serves {model_name(engine)!r} "
+        raise errors.InvalidRequest(f"unknown model {errors.shown(name)}: this daemon serves {model_name(engine)!r} "
                                     "(ntx-client models); leave model empty for the loaded one")
 
 
@@ -343,9 +355,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     @rpc
     def LoadModel(self, request, context):
         if request.backend and request.backend not in BACKENDS:
-            raise errors.InvalidRequest(f"backend {request.backend[:40]!r}: use {', '.join(BACKENDS)}")
+            raise errors.InvalidRequest(f"backend {errors.shown(request.backend)}: use {', '.join(BACKENDS)}")
         if request.path and not os.path.isfile(request.path):
-            raise errors.InvalidRequest(f"no model file at {request.path}: give the path of a .gguf file")
+            raise errors.InvalidRequest(f"no model file at {errors.shown(request.path, 300)}: give the path of a "
+                                        ".gguf file")
         return model_info(self.daemon.load_model(request.path or None, request.backend or None))
 
     @rpc

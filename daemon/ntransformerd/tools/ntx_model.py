@@ -94,7 +94,8 @@ def cmd_run(args) -> int:
         backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
         vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
         stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
-        skip_layers=_skip_layers(args) or None)
+        skip_layers=_skip_layers(args) or None, host_compute=args.host_compute, link_cap=args.link_cap,
+        cpu_threads=args.cpu_threads)
     if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
@@ -355,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ram-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
+    s.add_argument("--host-compute", choices=("off", "auto"), default="off",
+                   help="auto: the host CPU computes some streamed layers beside the GPU, per step shape "
+                        "(--plan shows where); default off")
+    s.add_argument("--link-cap", metavar="RATE", help="pace the stream's host-to-device copies, e.g. 6.5GB/s "
+                   "(a slower PCIe link emulated)")
+    s.add_argument("--cpu-threads", type=int, metavar="N", help="host threads of the cpu backend and of the "
+                   "host's layers (default: every CPU)")
     s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
     s.add_argument("--speculative", metavar="MODE", help="speculative decoding: ngram, draft (with --draft), "
                    "skip[:LAYERS], prefix[:N], auto; the same output, fewer target passes")

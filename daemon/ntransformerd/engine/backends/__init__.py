@@ -44,8 +44,8 @@ class CpuRef:
     def free_memory(self, device: int = 0) -> None:
         return None
 
-    def load(self, model, share, *, device=0, source=None, poison=False):
-        return cpu.load_share(model, share, source=source, poison=poison)
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
+        return cpu.load_share(model, share, source=source, poison=poison, link_cap=link_cap)
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0):
         return cpu.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
@@ -73,7 +73,8 @@ class Host(CpuRef):
     def available(self) -> bool:
         return self.module.available()
 
-    def load(self, model, share, *, device=0, source=None, poison=False):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
+        # nothing streams here (layers are computed where they lie), so there is no copy to pace
         return self.module.load(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)})
 
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0):
@@ -101,9 +102,9 @@ class Cuda:
         with self.context(device):
             return self.module.vram_free()
 
-    def load(self, model, share, *, device=0, source=None, poison=False):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
         with self.context(device):
-            return self.module.load(model, share, source=source, poison=poison)
+            return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap)
 
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0):
         with self.context(device):

@@ -220,7 +220,7 @@ class StreamedCpuWeights(CpuWeights):
 
     def __init__(self, model: GGUFModel, plan: Plan, *, source: Source | None = None, poison: bool = False,
                  readers: int | None = None, host: HostMemory | None = None, device: Device | None = None,
-                 shared: CpuWeights | None = None):
+                 shared: CpuWeights | None = None, link_cap: float | None = None):
         if shared is None:
             super().__init__(model, resident=set(plan.layers(VRAM)))
         else:  # reuse another CpuWeights' embedding, output and resident layers (tests)
@@ -230,7 +230,8 @@ class StreamedCpuWeights(CpuWeights):
             for i in self.resident:
                 model.layer_loaded(i)
         self.plan = plan
-        self.host = HostStream(model, plan, source=source, poison=poison, readers=readers, host=host, device=device)
+        self.host = HostStream(model, plan, source=source, poison=poison, readers=readers, host=host, device=device,
+                               link_cap=link_cap)
         self.stream, self.source = self.host.stream, self.host.source
 
     def _views(self, i: int, slot: np.ndarray) -> types.SimpleNamespace:
@@ -270,8 +271,8 @@ def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[CpuOps,
     return ops_for(model), CpuWeights(model, resident)
 
 
-def load_share(model: GGUFModel, share: Plan, *, source: Source | None = None,
-               poison: bool = False) -> tuple[CpuOps, CpuWeights]:
+def load_share(model: GGUFModel, share: Plan, *, source: Source | None = None, poison: bool = False,
+               link_cap: float | None = None) -> tuple[CpuOps, CpuWeights]:
     """The op set and the weights of a plan's share: its vram and host layers resident, its
     pinned and storage layers streamed, the others (skip: another device's, or skipped) never
     loaded."""
@@ -281,7 +282,7 @@ def load_share(model: GGUFModel, share: Plan, *, source: Source | None = None,
     hosted = share.layers(HOST)
     if hosted:  # one device both streams and computes host layers: the host layers count as resident
         share = dataclasses.replace(share, tiers=tuple(VRAM if t == HOST else t for t in share.tiers))
-    return ops, StreamedCpuWeights(model, share, source=source, poison=poison)
+    return ops, StreamedCpuWeights(model, share, source=source, poison=poison, link_cap=link_cap)
 
 
 def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str) -> KVCache:

@@ -27,7 +27,8 @@ class HostStream:
     compute thread calls prefetch / acquire / release, as model.forward drives them."""
 
     def __init__(self, model: GGUFModel, plan: Plan, *, source: Source | None = None, poison: bool = False,
-                 readers: int | None = None, host: HostMemory | None = None, device: Device | None = None):
+                 readers: int | None = None, host: HostMemory | None = None, device: Device | None = None,
+                 link_cap: float | None = None):
         host = host or HostMemory()
         storage = plan.layers(STORAGE)
         if storage and source is None:
@@ -52,7 +53,7 @@ class HostStream:
         self.stream = (LayerStream(streamed, depth=plan.depth, slot_bytes=slot_bytes,
                                    nbytes={i: r.nbytes for i, r in self.reads.items()},
                                    device=device or Device(), host_layer=self.pinned.get, read=self._read,
-                                   readers=readers, poison=poison) if streamed else None)
+                                   readers=readers, poison=poison, link_cap=link_cap) if streamed else None)
 
     def _read(self, i: int, entry: int) -> np.ndarray:
         buf = self._staging[entry]

@@ -26,6 +26,8 @@ truly not there yet (a storage read behind).
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -42,9 +44,15 @@ class Device:
         """A device buffer (a slot)."""
         return np.zeros(nbytes, np.uint8)
 
-    def copy(self, slot, src: np.ndarray, nbytes: int, after):
-        """Copy src[:nbytes] into slot once event `after` (or None) passed; return a done event."""
+    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None):
+        """Copy src[:nbytes] into slot once event `after` (or None) passed; return a done event.
+        hold: the copy is not done, nor the next begun, before `hold` seconds after it started
+        (pace_start / pace_hold around it)."""
+        if hold is not None:
+            self.pace_start()
         np.copyto(slot[:nbytes], src[:nbytes])
+        if hold is not None:
+            self.pace_hold(hold)
         return None
 
     def compute_wait(self, event) -> None:
@@ -60,6 +68,46 @@ class Device:
     def poison(self, slot) -> None:
         """Overwrite a released slot (tests): on the compute stream, before the release event."""
         slot.fill(0xFF)
+
+    # A slower link, emulated (LayerStream's link_cap): each copy holds the copy stream until
+    # B / cap seconds after it started, so no copy completes, and the next cannot start, earlier.
+    _copy_started = 0.0
+
+    def pace_start(self) -> None:
+        """In copy order, just before a copy: note when it starts."""
+        self._copy_started = time.perf_counter()
+
+    def pace_hold(self, seconds: float) -> None:
+        """In copy order, just after the copy: hold until `seconds` after it started."""
+        _sleep_until(self._copy_started + seconds)
+
+
+def _sleep_until(t: float) -> None:
+    while (left := t - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*(?:/\s*s)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(value) -> float | None:
+    """A link cap in bytes per second: a number, or text such as "6.5GB/s" (decimal units, as
+    link speeds are given) or "800MiB/s" (binary); None, "" or "off": no cap."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off")):
+        return None
+    if isinstance(value, str):
+        m = _RATE.match(value)
+        if not m:
+            raise ValueError(f"link cap {value!r}: give a rate such as 6.5GB/s or 800MiB/s")
+        scale = 1024 if m.group(3) else 1000
+        rate = float(m.group(1)) * scale ** " kmgt".index(m.group(2).lower() or " ")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    else:
+        raise ValueError(f"link cap {value!r}: give a rate such as 6.5GB/s or 800MiB/s")
+    if not 0 < rate < float("inf"):
+        raise ValueError(f"link cap {value!r}: must be a positive rate such as 6.5GB/s")
+    return rate
 
 
 class StreamError(RuntimeError):
@@ -77,13 +125,14 @@ class LayerStream:
     def __init__(self, order: list[int], *, depth: int, slot_bytes: int, nbytes: dict[int, int],
                  device: Device, host_layer: Callable[[int], np.ndarray | None],
                  read: Callable[[int, int], np.ndarray] | None = None, readers: int | None = None,
-                 poison: bool = False):
+                 poison: bool = False, link_cap: float | None = None):
         if depth < 1:
             raise ValueError(f"stream depth {depth} must be at least 1")
         self.order, self.depth = list(order), depth
         self._index = {layer: j for j, layer in enumerate(self.order)}
         self.device, self.host_layer, self.read, self.nbytes = device, host_layer, read, nbytes
         self.poison = poison
+        self.link_cap = link_cap  # bytes per second the copies are paced to (None: the link's own)
         self.slots = [device.alloc(slot_bytes) for _ in range(depth)]
         self._slot_free = [None] * depth  # release event of each slot's last user
         self._entry_free = [None] * depth  # last copy out of each staging entry (storage reads)
@@ -140,7 +189,12 @@ class LayerStream:
             else:
                 src = self.host_layer(self._pass[k])
             s = k % self.depth
-            done = self.device.copy(self.slots[s], src, self.nbytes[self._pass[k]], self._slot_free[s])
+            nbytes = self.nbytes[self._pass[k]]
+            if self.link_cap is None:
+                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s])
+            else:
+                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s],
+                                        hold=nbytes / self.link_cap)
             self._copy_done[k] = done
             if storage:
                 self._entry_free[s] = done

@@ -19,7 +19,7 @@ The pass is simulated as the slot ring runs it (`pass_seconds`): copies start wh
 begins and run `depth` streamed layers ahead of the GPU, each waiting for its slot's last user;
 layers are computed in order, resident and streamed ones on the GPU, host ones on the host; a
 change of device costs a hand-off. The candidates spread the host's layers over the streamed ones
-in stretches (k of every m, `spread`), so that each stretch of host work hides the copies of the
+in stretches (`spread`), so that each stretch of host work hides the copies of the
 streamed layers after it; the fastest candidate wins, ties going to fewer host layers, then to
 fewer hand-offs.
 """
@@ -27,14 +27,16 @@ fewer hand-offs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 
-from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, VRAM,
-                                                Plan, layer_span)
+from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, Plan,
+                                                layer_span)
 
-# What the host read while the link copied, on the H200 machine (issue 23: 14 threads summing an
-# 8 GiB array): the one assumed host figure, for decode at batch 1 only.
+# What the H200 machine's host read (14 threads summing an 8 GiB array) while its link copied
+# (issue 23): the one assumed host figure, for decode at batch 1 only.
 ASSUMED_HOST_BPS = 64.2e9
 STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedule covers besides prefill
 
@@ -90,6 +92,18 @@ class Figures:
     def gpu(self, rows: int) -> float:
         return _interpolate(self.gpu_bps, rows, None) if self.gpu_bps else math.inf
 
+    def to_dict(self) -> dict:
+        return {"link_bps": self.link_bps, "host_bps": {str(r): b for r, b in self.host_bps.items()},
+                "gpu_bps": {str(r): b for r, b in self.gpu_bps.items()}, "disk_bps": self.disk_bps,
+                "handoff_s": self.handoff_s, "measured": self.measured}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Figures":
+        return cls(float(d["link_bps"]), {int(r): float(b) for r, b in d["host_bps"].items()},
+                   {int(r): float(b) for r, b in d.get("gpu_bps", {}).items()},
+                   float(d.get("disk_bps", ASSUMED_DISK_BPS)), float(d.get("handoff_s", 0.0)),
+                   bool(d.get("measured", True)))
+
     def describe(self) -> str:
         host = ", ".join(f"{b / 1e9:.1f} GB/s at {r}" for r, b in sorted(self.host_bps.items()))
         return (f"{'measured' if self.measured else 'assumed, not measured'}: link {self.link_bps / 1e9:.1f} GB/s, "
@@ -138,12 +152,12 @@ def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int) -> Pas
     return PassTime(t, link_s, host_s, handoffs)
 
 
-def spread(m: int, chunk: int, k: int) -> list[bool]:
+def spread(m: int, chunk: int, k: int, phase: float = 0.0) -> list[bool]:
     """Which of m positions the host takes: the positions in chunks of `chunk`, k of the chunks
-    spread evenly (Bresenham), each after a streamed one where it can be, so that the ring's
-    first copies (made while the resident layers compute) are used first."""
+    spread evenly (Bresenham); phase 0 ends each period with the host's chunk (the ring's first
+    copies, made while the resident layers compute, are used first), 0.5 centres it."""
     n = -(-m // chunk)
-    take = [(c + 1) * k // n > c * k // n for c in range(n)]
+    take = [math.floor((c + 1) * k / n + phase) > math.floor(c * k / n + phase) for c in range(n)]
     return [take[p // chunk] for p in range(m)]
 
 
@@ -168,16 +182,16 @@ def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
     m = len(streamed)
     none = pass_seconds(plan, set(), figures, rows)
     best_key, best = (none.seconds, 0, none.handoffs), (set(), none)
-    if figures.host(rows) > 0:
-        chunks = sorted({1 << e for e in range(max(m, 1).bit_length())} | {m})
-        for chunk in chunks:
+    if m and figures.host(rows) > 0:
+        for chunk in sorted({1 << e for e in range(m.bit_length())} | {m}):
             n = -(-m // chunk)
             for k in range(1, n + 1):
-                host = {i for i, h in zip(streamed, spread(m, chunk, k)) if h}
-                pt = pass_seconds(plan, host, figures, rows)
-                key = (round(pt.seconds, 12), len(host), pt.handoffs)
-                if key < best_key:
-                    best_key, best = key, (host, pt)
+                for phase in (0.0, 0.5):
+                    host = {i for i, h in zip(streamed, spread(m, chunk, k, phase)) if h}
+                    pt = pass_seconds(plan, host, figures, rows)
+                    key = (round(pt.seconds, 12), len(host), pt.handoffs)
+                    if key < best_key:
+                        best_key, best = key, (host, pt)
     host, pt = best
     tiers = tuple(HOST if i in host else t for i, t in enumerate(plan.tiers))
     return Placement(rows, tiers, pt, none)
@@ -222,3 +236,22 @@ def with_schedule(plan: Plan, figures: Figures, rows: Sequence[int]) -> Plan:
         raise ValueError(f"step rows {list(rows)}: each is at least 1")
     placements = tuple(place_rows(plan, figures, r) for r in sorted(set(rows)))
     return dataclasses.replace(plan, schedule=Schedule(placements, figures))
+
+
+def save_figures(path: str, figures: Figures) -> None:
+    """Write the figures to `path` (a small JSON file; written whole, then renamed into place)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures.to_dict(), f)
+    os.replace(tmp, path)
+
+
+def load_figures(path: str) -> Figures | None:
+    """The figures saved at `path`, or None where there are none or they cannot be read (then
+    they are measured again)."""
+    try:
+        with open(path) as f:
+            return Figures.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -279,9 +279,11 @@ class Pipeline:
         """Logits on the head device: (S, V), or (N, V) with all_logits."""
         lo = self.layout
         if lo.embed == lo.head and all(d == lo.embed for d, _ in groups):  # one device: model.forward itself
-            st = self.stages[lo.embed]
-            return llama.forward(st.ops, self.cfg, st.weights, st.kv, batch, layers=[i for _, ls in groups for i in ls],
-                                 all_logits=all_logits)
+            st, ls = self.stages[lo.embed], [i for _, ls in groups for i in ls]
+            with st.context():
+                if st.recorded:  # a host device's ops record: its whole pass is one recorded call
+                    return st.steps.run(batch, layers=ls, all_logits=all_logits)
+                return llama.forward(st.ops, self.cfg, st.weights, st.kv, batch, layers=ls, all_logits=all_logits)
         for d, st in enumerate(self.stages):  # each device's stream starts on its whole share now
             mine = [i for e, ls in groups if e == d for i in ls]
             if mine:

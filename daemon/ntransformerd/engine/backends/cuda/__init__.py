@@ -37,13 +37,13 @@ def resident_plan(model: GGUFModel) -> Plan:
 
 
 def load(model: GGUFModel, plan: Plan | None = None, *, source=None, poison: bool = False,
-         settings: CudaSettings | None = None) -> tuple[CudaOps, CudaWeights]:
+         settings: CudaSettings | None = None, link_cap: float | None = None) -> tuple[CudaOps, CudaWeights]:
     """The op set and the model's weights under `plan` (default: every layer resident)."""
     if not available():
         raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU")
     freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
     ops = CudaOps(model.config, freq, settings=settings or CudaSettings.from_env())
-    return ops, CudaWeights(model, plan or resident_plan(model), source=source, poison=poison)
+    return ops, CudaWeights(model, plan or resident_plan(model), source=source, poison=poison, link_cap=link_cap)
 
 
 def vram_free() -> int:

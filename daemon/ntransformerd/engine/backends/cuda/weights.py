@@ -205,11 +205,15 @@ class CudaDevice(Device):
     def alloc(self, nbytes: int):
         return device_alloc((nbytes,), np.uint8, "streaming slot")
 
-    def copy(self, slot, src: np.ndarray, nbytes: int, after):
+    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None):
         if after is not None:
             self.copy_stream.wait_event(after)
+        if hold is not None:  # a slower link emulated: host functions in copy order around the copy
+            self.copy_stream.launch_host_func(lambda _: self.pace_start(), None)
         cp.cuda.runtime.memcpyAsync(slot.data.ptr, src.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                     self.copy_stream.ptr)
+        if hold is not None:
+            self.copy_stream.launch_host_func(lambda seconds: self.pace_hold(seconds), hold)
         return self.record(self.copy_stream)
 
     def compute_wait(self, event) -> None:
@@ -243,7 +247,7 @@ class CudaWeights:
     each layer where the plan puts it (module docstring). One compute thread."""
 
     def __init__(self, model: GGUFModel, plan: Plan, *, source: Source | None = None, poison: bool = False,
-                 threads: int = 8):
+                 threads: int = 8, link_cap: float | None = None):
         self.model, self.plan, cfg = model, plan, model.config
         self.token_embd = upload([model.tensor("token_embd.weight")], "token_embd")
         self.output = self.token_embd if cfg.tied_output else upload([model.tensor("output.weight")], "output")
@@ -310,11 +314,13 @@ class CudaWeights:
         self._views: dict[tuple[int, int], types.SimpleNamespace] = {}
         self.stream = (LayerStream(streamed, depth=plan.depth, slot_bytes=slot_bytes,
                                    nbytes={i: self.layouts[i].nbytes for i in streamed}, device=self.device,
-                                   host_layer=self._pinned.get, read=self._read, poison=poison)
+                                   host_layer=self._pinned.get, read=self._read, poison=poison,
+                                   link_cap=link_cap)
                        if streamed else None)
-        # A pass may be captured into a CUDA graph unless a layer comes from storage (host reads).
-        self.capturable = not storage
-        self._captured = _CapturedCopies(self) if streamed and not storage else None
+        # A pass may be captured into a CUDA graph unless a layer comes from storage (host reads)
+        # or the copies are paced (link_cap: host functions on the copy stream, eager passes only).
+        self.capturable = not storage and not (streamed and link_cap is not None)
+        self._captured = _CapturedCopies(self) if streamed and self.capturable else None
 
     def _read(self, i: int, entry: int) -> np.ndarray:
         r, raw = self._reads[i], self._raw[entry]

@@ -155,6 +155,11 @@ class Library:
 
     def __init__(self, path: str, variant: Variant):
         self.path, self.variant = path, variant
+        # The team's threads sleep between steps instead of spinning (OpenMP reads this when
+        # its runtime loads): on a host whose cores are shared, a spinning idle thread takes
+        # the core the step's other threads need; waking them costs microseconds per step.
+        # An explicit OMP_WAIT_POLICY in the environment wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         lib = ctypes.CDLL(path)  # CDLL releases the GIL for each call
         self._lib = lib
         sig = {

@@ -1,0 +1,206 @@
+"""The rates a hybrid plan is placed from, measured at load (tiers/placement.py: Figures).
+
+    figures = measured_figures(model, plan, backend, config)   # cached per model, plan and machine
+
+Three figures, each over this model's own layers: the link (pinned host memory → device, a few
+layers' bytes copied), the host's rate per step shape (the cpu backend's recorded pieces of one
+layer, `HostSteps.run(batch, x=..., layers=[i], head=False)`, at rows 1, 4, 16, 64) and the GPU's
+(one resident layer through the backend's ops at the same rows). Each is the median of a few
+runs after a warm-up, in bytes of layer weights per second. They go to a small cache file
+(tiers.placement.save_figures) so a restart of the same model on the same machine does not
+measure again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ntransformerd.engine import backends
+from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.model import Batch, Segment, run_layers
+from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
+from ntransformerd.engine.tiers.planner import ASSUMED_H2D_BPS, SKIP, VRAM, Plan
+from ntransformerd.engine.tiers.runs import HomeKV
+
+log = logging.getLogger(__name__)
+
+MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
+REPEATS = 5
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = REPEATS, sync: Callable[[], object] | None = None) -> float:
+    """The median time of fn() over `repeats` runs after one warm-up (sync: waits for the device)."""
+    fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_batch(rows: int) -> Batch:
+    """A decode step of `rows` sequences (slots 0..rows-1), one token each at position 0."""
+    return Batch.of([Segment(s, 0, np.zeros(1, np.int64)) for s in range(rows)])
+
+
+def _layer(model: GGUFModel, plan: Plan | None) -> int:
+    """The layer to time: the plan's first streamed one (what the host would compute), else 0."""
+    streamed = plan.streamed if plan is not None else []
+    return streamed[0] if streamed else 0
+
+
+def _one_layer_kv(backend, model: GGUFModel, layer: int, rows: int, device: int = 0):
+    cfg = dataclasses.replace(model.config, n_layers=1)
+    kv = backend.kv_cache(cfg, n_slots=rows, max_ctx=16, dtype="f32" if backend.is_host else "f16", device=device)
+    return HomeKV(kv, [layer])
+
+
+def host_rates(model: GGUFModel, *, layer: int = 0, threads: int | None = None,
+               rows: Sequence[int] = MEASURE_ROWS, repeats: int = REPEATS) -> dict[int, float]:
+    """The host's rate (layer bytes per second) at each step shape, from the cpu backend's
+    recorded piece of one layer, as a hybrid step runs it."""
+    host = backends.resolve("cpu")
+    share = dataclasses.replace(_plan_of(model), tiers=tuple(VRAM if i == layer else SKIP
+                                                              for i in range(model.config.n_layers)))
+    ops, weights = host.load(model, share)
+    steps = host.capture(ops, weights, _one_layer_kv(host, model, layer, max(rows)), threads=threads)
+    nbytes = model.layer_bytes(layer)
+    out = {}
+    for r in sorted(set(rows)):
+        batch = decode_batch(r)
+        x = np.random.default_rng(r).standard_normal((r, model.config.d_model), dtype=np.float32)
+        out[r] = nbytes / median_seconds(lambda: steps.run(batch, x=x, layers=[layer], head=False), repeats)
+    return out
+
+
+def _plan_of(model: GGUFModel) -> Plan:
+    sizes = tuple(model.layer_bytes(i) for i in range(model.config.n_layers))
+    return Plan((VRAM,) * len(sizes), sizes, 0, 0, 0, 0, 0, -1, -1)
+
+
+# ---- on a GPU (the cuda backend; run by the lead on the H200 machine) ------------------------------
+
+def link_rate(cp, nbytes: int, repeats: int = REPEATS) -> float:
+    """Pinned host memory → device, bytes per second: one copy of `nbytes` (a few layers)."""
+    host = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+    host.fill(1)
+    dev = cp.empty(nbytes, np.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def copy():
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                    stream.ptr)
+    rate = nbytes / median_seconds(copy, repeats, sync=stream.synchronize)
+    del dev, host
+    _free(cp)
+    return rate
+
+
+def _free(cp) -> None:
+    """Give what a measurement allocated back to the device and the host (the plan was made
+    from the free memory before it)."""
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def gpu_rates(backend, model: GGUFModel, *, layer: int = 0, rows: Sequence[int] = MEASURE_ROWS,
+              repeats: int = REPEATS) -> dict[int, float]:
+    """The GPU's rate at each step shape: one resident layer through the backend's ops."""
+    cp = backend.module.cp
+    share = dataclasses.replace(_plan_of(model), tiers=tuple(VRAM if i == layer else SKIP
+                                                              for i in range(model.config.n_layers)),
+                                layer_bytes=tuple(backend.layer_bytes(model, i) for i in range(model.config.n_layers)))
+    nbytes = share.layer_bytes[layer]
+    out = {}
+    with backend.context(0):
+        ops, weights = backend.load(model, share)
+        kv = _one_layer_kv(backend, model, layer, max(rows))
+        for r in sorted(set(rows)):
+            batch = decode_batch(r)
+            x = backend.to_device(np.random.default_rng(r).standard_normal((r, model.config.d_model), dtype=np.float32))
+
+            def run():
+                with ops.step_context(batch):
+                    run_layers(ops, model.config, weights, kv, batch, x, [layer])
+            out[r] = nbytes / median_seconds(run, repeats, sync=cp.cuda.get_current_stream().synchronize)
+        del ops, weights, kv, x, run
+        _free(cp)
+    return out
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ntransformer", "figures")
+
+
+def machine() -> str:
+    """What the figures depend on besides the model: the CPU, the threads, the GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{platform.node()}|{cpu}|{os.cpu_count()}"
+
+
+def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
+    st = os.stat(model.path)
+    parts = [os.path.abspath(model.path), st.st_size, int(st.st_mtime), plan.tiers if plan else None,
+             plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: int | None = None,
+                     link_cap: float | None = None, use_cache: bool = True) -> Figures:
+    """The figures of `plan` on this machine: from the cache, else measured (and cached). On a
+    host backend there is no link: the host's rates only, the link assumed."""
+    gpu = "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
+    path = os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+    if use_cache:
+        cached = load_figures(path)
+        if cached is not None:
+            return cached
+    layer = _layer(model, plan)
+    t0 = time.perf_counter()
+    host = host_rates(model, layer=layer, threads=threads)
+    if backend.is_host:
+        link, gpu_bps = ASSUMED_H2D_BPS, {}
+    else:
+        try:
+            cp = backend.module.cp
+            with backend.context(0):
+                link = link_rate(cp, min(3 * max(plan.layer_bytes if plan else [1 << 26]), 1 << 30))
+            gpu_bps = gpu_rates(backend, model, layer=layer)
+        except Exception as e:  # noqa: BLE001 - the plan still loads, on the figures it can have
+            log.warning("measuring the link and the GPU failed (%s: %s): the link assumed, GPU compute not "
+                        "counted", type(e).__name__, e)
+            return Figures(link_cap or ASSUMED_H2D_BPS, host, {}, measured=False)
+    if link_cap is not None:
+        link = min(link, link_cap)
+    figures = Figures(link, host, gpu_bps)
+    log.info("host compute figures measured in %.1f s: %s", time.perf_counter() - t0, figures.describe())
+    if use_cache:
+        try:
+            save_figures(path, figures)
+        except OSError as e:
+            log.warning("figures not cached (%s): measured again at the next load", e)
+    return figures

@@ -1,0 +1,170 @@
+"""The figures a hybrid plan is placed from (engine/figures.py) and the emulated slower link
+(LayerStream's link_cap): host rates from the real host backend on a synthetic model, their
+cache, and copies paced to the cap on the CPU's stream."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from ntransformerd.engine import backends
+from ntransformerd.engine.tiers.pipeline import Device, LayerStream, parse_rate
+from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
+
+MB = 1_000_000
+
+
+def _one_pass(cap: float | None, n: int = 4, nbytes: int = MB) -> float:
+    host = {i: np.full(nbytes, i, np.uint8) for i in range(n)}
+    s = LayerStream(list(range(n)), depth=2, slot_bytes=nbytes, nbytes={i: nbytes for i in range(n)},
+                    device=Device(), host_layer=host.get, link_cap=cap)
+    t0 = time.perf_counter()
+    s.begin(range(n))
+    for i in range(n):
+        slot = s.acquire(i)
+        assert slot[0] == i and slot[-1] == i  # the layer's bytes, paced or not
+        s.release(i)
+    return time.perf_counter() - t0
+
+
+def test_copies_are_paced_to_the_link_cap():
+    assert _one_pass(None) < 0.2  # 4 MB of memcpy
+    t = _one_pass(parse_rate("10MB/s"))
+    assert 0.4 <= t < 1.5, t  # 4 layers of 1 MB at 10 MB/s: no copy completes before B / cap after its start
+
+
+@pytest.mark.parametrize("text, bps", [("6.5GB/s", 6.5e9), ("800MiB/s", 800 * 2**20), ("10mb", 1e7),
+                                       (2e9, 2e9), ("off", None), (None, None)])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("bad", ["fast", "0GB/s", "-3GB/s", True])
+def test_a_bad_link_cap_says_what_it_takes(bad):
+    from ntransformerd.engine.engine import EngineConfig
+    with pytest.raises(ValueError, match="link cap .* such as 6.5GB/s"):
+        EngineConfig(link_cap=bad).validate()
+
+
+def test_the_engine_paces_its_streamed_layers(synth_model):
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q8_0"))
+    config = EngineConfig(backend="cpu-ref", max_ctx=32, max_seqs=1, max_vram_layers=0, link_cap="5MB/s")
+    engine = Engine(model, config=config)
+    stream = engine.weights.host.stream
+    assert stream.link_cap == 5e6
+    slot = engine.open()
+    t0 = time.perf_counter()
+    engine.step([(slot, [1])])
+    spent = time.perf_counter() - t0
+    streamed = sum(stream.nbytes[i] for i in stream.order)
+    assert spent >= streamed / 5e6, (spent, streamed)
+    engine.unload()
+
+
+def _host_available() -> bool:
+    try:
+        return backends.resolve("cpu").name == "cpu"
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _host_available(), reason="the host kernels (backends/host) are not built")
+def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
+    from ntransformerd.engine import figures as fig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    rates = fig.host_rates(model, layer=1, threads=1, rows=(1, 4), repeats=2)
+    assert sorted(rates) == [1, 4] and all(0 < r < 1e13 for r in rates.values())
+    # measured once, then read from the cache keyed by model, plan and machine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    real = fig.host_rates
+    monkeypatch.setattr(fig, "host_rates", lambda *a, **k: calls.append(1) or real(*a, rows=(1,), repeats=1, **{
+        n: v for n, v in k.items() if n != "rows"}))
+    host = backends.resolve("cpu")
+    first = fig.measured_figures(model, None, host, threads=1)
+    again = fig.measured_figures(model, None, host, threads=1)
+    assert calls == [1] and again == first and first.measured and list(first.host_bps) == [1]
+    fig.measured_figures(model, None, host, threads=2)  # another thread count: measured again
+    assert calls == [1, 1]
+
+
+def test_figures_cache_round_trip_and_bad_files(tmp_path):
+    f = Figures(55e9, {1: 60e9, 16: 20e9}, {1: 3e12}, handoff_s=1e-5)
+    path = str(tmp_path / "sub" / "f.json")
+    save_figures(path, f)
+    assert load_figures(path) == f
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_figures(str(tmp_path / "bad.json")) is None
+    (tmp_path / "neg.json").write_text('{"link_bps": -1, "host_bps": {"1": 1}}')
+    assert load_figures(str(tmp_path / "neg.json")) is None
+    assert load_figures(str(tmp_path / "missing.json")) is None
+
+
+def test_the_hybrid_host_device_uses_cpu_threads(synth_model):
+    """A host device beside the main one records its steps with EngineConfig.cpu_threads."""
+    if not _host_available():
+        pytest.skip("the host kernels (backends/host) are not built")
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    config = EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, max_vram_layers=1, host_compute="auto",
+                          cpu_threads=2)
+    engine = Engine(model, config=config)
+    hosts = [st for st in engine.pipeline.stages if st.name == "host"]
+    assert hosts and all(st.steps.threads == 2 for st in hosts)
+
+
+# ---- the keys and flags -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, words", [("host_compute", '"on"', "host_compute = 'on': use off or auto"),
+                                               ("link_cap", '"fast"', "link_cap = 'fast': link cap 'fast'"),
+                                               ("link_cap", "5", 'link_cap = 5: must be a rate in quotes')])
+def test_daemon_keys_name_themselves(tmp_path, key, value, words):
+    from ntransformerd import config
+    f = tmp_path / "d.toml"
+    f.write_text(f"{key} = {value}\n")
+    with pytest.raises(config.ConfigError, match=words):
+        config.load(["--config", str(f)])
+
+
+def test_daemon_keys_reach_the_engine_config(tmp_path):
+    from ntransformerd import config
+    from ntransformerd.engine.engine import EngineConfig
+    c = config.load(["--host-compute", "auto", "--link-cap", "6.5GB/s", "--socket", str(tmp_path / "s.sock")])
+    assert (c.host_compute, c.link_cap) == ("auto", "6.5GB/s")
+    EngineConfig(host_compute=c.host_compute, link_cap=c.link_cap).validate()
+    assert config.load(["--socket", str(tmp_path / "s.sock")]).link_cap == "off"
+
+
+def test_ntx_model_plan_shows_the_placement_per_step_shape(capsys):
+    from ntransformerd.tools.ntx_model import main
+    assert main(["run", "--plan", "--host-compute", "auto", "--max-vram-layers", "10", "--link-cap", "6.5GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "host compute   by step rows (assumed, not measured" in out and "    1 rows  host" in out, out
+    assert main(["run", "--plan", "--max-vram-layers", "10"]) == 0
+    assert "host compute" not in capsys.readouterr().out
+
+
+def test_a_step_wholly_on_a_recorded_main_device(synth_model):
+    """A hybrid engine whose main device is the host: a step the schedule keeps off the host
+    device (2 rows here) runs as the main device's recorded pass, with the one-device result."""
+    if not _host_available():
+        pytest.skip("the host kernels (backends/host) are not built")
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    hybrid = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, max_vram_layers=1,
+                                               host_compute="auto", cpu_threads=1))
+    assert len(hybrid.pipeline.layout.devices) == 2 and hybrid.pipeline.groups(2, None) == [(0, [0, 1, 2, 3])]
+    plain = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, cpu_threads=1))
+    for e in (hybrid, plain):
+        e.slots = [e.open(), e.open()]
+    for toks in ([3, 5], [7, 11]):
+        a = hybrid.step(list(zip(hybrid.slots, [[t] for t in toks])))
+        b = plain.step(list(zip(plain.slots, [[t] for t in toks])))
+        np.testing.assert_array_equal(a, b)
