@@ -46,11 +46,11 @@ def large_schema(n_props: int) -> dict:
 
 
 def instance(n_props: int) -> str:
-    """A document valid against large_schema(n_props), as a model would write it (compact JSON)."""
+    """A document valid against large_schema(n_props), as a model writes it under the constraint."""
     doc = {f"p{i}": {"id": f"P{i}-{i % 1000:03d}", "kind": ["alpha", "beta", "gamma"][i % 3], "score": (i % 7) - 3.5,
                      "tags": ["x", f"tag {i}"], "parts": [{"name": f"part {i}", "ok": i % 2 == 0, "weight": None}]}
            for i in range(n_props)}
-    return json.dumps(doc, separators=(",", ":"))
+    return json.dumps(doc)  # one line, ", " and ": ": the layout of engine/constraints.py's JSON_LAYOUT
 
 
 SMALL = {"type": "object", "required": ["name", "age"], "additionalProperties": False,

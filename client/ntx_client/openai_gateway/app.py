@@ -350,6 +350,7 @@ class Gateway:
                 yield _sse(protocol.chunk_object(job, model, "", None, first=True))
             pending = [first] if first is not None else []
             started = False
+            offset = len(job.prompt or "")  # completions: where the next token's text starts
             while True:
                 c = pending.pop() if pending else await anext(chunks, None)
                 if c is None:
@@ -385,7 +386,9 @@ class Gateway:
                                                                        c.logprobs, prompt)
                         text = prompt + text
                     elif job.logprobs is not None:
-                        logprobs = protocol.completion_logprobs(c.logprobs, 0)
+                        logprobs = protocol.completion_logprobs(c.logprobs, offset)
+                    if logprobs is not None and logprobs["tokens"]:
+                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 started = True
                 if text or (logprobs is not None and (lps or job.kind != "chat")):
                     yield _sse(protocol.chunk_object(job, model, text, None, logprobs=logprobs))

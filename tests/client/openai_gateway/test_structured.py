@@ -185,16 +185,13 @@ def test_twenty_pydantic_models_parse_sampled(oai, model):
             assert r.choices[0].finish_reason == "stop"
 
 
-SPECULATIVE_MODELS = MODELS[::4]  # five of the twenty: the whole set doubles this module's time on CI's 2 cores
-
-
 def test_speculative_ngram_gives_the_same_greedy_structured_output(oai, model):
     def both(cls):
         plain = parse(oai, model, cls, temperature=0)
         spec = parse(oai, model, cls, temperature=0, extra_body={"speculative": "ngram"})
         return plain.choices[0].message.content, spec.choices[0].message.content
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
-        for cls, (plain, spec) in zip(SPECULATIVE_MODELS, pool.map(both, SPECULATIVE_MODELS)):
+        for cls, (plain, spec) in zip(MODELS, pool.map(both, MODELS)):
             assert plain == spec, cls
             cls.model_validate_json(plain)
 
@@ -323,6 +320,9 @@ def test_completion_echo_logprobs_sum_to_perplexity(oai, model, stack):
     assert "".join(c.choices[0].text for c in streamed).startswith(text)
     tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert len(tokens) == n + 3 and tokens[0] is None
+    offsets = [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    pieces = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert offsets == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
 
 
 # ---- bad input --------------------------------------------------------------------------------------------
