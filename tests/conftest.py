@@ -1,10 +1,18 @@
-"""Shared fixtures: the default model (opened once per session) and small synthetic models."""
+"""Shared fixtures: the default model (opened once per session) and small synthetic models.
+
+OMP_WAIT_POLICY=PASSIVE, for this process and every daemon and script the tests start: the cpu
+backend's OpenMP team otherwise spins between phases, and with xdist workers and daemons sharing
+two cores the spinning threads take the cores the others wait for (two test_e2e tests: 34 s of
+CPU spinning, 14 s passive; bench/speculative.py --smoke: 52 s against 11 s). It is read when
+the backend's library loads, after this."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
