@@ -81,7 +81,7 @@ def ours(backend: str, path: str, prompt: list[int], n_decode: int, batches: lis
     return res
 
 
-def llama_cpp(path: str, prompt: list[int], n_decode: int, batches: list[int], threads: int) -> dict:
+def run_llama_cpp(path: str, prompt: list[int], n_decode: int, batches: list[int], threads: int) -> dict:
     import llama_cpp as lc  # the peer, installed for benchmarks only
 
     n_ctx = (len(prompt) + n_decode + 16) * (max(batches) + 1)
@@ -93,9 +93,12 @@ def llama_cpp(path: str, prompt: list[int], n_decode: int, batches: list[int], t
     t = time.perf_counter()
     llm.eval(prompt)
     res["prefill"] = len(prompt) / (time.perf_counter() - t)
-    ctx, vocab = llm.ctx, llm.n_vocab()
-    for b in batches:
-        lc.llama_kv_self_clear(ctx) if hasattr(lc, "llama_kv_self_clear") else lc.llama_kv_cache_clear(ctx)
+    vocab = llm.n_vocab()
+    for b in batches:  # a context of its own with b sequences (the Llama object's has one)
+        params = lc.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = (16 + n_decode + 8) * b + 64, 512, 512
+        params.n_seq_max, params.n_threads, params.n_threads_batch = b, threads, threads
+        ctx = lc.llama_init_from_model(llm.model, params)
         batch = lc.llama_batch_init(max(8 * b, b), 0, 1)
         try:
             def decode(items):  # items: (seq, pos, token, want_logits)
@@ -117,6 +120,7 @@ def llama_cpp(path: str, prompt: list[int], n_decode: int, batches: list[int], t
             res[f"decode_b{b}"] = b * n_decode / (time.perf_counter() - t)
         finally:
             lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
     return res
 
 
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     for _ in range(args.repeat):
         for eng in engines:
             if eng == "llama.cpp":
-                r = llama_cpp(path, prompt, args.decode_tokens, args.batch, args.threads)
+                r = run_llama_cpp(path, prompt, args.decode_tokens, args.batch, args.threads)
             elif eng == "llama-bench":
                 r = llama_bench(args.llama_bench, path, args.decode_tokens, args.threads)
             else:

@@ -1,10 +1,11 @@
 """Shared fixtures: the default model (opened once per session) and small synthetic models.
 
-OMP_WAIT_POLICY=PASSIVE, for this process and every daemon and script the tests start: the cpu
-backend's OpenMP team otherwise spins between phases, and with xdist workers and daemons sharing
-two cores the spinning threads take the cores the others wait for (two test_e2e tests: 34 s of
-CPU spinning, 14 s passive; bench/speculative.py --smoke: 52 s against 11 s). It is read when
-the backend's library loads, after this."""
+The CPU backend's OpenMP teams, here and in every daemon and script the tests start (they inherit
+the environment): under pytest-xdist every worker is a process of its own on the same cores, so
+each gets one thread and two workers never spin against each other's barriers; and a team never
+spins while it waits (OMP_WAIT_POLICY=PASSIVE), since a test and the daemon it drives share the
+cores too (two test_e2e tests, one process: 34 s of CPU spinning, 14 s passive). Both are read
+when the backend's library loads, after this."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

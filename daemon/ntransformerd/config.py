@@ -221,7 +221,7 @@ KEYS: dict[str, Key] = {
     "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
-    "cpu_threads": Key(integer(0, 4096), "BLAS threads of the CPU backend (0: the BLAS default)", "N", int),
+    "cpu_threads": Key(integer(0, 4096), "threads of the CPU backend's steps (0: every CPU the daemon may use)", "N", int),
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) -------------------
     "storage": Key(storage_kind, "where streamed layers come from: file, odirect, mmap or nvme:SERIAL", "KIND"),
     "nvme_queues": Key(integer(1, 64), "NVMe I/O queue pairs (reads in flight at once)", "N", int),
@@ -270,10 +270,9 @@ class DaemonConfig:
     default_max_tokens: int = 512  # when a request does not say
     drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = "info"
-    # BLAS threads of the CPU backend. 1 by default: with 2 OpenBLAS threads on 2 cores a batch of
-    # 8 ran 25x slower than one sequence (each small GEMM waited ~16 ms for its worker thread),
-    # which erased what batching gains; 0 leaves OpenBLAS's own default.
-    cpu_threads: int = 1
+    # Threads of the CPU backend's steps (the cpu backend's team; cpu-ref's BLAS threads), and of
+    # the host's share beside a GPU. 0: every CPU the daemon may run on.
+    cpu_threads: int = 0
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) ---------------
     storage: str = "file"  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
     nvme_queues: int = 2  # I/O queue pairs: reads in flight at once (the stream's 2 readers)

@@ -55,9 +55,30 @@ const char *ntx_isa(void) {
 /* q = round-half-even(x * 127 / amax), d = amax / 127: |x - d q| ≤ d/2 up to float rounding
  * of the scale (relative 2^-22 of d). The AVX2 path rounds the same product the same way, so
  * every build quantizes bit-identically. */
-static void quantize_block(const float *x, int len, int8_t *q, float *d_out, int *sum_out) {
+static float block_amax(const float *x, int len) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < len; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+#else
+    float m[8] = {0}; /* eight lanes the compiler can keep in vector registers */
+    for (int i = 0; i < len; i += 8)
+        for (int k = 0; k < 8; k++) {
+            float v = fabsf(x[i + k]);
+            m[k] = v > m[k] ? v : m[k];
+        }
     float amax = 0.0f;
-    for (int i = 0; i < len; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int k = 0; k < 8; k++) amax = m[k] > amax ? m[k] : amax;
+    return amax;
+#endif
+}
+
+static void quantize_block(const float *x, int len, int8_t *q, float *d_out, int *sum_out) {
+    float amax = block_amax(x, len);
     float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     int sum = 0;
 #if defined(__AVX2__)
@@ -125,7 +146,8 @@ void ntx_quantize_act(int wtype, const float *x, int nr, int n, int ldx, void *a
 /* ---- matmul ------------------------------------------------------------------------------ */
 
 /* Activation rows are taken in groups that fit in L2 beside the weight rows, so a weight row is
- * read from memory once per group and reused from L1 by every tile of the group. */
+ * read from memory once per group (by the group's first tile, which prefetches the next rows)
+ * and reused from L1 by every other tile of the group. */
 #define NTX_ACT_GROUP_BYTES (192 * 1024)
 
 void ntx_gemm(int wtype, const void *W, size_t w_row_bytes, int n, int j0, int j1,
@@ -139,17 +161,18 @@ void ntx_gemm(int wtype, const void *W, size_t w_row_bytes, int n, int j0, int j
     }
     const uint8_t *w = (const uint8_t *)W, *a = (const uint8_t *)act;
     int nb = n / k->block_elems;
-    int group = (int)(NTX_ACT_GROUP_BYTES / arb) / NTX_TA * NTX_TA;
-    if (group < NTX_TA) group = NTX_TA;
-    int tw = nr == 1 ? NTX_TW : 2;
+    int tw = nr == 1 ? 2 : k->prefill_w, ta = nr == 1 ? 1 : k->prefill_a;
+    int group = (int)(NTX_ACT_GROUP_BYTES / arb) / ta * ta;
+    if (group < ta) group = ta;
     for (int r0 = 0; r0 < nr; r0 += group) {
         int r1 = r0 + group < nr ? r0 + group : nr;
         for (int j = j0; j < j1; j += tw) {
             int nw = j1 - j < tw ? j1 - j : tw;
-            for (int r = r0; r < r1; r += NTX_TA) {
-                int na = r1 - r < NTX_TA ? r1 - r : NTX_TA;
+            for (int r = r0; r < r1; r += ta) {
+                int na = r1 - r < ta ? r1 - r : ta;
                 float t[NTX_TW * NTX_TA];
-                k->tile(w + (size_t)j * w_row_bytes, w_row_bytes, nw, a + (size_t)r * arb, arb, na, nb, t);
+                k->tile(w + (size_t)j * w_row_bytes, w_row_bytes, nw, a + (size_t)r * arb, arb, na, nb,
+                        r == r0, t);
                 for (int ia = 0; ia < na; ia++) {
                     size_t o = (size_t)(r + ia) * ldo + j;
                     for (int iw = 0; iw < nw; iw++)

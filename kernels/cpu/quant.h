@@ -2,10 +2,12 @@
  * SIMD helpers every family shares. Nothing here is exported from the shared library.
  *
  * A weight type answers two calls:
- *   tile(w, wrb, nw, a, arb, na, nb, out): out[iw * NTX_TA + ia] = dot(weight row iw, act row ia)
- *       for iw < nw, ia < na (nw ≤ NTX_TW with na = 1, or nw ≤ 2 with na ≤ NTX_TA); w: nw rows
- *       of wrb bytes, a: na rows of arb bytes, nb blocks per row. A tile unpacks each weight block once and uses it against every act
- *       row of the tile (prefill is compute-bound; decode, na = 1, reads each weight byte once).
+ *   tile(w, wrb, nw, a, arb, na, nb, pf, out): out[iw * NTX_TA + ia] = dot(weight row iw, act
+ *       row ia) for iw < nw, ia < na (nw ≤ 2 with na ≤ 4, or nw = 1 with na ≤ 8); w: nw rows of
+ *       wrb bytes, a: na rows of arb bytes, nb blocks per row; pf: the caller reads the nw rows
+ *       after these next, from memory, so prefetch them. A tile unpacks each weight block once
+ *       and uses it against every activation row of the tile (prefill is compute-bound; decode,
+ *       na = 1, reads each weight byte once).
  *   deq(w, nb, out): one row of nb blocks → float32, bit-exact with gguf.quants.
  */
 #ifndef NTX_QUANT_H
@@ -22,18 +24,19 @@
 
 #define NTX_HIDDEN __attribute__((visibility("hidden")))
 #define NTX_INLINE static inline __attribute__((always_inline))
-#define NTX_UNROLL _Pragma("GCC unroll 4") /* tile loops: accumulators must stay in registers */
+#define NTX_UNROLL _Pragma("GCC unroll 8") /* tile loops: accumulators must stay in registers */
 #define NTX_PORTABLE static __attribute__((unused)) /* the dots a SIMD build may not call */
 
-/* Tile shapes: up to NTX_TW weight rows against one activation row (decode: more weight rows
- * share each activation load), or up to 2 weight rows against NTX_TA activation rows. */
-#define NTX_TW 4
-#define NTX_TA 4
+/* Tile shapes: decode (one activation row) runs 2 weight rows × 1; prefill runs the kernel's
+ * prefill shape, 2 × 4 or 1 × 8 (whichever measured faster for the family and instruction set:
+ * 1 × 8 unpacks each weight block once for 8 rows but needs registers only AVX-512 has). */
+#define NTX_TW 2
+#define NTX_TA 8
 
 enum ntx_act_kind { NTX_ACT_Q8_32, NTX_ACT_Q8_256, NTX_ACT_F32 };
 
 typedef void (*ntx_tile_fn)(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb,
-                            int na, int nb, float *out);
+                            int na, int nb, int pf, float *out);
 typedef void (*ntx_deq_fn)(const uint8_t *w, int nb, float *out);
 
 typedef struct {
@@ -41,6 +44,7 @@ typedef struct {
     enum ntx_act_kind act;
     ntx_tile_fn tile;
     ntx_deq_fn deq;
+    int prefill_w, prefill_a; /* tile shape for more than one activation row */
 } ntx_kernel;
 
 NTX_HIDDEN extern const ntx_kernel ntx_kernel_f32, ntx_kernel_f16, ntx_kernel_bf16;
@@ -50,19 +54,21 @@ NTX_HIDDEN extern const ntx_kernel ntx_kernel_q2_k, ntx_kernel_q3_k, ntx_kernel_
     ntx_kernel_q5_k, ntx_kernel_q6_k;
 
 /* Expands F(NW, NA) for the (nw, na) the caller asked for, so each tile shape is its own
- * fully unrolled instance with its accumulators in registers. */
+ * fully unrolled instance with its accumulators in registers. ntx_gemm asks for no other. */
 #define NTX_TILE_SWITCH(F, nw, na)                                                                 \
-    switch ((nw) * 8 + (na)) {                                                                     \
-    case 8 + 1: F(1, 1); break;                                                                    \
-    case 8 + 2: F(1, 2); break;                                                                    \
-    case 8 + 3: F(1, 3); break;                                                                    \
-    case 8 + 4: F(1, 4); break;                                                                    \
-    case 16 + 1: F(2, 1); break;                                                                   \
-    case 16 + 2: F(2, 2); break;                                                                   \
-    case 16 + 3: F(2, 3); break;                                                                   \
-    case 16 + 4: F(2, 4); break;                                                                   \
-    case 24 + 1: F(3, 1); break;                                                                   \
-    case 32 + 1: F(4, 1); break;                                                                   \
+    switch ((nw) * 16 + (na)) {                                                                    \
+    case 16 + 1: F(1, 1); break;                                                                   \
+    case 16 + 2: F(1, 2); break;                                                                   \
+    case 16 + 3: F(1, 3); break;                                                                   \
+    case 16 + 4: F(1, 4); break;                                                                   \
+    case 16 + 5: F(1, 5); break;                                                                   \
+    case 16 + 6: F(1, 6); break;                                                                   \
+    case 16 + 7: F(1, 7); break;                                                                   \
+    case 16 + 8: F(1, 8); break;                                                                   \
+    case 32 + 1: F(2, 1); break;                                                                   \
+    case 32 + 2: F(2, 2); break;                                                                   \
+    case 32 + 3: F(2, 3); break;                                                                   \
+    case 32 + 4: F(2, 4); break;                                                                   \
     default: break;                                                                                \
     }
 
@@ -151,10 +157,10 @@ NTX_INLINE float ntx_hsum(__m256 v) {
 
 NTX_INLINE __m256i ntx_load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* Decode (one activation row) streams weight rows from memory, NW interleaved rows at a time,
- * a pattern the hardware prefetchers follow poorly. While a tile works on its block b, fetch
- * the matching share of the next tile's rows (contiguous after this tile's), so the next tile
- * finds its bytes in cache. */
+/* A tile that is the first to read its weight rows streams them from memory, NW interleaved
+ * rows at a time, a pattern the hardware prefetchers follow poorly. While it works on its
+ * block b, it fetches the matching share of the next tile's rows (contiguous after its own), so
+ * the next tile finds its bytes in cache. */
 NTX_INLINE void ntx_prefetch_next_tile(const uint8_t *w, size_t wrb, const int NW, size_t b, const int BB) {
     const uint8_t *p = w + NW * wrb + b * NW * BB;
     for (int o = 0; o < NW * BB; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);

@@ -13,11 +13,37 @@ static void deq_bf16(const uint8_t *w, int n, float *y) {
 
 enum flt { F_F32, F_F16, F_BF16 };
 
+/* Branch-free half → float, so loops over it vectorize: the 15 magnitude bits placed under a
+ * float exponent and scaled by 2^112 give every finite half exactly (subnormals included, in the
+ * default floating-point environment); an all-ones exponent becomes inf/NaN with its payload. */
+NTX_INLINE float half_to_f32_branchless(uint16_t h) {
+    uint32_t mag = (uint32_t)(h & 0x7fffu) << 13, bits;
+    float f;
+    memcpy(&f, &mag, 4);
+    f *= 0x1p112f;
+    memcpy(&bits, &f, 4);
+    bits = (h & 0x7c00u) == 0x7c00u ? mag | 0x7f800000u : bits;
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 NTX_INLINE float scalar_w(const int t, const uint8_t *w, int i) {
     float v;
     if (t == F_F32) memcpy(&v, w + 4 * i, 4);
+#if defined(__F16C__)
     return t == F_F32 ? v : t == F_F16 ? ntx_f16(w + 2 * i) : ntx_bf16(w + 2 * i);
+#else
+    return t == F_F32 ? v : t == F_F16 ? half_to_f32_branchless(ntx_u16(w + 2 * i)) : ntx_bf16(w + 2 * i);
+#endif
 }
+
+/* An explicit fma where the hardware has one: every tile shape then rounds alike. */
+#if defined(__FMA__)
+#define FMA(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
 
 #if defined(__AVX2__)
 /* Eight weights from element i on, as float32. */
@@ -30,7 +56,7 @@ NTX_INLINE __m256 vec_w(const int t, const uint8_t *w, int i) {
 #endif
 
 NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
-                           const uint8_t *a, size_t arb, int n, float *out) {
+                           const uint8_t *a, size_t arb, int n, int pf, float *out) {
     const float *x[NTX_TA];
     NTX_UNROLL
     for (int ia = 0; ia < NA; ia++) x[ia] = (const float *)(const void *)(a + ia * arb);
@@ -40,6 +66,7 @@ NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) s[iw][ia] = 0.0f;
     int i = 0;
+    (void)pf;
 #if defined(__AVX2__)
     __m256 acc[NTX_TW][NTX_TA];
     NTX_UNROLL
@@ -47,6 +74,7 @@ NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
+        if (pf) ntx_prefetch_next_tile(w, wrb, NW, (size_t)i / 8, t == F_F32 ? 32 : 16);
         __m256 xv[NTX_TA];
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) xv[ia] = _mm256_loadu_ps(x[ia] + i);
@@ -67,7 +95,7 @@ NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_
         for (int iw = 0; iw < NW; iw++) {
             float wv = scalar_w(t, w + iw * wrb, i);
             NTX_UNROLL
-            for (int ia = 0; ia < NA; ia++) s[iw][ia] += wv * x[ia][i];
+            for (int ia = 0; ia < NA; ia++) s[iw][ia] = FMA(wv, x[ia][i], s[iw][ia]);
         }
     NTX_UNROLL
     for (int iw = 0; iw < NW; iw++)
@@ -77,16 +105,16 @@ NTX_INLINE void float_tile(const int t, const int NW, const int NA, const uint8_
 
 #define F_TILE(name, T)                                                                            \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int n, float *out) {                                                          \
+                     int n, int pf, float *out) {                                                  \
         NTX_TILE_SWITCH(T##_SHAPE, nw, na)                                                         \
     }
-#define F_F32_SHAPE(NW, NA) float_tile(F_F32, NW, NA, w, wrb, a, arb, n, out)
-#define F_F16_SHAPE(NW, NA) float_tile(F_F16, NW, NA, w, wrb, a, arb, n, out)
-#define F_BF16_SHAPE(NW, NA) float_tile(F_BF16, NW, NA, w, wrb, a, arb, n, out)
+#define F_F32_SHAPE(NW, NA) float_tile(F_F32, NW, NA, w, wrb, a, arb, n, pf, out)
+#define F_F16_SHAPE(NW, NA) float_tile(F_F16, NW, NA, w, wrb, a, arb, n, pf, out)
+#define F_BF16_SHAPE(NW, NA) float_tile(F_BF16, NW, NA, w, wrb, a, arb, n, pf, out)
 F_TILE(tile_f32, F_F32)
 F_TILE(tile_f16, F_F16)
 F_TILE(tile_bf16, F_BF16)
 
-const ntx_kernel ntx_kernel_f32 = {1, 4, NTX_ACT_F32, tile_f32, deq_f32};
-const ntx_kernel ntx_kernel_f16 = {1, 2, NTX_ACT_F32, tile_f16, deq_f16};
-const ntx_kernel ntx_kernel_bf16 = {1, 2, NTX_ACT_F32, tile_bf16, deq_bf16};
+const ntx_kernel ntx_kernel_f32 = {1, 4, NTX_ACT_F32, tile_f32, deq_f32, 2, 4};
+const ntx_kernel ntx_kernel_f16 = {1, 2, NTX_ACT_F32, tile_f16, deq_f16, 2, 4};
+const ntx_kernel ntx_kernel_bf16 = {1, 2, NTX_ACT_F32, tile_bf16, deq_bf16, 2, 4};

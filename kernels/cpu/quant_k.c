@@ -26,39 +26,41 @@ NTX_INLINE int hbit(const uint8_t *h, int e) { return (h[e & 31] >> (e >> 5)) & 
 /* Q3_K: signed q in -4..3 (the offset is 0 where the mask bit is set). */
 NTX_INLINE int q3(const uint8_t *b, int e) { return q2_bits(b + 32, e) - (hbit(b, e) ? 0 : 4); }
 
-/* Q3_K's 16 six-bit scales (4 low bits in bytes 0..7, 2 high bits in bytes 8..11) as bytes,
- * offset by 32: the weight scale is sc - 32. */
-NTX_INLINE void q3_scale_bytes(const uint8_t *s, uint8_t out[16]) {
+/* Q3_K's 16 six-bit scales (4 low bits in bytes 0..7, 2 high bits in bytes 8..11) as 16 bytes
+ * in four words, offset by 32: the weight scale is sc - 32. */
+NTX_INLINE void q3_scale_words(const uint8_t *s, uint32_t v[4]) {
     const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    uint32_t a0 = ntx_u32(s), a1 = ntx_u32(s + 4), hi = ntx_u32(s + 8), v[4];
+    uint32_t a0 = ntx_u32(s), a1 = ntx_u32(s + 4), hi = ntx_u32(s + 8);
     v[0] = (a0 & m4) | ((hi >> 0) & m2) << 4;
     v[1] = (a1 & m4) | ((hi >> 2) & m2) << 4;
     v[2] = ((a0 >> 4) & m4) | ((hi >> 4) & m2) << 4;
     v[3] = ((a1 >> 4) & m4) | ((hi >> 6) & m2) << 4;
-    memcpy(out, v, 16);
 }
 
 NTX_INLINE void q3_scales(const uint8_t *s, int sc[16]) {
+    uint32_t v[4];
     uint8_t b[16];
-    q3_scale_bytes(s, b);
+    q3_scale_words(s, v);
+    memcpy(b, v, 16);
     for (int k = 0; k < 16; k++) sc[k] = b[k] - 32;
 }
 
-/* Q4_K / Q5_K: the 8 six-bit scales and 8 six-bit mins of the 12 scale bytes, as bytes
- * (scales in 0..7, mins in 8..15). */
-NTX_INLINE void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
+/* Q4_K / Q5_K: the 8 six-bit scales and 8 six-bit mins of the 12 scale bytes, as 16 bytes in
+ * four words (scales in bytes 0..7, mins in 8..15). */
+NTX_INLINE void k_scale_min_words(const uint8_t *s, uint32_t v[4]) {
     const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    uint32_t a0 = ntx_u32(s), a1 = ntx_u32(s + 4), a2 = ntx_u32(s + 8), v[4];
+    uint32_t a0 = ntx_u32(s), a1 = ntx_u32(s + 4), a2 = ntx_u32(s + 8);
     v[0] = a0 & m6;
     v[1] = (a2 & m4) | ((a0 >> 6) & m2) << 4;
     v[2] = a1 & m6;
     v[3] = ((a2 >> 4) & m4) | ((a1 >> 6) & m2) << 4;
-    memcpy(out, v, 16);
 }
 
 NTX_INLINE void k_scale_min(const uint8_t *s, int sc[8], int mn[8]) {
+    uint32_t v[4];
     uint8_t b[16];
-    k_scale_min_bytes(s, b);
+    k_scale_min_words(s, v);
+    memcpy(b, v, 16);
     for (int j = 0; j < 8; j++) sc[j] = b[j], mn[j] = b[8 + j];
 }
 
@@ -235,7 +237,8 @@ NTX_PORTABLE float dot_q6_k(const uint8_t *w, const ntx_q8_256 *a, int nb) {
 
 #define PORTABLE_TILE(name, dot)                                                                   \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
+        (void)pf;                                                                                  \
         for (int iw = 0; iw < nw; iw++)                                                            \
             for (int ia = 0; ia < na; ia++)                                                        \
                 out[iw * NTX_TA + ia] = dot(w + iw * wrb, (const ntx_q8_256 *)(a + ia * arb), nb);  \
@@ -282,7 +285,7 @@ NTX_INLINE __m256i pair_scales(const __m256i half[2], const int g) {
 }
 
 NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
-                       const uint8_t *a, size_t arb, int nb, float *out) {
+                       const uint8_t *a, size_t arb, int nb, int pf, float *out) {
     const int BB = k_bytes(t), MINS = t == K_Q2 || t == K_Q4 || t == K_Q5;
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[NTX_TW][NTX_TA];
@@ -291,7 +294,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
+        if (pf) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_256 *ab[NTX_TA];
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) ab[ia] = (const ntx_q8_256 *)(a + ia * arb) + b;
@@ -301,9 +304,9 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
             __m256i isum[NTX_TA], msum[NTX_TA];
             float d, dmin = 0.0f;
             if (t == K_Q4 || t == K_Q5) {
-                uint8_t sm[16];
-                k_scale_min_bytes(wb + 4, sm);
-                __m128i v = _mm_loadu_si128((const __m128i *)sm);
+                uint32_t sm[4];
+                k_scale_min_words(wb + 4, sm);
+                __m128i v = _mm_setr_epi32((int)sm[0], (int)sm[1], (int)sm[2], (int)sm[3]);
                 __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v)); /* 8 scales, both lanes */
                 __m256i mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));      /* mn0 mn0 mn1 mn1 … */
                 d = ntx_f16(wb), dmin = ntx_f16(wb + 2);
@@ -343,14 +346,14 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
                     qsrc[0] = ntx_load256(wb + 16), qsrc[1] = ntx_load256(wb + 48);
                     d = ntx_f16(wb + 80), dmin = ntx_f16(wb + 82);
                 } else if (t == K_Q3) {
-                    uint8_t sb[16];
-                    q3_scale_bytes(wb + 96, sb);
-                    sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sb)),
+                    uint32_t sb[4];
+                    q3_scale_words(wb + 96, sb);
+                    sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_setr_epi32((int)sb[0], (int)sb[1], (int)sb[2], (int)sb[3])),
                                             _mm256_set1_epi16(32));
                     hsrc = ntx_load256(wb);
                     qsrc[0] = ntx_load256(wb + 32), qsrc[1] = ntx_load256(wb + 64);
                     d = ntx_f16(wb + 108);
-                    off = 4; /* q + 4 = low bits | mask bit << 2 */
+                    off = 4; /* q + 4 = low bits | mask bit << 2; off is 4 or 32, a shift */
                 } else {
                     sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 192)));
                     d = ntx_f16(wb + 208);
@@ -360,7 +363,7 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
                 for (int ia = 0; ia < NA; ia++) {
                     /* lanes start at -off Σ_k sc_k bsum_k: the dot of the unsigned codes lands on Σ sc (q - off) a */
                     __m256i c = _mm256_madd_epi16(ntx_load256(ab[ia]->bsums), sc16);
-                    isum[ia] = off ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(c, _mm256_set1_epi32(off)))
+                    isum[ia] = off ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(c, off == 4 ? 2 : 5))
                                    : _mm256_setzero_si256();
                 }
                 const __m256i half[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xee)};
@@ -397,16 +400,16 @@ NTX_INLINE void k_tile(const int t, const int NW, const int NA, const uint8_t *w
 
 #define SIMD_TILE(name, T)                                                                         \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
         _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
         NTX_TILE_SWITCH(T##_SHAPE, nw, na)                                                         \
         _Pragma("GCC diagnostic pop")                                                              \
     }
-#define K_Q2_SHAPE(NW, NA) k_tile(K_Q2, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q3_SHAPE(NW, NA) k_tile(K_Q3, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q4_SHAPE(NW, NA) k_tile(K_Q4, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q5_SHAPE(NW, NA) k_tile(K_Q5, NW, NA, w, wrb, a, arb, nb, out)
-#define K_Q6_SHAPE(NW, NA) k_tile(K_Q6, NW, NA, w, wrb, a, arb, nb, out)
+#define K_Q2_SHAPE(NW, NA) k_tile(K_Q2, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q3_SHAPE(NW, NA) k_tile(K_Q3, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q4_SHAPE(NW, NA) k_tile(K_Q4, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q5_SHAPE(NW, NA) k_tile(K_Q5, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define K_Q6_SHAPE(NW, NA) k_tile(K_Q6, NW, NA, w, wrb, a, arb, nb, pf, out)
 SIMD_TILE(tile_q2_k, K_Q2)
 SIMD_TILE(tile_q3_k, K_Q3)
 SIMD_TILE(tile_q4_k, K_Q4)
@@ -414,8 +417,8 @@ SIMD_TILE(tile_q5_k, K_Q5)
 SIMD_TILE(tile_q6_k, K_Q6)
 #endif
 
-const ntx_kernel ntx_kernel_q2_k = {256, Q2_K_BYTES, NTX_ACT_Q8_256, tile_q2_k, deq_q2_k};
-const ntx_kernel ntx_kernel_q3_k = {256, Q3_K_BYTES, NTX_ACT_Q8_256, tile_q3_k, deq_q3_k};
-const ntx_kernel ntx_kernel_q4_k = {256, Q4_K_BYTES, NTX_ACT_Q8_256, tile_q4_k, deq_q4_k};
-const ntx_kernel ntx_kernel_q5_k = {256, Q5_K_BYTES, NTX_ACT_Q8_256, tile_q5_k, deq_q5_k};
-const ntx_kernel ntx_kernel_q6_k = {256, Q6_K_BYTES, NTX_ACT_Q8_256, tile_q6_k, deq_q6_k};
+const ntx_kernel ntx_kernel_q2_k = {256, Q2_K_BYTES, NTX_ACT_Q8_256, tile_q2_k, deq_q2_k, 1, 8};
+const ntx_kernel ntx_kernel_q3_k = {256, Q3_K_BYTES, NTX_ACT_Q8_256, tile_q3_k, deq_q3_k, 1, 8};
+const ntx_kernel ntx_kernel_q4_k = {256, Q4_K_BYTES, NTX_ACT_Q8_256, tile_q4_k, deq_q4_k, 1, 8};
+const ntx_kernel ntx_kernel_q5_k = {256, Q5_K_BYTES, NTX_ACT_Q8_256, tile_q5_k, deq_q5_k, 1, 8};
+const ntx_kernel ntx_kernel_q6_k = {256, Q6_K_BYTES, NTX_ACT_Q8_256, tile_q6_k, deq_q6_k, 1, 8};

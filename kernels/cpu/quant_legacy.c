@@ -145,7 +145,8 @@ NTX_PORTABLE float dot_q8_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
 
 #define PORTABLE_TILE(name, dot)                                                                   \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
+        (void)pf;                                                                                  \
         for (int iw = 0; iw < nw; iw++)                                                            \
             for (int ia = 0; ia < na; ia++)                                                        \
                 out[iw * NTX_TA + ia] = dot(w + iw * wrb, (const ntx_q8_32 *)(a + ia * arb), nb);   \
@@ -210,7 +211,7 @@ NTX_INLINE __m256i unpack(const int t, const uint8_t *wb) {
 }
 
 NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
-                            const uint8_t *a, size_t arb, int nb, float *out) {
+                            const uint8_t *a, size_t arb, int nb, int pf, float *out) {
     const int BB = block_bytes(t), OFF = offset(t), HAS_M = t == L_Q4_1 || t == L_Q5_1;
     __m256 acc[NTX_TW][NTX_TA];
     float macc[NTX_TW][NTX_TA];
@@ -219,7 +220,7 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         NTX_UNROLL
         for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps(), macc[iw][ia] = 0.0f;
     for (int b = 0; b < nb; b++) {
-        if (NA == 1) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
+        if (pf) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
         const ntx_q8_32 *ab[NTX_TA];
         __m256i q[NTX_TA], base[NTX_TA];
         __m256 da[NTX_TA];
@@ -266,16 +267,16 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
 
 #define SIMD_TILE(name, T)                                                                         \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
-                     int nb, float *out) {                                                         \
+                     int nb, int pf, float *out) {                                                 \
         _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
         NTX_TILE_SWITCH(T##_SHAPE, nw, na)                                                         \
         _Pragma("GCC diagnostic pop")                                                              \
     }
-#define L_Q4_0_SHAPE(NW, NA) legacy_tile(L_Q4_0, NW, NA, w, wrb, a, arb, nb, out)
-#define L_Q4_1_SHAPE(NW, NA) legacy_tile(L_Q4_1, NW, NA, w, wrb, a, arb, nb, out)
-#define L_Q5_0_SHAPE(NW, NA) legacy_tile(L_Q5_0, NW, NA, w, wrb, a, arb, nb, out)
-#define L_Q5_1_SHAPE(NW, NA) legacy_tile(L_Q5_1, NW, NA, w, wrb, a, arb, nb, out)
-#define L_Q8_0_SHAPE(NW, NA) legacy_tile(L_Q8_0, NW, NA, w, wrb, a, arb, nb, out)
+#define L_Q4_0_SHAPE(NW, NA) legacy_tile(L_Q4_0, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L_Q4_1_SHAPE(NW, NA) legacy_tile(L_Q4_1, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L_Q5_0_SHAPE(NW, NA) legacy_tile(L_Q5_0, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L_Q5_1_SHAPE(NW, NA) legacy_tile(L_Q5_1, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L_Q8_0_SHAPE(NW, NA) legacy_tile(L_Q8_0, NW, NA, w, wrb, a, arb, nb, pf, out)
 SIMD_TILE(tile_q4_0, L_Q4_0)
 SIMD_TILE(tile_q4_1, L_Q4_1)
 SIMD_TILE(tile_q5_0, L_Q5_0)
@@ -283,8 +284,13 @@ SIMD_TILE(tile_q5_1, L_Q5_1)
 SIMD_TILE(tile_q8_0, L_Q8_0)
 #endif
 
-const ntx_kernel ntx_kernel_q4_0 = {32, Q4_0_BYTES, NTX_ACT_Q8_32, tile_q4_0, deq_q4_0};
-const ntx_kernel ntx_kernel_q4_1 = {32, Q4_1_BYTES, NTX_ACT_Q8_32, tile_q4_1, deq_q4_1};
-const ntx_kernel ntx_kernel_q5_0 = {32, Q5_0_BYTES, NTX_ACT_Q8_32, tile_q5_0, deq_q5_0};
-const ntx_kernel ntx_kernel_q5_1 = {32, Q5_1_BYTES, NTX_ACT_Q8_32, tile_q5_1, deq_q5_1};
-const ntx_kernel ntx_kernel_q8_0 = {32, Q8_0_BYTES, NTX_ACT_Q8_32, tile_q8_0, deq_q8_0};
+#if defined(__AVX512F__)
+#define PREFILL 1, 8
+#else
+#define PREFILL 2, 4
+#endif
+const ntx_kernel ntx_kernel_q4_0 = {32, Q4_0_BYTES, NTX_ACT_Q8_32, tile_q4_0, deq_q4_0, PREFILL};
+const ntx_kernel ntx_kernel_q4_1 = {32, Q4_1_BYTES, NTX_ACT_Q8_32, tile_q4_1, deq_q4_1, PREFILL};
+const ntx_kernel ntx_kernel_q5_0 = {32, Q5_0_BYTES, NTX_ACT_Q8_32, tile_q5_0, deq_q5_0, PREFILL};
+const ntx_kernel ntx_kernel_q5_1 = {32, Q5_1_BYTES, NTX_ACT_Q8_32, tile_q5_1, deq_q5_1, PREFILL};
+const ntx_kernel ntx_kernel_q8_0 = {32, Q8_0_BYTES, NTX_ACT_Q8_32, tile_q8_0, deq_q8_0, PREFILL};

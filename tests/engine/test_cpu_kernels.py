@@ -1,8 +1,8 @@
 """The CPU backend's quantized kernels (kernels/cpu/quant*.c) against gguf.quants and float64.
 
 Every weight type runs in every build variant this CPU can execute (generic C, x86-64-v3 AVX2,
-x86-64-v4 with AVX-512 VNNI), each compiled with gcc into a temporary directory once per
-session and loaded with ctypes.
+x86-64-v4 with AVX-512 VNNI), each compiled by the host backend's build module (native.build,
+the daemon's own flags) into a temporary directory once per session.
 
 Matmul error bound. ntx_quantize_act stores each activation block as q = round(x / d_a) with
 d_a = amax / 127, so |x_i − d_a q_i| ≤ (d_a / 2)(1 + 2^-10) (the 2^-10 covers the float
@@ -24,11 +24,6 @@ alone, which is tight enough to catch any wrong element).
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -36,17 +31,8 @@ from gguf import quants as gguf_quants
 
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, SUPPORTED_TYPES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = ("quant.c", "quant_legacy.c", "quant_k.c", "quant_float.c")
-
-# variant → (gcc flags, /proc/cpuinfo flags it needs, what ntx_isa answers)
-VARIANTS = {
-    "generic": ([], (), "generic"),
-    "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c", "bmi2"), "avx2"),
-    "avx512": (["-march=x86-64-v4", "-mavx512vnni"],
-               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
-                "avx512_vnni"), "avx512"),
-}
+from ntransformerd.engine.backends.host import native
+from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, SUPPORTED_TYPES
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -54,44 +40,18 @@ ACT32 = np.dtype([("d", np.float32), ("s", np.float32), ("q", np.int8, 32)])
 ACT256 = np.dtype([("d", np.float32), ("bsums", np.int16, 16), ("q", np.int8, 256)])
 
 
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def build_kernels(out_dir: str) -> dict[str, ctypes.CDLL]:
-    """Compile every variant this CPU runs; {variant: library}."""
-    flags, libs = cpu_flags(), {}
-    for name, (cflags, needs, _) in VARIANTS.items():
-        if not set(needs) <= flags:
-            continue
-        so = os.path.join(out_dir, f"libntx_cpu_{name}.so")
-        cmd = ["gcc", "-O3", *cflags, "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-Wall", "-Wextra",
-               "-Werror", "-o", so, *(os.path.join(ROOT, "kernels", "cpu", s) for s in SOURCES), "-lm"]
-        subprocess.run(cmd, check=True)
-        lib = ctypes.CDLL(so)
-        vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        lib.ntx_act_row_bytes.argtypes, lib.ntx_act_row_bytes.restype = [i, i], sz
-        lib.ntx_quantize_act.argtypes, lib.ntx_quantize_act.restype = [i, vp, i, i, i, vp], None
-        lib.ntx_gemm.argtypes, lib.ntx_gemm.restype = [i, vp, sz, i, i, i, vp, i, vp, i, vp], None
-        lib.ntx_dequantize_rows.argtypes, lib.ntx_dequantize_rows.restype = [i, vp, sz, i, vp, i, vp], None
-        lib.ntx_isa.argtypes, lib.ntx_isa.restype = [], ctypes.c_char_p
-        libs[name] = lib
-    return libs
-
-
 @pytest.fixture(scope="session")
-def kernels(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed (apt install gcc)")
-    return build_kernels(str(tmp_path_factory.mktemp("ntx_cpu")))
+def kernels(tmp_path_factory) -> dict[str, native.Library]:
+    """Every variant this CPU runs, built from this tree into a fresh directory."""
+    if not native.available():
+        pytest.skip("no C compiler (apt install gcc)")
+    out_dir, flags = str(tmp_path_factory.mktemp("ntx_cpu")), native.cpu_flags()
+    return {v.name: native.Library(native.build(v, out_dir=out_dir, quiet=True), v)
+            for v in native.VARIANTS if all(f in flags for f in v.needs)}
 
 
-@pytest.fixture(params=list(VARIANTS))
-def lib(request, kernels) -> ctypes.CDLL:
+@pytest.fixture(params=[v.name for v in native.VARIANTS])
+def lib(request, kernels) -> native.Library:
     if request.param not in kernels:
         pytest.skip(f"this CPU cannot run the {request.param} variant")
     return kernels[request.param]
@@ -105,10 +65,10 @@ def ptr(a: np.ndarray | None) -> int | None:
 
 def quantize_act(lib, qtype: Q, x: np.ndarray) -> np.ndarray:
     nr, n = x.shape
-    arb = lib.ntx_act_row_bytes(int(qtype), n)
+    arb = lib.act_row_bytes(int(qtype), n)
     assert arb > 0
     act = np.empty((nr, arb), np.uint8)
-    lib.ntx_quantize_act(int(qtype), ptr(x), nr, n, x.strides[0] // 4, ptr(act))
+    lib.quantize_act(int(qtype), ptr(x), nr, n, x.strides[0] // 4, ptr(act))
     return act
 
 
@@ -119,7 +79,7 @@ def gemm(lib, qtype: Q, w: np.ndarray, n: int, act: np.ndarray, j0: int = 0, j1:
     j1 = rows if j1 is None else j1
     if out is None:
         out = np.full((act.shape[0], rows), np.nan, np.float32)
-    lib.ntx_gemm(int(qtype), ptr(w), w.shape[1], n, j0, j1, ptr(act), act.shape[0], ptr(out),
+    lib.gemm(int(qtype), ptr(w), w.shape[1], n, j0, j1, ptr(act), act.shape[0], ptr(out),
                  out.strides[0] // 4, ptr(res))
     return out
 
@@ -127,7 +87,7 @@ def gemm(lib, qtype: Q, w: np.ndarray, n: int, act: np.ndarray, j0: int = 0, j1:
 def dequantize_rows(lib, qtype: Q, w: np.ndarray, n: int, ids: np.ndarray) -> np.ndarray:
     ids = np.ascontiguousarray(ids, np.int64)
     out = np.full((ids.size, n), np.nan, np.float32)
-    lib.ntx_dequantize_rows(int(qtype), ptr(w), w.shape[1], n, ptr(ids), ids.size, ptr(out))
+    lib.dequantize_rows(int(qtype), ptr(w), w.shape[1], n, ptr(ids), ids.size, ptr(out))
     return out
 
 
@@ -237,7 +197,7 @@ def activations(nr: int, n: int, rng: np.random.Generator) -> np.ndarray:
 def test_variant_reports_its_isa(kernels):
     assert kernels, "no variant was built"
     for name, lib in kernels.items():
-        assert lib.ntx_isa().decode() == VARIANTS[name][2]
+        assert lib.isa().decode() == name
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
@@ -282,7 +242,7 @@ def test_quantize_act_format(lib, qtype, kernels):
     else:
         assert np.array_equal(blocks["bsums"], blocks["q"].reshape(5, -1, 16, 16).astype(np.int32).sum(-1))
     for other in kernels.values():
-        assert np.array_equal(quantize_act(other, qtype, x), act), other.ntx_isa()
+        assert np.array_equal(quantize_act(other, qtype, x), act), other.variant.name
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
@@ -328,13 +288,29 @@ def test_gemm_res_and_ranges(lib, qtype):
             assert np.isnan(padded[:, outside]).all(), f"nr {nr}: [{j0}, {j1}) wrote outside its range"
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_gemm_converts_every_finite_half(lib, qtype):
+    """Against one-hot activation rows a float-weight matmul returns each weight itself: every
+    finite F16 / BF16 bit pattern (subnormals included) converts exactly in every variant."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    exp_mask = 0x7C00 if qtype == Q.F16 else 0x7F80
+    bits = bits[(bits & exp_mask) != exp_mask].astype(np.uint16)  # drop inf / NaN
+    n = 16
+    w = bits[: bits.size // n * n].reshape(-1, n)
+    ref = (w.view(np.float16).astype(np.float32) if qtype == Q.F16
+           else (w.astype(np.uint32) << 16).view(np.float32))
+    x = np.eye(n, dtype=np.float32)
+    out = gemm(lib, qtype, w.view(np.uint8), n, quantize_act(lib, qtype, x))
+    assert np.array_equal(out, ref.T), f"{np.count_nonzero(out != ref.T)} weights converted wrongly"
+
+
 def test_bad_calls_are_visible(lib):
-    assert lib.ntx_act_row_bytes(int(Q.Q4_K), 300) == 0  # not a whole super-block
-    assert lib.ntx_act_row_bytes(99, 256) == 0  # no such type
+    assert lib.act_row_bytes(int(Q.Q4_K), 300) == 0  # not a whole super-block
+    assert lib.act_row_bytes(99, 256) == 0  # no such type
     w = np.zeros((4, 18), np.uint8)
     act = np.zeros((1, 40), np.uint8)
     out = np.zeros((1, 4), np.float32)
-    lib.ntx_gemm(99, ptr(w), 18, 32, 0, 4, ptr(act), 1, ptr(out), 4, None)
+    lib.gemm(99, ptr(w), 18, 32, 0, 4, ptr(act), 1, ptr(out), 4, None)
     assert np.isnan(out).all()
 
 

@@ -12,10 +12,12 @@ import pytest
 from ntransformerd.engine import engine as engine_module
 from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine import tiers
 from ntransformerd.engine.tiers import runs
 from ntransformerd.engine.tiers.multi import MultiPlan, plan_devices
-from ntransformerd.engine.tiers.planner import PINNED, SKIP, STORAGE, VRAM, Plan
-from ntransformerd.engine.tiers.runs import Run, layout_of, runs_of
+from ntransformerd.engine.tiers.placement import Figures
+from ntransformerd.engine.tiers.planner import HOST, PINNED, SKIP, STORAGE, VRAM, Plan
+from ntransformerd.engine.tiers.runs import DeviceKV, Run, layout_of, runs_of
 
 
 def _run(engine, prompt=(1, 2, 3, 4, 5, 6, 7), steps=3):
@@ -131,6 +133,52 @@ def test_config_devices_on_the_host_split_the_layers(small):
     for x, y in zip(_run(e, steps=2), ref):
         assert np.array_equal(x, y)
     assert e.pipeline.handoff.stats["copies"] > 0
+
+
+def _host_engine(model, **kw):
+    """The main device resident on layer 0 and streaming 1-3; beside it the host, which (by
+    made-up figures: link and host alike, the host unmeasured beyond 2 rows) computes some
+    streamed layers in steps of 1 or 2 rows; steps of 3 rows (prefill chunks) stream them all."""
+    config = EngineConfig(**CONFIG, max_vram_layers=1, host_compute="auto")
+    plan = tiers.model_plan(model, config, backend="cpu", figures=Figures(1e9, {1: 1e9, 2: 1e9}))
+    return Engine(model, config=config, plan=plan, poison=True, **kw)
+
+
+def test_host_beside_the_main_device_bit_identical(small):
+    """Two CPU "devices", the main one and the host, the layers moving between them with the
+    step shape: each step's hand-offs are poisoned, the KV of a layer both compute is mirrored,
+    and the output is bit-identical to one device."""
+    model, _, ref = small
+    e = _host_engine(model)
+    assert e.plan.tiers == (VRAM, PINNED, PINNED, PINNED) and e.plan.schedule.host_layers, e.plan.explain()
+    assert [st.name for st in e.pipeline.stages] == ["cpu-ref:0", "host"]
+    host = set(e.plan.schedule.host_layers)
+    assert {r.device for r in e.pipeline.layout.runs_for(2)} == {0, 1}
+    assert all(r.device == 0 for r in e.pipeline.layout.runs_for(3))  # a prefill chunk: the link brings all
+    assert isinstance(e.kv, DeviceKV) and all(e.kv.homes[i] == (0, 1) for i in host)
+    assert all(e.kv.homes[i] == (0,) for i in set(range(4)) - host)
+    got = _run(e, steps=2)
+    e.unload()
+    for x, y in zip(got, ref):
+        assert np.array_equal(x, y)
+    def handoffs(rows):  # the embedding and the output on device 0
+        ds = [0] + [r.device for r in e.pipeline.layout.runs_for(rows)] + [0]
+        return sum(a != b for a, b in zip(ds, ds[1:]))
+
+    # steps of ≤ 2 rows: the prompt's last chunk (1 row) and the 2 decode steps (2 rows)
+    assert handoffs(2) >= 2 and e.pipeline.handoff.stats["copies"] == handoffs(1) + 2 * handoffs(2)
+    assert "host compute" in e.plan.explain() and HOST in e.plan.schedule.placements[0].tiers
+
+
+def test_without_the_kv_mirror_the_host_reads_holes(small, monkeypatch):
+    """What the mirror does: a prefill chunk computed on the main device leaves the host's cache
+    of the layers it shares empty; the host's next decode then differs."""
+    model, _, ref = small
+    monkeypatch.setattr(DeviceKV, "mirror", lambda self, batch, groups: None)
+    e = _host_engine(model)
+    got = _run(e, steps=2)
+    e.unload()
+    assert not all(np.array_equal(x, y) for x, y in zip(got, ref))
 
 
 def test_a_poisoned_handoff_shows_a_stale_read(tiny, monkeypatch):

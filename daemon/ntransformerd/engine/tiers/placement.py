@@ -19,7 +19,7 @@ The pass is simulated as the slot ring runs it (`pass_seconds`): copies start wh
 begins and run `depth` streamed layers ahead of the GPU, each waiting for its slot's last user;
 layers are computed in order, resident and streamed ones on the GPU, host ones on the host; a
 change of device costs a hand-off. The candidates spread the host's layers over the streamed ones
-in stretches (k of every m, `spread`), so that each stretch of host work hides the copies of the
+in stretches (`spread`), so that each stretch of host work hides the copies of the
 streamed layers after it; the fastest candidate wins, ties going to fewer host layers, then to
 fewer hand-offs.
 """
@@ -30,11 +30,11 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, VRAM,
-                                                Plan, layer_span)
+from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, HOST, PINNED, SKIP, STORAGE, Plan,
+                                                layer_span)
 
-# What the host read while the link copied, on the H200 machine (issue 23: 14 threads summing an
-# 8 GiB array): the one assumed host figure, for decode at batch 1 only.
+# What the H200 machine's host read (14 threads summing an 8 GiB array) while its link copied
+# (issue 23): the one assumed host figure, for decode at batch 1 only.
 ASSUMED_HOST_BPS = 64.2e9
 STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedule covers besides prefill
 
@@ -138,12 +138,12 @@ def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int) -> Pas
     return PassTime(t, link_s, host_s, handoffs)
 
 
-def spread(m: int, chunk: int, k: int) -> list[bool]:
+def spread(m: int, chunk: int, k: int, phase: float = 0.0) -> list[bool]:
     """Which of m positions the host takes: the positions in chunks of `chunk`, k of the chunks
-    spread evenly (Bresenham), each after a streamed one where it can be, so that the ring's
-    first copies (made while the resident layers compute) are used first."""
+    spread evenly (Bresenham); phase 0 ends each period with the host's chunk (the ring's first
+    copies, made while the resident layers compute, are used first), 0.5 centres it."""
     n = -(-m // chunk)
-    take = [(c + 1) * k // n > c * k // n for c in range(n)]
+    take = [math.floor((c + 1) * k / n + phase) > math.floor(c * k / n + phase) for c in range(n)]
     return [take[p // chunk] for p in range(m)]
 
 
@@ -168,16 +168,16 @@ def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
     m = len(streamed)
     none = pass_seconds(plan, set(), figures, rows)
     best_key, best = (none.seconds, 0, none.handoffs), (set(), none)
-    if figures.host(rows) > 0:
-        chunks = sorted({1 << e for e in range(max(m, 1).bit_length())} | {m})
-        for chunk in chunks:
+    if m and figures.host(rows) > 0:
+        for chunk in sorted({1 << e for e in range(m.bit_length())} | {m}):
             n = -(-m // chunk)
             for k in range(1, n + 1):
-                host = {i for i, h in zip(streamed, spread(m, chunk, k)) if h}
-                pt = pass_seconds(plan, host, figures, rows)
-                key = (round(pt.seconds, 12), len(host), pt.handoffs)
-                if key < best_key:
-                    best_key, best = key, (host, pt)
+                for phase in (0.0, 0.5):
+                    host = {i for i, h in zip(streamed, spread(m, chunk, k, phase)) if h}
+                    pt = pass_seconds(plan, host, figures, rows)
+                    key = (round(pt.seconds, 12), len(host), pt.handoffs)
+                    if key < best_key:
+                        best_key, best = key, (host, pt)
     host, pt = best
     tiers = tuple(HOST if i in host else t for i, t in enumerate(plan.tiers))
     return Placement(rows, tiers, pt, none)

@@ -98,6 +98,8 @@ class Plan:
     ram_limit: int  # what the plan was allowed to pin in host RAM
     reasons: tuple[str, ...] = ()  # the overrides and limits that shaped it, for explain()
     skipped_streamed_bytes: int = 0  # bytes per step the skipped layers would have streamed
+    # Which streamed layers the host computes at each step shape (placement.Schedule); None: none.
+    schedule: object | None = None
 
     def layers(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -151,6 +153,7 @@ class Plan:
             "streamed_bytes_per_step": self.streamed_bytes_per_step,
             "skipped_streamed_bytes": self.skipped_streamed_bytes,
             "reasons": list(self.reasons),
+            **({"host_compute": self.schedule.to_dict()} if self.schedule is not None else {}),
         }
 
     def explain(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> str:
@@ -177,6 +180,8 @@ class Plan:
                          f"[{layer_span(self.skipped)}]: neither loaded nor computed"
                          + (f", {fmt_bytes(self.skipped_streamed_bytes)} per step not streamed"
                             if self.skipped_streamed_bytes else ""))
+        if self.schedule is not None:
+            lines += self.schedule.explain()
         for r in self.reasons:
             lines.append(f"  note: {r}")
         return "\n".join(lines)

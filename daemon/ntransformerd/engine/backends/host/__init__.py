@@ -39,8 +39,10 @@ def available() -> bool:
 
 
 def default_threads() -> int:
-    """One thread per CPU this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """OMP_NUM_THREADS where it is set (OpenMP's own convention), else one thread per CPU this
+    process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
 
 
 def matrix(model: GGUFModel, name: str) -> Matrix:

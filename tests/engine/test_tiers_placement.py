@@ -1,0 +1,147 @@
+"""The host's share of the streamed layers per step shape (tiers/placement.py), from made-up
+figures: pure functions, no device."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from ntransformerd.engine.tiers.placement import (Figures, pass_seconds, place_rows, spread, with_schedule)
+from ntransformerd.engine.tiers.planner import HOST, PINNED, SKIP, STORAGE, VRAM, Plan
+
+GB = 1e9
+
+
+def plan(tiers, nbytes=1e9, depth=2) -> Plan:
+    return Plan(tuple(tiers), (int(nbytes),) * len(tiers), depth, int(nbytes), 0, 0, 0, -1, -1)
+
+
+def test_pass_seconds_by_hand():
+    """3 streamed layers of 1 GB, link 1 GB/s, depth 2, GPU compute free: all over the link the
+    pass waits for each copy (3 s); the host taking the middle one while the third is copied
+    makes it 2 s; a hand-off costs its time each way."""
+    p = plan([PINNED] * 3)
+    f = Figures(1 * GB, {1: 1 * GB})
+    assert pass_seconds(p, set(), f, 1).seconds == pytest.approx(3.0)
+    mid = pass_seconds(p, {1}, f, 1)
+    assert (mid.seconds, mid.link_seconds, mid.host_seconds, mid.handoffs) == pytest.approx((2.0, 2.0, 1.0, 2))
+    assert pass_seconds(p, {1}, dataclasses.replace(f, handoff_s=0.1), 1).seconds == pytest.approx(2.2)
+    assert pass_seconds(p, {2}, f, 1).seconds == pytest.approx(3.0)  # host last: the link idles meanwhile
+    # depth 1: the third copy waits for the first layer's slot (released when computed at 1 s)
+    assert pass_seconds(plan([PINNED] * 3, depth=1), set(), f, 1).seconds == pytest.approx(3.0)
+    # GPU compute counted: 0.5 s per layer; resident layers cost compute only
+    g = dataclasses.replace(f, gpu_bps={1: 2 * GB})
+    assert pass_seconds(plan([VRAM, PINNED]), set(), g, 1).seconds == pytest.approx(1.5)
+
+
+def test_storage_layers_are_bound_by_the_disk_either_way():
+    p = plan([STORAGE, STORAGE])
+    f = Figures(10 * GB, {1: 10 * GB}, disk_bps=1 * GB)
+    assert pass_seconds(p, set(), f, 1).link_seconds == pytest.approx(2.0)
+    assert pass_seconds(p, {1}, f, 1).host_seconds == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("link,host,depth", [(55, 64.2, 2), (55, 55, 2), (6.5, 40, 2), (40, 6.5, 8)])
+def test_the_host_share_balances_the_two_paths(link, host, depth):
+    """40 streamed layers after 8 resident: the chosen pass is near the balanced bound
+    bytes / (link + host), below the all-streamed one, and the host's share of the bytes near
+    host / (link + host)."""
+    tiers = [VRAM] * 8 + [PINNED] * 40
+    f = Figures(link * GB, {1: host * GB}, gpu_bps={1: 3000 * GB})
+    p = place_rows(plan(tiers, 0.5e9, depth), f, 1)
+    total = 40 * 0.5e9
+    bound = total / ((link + host) * GB) + 48 * 0.5e9 / (3000 * GB)
+    assert p.time.seconds <= bound * 1.12, (p.time, bound)
+    assert p.time.seconds < p.streamed.seconds
+    share = len(p.host_layers) / 40
+    assert abs(share - host / (link + host)) < 0.12, (share, p.host_layers)
+    assert all(tiers[i] == PINNED for i in p.host_layers)  # never a resident layer
+    assert max(p.time.link_seconds, p.time.host_seconds) <= p.time.seconds + 1e-9
+
+
+def test_a_short_ring_keeps_a_slow_host_out():
+    """A host 6× slower than the link: one host layer lasts 6 copies, a ring of 2 slots hides only
+    2 of them, so the host takes nothing; a ring of 8 lets it take its share."""
+    tiers = [VRAM] * 8 + [PINNED] * 40
+    f = Figures(40 * GB, {1: 6.5 * GB})
+    assert place_rows(plan(tiers, 0.5e9, 2), f, 1).host_layers == []
+    assert place_rows(plan(tiers, 0.5e9, 8), f, 1).host_layers
+
+
+def test_large_steps_stream_everything():
+    """The host measured compute-bound at 512 rows (1 GB/s) and unmeasured beyond 512: the link
+    takes every layer there; at batch 1 the host takes its share."""
+    f = Figures(55 * GB, {1: 64 * GB, 16: 20 * GB, 512: 1 * GB})
+    p = with_schedule(plan([VRAM] * 4 + [PINNED] * 28, 0.13e9), f, (1, 16, 512, 1024))
+    by = {x.rows: x for x in p.schedule.placements}
+    assert len(by[1].host_layers) > len(by[16].host_layers) > 0
+    assert by[512].host_layers == [] and by[1024].host_layers == []
+    assert p.schedule.host_layers == sorted(set(by[1].host_layers) | set(by[16].host_layers))
+    assert f.host(8) == pytest.approx(1 / (8 / 15 / (64 * GB) + 7 / 15 / (20 * GB)))  # time per byte interpolated
+    assert f.host(2048) == 0 and f.host(1) == 64 * GB
+
+
+def test_handoffs_are_paid_for():
+    """Hand-offs cost time: costly ones make a slower pass than free ones, still ahead of
+    streaming everything; one dearer than what the host saves leaves the host out."""
+    tiers = [PINNED] * 32
+    free = place_rows(plan(tiers, 0.1e9), Figures(50 * GB, {1: 50 * GB}), 1)
+    costly = place_rows(plan(tiers, 0.1e9), Figures(50 * GB, {1: 50 * GB}, handoff_s=1e-3), 1)
+    assert free.time.seconds < costly.time.seconds < costly.streamed.seconds
+    assert costly.time.seconds >= costly.time.handoffs * 1e-3
+    assert place_rows(plan(tiers, 0.1e9), Figures(50 * GB, {1: 50 * GB}, handoff_s=0.05), 1).host_layers == []
+
+
+def test_a_host_not_faster_than_nothing_takes_nothing():
+    p = place_rows(plan([PINNED] * 8), Figures(50 * GB, {1: 0.01 * GB}), 1)
+    assert p.host_layers == [] and p.tiers == (PINNED,) * 8 and p.time == p.streamed
+    assert place_rows(plan([VRAM, SKIP, VRAM]), Figures(1 * GB, {1: 1 * GB}), 1).host_layers == []
+
+
+def test_spread():
+    assert spread(6, 1, 3) == [False, True] * 3
+    assert spread(3, 1, 1, 0.5) == [False, True, False]
+    assert spread(8, 2, 2) == [False, False, True, True] * 2
+    assert spread(5, 1, 5) == [True] * 5 and sum(spread(7, 3, 1)) in (1, 3)
+
+
+def test_schedule_explained_and_serialised():
+    f = Figures.assumed()
+    p = with_schedule(plan([VRAM] * 2 + [PINNED] * 6, 0.2e9), f, (1, 4))
+    text = p.explain()
+    assert "host compute   by step rows (assumed, not measured" in text
+    assert "    1 rows  host" in text and "    4 rows  host   0" in text  # assumed figures know batch 1 only
+    d = json.loads(json.dumps(p.to_dict()))
+    assert [r["rows"] for r in d["host_compute"]["by_rows"]] == [1, 4] and d["host_compute"]["by_rows"][0]["host"]
+
+
+@pytest.mark.parametrize("bad", [dict(link_bps=0, host_bps={1: 1.0}), dict(link_bps=1.0, host_bps={}),
+                                 dict(link_bps=1.0, host_bps={0: 1.0}),
+                                 dict(link_bps=1.0, host_bps={1: 1.0}, handoff_s=-1)])
+def test_figures_refuse_nonsense(bad):
+    with pytest.raises(ValueError, match="figures"):
+        Figures(**bad)
+
+
+def test_the_config_asks_for_host_compute(synth_model):
+    from ntransformerd.engine import tiers
+    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    with pytest.raises(ValueError, match="host_compute 'on' is not one of off, auto"):
+        EngineConfig(host_compute="on").validate()
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    config = EngineConfig(backend="cpu-ref", max_ctx=64, max_vram_layers=1, host_compute="auto", prefill_chunk=48)
+    p = tiers.model_plan(model, config, backend="cpu")
+    assert [x.rows for x in p.schedule.placements] == [1, 2, 4, 8, 16, 32, 48] and not p.schedule.figures.measured
+    assert tiers.model_plan(model, EngineConfig(max_ctx=64, max_vram_layers=1), backend="cpu").schedule is None
+    with pytest.raises(tiers.PlanError, match="host compute over 2 devices"):
+        tiers.model_plan_devices(model, config, backend="cpu", vram_free=[None, None])
+
+
+def test_host_tier_in_a_placement():
+    p = place_rows(plan([PINNED] * 3), Figures(1 * GB, {1: 1 * GB}), 1)
+    assert p.tiers == (PINNED, HOST, PINNED) and p.host_layers == [1]
+    assert math.isclose(p.time.seconds, 2.0)
