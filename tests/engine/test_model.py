@@ -134,8 +134,8 @@ def test_chunked_prefill_equals_whole(default_model):
 
 def test_f16_kv_cache_close_to_f32(default_model):
     prompt = list(range(2000, 2040))
-    e16 = Engine(default_model, config=EngineConfig(max_seqs=1, max_ctx=128, kv_dtype="f16"))
-    e32 = Engine(default_model, config=EngineConfig(max_seqs=1, max_ctx=128))
+    e16 = Engine(default_model, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=128, kv_dtype="f16"))
+    e32 = Engine(default_model, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=128))
     a, b = e16.prefill(e16.open(), prompt), e32.prefill(e32.open(), prompt)
     assert np.abs(a - b).max() < 0.05 and not np.array_equal(a, b)
     assert np.argmax(a) == np.argmax(b)

@@ -190,7 +190,7 @@ mkdir -p /srv && mount -t ext4 $BOOT /srv || fail "mount ntxboot"
 say "INFO data=$DATA pci=$PCI"
 $bin/ntx-admin stage %(model)s --device $DATA --yes-i-mean-ntxdata 2>&1 | tail -2 || fail "stage"
 conf() { cat > /etc/ntransformer/ntransformerd.toml <<CONFIG_END
-backend = "cpu"
+backend = "cpu-ref"
 max_ctx = %(max_ctx)d
 max_batch = 2
 vram_budget = %(vram)d

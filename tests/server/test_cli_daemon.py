@@ -70,7 +70,7 @@ LEFT, UP, END, BACKSPACE, CTRL_C = "\x1b[D", "\x1b[A", "\x05", "\x7f", "\x03"
 
 def test_chat_in_a_terminal(daemon):
     t = Terminal("-m", "ntx_client.cli", "--socket", daemon.socket, "chat", "--temperature", "0",
-                 "--max-tokens", "400", "--ignore-eos")
+                 "--max-tokens", "900", "--ignore-eos")
     try:
         t.read_until(">>> ")
         banner = [line for line in t.seen.splitlines() if "ntx-client chat" in line]

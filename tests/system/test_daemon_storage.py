@@ -88,7 +88,7 @@ def _budgets(model_path):
 
 def _config(tmp, name, **kw):
     from ntransformerd.config import DaemonConfig
-    base = dict(socket=str(tmp / f"{name}.sock"), socket_group="", backend="cpu", max_batch=2, max_ctx=128,
+    base = dict(socket=str(tmp / f"{name}.sock"), socket_group="", backend="cpu-ref", max_batch=2, max_ctx=128,
                 drain_timeout=1.0, nvme_retries=2)
     base.update(kw)
     return DaemonConfig(**base)
