@@ -24,6 +24,7 @@ from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.kv_cache import KV_DTYPES
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
@@ -52,8 +53,9 @@ class EngineConfig:
 
     backend: str = "cpu"
     max_seqs: int = 8  # KV-cache slots: sequences that can be live at once
-    max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
-    kv_dtype: str = "f32"  # f32 | f16
+    max_ctx: int = 4096  # positions per sequence (capped at the model's context length); a limit, not a reservation
+    kv_dtype: str = "f32"  # f32 | f16 | q8_0 | q4_0 (kv_cache.py)
+    kv_blocks: int | None = None  # KV pool per device, in blocks of kv_cache.BLOCK_SIZE positions (None: max_seqs × max_ctx worth)
     prefill_chunk: int = 512  # prompt tokens per step
     cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
@@ -83,6 +85,10 @@ class EngineConfig:
             raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
         if self.max_ctx < 1 or self.prefill_chunk < 1:
             raise ValueError("max_ctx and prefill_chunk must be positive")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks {self.kv_blocks} must be at least 1 (or unset: max_seqs × max_ctx worth)")
         if not 1 <= self.stream_depth <= 16:
             raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
         if self.host_compute not in HOST_COMPUTE:
@@ -156,7 +162,7 @@ class Engine:
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
-                            device=ordinal)
+                            device=ordinal, n_blocks=self.config.kv_blocks)
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
             steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
@@ -207,7 +213,12 @@ class Engine:
         positions it still holds (the prefix cache's reuse of a finished sequence)."""
         if not 0 <= keep <= self.max_ctx:
             raise ValueError(f"cannot keep {keep} positions of a context of {self.max_ctx}")
+        if keep and (slot is None or keep > self.kv.kept(slot)):
+            held = 0 if slot is None else self.kv.kept(slot)
+            raise ValueError(f"cannot keep {keep} positions of slot {slot}: it holds {held} (the KV pool took back "
+                             "its blocks); open it with keep=0 and prefill")
         slot = self.kv.alloc(slot)
+        self.kv.trim(slot, keep)
         self.kv.lengths[slot] = keep
         return slot
 
@@ -236,6 +247,7 @@ class Engine:
         if not 0 <= length <= self.length(slot):
             raise ValueError(f"cannot truncate slot {slot} of length {self.length(slot)} to {length}")
         self.kv.lengths[slot] = length
+        self.kv.trim(slot, length)
 
     # ---- compute --------------------------------------------------------------------------
 
@@ -265,6 +277,8 @@ class Engine:
             if start + tokens.size > self.max_ctx:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
+        for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
+            self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
         layers = self.layers if layers is None else layers
         if self._graphs is not None and self._graphs.covers(segments, layers):
             logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)

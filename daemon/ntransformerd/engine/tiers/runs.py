@@ -194,16 +194,39 @@ class HomeKV:
 
 class DeviceKV(SlotTable):
     """The engine's KV cache over several devices: one slot table; each layer's keys and values
-    on every device that computes it (Layout.homes), kept equal by `mirror`. One owner thread
-    (the engine's)."""
+    on every device that computes it (Layout.homes), kept equal by `mirror`. A slot's room is
+    reserved, trimmed and freed on every device's cache at once. One owner thread (the engine's)."""
 
     def __init__(self, n_slots: int, stages: Sequence[Stage], homes: dict[int, tuple[int, ...]]):
         super().__init__(n_slots)
         self.stages, self.homes = list(stages), homes
+        self.max_ctx = min(st.kv.cache.max_ctx for st in self.stages)
 
     def layer(self, i: int):
         """Layer i's cache on its first home."""
         return self.stages[self.homes[i][0]].kv.layer(i)
+
+    def alloc(self, slot: int | None = None) -> int:
+        slot = super().alloc(slot)
+        for st in self.stages:
+            st.kv.cache.alloc(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        super().free(slot)
+        for st in self.stages:
+            st.kv.cache.free(slot)
+
+    def reserve(self, slot: int, n: int) -> None:
+        for st in self.stages:
+            st.kv.cache.reserve(slot, n)
+
+    def trim(self, slot: int, n: int) -> None:
+        for st in self.stages:
+            st.kv.cache.trim(slot, n)
+
+    def kept(self, slot: int) -> int:
+        return min(st.kv.cache.kept(slot) for st in self.stages)
 
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
         for st in self.stages:
@@ -222,11 +245,10 @@ class DeviceKV(SlotTable):
                     dst = self.stages[e]
                     a, b = src.kv.layer(i), dst.kv.layer(i)
                     for slot, p0, p1 in spans:
-                        for name in ("k", "v"):
-                            with src.context():
-                                rows = src.ops.to_host(getattr(a, name)[slot, p0:p1])
-                            with dst.context():
-                                getattr(b, name)[slot, p0:p1] = dst.to_device(rows)
+                        with src.context():
+                            k, v = (src.ops.to_host(x) for x in a.rows(slot, p0, p1))
+                        with dst.context():
+                            b.write(slot, p0, dst.to_device(k), dst.to_device(v))
 
 
 class _Announced:
