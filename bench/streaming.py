@@ -165,7 +165,7 @@ def hybrid_rows(args, path: str, label: str, out: dict, save, *, splits, batches
         rates = {}
         for hc in ("off", "auto"):
             t = time.perf_counter()
-            e = Engine.load(path, config=EngineConfig(backend="cuda", max_seqs=max(batches), max_ctx=256,
+            e = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=max(batches), max_ctx=256,
                                                       max_vram_layers=k, host_compute=hc, link_cap=link_cap,
                                                       cpu_threads=threads))
             load_s = time.perf_counter() - t
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p8 = common.synthetic(args.dir, big, "q4_k_m")
     for k in args.splits:
         t = time.perf_counter()
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k))
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, max_vram_layers=k))
         load_s = time.perf_counter() - t
         streamed = e.plan.streamed_bytes_per_step
         layer_bytes = max(e.plan.layer_bytes)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         e = None
 
     for k in args.deep:
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k,
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, max_vram_layers=k,
                                                 stream_depth=args.deep_depth))
         streamed = e.plan.streamed_bytes_per_step
         bound = bw / streamed
@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"plain O_DIRECT reader (8 threads, {chunk >> 20} MiB): {plain / 1e9:.2f} GB/s")
         # RAM for the staging buffers and less than one layer more: every layer from storage
         # (--smoke: the tiny shape's two layers need a ring of one slot for that)
-        ram = dict(ram_budget=layer_bytes, stream_depth=1) if args.smoke else dict(ram_budget="300MiB")
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=64, max_vram_layers=0, **ram))
+        ram = dict(pinned_budget=layer_bytes, stream_depth=1) if args.smoke else dict(pinned_budget="300MiB")
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=1, max_ctx=64, max_vram_layers=0, **ram))
         assert len(e.plan.layers("storage")) == n_layers, e.plan.explain()
         streamed = e.plan.streamed_bytes_per_step
         slot = e.open()
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         # --smoke: one of the tiny shape's two layers streamed, as most of the 70B's are in 24 GiB
         budget = {"max_vram_layers": 1} if args.smoke else {"vram_budget": "24GiB"}
-        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, **budget))
+        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, **budget))
         load_s = time.perf_counter() - t
         log(e.plan.explain(h2d_bps=bw))
         streamed = e.plan.streamed_bytes_per_step
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         e = None
         save()
         if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
-            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
+            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, host_compute="auto",
                                                      cpu_threads=args.threads, **budget))
             for b in (1, 16):
                 r = decode_rate(e, b, 4)
