@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
             e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
                                                      cpu_threads=args.threads, **budget))
+            if getattr(e.plan, "schedule", None) is not None:
+                log("\n".join(e.plan.schedule.explain()))
             for b in (1, 16):
                 r = decode_rate(e, b, 4)
                 out["runs"].append({"model": f"{huge}-q4_k_m", **budget, "batch": b, "tok_s": r, "host_compute": "auto",
