@@ -161,6 +161,8 @@ def check_streaming(d: dict) -> None:
         ("capped", k, 1, hc) for k in (1, 0) for hc in ("off", "auto")}, sorted(hybrid)
     assert all(r["tok_s"] > 0 and (r["predicted_step_s"] or 0) > 0 and r["vs_off"] > 0
                for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
+    ab = [r for r in d["runs"] if r.get("rows") == "ab"]
+    assert ab and all(len(r["tok_s"]["off"]) == len(r["tok_s"]["auto"]) >= 2 and r["auto_vs_off"] > 0 for r in ab), ab
 
 
 def check_hybrid_quality(d: dict) -> None:
