@@ -94,7 +94,7 @@ def _sampling(args):
 
 
 def cmd_run(args) -> int:
-    from ntransformerd.engine.engine import EngineConfig, resolved
+    from ntransformerd.engine.engine import Engine, EngineConfig, generate, resolved
 
     params = _sampling(args).validate()
     t0 = time.perf_counter()
@@ -115,7 +115,6 @@ def cmd_run(args) -> int:
         plan = tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(0), layer_bytes=sizes)
         print(json.dumps({"backend": kind, **plan.to_dict()}) if args.json else f"[{kind}] {plan.explain()}")
         return 0
-    from ntransformerd.engine.engine import Engine, generate
     engine = Engine.load(args.model, config=config)
     load_s = time.perf_counter() - t0
     if args.chat:
