@@ -259,7 +259,7 @@ refuse other-model 'model = "%(other)s"
 storage = "nvme:ntxdata"'
 mkdir -p /run/nonroot && chown ntxuser /run/nonroot
 systemd-run --unit ntx-nonroot --wait -p User=ntxuser -p Type=notify -p NotifyAccess=main -E PYTHONPATH \
-    $bin/ntransformerd --config /dev/null --socket /run/nonroot/x.sock --socket-group "" --backend cpu --storage nvme:ntxdata >/dev/null 2>&1
+    $bin/ntransformerd --config /dev/null --socket /run/nonroot/x.sock --socket-group "" --backend cpu-ref --storage nvme:ntxdata >/dev/null 2>&1
 say "REFUSED not-root status=$(systemctl show -p StatusText --value ntx-nonroot)"
 say "JOURNAL not-root $(journalctl -u ntx-nonroot --no-pager -o cat | grep -a 'refused' | tail -1)"
 printf '\377\377\377\377' | dd of=$DATA bs=1 seek=300 conv=notrunc 2>/dev/null; sync
