@@ -369,12 +369,12 @@ def test_two_unix_users_do_not_share_a_prompt_and_b_sees_a_cold_prompts_time(new
         print(report)
         assert [x["cached"] for x in cold] == [0] * TRIES, report
         assert [x["cached"] for x in other] == [0] * TRIES, report
-        assert all(x["cached"] == x["prompt"] - 1 for x in hit + own), report  # all but the last token
         m_cold, m_other, m_hit = (statistics.median(x["ttft"] for x in xs) for xs in (cold, other, hit))
         gap = m_cold - m_hit
         assert gap > 0.3 * m_cold, f"a hit is not clearly faster than a cold prompt here: {report}"
-        # B hitting A's cache would put B's times near the hit's
+        # B hitting A's cache (whatever usage said) would put B's times near the hit's
         assert m_other > m_cold - gap / 2, report
+        assert all(x["cached"] == x["prompt"] - 1 for x in hit + own), report  # all but the last token
         # Status lists B none of A's requests, while A sees its own
         long = subprocess.Popen(["setpriv", f"--reuid={uid_a}", f"--regid={uid_a}", f"--groups={gid}", "--",
                                  sys.executable, "-m", "ntx_client.cli", "--socket", d.socket, "generate", "--raw",
