@@ -176,7 +176,16 @@ def check_constraint_libraries(d: dict) -> None:
     assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
 
 
+def check_relay(d: dict) -> None:
+    for load in ("idle", "busy"):
+        for path in ("relayed", "direct"):
+            m = d["micro"][load][path]
+            assert m["rtt_median_us"] > 0 and m["stream_us_per_message"] > 0, m
+    assert all(d["daemon"][p]["ttft_median_ms"] > 0 for p in ("relayed", "direct")), d["daemon"]
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+       "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
