@@ -181,3 +181,22 @@ def test_as_root_the_uid_is_the_connecting_users(grpc_behind_relay):
                             "-c", code, path], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
     assert [uid for _, uid in servicer.seen] == [65534, 1]
+
+
+def test_a_killed_daemons_private_listener_is_removed_a_live_ones_kept(sock_dir):
+    dead = os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "dead")
+    os.mkdir(dead, 0o700)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(os.path.join(dead, "s"))  # bound, never served: what a SIGKILL leaves
+    live = socket.socket(socket.AF_UNIX)
+    os.mkdir(os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "live"), 0o700)
+    live.bind(os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "live", "s"))
+    live.listen()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    try:
+        inner = sockets.bind_private(server, os.path.join(sock_dir, "user.sock"))
+        left = sorted(n for n in os.listdir(sock_dir) if n.startswith(sockets.PRIVATE_PREFIX))
+        assert left == sorted([sockets.PRIVATE_PREFIX + "live", os.path.basename(os.path.dirname(inner))])
+    finally:
+        live.close()
+        server.stop(0)

@@ -193,10 +193,31 @@ def listen(path: str, *, mode: int, group: str = "") -> socket.socket:
     return sock
 
 
+PRIVATE_PREFIX = ".ntx-grpc-"
+
+
+def _remove_stale_private(d: str) -> None:
+    """Remove what a daemon killed in `d` left of bind_private: our directories whose listener
+    nobody serves."""
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        if not name.startswith(PRIVATE_PREFIX) or os.lstat(path).st_uid != os.geteuid() \
+                or not stat.S_ISDIR(os.lstat(path).st_mode):
+            continue
+        inner = os.path.join(path, "s")
+        if not _in_use(inner):
+            with contextlib.suppress(OSError):
+                os.unlink(inner)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
 def bind_private(server, near: str) -> str:
     """Bind `server` in a new directory only this user can enter, next to socket `near`: a
     listener nobody else can connect to (the relay's target). Returns its path."""
-    private = tempfile.mkdtemp(prefix=".ntx-grpc-", dir=os.path.dirname(near))  # 0700, ours
+    prepare(near)  # the directory is checked before anything is made in it
+    _remove_stale_private(os.path.dirname(near))
+    private = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=os.path.dirname(near))  # 0700, ours
     path = os.path.join(private, "s")
     try:
         if len(path.encode()) > MAX_PATH:
