@@ -76,11 +76,11 @@ def free_engine(e) -> None:
 def decode_path(e: Engine, batch: int) -> str:
     """Which path the decode steps of `batch` sequences took: 'graph' (one replay of the captured
     model.forward per step, streamed copies inside) or 'model.forward' (eagerly: storage layers)."""
-    g = e._graphs
+    g = e.steps
     if g is None or not g.use_graphs:
         return "model.forward"
     r, t = g.bucket(batch, 1)
-    return "graph" if (r, t, None) in g._buckets else "model.forward"
+    return "graph" if any(k[:3] == (r, t, None) for k in g._buckets) else "model.forward"
 
 
 def decode_rate(e: Engine, batch: int, steps: int) -> float:
