@@ -11,7 +11,8 @@ open):
     small unary call, and a stream of small messages, the size of a one-token GenerateResponse,
     read as fast as they come; again with a thread of that process busy in Python (as the
     scheduler's is between steps), which the relay's thread must share the interpreter with;
-  - the daemon: time to first token and the interval between tokens of a greedy generation.
+  - the daemon: time to first token and the interval between tokens of greedy generations,
+    one at a time and --streams at once.
 Prints a table and writes JSON (bench/out/relay.json by default).
 """
 
@@ -115,11 +116,12 @@ def generation(c: Client, prompt: str, max_tokens: int) -> tuple[float, list[flo
     return times[0] - t0, [b - a for a, b in zip(times, times[1:])]
 
 
-def daemon_run(model: str | None, backend: str, runs: int, max_tokens: int) -> dict:
+def daemon_run(model: str | None, backend: str, runs: int, max_tokens: int, streams: int) -> dict:
     d = tempfile.mkdtemp(prefix="ntx-bench-relay-")
     socket = os.path.join(d, "d.sock")
     cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", backend, "--config",
-           os.devnull, "--max-batch", "2", "--socket-group", "", "--max-ctx", "512"] + (["--model", model] if model else [])
+           os.devnull, "--max-batch", str(max(2, streams)), "--socket-group", "", "--max-ctx", "512"] + \
+        (["--model", model] if model else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
         while not os.path.exists(socket):
@@ -128,25 +130,32 @@ def daemon_run(model: str | None, backend: str, runs: int, max_tokens: int) -> d
             time.sleep(0.05)
         inner = glob.glob(os.path.join(d, ".ntx-grpc-*", "s"))[0]  # the server's own listener, past the relay
         out = {}
-        clients = {"relayed": Client(socket), "direct": Client(inner)}
+        paths = {"relayed": socket, "direct": inner}
+        clients = {k: [Client(p) for _ in range(streams)] for k, p in paths.items()}
         try:
-            clients["relayed"].wait_ready(600)
-            for c in clients.values():
-                generation(c, "Hello", 2)  # connect, warm up
-            ttft = {k: [] for k in clients}
-            gaps = {k: [] for k in clients}
-            for i in range(runs):  # alternate, so that drifts of the host's load fall on both
-                for k, c in clients.items():
-                    first, g = generation(c, f"Story {i}: once upon a time", max_tokens)
-                    ttft[k].append(first)
-                    gaps[k] += g
-            for k in clients:
-                out[k] = dict(ttft_median_ms=statistics.median(ttft[k]) * 1e3,
-                              token_interval_median_ms=statistics.median(gaps[k]) * 1e3,
-                              token_interval_mean_ms=statistics.fmean(gaps[k]) * 1e3)
+            clients["relayed"][0].wait_ready(600)
+            for cs in clients.values():
+                for c in cs:
+                    generation(c, "Hello", 2)  # connect, warm up
+            for n in (1, streams):
+                ttft = {k: [] for k in paths}
+                gaps = {k: [] for k in paths}
+                with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                    for i in range(runs):  # alternate, so that drifts of the host's load fall on both
+                        for k, cs in clients.items():
+                            for first, g in pool.map(lambda j: generation(cs[j], f"Story {i}.{j}: once upon a time",
+                                                                          max_tokens), range(n)):
+                                ttft[k].append(first)
+                                gaps[k] += g
+                for k in paths:
+                    out.setdefault(k, {})[f"streams_{n}"] = dict(
+                        ttft_median_ms=statistics.median(ttft[k]) * 1e3,
+                        token_interval_median_ms=statistics.median(gaps[k]) * 1e3,
+                        token_interval_mean_ms=statistics.fmean(gaps[k]) * 1e3)
         finally:
-            for c in clients.values():
-                c.close()
+            for cs in clients.values():
+                for c in cs:
+                    c.close()
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -160,17 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", type=int, default=20000, help="messages in the stream (default 20000)")
     p.add_argument("--runs", type=int, default=10, help="generations per path on the daemon (default 10)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--streams", type=int, default=4, help="generations at once in the second daemon run (default 4)")
     p.add_argument("--model", help="for the daemon (default: the embedded model)")
     p.add_argument("--backend", default="cpu")
     args = p.parse_args(argv)
     d = tempfile.mkdtemp(prefix="ntx-bench-")
     try:
         if args.smoke:
-            args.calls, args.stream, args.runs, args.max_tokens = 50, 200, 1, 4
+            args.calls, args.stream, args.runs, args.max_tokens, args.streams = 50, 200, 1, 4, 2
             args.model = args.model or common.synthetic(d, "tiny", vocab=2048)
         result = dict(micro={"idle": micro(args.calls, args.stream, False),
                              "busy": micro(args.calls, args.stream, True)},
-                      daemon=daemon_run(args.model, args.backend, args.runs, args.max_tokens),
+                      daemon=daemon_run(args.model, args.backend, args.runs, args.max_tokens, args.streams),
                       smoke=args.smoke, host=dict(cpus=os.cpu_count(), load=os.getloadavg()))
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -179,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         for key, label in (("rtt_median_us", "unary round trip µs"), ("stream_us_per_message", "stream µs/message")):
             r, dd = m["relayed"][key], m["direct"][key]
             print(f"{label + ' (' + load + ')':28}  {r:>9.1f}  {dd:>9.1f}  {r - dd:>9.1f}")
-    for key, label in (("ttft_median_ms", "daemon TTFT ms"), ("token_interval_median_ms", "daemon token interval ms")):
-        r, dd = result["daemon"]["relayed"][key], result["daemon"]["direct"][key]
-        print(f"{label:28}  {r:>9.2f}  {dd:>9.2f}  {r - dd:>9.2f}")
+    for n in result["daemon"]["relayed"]:
+        for key, label in (("ttft_median_ms", "TTFT ms"), ("token_interval_median_ms", "token interval ms")):
+            r, dd = result["daemon"]["relayed"][n][key], result["daemon"]["direct"][n][key]
+            print(f"{'daemon ' + label + ', ' + n.replace('_', ' '):28}  {r:>9.2f}  {dd:>9.2f}  {r - dd:>9.2f}")
     common.write_json(args.json, result)
     return 0
 

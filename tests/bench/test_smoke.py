@@ -181,7 +181,9 @@ def check_relay(d: dict) -> None:
         for path in ("relayed", "direct"):
             m = d["micro"][load][path]
             assert m["rtt_median_us"] > 0 and m["stream_us_per_message"] > 0, m
-    assert all(d["daemon"][p]["ttft_median_ms"] > 0 for p in ("relayed", "direct")), d["daemon"]
+    for path in ("relayed", "direct"):
+        assert set(d["daemon"][path]) == {"streams_1", "streams_2"}, d["daemon"]
+        assert all(x["ttft_median_ms"] > 0 and x["token_interval_median_ms"] > 0 for x in d["daemon"][path].values())
 
 
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
