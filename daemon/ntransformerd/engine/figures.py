@@ -7,9 +7,10 @@ layers' bytes copied), the host's rate per step shape (the cpu backend's recorde
 stretch of layers, `HostSteps.run(batch, x=..., layers=..., head=False)`, at rows 1, 4, 16, 64),
 the GPU's (one resident layer through the backend's ops at the same rows) and one hand-off of
 the activation (device → host → device). Rates are the median of a few runs after a warm-up,
-in bytes of layer weights per second. The host's stretch holds at least HOST_SAMPLE_BYTES of
-weights, more than a CPU's caches, so each run reads them from memory as a step does (one
-layer run again and again stays in a large last-level cache and times the cache, not RAM).
+in bytes of layer weights per second. The host's stretch is the plan's streamed layers (what
+the host may compute) up to HOST_SAMPLE_BYTES: one layer run again and again stays in a large
+last-level cache and times the cache, not RAM, while the host's real share of a step is read
+again each step, from the cache only where all of it fits there.
 They go to a small cache file (tiers.placement.save_figures) so a restart of the same model on
 the same machine does not measure again.
 """
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
 REPEATS = 5
-HOST_SAMPLE_BYTES = 1 << 30  # the host's timed stretch of layers: past any CPU's caches
+HOST_SAMPLE_BYTES = 4 << 30  # the host's timed stretch of layers at most: past any CPU's caches
 VERSION = 2  # of what the figures measure: cached figures of another version are measured again
 
 
@@ -71,10 +72,10 @@ def _layer(model: GGUFModel, plan: Plan | None) -> int:
 
 
 def host_sample(model: GGUFModel, plan: Plan | None, nbytes: int = HOST_SAMPLE_BYTES) -> list[int]:
-    """The layers the host's rate is timed over: the plan's streamed ones (what the host would
-    compute), then the others, in order, until they hold `nbytes` (or the model ends)."""
-    streamed = plan.streamed if plan is not None else []
-    order = list(streamed) + [i for i in range(model.config.n_layers) if i not in set(streamed)]
+    """The layers the host's rate is timed over: the plan's streamed ones (what the host may
+    compute) until they hold `nbytes`; without streamed layers, the model's from the first."""
+    streamed = list(plan.streamed) if plan is not None else []
+    order = streamed or list(range(model.config.n_layers))
     out, total = [], 0
     for i in order:
         if total >= nbytes:

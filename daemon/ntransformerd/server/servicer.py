@@ -352,6 +352,7 @@ def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) 
         accepted=sp["accepted"], acceptance=sp["acceptance"], tokens_per_pass=sp["tokens_per_pass"],
         cost_table=json.dumps(sp["costs"]) if sp["costs"] else ""))
     if engine is not None:
+        r.placements.extend(placements(engine))
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
         storage = daemon.storage_stats() if hasattr(daemon, "storage_stats") else None
@@ -367,6 +368,24 @@ def _same_sender(owner: Caller | None, caller: Caller) -> bool:
     """A request of `owner` is shown to `caller`: the same connection identity (a gateway sees
     the requests of all its keys; on_behalf_of does not hide them from their sender)."""
     return owner is not None and owner.principal == caller.principal
+
+
+def placements(engine) -> list[pb.Placement]:
+    """Where the layers run at each step shape of a plan with the host computing beside the GPU:
+    the plan's prediction and the steps measured since the load. Empty for other plans."""
+    schedule = getattr(getattr(engine, "plan", None), "schedule", None)
+    pipeline = getattr(engine, "pipeline", None)
+    if schedule is None or pipeline is None:
+        return []
+    out = []
+    for p in schedule.placements:
+        k = pipeline.layout.entry(p.rows)
+        n, seconds = pipeline.step_times[k] if k < len(pipeline.step_times) else (0, 0.0)
+        out.append(pb.Placement(rows=p.rows, host_layers=p.host_layers,
+                                link_layers=sum(1 for t in p.tiers if t in ("pinned", "storage")),
+                                predicted_step_seconds=p.time.seconds, measured_step_seconds=seconds / n if n else 0.0,
+                                steps=n))
+    return out
 
 
 def tier_counters(tier: pb.TierStatus, st: dict) -> None:

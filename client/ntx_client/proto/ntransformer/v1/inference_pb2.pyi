@@ -325,8 +325,24 @@ class SpeculationStatus(_message.Message):
     cost_table: str
     def __init__(self, default_mode: _Optional[str] = ..., draft_model: _Optional[str] = ..., passes: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance: _Optional[float] = ..., tokens_per_pass: _Optional[float] = ..., cost_table: _Optional[str] = ...) -> None: ...
 
+class Placement(_message.Message):
+    __slots__ = ("rows", "host_layers", "link_layers", "predicted_step_seconds", "measured_step_seconds", "steps")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LINK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    host_layers: _containers.RepeatedScalarFieldContainer[int]
+    link_layers: int
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    steps: int
+    def __init__(self, rows: _Optional[int] = ..., host_layers: _Optional[_Iterable[int]] = ..., link_layers: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache", "prefix_cache_share")
+    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache", "prefix_cache_share", "placements")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +375,7 @@ class StatusResponse(_message.Message):
     PREFIX_CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     load_progress: str
     load_fraction: float
@@ -391,4 +408,5 @@ class StatusResponse(_message.Message):
     prefix_cached_slots: int
     prefix_cache: bool
     prefix_cache_share: str
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_share: _Optional[str] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_share: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
