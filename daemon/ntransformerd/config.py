@@ -179,6 +179,9 @@ KEYS: dict[str, Key] = {
     "prefill_chunk": Key(integer(1, 1 << 20), "prompt tokens per scheduler step", "N", int),
     "prefix_cache": Key(boolean, "start prompts from the cached KV of earlier sequences sharing their prefix "
                         "(--no-prefix-cache: off)", shown="on"),
+    "prefix_cache_share": Key(choice("none", "group", "all"), "whose cached prompts a request may start from: "
+                              "none (only its caller's own), group (callers whose uid has the same primary "
+                              "group) or all", "MODE"),
     "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
@@ -233,6 +236,9 @@ class DaemonConfig:
     prefill_chunk: int = 256  # prompt tokens per step across all prefilling requests
     # keep finished sequences' KV in free slots and start prompts from the longest shared prefix
     prefix_cache: bool = True
+    # whose cached KV a request may reuse: its caller's own (a unix uid, a TLS identity, a
+    # gateway's API key under the gateway's uid), its uid's primary group's, or everyone's
+    prefix_cache_share: str = "none"
     default_max_tokens: int = 512  # when a request does not say
     drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = "info"

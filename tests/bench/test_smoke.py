@@ -185,7 +185,18 @@ def check_constraint_libraries(d: dict) -> None:
     assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
 
 
+def check_relay(d: dict) -> None:
+    for load in ("idle", "busy"):
+        for path in ("relayed", "direct"):
+            m = d["micro"][load][path]
+            assert m["rtt_median_us"] > 0 and m["stream_us_per_message"] > 0, m
+    for path in ("relayed", "direct"):
+        assert set(d["daemon"][path]) == {"streams_1", "streams_2"}, d["daemon"]
+        assert all(x["ttft_median_ms"] > 0 and x["token_interval_median_ms"] > 0 for x in d["daemon"][path].values())
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+       "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,

@@ -31,6 +31,8 @@ from ntransformerd.config import SPELLING, ConfigError
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, plan_for, resolved
 from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors, sockets, tcp
+from ntransformerd.server.callers import Identify, unix_caller
+from ntransformerd.server.relay import Relay
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
@@ -65,15 +67,22 @@ class Daemon:
                                   interceptors=[DecodeErrorInterceptor()])
         self.admin_server = grpc.server(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="admin"),
                                         interceptors=[DecodeErrorInterceptor()])
+        # the user socket's clients come through the relay, which knows their uid; TCP clients
+        # through TLS with a certificate; the admin socket's are root (or the daemon's user)
+        self.relay = Relay()
+        self._user_socket = ""  # the gRPC server's own listener, behind the relay
+        group = config.prefix_cache_share == "group"
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(scheduler=self.scheduler, daemon=self), self.server)
+            InferenceServicer(scheduler=self.scheduler, daemon=self, identify=Identify(relay=self.relay, group=group)),
+            self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(daemon=self), self.admin_server)
         for server, names in ((self.server, (INFERENCE,)), (self.admin_server, (ADMIN, INFERENCE))):
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         # the admin socket also answers the inference verbs (status for ntx-admin)
+        admin_caller = Identify(fixed=unix_caller(os.geteuid(), group=group))
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(scheduler=self.scheduler, daemon=self), self.admin_server)
+            InferenceServicer(scheduler=self.scheduler, daemon=self, identify=admin_caller), self.admin_server)
         self.set_health(False)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -82,10 +91,20 @@ class Daemon:
         c = self.config
         if c.tcp_listen:  # first: a bad TLS file then leaves no socket behind
             tcp.bind(self.server, c)
-        sockets.bind(self.server, c.socket, mode=sockets.USER_MODE, group=c.socket_group)
-        sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
+        self._user_socket = sockets.bind_private(self.server, c.socket)
+        listener = None
+        try:
+            listener = sockets.listen(c.socket, mode=sockets.USER_MODE, group=c.socket_group)
+            sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+                sockets.remove(c.socket)
+            sockets.remove_private(self._user_socket)
+            raise
         self.server.start()
         self.admin_server.start()
+        self.relay.start(listener, self._user_socket)
         self.scheduler.start()
         log.info("listening on %s (admin %s), pid %d", c.socket, c.admin_socket, os.getpid())
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
@@ -205,6 +224,7 @@ class Daemon:
         finished, cancelled = self.scheduler.drain(timeout)
         log.info("drained: %d finished, %d cancelled", finished, cancelled)
         self.server.stop(grace=1.0).wait(2.0)
+        self.relay.stop()  # after the server: its last words to the clients have passed through
         self.admin_server.stop(grace=0.5).wait(1.0)
         self.scheduler.stop()
         # a load under way stops at its next layer (_check_stop); one stuck in a long step (a
@@ -222,6 +242,8 @@ class Daemon:
                 self._load_lock.release()
         for path in (self.config.socket, self.config.admin_socket):
             sockets.remove(path)
+        if self._user_socket:
+            sockets.remove_private(self._user_socket)
         log.info("stopped")
 
     # ---- health and models ----------------------------------------------------------------
