@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     base = None
     for t in types:
-        config = EngineConfig(backend=args.backend, kv_dtype=t, max_seqs=1, max_ctx=args.ctx, prefill_chunk=512,
+        config = EngineConfig(backend=args.backend, kv_dtype=t, max_batch=1, max_ctx=args.ctx, prefill_chunk=512,
                               cpu_threads=args.threads)
         e = Engine.load(path, config=config)
         tokens = text_tokens(e, text)

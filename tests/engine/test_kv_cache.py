@@ -285,7 +285,7 @@ def test_pool_exhaustion_is_a_clear_error(tiny_engine_path, backend):
     fifth block fails before any device computes, naming the key; nothing it held changes."""
     if backend == "cpu" and not host.available():
         pytest.skip("no C compiler for the CPU kernels")
-    e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, max_seqs=2, max_ctx=128, kv_blocks=4))
+    e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, max_batch=2, max_ctx=128, kv_blocks=4))
     a, b = e.open(), e.open()
     e.prefill(a, list(range(1, 40)))  # 3 blocks
     e.prefill(b, list(range(1, 10)))  # the 4th
@@ -307,7 +307,7 @@ def test_reopened_and_copied_prefixes_continue_exactly(tiny_engine_path, dtype):
     """The prefix cache's calls on the paged cache: a closed slot reopened keeping its positions,
     and a copy of them into another slot, continue as a sequence that never stopped; truncation
     gives back the blocks past the new end."""
-    e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend="cpu", max_seqs=3, max_ctx=128, kv_dtype=dtype))
+    e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend="cpu", max_batch=3, max_ctx=128, kv_dtype=dtype))
     prompt, more = list(range(3, 40)), [5, 9, 11, 2, 7, 1, 1, 4, 8, 6, 3, 12]
     s = e.open()
     e.prefill(s, prompt)
@@ -391,7 +391,7 @@ def test_cpu_greedy_ids_equal_the_contiguous_cache(default_model, golden, dtype)
     does not end the comparison): at every step whose margin in the contiguous run was above
     NEAR_TIE it picks the golden's id; every solo, interleaved and long run."""
     want = golden["runs"][f"cpu/{dtype}"]
-    e = Engine(default_model, config=EngineConfig(backend="cpu", kv_dtype=dtype, max_seqs=8, max_ctx=1024))
+    e = Engine(default_model, config=EngineConfig(backend="cpu", kv_dtype=dtype, max_batch=8, max_ctx=1024))
     compared, wrong = 0, []
 
     def check(name, row, ref, j):
@@ -433,6 +433,6 @@ def test_q8_0_perplexity_close_to_f16(default_model):
         pytest.skip(f"{LICENSES} is missing")
     figures = {}
     for dtype in ("f16", "q8_0"):
-        e = Engine(default_model, config=EngineConfig(backend="cpu-ref", kv_dtype=dtype, max_seqs=1, max_ctx=512))
+        e = Engine(default_model, config=EngineConfig(backend="cpu-ref", kv_dtype=dtype, max_batch=1, max_ctx=512))
         figures[dtype] = perplexity(e, text_tokens(e, _licenses_text()[:20000]), ctx=512, max_chunks=1).perplexity
     assert figures["q8_0"] != figures["f16"] and abs(figures["q8_0"] / figures["f16"] - 1) < 0.003, figures

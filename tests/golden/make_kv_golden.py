@@ -102,7 +102,7 @@ def main() -> int:
     out = {"n_generate": N_GENERATE, "chunk": CHUNK, "long_tokens": LONG, "prompts": [p["name"] for p in fwd["prompts"]],
            "runs": {}}
     for backend, kv in CONFIGS:
-        e = Engine.load(default_model_path(), config=EngineConfig(backend=backend, kv_dtype=kv, max_seqs=8,
+        e = Engine.load(default_model_path(), config=EngineConfig(backend=backend, kv_dtype=kv, max_batch=8,
                                                                    max_ctx=1024))
         long_prompt = e.tokenizer.encode(licenses_text(), parse_special=False)[:LONG]
         out["long_ids"] = long_prompt

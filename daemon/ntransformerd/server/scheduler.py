@@ -78,8 +78,10 @@ class Request:
     """One generation, from queued to retired. Written by the scheduler thread, except cancel()."""
 
     def __init__(self, prompt_ids: list[int], params, *, max_tokens: int, deadline: float | None,
-                 prefix_cache: bool = True, logprobs: int | None = None, prompt_logprobs: bool = False):
+                 prefix_cache: bool = True, logprobs: int | None = None, prompt_logprobs: bool = False,
+                 caller=None):
         self.id = next(_ids)
+        self.caller = caller  # callers.Caller: whose prefix cache scope it uses; None: in-process
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_tokens = max_tokens
@@ -171,7 +173,7 @@ class Scheduler:
         with self._cv:
             self.engine, self.state, self.error = engine, "serving", ""
             self.draft_engine, self.costs, self._speculators = draft_engine, costs, {}
-            self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache)
+            self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache, share=self.config.prefix_cache_share)
             self.load_progress, self.load_fraction = "loaded", 1.0
             self._cv.notify_all()
 
@@ -276,7 +278,8 @@ class Scheduler:
 
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
                  deadline: float | None = None, prefix_cache: bool = True, speculative: str = "",
-                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None) -> Request:
+                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None,
+                 caller=None) -> Request:
         """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull.
 
         logprobs: report each generated token's log-probability and its n most likely
@@ -297,7 +300,7 @@ class Scheduler:
             raise InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..{n_ctx} (the context length)")
         req = Request(list(prompt_ids), params, max_tokens=max_tokens, deadline=deadline,
                       prefix_cache=prefix_cache and not prompt_logprobs, logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)
+                      prompt_logprobs=prompt_logprobs, caller=caller)
         req.cont = Continuation(engine, prompt_ids, params, max_tokens=max_tokens, constraint=constraint)
         req.speculator = self.speculator(speculative)
         with self._cv:
@@ -459,7 +462,7 @@ class Scheduler:
             r.spec = None
         if self.engine is not None and r.slot >= 0:
             try:
-                self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache)
+                self.prefix.close(r.slot, self._kv_tokens(r), keep=r.prefix_cache, caller=r.caller)
             except Exception:  # noqa: BLE001
                 log.exception("freeing KV slot %d of request %d", r.slot, r.id)
             r.slot = -1
@@ -481,8 +484,8 @@ class Scheduler:
                 break  # the next iteration measures the cost table first (ensure_costs)
             r = self._queue.popleft()
             try:
-                live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-                r.slot, r.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache)
+                live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
+                r.slot, r.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache, caller=r.caller)
             except Exception as e:  # noqa: BLE001
                 self.fail_request(r, e, "giving it a KV-cache slot")
                 self._end(r)
@@ -505,7 +508,7 @@ class Scheduler:
         for o in self._live:
             if o is r:
                 return False
-            if o.state == "prefill" and o.prefix_cache and \
+            if o.state == "prefill" and o.prefix_cache and self.prefix.shares(r.caller, o.caller) and \
                     min(common_prefix(r.prompt_ids, o.prompt_ids), len(r.prompt_ids) - 1) > max(o.prefilled,
                                                                                                 r.prefilled):
                 return True
@@ -521,8 +524,8 @@ class Scheduler:
         for r in self._live:
             if r.state == "prefill" and r.prefix_cache and self.prefix.enabled:
                 try:
-                    live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-                    filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live)
+                    live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
+                    filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live, caller=r.caller)
                 except Exception as e:  # noqa: BLE001
                     self.fail_request(r, e, "copying its prompt's cached keys and values")
                     continue
@@ -688,7 +691,7 @@ class Scheduler:
             span = now - recent[0][0] if len(recent) > 1 else 0.0
             tps = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
             reqs = [dict(id=r.id, state=r.state, slot=r.slot, prompt_tokens=len(r.prompt_ids),
-                         generated_tokens=r.generated, age_seconds=now - r.t_created)
+                         generated_tokens=r.generated, age_seconds=now - r.t_created, caller=r.caller)
                     for r in list(self._live) + list(self._queue)]
             steps_per_s = (len(recent) - 1) / span if span > 0 else 0.0
             specs = [sp.stats() for sp in self._speculators.values()]

@@ -19,6 +19,7 @@ from ntransformerd.engine import constraints
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS
 from ntransformerd.server import errors
+from ntransformerd.server.callers import Caller
 from ntransformerd.server.scheduler import Scheduler, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
@@ -182,9 +183,25 @@ def _messages(chat: pb.Chat) -> list[dict]:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, *, scheduler: Scheduler, daemon):
+    """`identify`: context → callers.Caller, who sent a call (the server's callers.Identify)."""
+
+    def __init__(self, *, scheduler: Scheduler, daemon, identify):
         self.scheduler = scheduler
         self.daemon = daemon
+        self.identify = identify
+        self._unnamed_warned = False
+
+    def _caller(self, request, context) -> Caller | None:
+        """Who sent `request`: the connection's identity, below it what the sender names in
+        on_behalf_of. None for a peer the daemon cannot name: its request neither uses nor
+        leaves anything in the prefix cache."""
+        caller = self.identify(context)
+        if caller is None:
+            if not self._unnamed_warned:
+                log.warning("cannot tell who peer %s is: its requests bypass the prefix cache", context.peer())
+                self._unnamed_warned = True
+            return None
+        return caller.below(request.on_behalf_of)
 
     def _prompt_ids(self, request) -> list[int]:
         which = request.WhichOneof("input")
@@ -209,14 +226,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidRequest(f"logprobs {logprobs} is out of range: ask for 0..{MAX_TOP_LOGPROBS} "
                                         "alternatives per token")
+        caller = self._caller(request, context)
         prompt_ids = self._prompt_ids(request)
         constraint = constraint_of(request, self.scheduler.engine)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                      prefix_cache=not request.no_prefix_cache, speculative=request.speculative,
-                                      logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
-                                      constraint=constraint)
+                                      prefix_cache=not request.no_prefix_cache and caller is not None,
+                                      speculative=request.speculative, logprobs=logprobs,
+                                      prompt_logprobs=request.prompt_logprobs, constraint=constraint, caller=caller)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
         for out in req.stream():
@@ -258,7 +276,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     @rpc
     def Status(self, request, context):
-        return status_response(self.scheduler, self.daemon)
+        return status_response(self.scheduler, self.daemon, self.identify(context))
 
 
 def model_info(engine) -> pb.ModelInfo:
@@ -307,19 +325,25 @@ def _engine_memory(engine) -> tuple[int, int]:
     return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
 
 
-def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
+def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
+    """The daemon's state for `caller`. Counts and totals are the daemon's (the prefix counters
+    too: no request hits another scope's cache, so they say how busy it is, not what anyone
+    asked); the list of requests is the caller's own, all of them for root and the daemon's user."""
     s, cfg, engine = scheduler.snapshot(), daemon.config, scheduler.engine
+    shown_requests = [{k: v for k, v in q.items() if k != "caller"} for q in s["requests"]
+                      if caller is not None and (caller.privileged or _same_sender(q["caller"], caller))]
     r = pb.StatusResponse(state=STATES[s["state"]], load_progress=s["load_progress"], load_fraction=s["load_fraction"],
                           live_requests=s["live"], queued_requests=s["queued"], batch_size=s["batch"],
                           max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s["free_slots"],
                           tokens_per_second=s["tokens_per_second"], steps=s["steps"],
                           requests_total=s["requests_total"], tokens_generated_total=s["tokens_total"],
                           uptime_seconds=s["uptime"], memory_bytes=_rss_bytes(), error=s["error"], pid=os.getpid(),
-                          requests=[pb.RequestInfo(**q) for q in s["requests"]],
+                          requests=[pb.RequestInfo(**q) for q in shown_requests],
                           prompt_tokens_total=s["prompt_tokens_total"], prefill_tokens_total=s["prefill_tokens_total"],
                           prefix_hit_tokens_total=s["prefix_hit_tokens_total"],
                           prefix_evictions_total=s["prefix_evictions_total"],
-                          prefix_cached_slots=s["prefix_cached_slots"], prefix_cache=cfg.prefix_cache)
+                          prefix_cached_slots=s["prefix_cached_slots"], prefix_cache=cfg.prefix_cache,
+                          prefix_cache_share=cfg.prefix_cache_share)
     r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
     sp = s["speculation"]
     r.skip_layers.extend(s["skip_layers"])
@@ -328,6 +352,7 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
         accepted=sp["accepted"], acceptance=sp["acceptance"], tokens_per_pass=sp["tokens_per_pass"],
         cost_table=json.dumps(sp["costs"]) if sp["costs"] else ""))
     if engine is not None:
+        r.placements.extend(placements(engine))
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
         storage = daemon.storage_stats() if hasattr(daemon, "storage_stats") else None
@@ -337,6 +362,30 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
             if t.name == "storage" and storage is not None:
                 tier_counters(tier, storage)
     return r
+
+
+def _same_sender(owner: Caller | None, caller: Caller) -> bool:
+    """A request of `owner` is shown to `caller`: the same connection identity (a gateway sees
+    the requests of all its keys; on_behalf_of does not hide them from their sender)."""
+    return owner is not None and owner.principal == caller.principal
+
+
+def placements(engine) -> list[pb.Placement]:
+    """Where the layers run at each step shape of a plan with the host computing beside the GPU:
+    the plan's prediction and the steps measured since the load. Empty for other plans."""
+    schedule = getattr(getattr(engine, "plan", None), "schedule", None)
+    pipeline = getattr(engine, "pipeline", None)
+    if schedule is None or pipeline is None:
+        return []
+    out = []
+    for p in schedule.placements:
+        k = pipeline.layout.entry(p.rows)
+        n, seconds = pipeline.step_times[k] if k < len(pipeline.step_times) else (0, 0.0)
+        out.append(pb.Placement(rows=p.rows, host_layers=p.host_layers,
+                                link_layers=sum(1 for t in p.tiers if t in ("pinned", "storage")),
+                                predicted_step_seconds=p.time.seconds, measured_step_seconds=seconds / n if n else 0.0,
+                                steps=n))
+    return out
 
 
 def tier_counters(tier: pb.TierStatus, st: dict) -> None:
