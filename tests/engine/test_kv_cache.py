@@ -298,7 +298,7 @@ def test_pool_exhaustion_is_a_clear_error(tiny_engine_path, backend):
     assert e.kv.kept(a) == 0
     with pytest.raises(ValueError, match="cannot keep 20 positions of slot 0: it holds 0"):
         e.open(a, keep=20)
-    with pytest.raises(ValueError, match="kv_blocks 0 must be at least 1"):
+    with pytest.raises(ValueError, match="kv_blocks = 0: must be at least 1"):
         Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, kv_blocks=0))
 
 
