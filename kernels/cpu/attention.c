@@ -180,8 +180,9 @@ void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, fl
         l[v] = 0.0f;
         lim[v] = v < nq ? (float)h->positions[r0 + v / g] : -1.0f; /* padding sees nothing */
     }
-    memset(acc, 0, (size_t)(NQ * HD) * sizeof(float));
-    memset(kt, 0, (size_t)(2 * KT * HD) * sizeof(float)); /* the columns past hd stay zero */
+    memset(acc, 0, (size_t)(nq * HD) * sizeof(float));
+    if (HD != hd) /* the columns past hd stay zero */
+        for (int k = 0; k < 2 * KT; k++) memset(kt + k * HD + hd, 0, (size_t)(HD - hd) * sizeof(float));
 
     for (int64_t k0 = 0; k0 < end; k0 += KT) {
         const int nk = end - k0 < KT ? (int)(end - k0) : KT;

@@ -20,6 +20,11 @@ The layout every backend's attention reads (kernels/cpu/step.c does; the GPU por
                        -1 past the blocks it holds
     position p of slot s, KV head h  →  layer.k[tables[s, p // BLOCK_SIZE], h, p % BLOCK_SIZE]
 
+A step's blocks are reserved before it runs (the engine reserves every segment's positions, so a
+kernel never meets a -1 it must read or write); a device with its own copy of the tables takes
+them as they stand then. Writes round as gguf.quants.quantize does, bit for bit; reads decode
+each row where it is used (d × q), never into a second cache.
+
 A closed slot keeps its blocks, and so its keys and values (the prefix cache reopens a slot and
 keeps the positions it still holds), until the pool runs short: then the least recently closed
 slots give theirs back, and `kept` says how many positions a slot still holds. Memory comes from
