@@ -90,6 +90,7 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
     """Every request of `work` queued at once on the daemon's scheduler (in this process, one
     iteration at a time), `rounds` times over (a second round meets the prefix cache)."""
     from ntransformerd.config import DaemonConfig
+    from ntransformerd.engine.speculative import Mode
     from ntransformerd.server.scheduler import Scheduler
     from ntransformerd.server.systemd import Notifier
 
@@ -97,18 +98,21 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
                           prefix_cache=prefix_cache, prefill_chunk=engine.config.prefill_chunk)
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     s.attach(engine, costs=flat_costs())
+    s.lifecycle.serving()
     out = []
-    for _ in range(rounds):
-        reqs = [s.schedule(ids, params, max_tokens=params.max_tokens,
-                           speculative=(SPEC_MODES[i % len(SPEC_MODES)] or "off") if speculate else "off")
-                for i, (ids, params) in enumerate(work)]
-        while any(r.state != "done" for r in reqs):
-            s.iterate()
-        for r in reqs:
-            r.outputs.put(None)
-            outs = list(r.stream())
-            out.append(result([i for o in outs for i in o.token_ids], [o.text for o in outs], outs[-1].finish_reason))
-    s.iterate()  # the last requests retire: every slot is free again
+    try:
+        for _ in range(rounds):
+            reqs = [s.schedule(ids, params, max_tokens=params.max_tokens,
+                               speculative=Mode.parse(SPEC_MODES[i % len(SPEC_MODES)] if speculate else "off"))
+                    for i, (ids, params) in enumerate(work)]
+            while any(r.state != "done" for r in reqs):  # retired: every slot is free again
+                s.iterate()
+            for r in reqs:
+                outs = list(r.stream())
+                out.append(result([i for o in outs for i in o.token_ids], [o.text for o in outs],
+                                  outs[-1].finish_reason))
+    finally:
+        s.stop()
     return out
 
 
