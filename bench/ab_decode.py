@@ -39,7 +39,7 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
 
     e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=max(batches) + 2, max_ctx=1024,
                                                     max_vram_layers=max_vram_layers))
-    runner = getattr(e, "_graphs", None) or getattr(e, "_decoder")
+    runner = getattr(e, "steps", None) or getattr(e, "_graphs", None) or getattr(e, "_decoder")
     new_api = hasattr(runner, "bucket")  # StepGraphs: the caller moves the cache lengths on
 
     def launch(slots, toks):

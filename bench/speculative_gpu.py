@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=25, help="generated tokens per sequence in part 2")
     ap.add_argument("--no-8b", action="store_true")
     ap.add_argument("--no-verify", action="store_true", help="skip part 1")
+    ap.add_argument("--host-compute", choices=("off", "auto"), default="off",
+                    help="the streamed shape's host_compute: auto has the host compute streamed layers beside the GPU")
+    ap.add_argument("--threads", type=int, default=None, help="the host's threads (cpu_threads; default: all)")
     a = ap.parse_args(argv)
     common.require_gpu(__file__)
     out = {"smoke": a.smoke, "verify": {}, "speculative": [], "skip": []}
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         streamed = ("tiny streamed", "tiny", {"max_vram_layers": 1}, True)
         resident = ("tiny", "tiny", {}, False)
         a.reps, a.tokens = 1, 10
+    if a.host_compute != "off":
+        name, synth_shape, settings, is_streamed = streamed
+        streamed = (f"{name} host {a.host_compute}", synth_shape,
+                    {**settings, "host_compute": a.host_compute, "cpu_threads": a.threads}, is_streamed)
     runs = [streamed] + ([] if a.no_8b else [resident])
     for shape, synth_shape, settings, is_streamed in runs:
         path = common.synthetic(a.dir, synth_shape, "q4_k_m")

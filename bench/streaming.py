@@ -76,11 +76,11 @@ def free_engine(e) -> None:
 def decode_path(e: Engine, batch: int) -> str:
     """Which path the decode steps of `batch` sequences took: 'graph' (one replay of the captured
     model.forward per step, streamed copies inside) or 'model.forward' (eagerly: storage layers)."""
-    g = e._graphs
+    g = e.steps
     if g is None or not g.use_graphs:
         return "model.forward"
     r, t = g.bucket(batch, 1)
-    return "graph" if (r, t, None) in g._buckets else "model.forward"
+    return "graph" if any(k[:3] == (r, t, None) for k in g._buckets) else "model.forward"
 
 
 def decode_rate(e: Engine, batch: int, steps: int) -> float:
@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
             e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
                                                      cpu_threads=args.threads, **budget))
+            if getattr(e.plan, "schedule", None) is not None:
+                log("\n".join(e.plan.schedule.explain()))
             for b in (1, 16):
                 r = decode_rate(e, b, 4)
                 out["runs"].append({"model": f"{huge}-q4_k_m", **budget, "batch": b, "tok_s": r, "host_compute": "auto",

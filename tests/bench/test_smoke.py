@@ -163,6 +163,13 @@ def check_streaming(d: dict) -> None:
                for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
 
 
+def check_hybrid_quality(d: dict) -> None:
+    assert set(d["perplexity"]) == {"gpu", "hybrid"} and all(v > 1 for v in d["perplexity"].values()), d
+    assert any(d["host_layers_by_rows"].values()), d["host_layers_by_rows"]  # the host computed some layers
+    assert d["greedy"] and all(0 <= g["common_prefix"] <= g["tokens"] for g in d["greedy"]), d["greedy"]
+    assert d["handoffs"] > 0
+
+
 def check_nvme_read(d: dict) -> None:
     assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
     assert d["dmar_faults"] == 0
@@ -181,7 +188,8 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "constraint_libraries.py": check_constraint_libraries}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
-       "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming}
+       "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
+       "hybrid_quality.py": check_hybrid_quality}
 VM = {"nvme_read.py": check_nvme_read}
 
 

@@ -12,6 +12,7 @@ import pytest
 from ntransformerd.engine import backends
 from ntransformerd.engine.tiers.pipeline import Device, LayerStream, parse_rate
 from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
+from ntransformerd.engine.tiers.planner import Plan
 
 MB = 1_000_000
 
@@ -77,8 +78,15 @@ def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
     from ntransformerd.engine import figures as fig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
-    rates = fig.host_rates(model, layer=1, threads=1, rows=(1, 4), repeats=2)
+    rates = fig.host_rates(model, layers=[1, 2], threads=1, rows=(1, 4), repeats=2)
     assert sorted(rates) == [1, 4] and all(0 < r < 1e13 for r in rates.values())
+    # the timed stretch: the streamed layers first, until it holds the sample's bytes
+    sizes = [model.layer_bytes(i) for i in range(model.config.n_layers)]
+    plan = Plan(("vram", "pinned", "pinned", "vram"), tuple(sizes), 2, max(sizes), 0, 0, 0, -1, -1)
+    assert fig.host_sample(model, plan, nbytes=sizes[1]) == [1]
+    assert fig.host_sample(model, plan, nbytes=sizes[1] + 1) == [1, 2]
+    assert fig.host_sample(model, plan, nbytes=1 << 40) == [1, 2]  # the streamed ones: what the host may compute
+    assert fig.host_sample(model, None, nbytes=1 << 40) == [0, 1, 2, 3]
     # measured once, then read from the cache keyed by model, plan and machine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []

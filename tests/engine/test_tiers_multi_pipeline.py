@@ -146,7 +146,7 @@ def _host_engine(model, **kw):
 
 def test_host_beside_the_main_device_bit_identical(small):
     """Two CPU "devices", the main one and the host, the layers moving between them with the
-    step shape: each step's hand-offs are poisoned, the KV of a layer both compute is mirrored,
+    step shape: each step's hand-offs are poisoned, the KV of a layer both compute is synced,
     and the output is bit-identical to one device."""
     model, _, ref = small
     e = _host_engine(model)
@@ -170,15 +170,66 @@ def test_host_beside_the_main_device_bit_identical(small):
     assert "host compute" in e.plan.explain() and HOST in e.plan.schedule.placements[0].tiers
 
 
-def test_without_the_kv_mirror_the_host_reads_holes(small, monkeypatch):
-    """What the mirror does: a prefill chunk computed on the main device leaves the host's cache
+def test_without_the_kv_sync_the_host_reads_holes(small, monkeypatch):
+    """What the sync does: a prefill chunk computed on the main device leaves the host's cache
     of the layers it shares empty; the host's next decode then differs."""
     model, _, ref = small
-    monkeypatch.setattr(DeviceKV, "mirror", lambda self, batch, groups: None)
+    monkeypatch.setattr(DeviceKV, "sync", lambda self, batch, groups: None)
     e = _host_engine(model)
     got = _run(e, steps=2)
     e.unload()
     assert not all(np.array_equal(x, y) for x, y in zip(got, ref))
+
+
+def _edits(engine):
+    """Steps that move a sequence's layers between devices mid-sequence, with a rejected draft
+    (truncate) and a prefix shared through copy_prefix: the logits of each step."""
+    a = engine.open()
+    outs = [engine.prefill(a, [5, 6, 7, 8, 9, 10, 11])]  # chunks of 3 and 1 rows: main, then host
+    outs.append(engine.step([(a, [3, 4, 5])], all_logits=True))  # 3 rows: the main device again
+    engine.truncate(a, 8)  # two of the three rejected
+    for t in (12, 13):  # 1 row: the host, which lacks position 8's keys of the layers it computes
+        outs.append(engine.step([(a, [t])]))
+    b = engine.open()
+    engine.copy_prefix(a, b, 9)
+    outs.append(engine.step([(b, [7]), (a, [8])]))  # 2 rows: b's prefix is on the device that wrote it
+    outs.append(engine.step([(b, [1, 2, 3])], all_logits=True))
+    engine.close(a)
+    engine.close(b)
+    return outs
+
+
+def test_the_kv_sync_follows_truncation_and_shared_prefixes(small):
+    """A sequence truncated and a prefix copied while its layers move between the devices:
+    bit-identical to one device, and in a steady run of one shape nothing is copied."""
+    model, one, _ = small
+    ref = _edits(one)
+    e = _host_engine(model)
+    got = _edits(e)
+    for x, y in zip(got, ref):
+        assert np.array_equal(x, y)
+    assert e.kv.stats["syncs"] > 0
+    s = e.open()
+    e.prefill(s, [1, 2, 3])  # 3 rows: on the main device; the next steps of 1 row on the host
+    e.step([(s, [4])])
+    before = dict(e.kv.stats)
+    for t in range(5):
+        e.step([(s, [t])])
+    assert e.kv.stats == before  # the host holds what it computes: no copy per step
+    e.close(s)
+    e.unload()
+
+
+def test_a_position_no_device_holds_is_an_error(small):
+    """The sync refuses to run a layer over positions no device wrote (not silently zeros)."""
+    model, _, _ = small
+    e = _host_engine(model)
+    s = e.open()
+    e.prefill(s, [1, 2, 3])
+    e.kv.valid[:, :, s] = 0  # as if every device had lost the sequence
+    with pytest.raises(RuntimeError, match="on no device"):
+        e.step([(s, [4])])
+    e.unload()
 
 
 def test_a_poisoned_handoff_shows_a_stale_read(tiny, monkeypatch):

@@ -101,6 +101,26 @@ def test_a_host_not_faster_than_nothing_takes_nothing():
     assert place_rows(plan([VRAM, SKIP, VRAM]), Figures(1 * GB, {1: 1 * GB}), 1).host_layers == []
 
 
+def test_a_small_saving_leaves_the_step_to_the_gpu_alone():
+    """The host takes layers only where that saves more than HYBRID_MARGIN of the pass: a step
+    on the GPU alone replays one captured graph, a hybrid one runs its streamed layers eagerly."""
+    from ntransformerd.engine.tiers import placement
+    tiers = [VRAM] * 30 + [PINNED] * 2
+    figs = Figures(50 * GB, {1: 40 * GB}, {1: 3000 * GB})
+    margin = placement.HYBRID_MARGIN
+    try:
+        placement.HYBRID_MARGIN = 0.0
+        small = place_rows(plan(tiers, 0.1e9), figs, 1)
+        assert small.host_layers and small.time.seconds < small.streamed.seconds
+        saving = 1 - small.time.seconds / small.streamed.seconds
+        placement.HYBRID_MARGIN = saving * 1.01
+        assert place_rows(plan(tiers, 0.1e9), figs, 1).host_layers == []
+        placement.HYBRID_MARGIN = saving * 0.99
+        assert place_rows(plan(tiers, 0.1e9), figs, 1).host_layers == small.host_layers
+    finally:
+        placement.HYBRID_MARGIN = margin
+
+
 def test_spread():
     assert spread(6, 1, 3) == [False, True] * 3
     assert spread(3, 1, 1, 0.5) == [False, True, False]

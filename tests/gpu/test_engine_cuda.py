@@ -68,7 +68,7 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     cfg = EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=256)
     cpu_e = Engine(m, config=cfg)
     gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=256))
-    assert gpu_e.backend_name == "cuda" and gpu_e._graphs is not None
+    assert gpu_e.backend_name == "cuda" and gpu_e.steps is not None
     tokens = [int(x) for x in np.random.default_rng(0).integers(100, 40000, 68)]
     a, b = teacher_forced(cpu_e, tokens), teacher_forced(gpu_e, tokens)
     rel = np.abs(a - b).max() / np.abs(a).max()

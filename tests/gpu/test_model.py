@@ -63,6 +63,24 @@ def test_forward_matches_cpu(model):
     assert np.mean(agree) >= 0.99, f"top-1 agreement {np.mean(agree):.3f}"
 
 
+def test_decode_of_more_rows_than_the_fused_kernels(model):
+    """A decode step of 40 sequences (one token each, past the 32 rows of the fused kernels): the
+    prefill kernels on one-token rows, against the CPU."""
+    cfg = model.config
+    rng = np.random.default_rng(7)
+    c_ops, c_w = cpu.load(model)
+    g_ops, g_w = cuda.load(model)
+    c_kv = KVCache(cfg, n_slots=40, max_ctx=16, dtype="f16")
+    g_kv = cuda.kv_cache(cfg, n_slots=40, max_ctx=16)
+    first = [Segment(i, 0, rng.integers(0, cfg.vocab_size, 3)) for i in range(40)]
+    run(c_ops, c_w, c_kv, cfg, first)
+    run(g_ops, g_w, g_kv, cfg, first)
+    segs = [Segment(i, 3, rng.integers(0, cfg.vocab_size, 1)) for i in range(40)]
+    ref, got = run(c_ops, c_w, c_kv, cfg, segs), run(g_ops, g_w, g_kv, cfg, segs)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+    assert top1_agreement(got, ref) >= 0.95
+
+
 @pytest.mark.parametrize("one_launch", (True, False), ids=("attn_decode", "three_kernels"))
 def test_captured_decode_matches_forward(model, one_launch):
     """model.forward captured per bucket (graphs.StepGraphs) against the same function run eagerly."""

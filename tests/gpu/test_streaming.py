@@ -27,7 +27,7 @@ def small(tmp_path_factory):
 
 def _engine(model, **kw):
     e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40, **kw))
-    e._graphs = None  # the same kernels as the streamed path (model.forward, eagerly)
+    e.steps = None  # the same kernels as the streamed path (model.forward, eagerly)
     return e
 
 
@@ -70,8 +70,8 @@ def test_streamed_equals_resident_on_gpu(small, reference, mix, depth):
 def test_engine_plans_and_streams(small, reference):
     e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
-    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._graphs is not None
-    e._graphs = None  # model.forward eagerly, as the reference; test_engine_plans_and_decodes_in_graphs has the graphs
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e.steps is not None
+    e.steps = None  # model.forward eagerly, as the reference; test_engine_plans_and_decodes_in_graphs has the graphs
     for x, y in zip(_run(e), reference):
         assert np.array_equal(x, y)
 
@@ -87,7 +87,7 @@ def _decoding_engine(model, mix=None, depth=2, source=None):
         sizes = [cuda.layer_nbytes(model, i) for i in range(len(mix))]
         plan = Plan(mix, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1)
         e.weights = cuda.CudaWeights(model, plan, source=source, poison=True)
-        e._graphs = cuda.graphs(e.ops, e.weights, e.kv)
+        e.steps = cuda.graphs(e.ops, e.weights, e.kv)
     return e
 
 
@@ -133,7 +133,7 @@ def resident_decoded(small):
     def get(batch):
         if batch not in runs:
             e = _decoding_engine(small)
-            assert e._graphs.use_graphs
+            assert e.steps.use_graphs
             runs[batch] = _interleaved(e, batch)
         return runs[batch]
 
@@ -146,9 +146,9 @@ def resident_decoded(small):
 def test_streamed_decode_in_graphs_equals_resident(small, resident_decoded, mix, depth, batch):
     """Pinned layers: their copies are captured into the decode step's graph."""
     e = _decoding_engine(small, mix, depth)
-    assert e.weights.capturable and e._graphs.use_graphs
+    assert e.weights.capturable and e.steps.use_graphs
     got = _interleaved(e, batch)
-    assert e._graphs._buckets and all(b.graph is not None for b in e._graphs._buckets.values())  # replayed graphs
+    assert e.steps._buckets and all(b.graph is not None for b in e.steps._buckets.values())  # replayed graphs
     _assert_close(got, resident_decoded(batch), (mix, depth, batch))
     e.weights.close()
 
@@ -159,9 +159,9 @@ def test_streamed_decode_with_storage_runs_eagerly(small, resident_decoded, mix,
     """Storage layers: the decode step runs eagerly through the LayerStream (reader threads)."""
     from ntransformerd.engine.tiers.sources import ODirectSource
     e = _decoding_engine(small, mix, depth, ODirectSource(small.path, threads=4))
-    assert not e.weights.capturable and not e._graphs.use_graphs
+    assert not e.weights.capturable and not e.steps.use_graphs
     got = _interleaved(e, 3)
-    assert not e._graphs._buckets and e.weights.stream.stats["reads"] > 0
+    assert not e.steps._buckets and e.weights.stream.stats["reads"] > 0
     _assert_close(got, resident_decoded(3), (mix, depth))
     e.weights.close()
 
@@ -170,9 +170,9 @@ def test_engine_plans_and_decodes_in_graphs(small, resident_decoded):
     """The engine's own plan (2 layers resident, 2 pinned) decodes through the graph."""
     e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
-    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e._graphs.use_graphs
+    assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e.steps.use_graphs
     _assert_close(_interleaved(e, 3), resident_decoded(3), "engine plan")
-    assert e._graphs._buckets
+    assert e.steps._buckets
 
 
 def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
@@ -192,4 +192,4 @@ def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
         t = int(np.argmax(la))
         la, lb = e.step([(a, [t])])[0], ref.step([(b, [t])], layers=(0, 1, 3))[0]
         assert np.argmax(la) == np.argmax(lb) and np.abs(la - lb).max() / np.abs(lb).max() < 1e-4
-    assert e._graphs._buckets
+    assert e.steps._buckets

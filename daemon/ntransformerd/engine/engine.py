@@ -126,19 +126,23 @@ class Engine:
         sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
         self.plan = plan if plan is not None else _plan(model, config, self.backend, sizes)
         layout = layout_of(self.plan, sizes)
-        self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison))
+        # Each device's captured or recorded steps come with the pipeline (tiers/runs.py).
+        self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
+                                 threads=config.cpu_threads)
         self.kv = self.pipeline.kv
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
-        # A backend's captured steps (CUDA graphs of model.forward) where one device runs them all.
-        self._graphs = (self.backend.capture(self.ops, self.weights, self.kv, threads=config.cpu_threads)
-                        if len(layout.devices) == 1 else None)
 
     @property
     def steps(self):
-        """The backend's captured or recorded steps (devices.Steps) of a one-device engine, or None."""
-        return self._graphs
+        """The main device's captured or recorded steps (devices.Steps: CUDA graphs of
+        model.forward, the host's recorded pass), or None."""
+        return self.pipeline.stages[0].graphs
+
+    @steps.setter
+    def steps(self, g) -> None:  # tests and benchmarks: None runs every step eagerly (model.forward)
+        self.pipeline.stages[0].graphs = g
 
     def _stages(self, layout: Layout, poison: bool) -> list[Stage]:
         """Each device of the layout loaded: its backend's ops, the weights of its share, the KV
@@ -276,10 +280,7 @@ class Engine:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
         layers = self.layers if layers is None else layers
-        if self._graphs is not None and self._graphs.covers(segments, layers):
-            logits = self._graphs.run_step(segments, layers=layers, all_logits=all_logits, top=top)
-        else:
-            logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
+        logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
         return logits if sample is None else sample_rows(logits, sample)

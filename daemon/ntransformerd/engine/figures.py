@@ -2,13 +2,17 @@
 
     figures = measured_figures(model, plan, backend, config)   # cached per model, plan and machine
 
-Three figures, each over this model's own layers: the link (pinned host memory → device, a few
-layers' bytes copied), the host's rate per step shape (the cpu backend's recorded pieces of one
-layer, `HostSteps.run(batch, x=..., layers=[i], head=False)`, at rows 1, 4, 16, 64) and the GPU's
-(one resident layer through the backend's ops at the same rows). Each is the median of a few
-runs after a warm-up, in bytes of layer weights per second. They go to a small cache file
-(tiers.placement.save_figures) so a restart of the same model on the same machine does not
-measure again.
+Four figures, each over this model's own layers: the link (pinned host memory → device, a few
+layers' bytes copied), the host's rate per step shape (the cpu backend's recorded piece of a
+stretch of layers, `HostSteps.run(batch, x=..., layers=..., head=False)`, at rows 1, 4, 16, 64),
+the GPU's (one resident layer through the backend's ops at the same rows) and one hand-off of
+the activation (device → host → device). Rates are the median of a few runs after a warm-up,
+in bytes of layer weights per second. The host's stretch is the plan's streamed layers (what
+the host may compute) up to HOST_SAMPLE_BYTES: one layer run again and again stays in a large
+last-level cache and times the cache, not RAM, while the host's real share of a step is read
+again each step, from the cache only where all of it fits there.
+They go to a small cache file (tiers.placement.save_figures) so a restart of the same model on
+the same machine does not measure again.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 
 MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
 REPEATS = 5
+HOST_SAMPLE_BYTES = 4 << 30  # the host's timed stretch of layers at most: past any CPU's caches
+VERSION = 2  # of what the figures measure: cached figures of another version are measured again
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = REPEATS, sync: Callable[[], object] | None = None) -> float:
@@ -65,27 +71,43 @@ def _layer(model: GGUFModel, plan: Plan | None) -> int:
     return streamed[0] if streamed else 0
 
 
-def _one_layer_kv(backend, model: GGUFModel, layer: int, rows: int, device: int = 0):
-    cfg = dataclasses.replace(model.config, n_layers=1)
+def host_sample(model: GGUFModel, plan: Plan | None, nbytes: int = HOST_SAMPLE_BYTES) -> list[int]:
+    """The layers the host's rate is timed over: the plan's streamed ones (what the host may
+    compute) until they hold `nbytes`; without streamed layers, the model's from the first."""
+    streamed = list(plan.streamed) if plan is not None else []
+    order = streamed or list(range(model.config.n_layers))
+    out, total = [], 0
+    for i in order:
+        if total >= nbytes:
+            break
+        out.append(i)
+        total += model.layer_bytes(i)
+    return sorted(out)
+
+
+def _kv(backend, model: GGUFModel, layers: Sequence[int], rows: int, device: int = 0):
+    cfg = dataclasses.replace(model.config, n_layers=len(layers))
     kv = backend.kv_cache(cfg, n_slots=rows, max_ctx=16, dtype="f32" if backend.is_host else "f16", device=device)
-    return HomeKV(kv, [layer])
+    return HomeKV(kv, list(layers))
 
 
-def host_rates(model: GGUFModel, *, layer: int = 0, threads: int | None = None,
+def host_rates(model: GGUFModel, *, layers: Sequence[int] = (0,), threads: int | None = None,
                rows: Sequence[int] = MEASURE_ROWS, repeats: int = REPEATS) -> dict[int, float]:
     """The host's rate (layer bytes per second) at each step shape, from the cpu backend's
-    recorded piece of one layer, as a hybrid step runs it."""
+    recorded piece over `layers` (host_sample: more bytes than the caches hold), as a hybrid
+    step runs it."""
+    layers = sorted(layers)
     host = backends.resolve("cpu")
-    share = dataclasses.replace(_plan_of(model), tiers=tuple(VRAM if i == layer else SKIP
+    share = dataclasses.replace(_plan_of(model), tiers=tuple(VRAM if i in set(layers) else SKIP
                                                               for i in range(model.config.n_layers)))
     ops, weights = host.load(model, share)
-    steps = host.capture(ops, weights, _one_layer_kv(host, model, layer, max(rows)), threads=threads)
-    nbytes = model.layer_bytes(layer)
+    steps = host.capture(ops, weights, _kv(host, model, layers, max(rows)), threads=threads)
+    nbytes = sum(model.layer_bytes(i) for i in layers)
     out = {}
     for r in sorted(set(rows)):
         batch = decode_batch(r)
         x = np.random.default_rng(r).standard_normal((r, model.config.d_model), dtype=np.float32)
-        out[r] = nbytes / median_seconds(lambda: steps.run(batch, x=x, layers=[layer], head=False), repeats)
+        out[r] = nbytes / median_seconds(lambda: steps.run(batch, x=x, layers=layers, head=False), repeats)
     return out
 
 
@@ -112,6 +134,15 @@ def link_rate(cp, nbytes: int, repeats: int = REPEATS) -> float:
     return rate
 
 
+def handoff_seconds(cp, d_model: int, rows: int = 1, repeats: int = 20) -> float:
+    """One hand-off of a step's activation (rows, d_model) float32: device → host → device."""
+    x = cp.zeros((rows, d_model), cp.float32)
+
+    def there_and_back():
+        cp.array(cp.asnumpy(x), copy=True)
+    return median_seconds(there_and_back, repeats, sync=cp.cuda.get_current_stream().synchronize)
+
+
 def _free(cp) -> None:
     """Give what a measurement allocated back to the device and the host (the plan was made
     from the free memory before it)."""
@@ -131,7 +162,7 @@ def gpu_rates(backend, model: GGUFModel, *, layer: int = 0, rows: Sequence[int] 
     out = {}
     with backend.context(0):
         ops, weights = backend.load(model, share)
-        kv = _one_layer_kv(backend, model, layer, max(rows))
+        kv = _kv(backend, model, [layer], max(rows))
         for r in sorted(set(rows)):
             batch = decode_batch(r)
             x = backend.to_device(np.random.default_rng(r).standard_normal((r, model.config.d_model), dtype=np.float32))
@@ -164,7 +195,7 @@ def machine() -> str:
 
 def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
     st = os.stat(model.path)
-    parts = [os.path.abspath(model.path), st.st_size, int(st.st_mtime), plan.tiers if plan else None,
+    parts = [VERSION, os.path.abspath(model.path), st.st_size, int(st.st_mtime), plan.tiers if plan else None,
              plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
@@ -181,7 +212,8 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
             return cached
     layer = _layer(model, plan)
     t0 = time.perf_counter()
-    host = host_rates(model, layer=layer, threads=threads)
+    host = host_rates(model, layers=host_sample(model, plan), threads=threads)
+    handoff = 0.0
     if backend.is_host:
         link, gpu_bps = ASSUMED_H2D_BPS, {}
     else:
@@ -189,6 +221,7 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
             cp = backend.module.cp
             with backend.context(0):
                 link = link_rate(cp, min(3 * max(plan.layer_bytes if plan else [1 << 26]), 1 << 30))
+                handoff = handoff_seconds(cp, model.config.d_model)
             gpu_bps = gpu_rates(backend, model, layer=layer)
         except Exception as e:  # noqa: BLE001 - the plan still loads, on the figures it can have
             log.warning("measuring the link and the GPU failed (%s: %s): the link assumed, GPU compute not "
@@ -196,7 +229,7 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
             return Figures(link_cap or ASSUMED_H2D_BPS, host, {}, measured=False)
     if link_cap is not None:
         link = min(link, link_cap)
-    figures = Figures(link, host, gpu_bps)
+    figures = Figures(link, host, gpu_bps, handoff_s=handoff)
     log.info("host compute figures measured in %.1f s: %s", time.perf_counter() - t0, figures.describe())
     if use_cache:
         try:

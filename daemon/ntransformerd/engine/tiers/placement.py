@@ -21,7 +21,8 @@ layers are computed in order, resident and streamed ones on the GPU, host ones o
 change of device costs a hand-off. The candidates spread the host's layers over the streamed ones
 in stretches (`spread`), so that each stretch of host work hides the copies of the
 streamed layers after it; the fastest candidate wins, ties going to fewer host layers, then to
-fewer hand-offs.
+fewer hand-offs; the host takes none unless that saves HYBRID_MARGIN of the pass (a step on the
+GPU alone replays a captured graph).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BP
 # What the H200 machine's host read (14 threads summing an 8 GiB array) while its link copied
 # (issue 23): the one assumed host figure, for decode at batch 1 only.
 ASSUMED_HOST_BPS = 64.2e9
+# A step the GPU runs alone replays one captured graph; a step over the GPU and the host runs
+# the GPU's streamed layers eagerly: the host takes layers only where that saves more than this
+# share of the pass.
+HYBRID_MARGIN = 0.05
 STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedule covers besides prefill
 
 
@@ -193,6 +198,8 @@ def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
                     if key < best_key:
                         best_key, best = key, (host, pt)
     host, pt = best
+    if host and pt.seconds > none.seconds * (1 - HYBRID_MARGIN):
+        host, pt = set(), none
     tiers = tuple(HOST if i in host else t for i, t in enumerate(plan.tiers))
     return Placement(rows, tiers, pt, none)
 

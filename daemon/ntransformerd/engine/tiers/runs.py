@@ -15,25 +15,32 @@ is model.forward itself, nothing added. Several GPUs (tiers/multi.py), a GPU and
 Each device announces its whole share of the step to its weights before the first layer
 (Weights.prefetch), so its stream keeps copying while the other devices compute. A layer's keys
 and values live on each device that computes it at some step shape (the host at batch 1, the GPU
-for a prefill chunk); after each step the positions it wrote are copied to its other homes
-(`DeviceKV.mirror`), so whichever computes it next reads the whole sequence.
+for a prefill chunk); before a step, a device that is to compute a layer for a sequence gets the
+positions it lacks from the device that wrote them (`DeviceKV.sync`), so copies happen only when
+the step shape moves a layer, never in a steady run of one shape.
+
+A device with captured steps (a GPU's CUDA graphs) replays a whole step where the step runs on
+it alone (a batch the link serves better than the host), and within a step over several devices
+replays each stretch of its resident layers as a captured piece; the rest runs eagerly, on the
+same stream as its pieces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
 from ntransformerd.engine import model as llama
-from ntransformerd.engine.devices import KV, Backend, Ops, Pieces, Weights
+from ntransformerd.engine.devices import KV, Backend, Ops, Pieces, Steps, Weights
 from ntransformerd.engine.kv_cache import SlotTable
-from ntransformerd.engine.model import Batch
+from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import TopLogits
 from ntransformerd.engine.tiers.multi import MultiPlan
-from ntransformerd.engine.tiers.planner import HOST, SKIP, Plan, resident_plan
+from ntransformerd.engine.tiers.planner import HOST, SKIP, VRAM, Plan, resident_plan
 
 MAIN = "main"  # a device of the engine's backend (a GPU, or the host when it is the only kind)
 
@@ -143,13 +150,20 @@ class Stage:
     backend: Backend
     ordinal: int = 0
     steps: Pieces | None = None  # recorded pieces (a host device's HostSteps: run(batch, x=, layers=, head=)), or None
+    graphs: Steps | None = None  # its captured whole steps (and a GPU's captured pieces), set by the Pipeline
+    stream: object = None  # where its eager work runs beside its captured pieces (their stream), None: the default
 
     @property
     def recorded(self) -> bool:
         return self.steps is not None
 
     def context(self):
-        return self.backend.context(self.ordinal)
+        if self.stream is None:
+            return self.backend.context(self.ordinal)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.backend.context(self.ordinal))
+        stack.enter_context(self.stream)
+        return stack
 
     def to_device(self, x: np.ndarray):
         return self.backend.to_device(x, self.ordinal)
@@ -192,41 +206,97 @@ class HomeKV:
         return self.cache.layer(self._index[i])
 
 
+class StageKV:
+    """A device's cache as its captured steps see it inside a step over several devices: its
+    layers by model index, the slot lengths of the engine's table."""
+
+    def __init__(self, home: HomeKV, table: SlotTable):
+        self.home, self.table = home, table
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.table.lengths
+
+    def layer(self, i: int):
+        return self.home.layer(i)
+
+    def __getattr__(self, name: str):  # what the device's own cache says of itself (max_ctx, its scratch slot)
+        return getattr(self.home.cache, name)
+
+
 class DeviceKV(SlotTable):
     """The engine's KV cache over several devices: one slot table; each layer's keys and values
-    on every device that computes it (Layout.homes), kept equal by `mirror`. One owner thread
-    (the engine's)."""
+    on every device that computes it (Layout.homes). `valid[d, i, slot]`: how many leading
+    positions of that slot device d holds for layer i; a step first brings each device the
+    positions it lacks for the layers it computes (`sync`), then marks what it wrote (`wrote`).
+    One owner thread (the engine's)."""
 
     def __init__(self, n_slots: int, stages: Sequence[Stage], homes: dict[int, tuple[int, ...]]):
         super().__init__(n_slots)
         self.stages, self.homes = list(stages), homes
+        self.valid = np.zeros((len(self.stages), max(homes, default=-1) + 1, n_slots), np.int64)
+        self.stats = {"syncs": 0, "positions": 0}
 
     def layer(self, i: int):
         """Layer i's cache on its first home."""
         return self.stages[self.homes[i][0]].kv.layer(i)
 
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        """Positions [start, n) of `src` into `dst` on every device; each device then holds of
+        `dst` what it held of both."""
         for st in self.stages:
             with st.context():
                 st.kv.cache.copy_prefix(src, dst, n, start)
+        v = np.minimum(self.valid[:, :, dst], start)
+        self.valid[:, :, dst] = np.where(v >= start, np.minimum(n, np.maximum(start, self.valid[:, :, src])), v)
 
-    def mirror(self, batch: Batch, computed: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """Copy the positions the step wrote ((device, layers) it computed) to the layers' other homes."""
-        spans = [(s.slot, s.start, s.start + len(s.tokens)) for s in batch.segments]
-        for d, layers in computed:
-            src = self.stages[d]
-            for i in layers:
-                for e in self.homes[i]:
-                    if e == d:
-                        continue
-                    dst = self.stages[e]
-                    a, b = src.kv.layer(i), dst.kv.layer(i)
-                    for slot, p0, p1 in spans:
-                        for name in ("k", "v"):
-                            with src.context():
-                                rows = src.ops.to_host(getattr(a, name)[slot, p0:p1])
-                            with dst.context():
-                                getattr(b, name)[slot, p0:p1] = dst.to_device(rows)
+    def sync(self, batch: Batch, groups: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Before a step: positions from each segment's start on are written now, and each
+        device gets the earlier positions it lacks for the layers it computes, from a device
+        that holds them."""
+        slots = np.array([s.slot for s in batch.segments], np.int64)
+        starts = np.array([s.start for s in batch.segments], np.int64)
+        self.valid[:, :, slots] = np.minimum(self.valid[:, :, slots], starts)
+        pending: dict[tuple[int, int, int, int, int], list[int]] = {}
+        for d, layers in groups:
+            ls = np.asarray(layers, np.int64)
+            have = self.valid[d][np.ix_(ls, slots)]  # (L, S)
+            lack = have < starts
+            if not lack.any():
+                continue
+            for a, b in zip(*np.nonzero(lack)):
+                i, slot = int(ls[a]), int(slots[b])
+                e = int(np.argmax(self.valid[:, i, slot]))
+                if self.valid[e, i, slot] < starts[b]:
+                    raise RuntimeError(f"layer {i}, slot {slot}: positions {int(have[a, b])}..{int(starts[b])} "
+                                       "of its KV cache are on no device")
+                pending.setdefault((e, d, slot, int(have[a, b]), int(starts[b])), []).append(i)
+        for (e, d, slot, lo, hi), ls in pending.items():
+            self._copy(e, d, slot, lo, hi, ls)
+            self.valid[d, ls, slot] = hi
+
+    def _copy(self, e: int, d: int, slot: int, lo: int, hi: int, layers: list[int]) -> None:
+        """Positions [lo, hi) of `slot` for `layers` from device e to device d: one gather, one
+        copy through the host, one scatter per layer."""
+        src, dst = self.stages[e], self.stages[d]
+        with src.context():
+            parts = [getattr(src.kv.layer(i), name)[slot, lo:hi] for i in layers for name in ("k", "v")]
+            rows = src.ops.to_host(np.stack(parts))  # a device's own stack (NEP 18) where they are its arrays
+        with dst.context():
+            got = dst.to_device(rows)
+            for j, i in enumerate(layers):
+                b = dst.kv.layer(i)
+                b.k[slot, lo:hi] = got[2 * j]
+                b.v[slot, lo:hi] = got[2 * j + 1]
+        self.stats["syncs"] += 1
+        self.stats["positions"] += (hi - lo) * len(layers)
+
+    def wrote(self, batch: Batch, groups: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """After a step: each device holds its layers' positions up to each segment's end."""
+        slots = np.array([s.slot for s in batch.segments], np.int64)
+        ends = np.array([s.start + len(s.tokens) for s in batch.segments], np.int64)
+        for d, layers in groups:
+            self.valid[d][np.ix_(np.asarray(layers, np.int64), slots)] = ends
 
 
 class _Announced:
@@ -249,13 +319,23 @@ class _Announced:
 class Pipeline:
     """model.forward over the stages of a layout. One owner thread."""
 
-    def __init__(self, stages: Sequence[Stage], layout: Layout, cfg, handoff: Handoff | None = None):
+    def __init__(self, stages: Sequence[Stage], layout: Layout, cfg, handoff: Handoff | None = None, *,
+                 capture: bool = True, threads: int | None = None):
+        """capture: each device that captures or records steps (Backend.capture) does so: one
+        device for its whole steps, a GPU beside others for its steps alone and its pieces
+        (threads: the host's recorded steps' thread count)."""
         if len(stages) != len(layout.devices):
             raise ValueError(f"{len(stages)} stages for a layout of {len(layout.devices)} devices")
         self.stages, self.layout, self.cfg = list(stages), layout, cfg
         self.handoff = handoff or Handoff()
-        self.kv = (self.stages[0].kv if len(self.stages) == 1
-                   else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes()))
+        one = len(self.stages) == 1
+        self.kv = self.stages[0].kv if one else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes())
+        for st in self.stages if capture else ():
+            if one:
+                st.graphs = st.backend.capture(st.ops, st.weights, st.kv, threads=threads)
+            elif not st.backend.is_host:  # its graphs read the engine's slot lengths; its eager work joins their stream
+                st.graphs = st.backend.capture(st.ops, st.weights, StageKV(st.kv, self.kv), threads=threads)
+                st.stream = getattr(st.graphs, "stream", None)
 
     def groups(self, rows: int, layers: Sequence[int] | None = None) -> list[tuple[int, list[int]]]:
         """(device, layers) of a step of `rows` token rows, consecutive runs on one device merged;
@@ -302,7 +382,7 @@ class Pipeline:
                 x, cur = self.handoff.copy(x, cur, st), st
             with st.context():
                 x = (st.steps.run(batch, x=x, layers=ls, head=False) if st.recorded
-                     else llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, ls))  # (N, D)
+                     else self._layers_on(d, batch, x, ls))  # (N, D)
         head = self.stages[lo.head]
         if head is not cur:
             x = self.handoff.copy(x, cur, head)
@@ -311,20 +391,54 @@ class Pipeline:
                 return head.steps.run(batch, x=x, layers=[], all_logits=all_logits)
             return llama.head(head.ops, self.cfg, head.weights, x, batch, all_logits=all_logits)
 
+    def _layers_on(self, d: int, batch: Batch, x, layers: list[int]):
+        """x through `layers` on device d (inside its context): each stretch of resident layers
+        as a captured piece where it has them, the rest eagerly."""
+        st = self.stages[d]
+        g = st.graphs
+        if g is None or not hasattr(g, "run_piece"):
+            return llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, layers)
+        tiers = self.layout.devices[d].plan.tiers
+        for resident, part in itertools.groupby(layers, key=lambda i: tiers[i] == VRAM):
+            part = list(part)
+            if resident and g.covers_piece(batch.segments, part):
+                x = g.run_piece(batch.segments, x, part)
+            else:
+                x = llama.run_layers(st.ops, self.cfg, _Announced(st.weights), st.kv, batch, x, part)
+        return x
+
+    def whole(self, segments: Sequence[Segment], groups, layers: Sequence[int] | None) -> Stage | None:
+        """The device whose captured steps run this step whole (every layer, the embedding and
+        the output on it), or None."""
+        lo = self.layout
+        if lo.embed != lo.head or any(d != lo.embed for d, _ in groups):
+            return None
+        st = self.stages[lo.embed]
+        return st if st.graphs is not None and st.graphs.covers(segments, layers) else None
+
     def step(self, batch: Batch, *, layers: Sequence[int] | None = None, all_logits: bool = False,
              top: int | None = None) -> np.ndarray | TopLogits:
-        """One step inside every device's step context: host logits, or with top a TopLogits
-        (picked on the head device, only those rows come to the host)."""
+        """One step: host logits, or with top a TopLogits (picked on the head device, only those
+        rows come to the host). Replayed whole where one device's captured steps cover it, else
+        inside every device's step context over the runs."""
         groups = self.groups(len(batch.tokens), layers)
-        head = self.stages[self.layout.head]
-        with contextlib.ExitStack() as stack:
-            for st in self.stages:
-                stack.enter_context(st.ops.step_context(batch))
-            logits = self.forward(batch, groups, all_logits=all_logits)
-            with head.context():
-                out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
-        if isinstance(self.kv, DeviceKV):
-            self.kv.mirror(batch, groups)
+        several = isinstance(self.kv, DeviceKV)
+        if several:
+            self.kv.sync(batch, groups)
+        st = self.whole(batch.segments, groups, layers)
+        if st is not None:
+            with st.context():
+                out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
+        else:
+            head = self.stages[self.layout.head]
+            with contextlib.ExitStack() as stack:
+                for s in self.stages:
+                    stack.enter_context(s.ops.step_context(batch))
+                logits = self.forward(batch, groups, all_logits=all_logits)
+                with head.context():
+                    out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
+        if several:
+            self.kv.wrote(batch, groups)
         return out
 
     def close(self) -> None:

@@ -11,6 +11,12 @@ the live batch run on the KV cache's scratch slot.
 
 Streamed layers from pinned RAM are copied inside the graph (weights.CudaWeights: prefetch,
 acquire and release are capturable); a plan with storage layers runs every pass eagerly.
+
+A piece is a stretch of resident layers alone, from hidden states handed in to hidden states
+out (`run_piece`): what a step over several devices (tiers/runs.py) runs on this GPU between
+the host's layers. Its graph reads the hidden states from its arena's input buffer (the residual
+stream is updated in place, so the output is that buffer) and touches no streaming slot, so it
+replays without waiting for the stream's copies.
 """
 
 from __future__ import annotations
@@ -34,11 +40,30 @@ log = logging.getLogger(__name__)
 
 
 class _Bucket:
-    def __init__(self, arena: Arena, batch: Batch, layers):
-        self.arena, self.batch, self.layers = arena, batch, layers
+    def __init__(self, arena: Arena, batch: Batch, layers, *, piece: bool = False):
+        self.arena, self.batch, self.layers, self.piece = arena, batch, layers, piece
         self.graph = None
-        self.logits = None  # the pass's (R × T, V) output, an arena buffer
+        self.logits = None  # the pass's (R × T, V) output, an arena buffer; a piece's hidden states (R × T, D)
         self.ids = cp.empty((arena.n,), cp.int32)  # greedy id of each row
+        self.x = None  # a piece's input hidden states (R × T, D), an arena buffer
+
+
+class _Resident:
+    """A piece's weights: resident layers only (a streamed one would need the stream's slots)."""
+
+    def __init__(self, weights):
+        self.w = weights
+
+    def prefetch(self, layers) -> None:
+        pass
+
+    def acquire(self, i: int):
+        if not self.w.resident(i):
+            raise ValueError(f"layer {i} is not resident: a captured piece runs resident layers only")
+        return self.w.acquire(i)
+
+    def release(self, i: int) -> None:
+        self.w.release(i)
 
 
 class StepGraphs:
@@ -52,6 +77,7 @@ class StepGraphs:
         self.ops, self.w, self.kv, self.cfg = ops, weights, kv, ops.cfg
         self.s = ops.settings
         self.use_graphs = use_graphs and weights.capturable
+        self.piece_graphs = use_graphs  # a piece touches no streaming slot: capturable whatever the plan
         self.pdl = self.s.pdl if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._buckets: dict[tuple, _Bucket] = {}
@@ -78,7 +104,16 @@ class StepGraphs:
 
     # ---- capture --------------------------------------------------------------------------------
 
+    def covers_piece(self, segments, layers) -> bool:
+        """Whether a captured piece serves these segments through `layers` (all resident)."""
+        if not layers or not segments or not all(self.w.resident(i) for i in layers):
+            return False
+        t = len(segments[0].tokens)
+        return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
+
     def _pass(self, b: _Bucket):
+        if b.piece:
+            return llama.run_layers(self.ops, self.cfg, _Resident(self.w), self.kv, b.batch, b.x, b.layers)
         logits = llama.forward(self.ops, self.cfg, self.w, self.kv, b.batch, layers=b.layers, all_logits=True)
         K.argmax(logits, out=b.ids)
         return logits
@@ -89,8 +124,8 @@ class StepGraphs:
         io[2] = np.tile(np.arange(t, dtype=np.int32), r)
         return io
 
-    def _prepare(self, r: int, t: int, layers) -> _Bucket:
-        key = (r, t, layers)
+    def _prepare(self, r: int, t: int, layers, *, piece: bool = False) -> _Bucket:
+        key = (r, t, layers, piece)
         b = self._buckets.get(key)
         if b is not None:
             return b
@@ -98,14 +133,17 @@ class StepGraphs:
         # The batch's structure (R segments of T tokens) is what the ops read from it; every value
         # (tokens, slots, positions) comes from the arena's io rows, set before each replay.
         batch = Batch.of([Segment(self.kv.scratch_slot, 0, np.zeros(t, np.int64)) for _ in range(r)])
-        b = _Bucket(arena, batch, layers)
+        b = _Bucket(arena, batch, layers, piece=piece)
         with self.stream:
             arena.io.set(self._placeholder_io(r, t))
+            if piece:
+                b.x = arena.take(("embed",), (r * t, self.cfg.d_model))
+                b.x.fill(0)
             self.ops.arena = arena
             try:
                 b.logits = self._pass(b)  # eager: compiles and loads every kernel before capture
                 self.stream.synchronize()
-                if self.use_graphs:
+                if self.piece_graphs if piece else self.use_graphs:
                     b.graph = self._capture(b)
             finally:
                 self.ops.arena = None
@@ -136,12 +174,13 @@ class StepGraphs:
 
     # ---- steps ------------------------------------------------------------------------------------
 
-    def launch(self, slots, tokens, layers=None, *, eager: bool = False, advance: bool = False
-               ) -> tuple[_Bucket, int]:
+    def launch(self, slots, tokens, layers=None, *, eager: bool = False, advance: bool = False,
+               x=None) -> tuple[_Bucket, int]:
         """Queue one step (no wait): sequence slots[i] adds tokens[i] (T ids) at its current
         length. Returns the bucket and the live row count (len(slots) × T). The caller moves
         the cache lengths on (Engine.step), or advance=True does (benchmarks driving the steps
-        alone). eager: run the bucket's pass kernel by kernel even if it has a graph (profiling)."""
+        alone). eager: run the bucket's pass kernel by kernel even if it has a graph (profiling).
+        x: the hidden states (len(slots) × T, D) of a piece through `layers` (resident only)."""
         tokens = np.asarray(tokens, np.int64)
         if tokens.ndim == 1:
             tokens = tokens[:, None]
@@ -150,7 +189,10 @@ class StepGraphs:
         if rt is None or len(slots) != n:
             raise ValueError(f"no captured step for {len(slots)} sequences of {t} tokens")
         r, t = rt
-        b = self._prepare(r, t, None if layers is None else tuple(layers))
+        piece = x is not None
+        if piece and not layers:
+            raise ValueError("a piece runs some layers: name them")
+        b = self._prepare(r, t, None if layers is None else tuple(layers), piece=piece)
         slots = np.asarray(slots, np.int64)
         start = self.kv.lengths[slots]
         if (start + t > self.kv.max_ctx).any():
@@ -161,7 +203,12 @@ class StepGraphs:
         io[1, :m] = np.repeat(slots, t)
         io[2, :m] = (start[:, None] + np.arange(t)).reshape(-1)
         with self.stream:
-            self.w.settle(self.stream)
+            if piece:  # resident layers only: no slot to wait for
+                if x.shape != (m, self.cfg.d_model):
+                    raise ValueError(f"a piece of {m} rows takes hidden states ({m}, {self.cfg.d_model}), not {x.shape}")
+                b.x[:m] = x
+            else:
+                self.w.settle(self.stream)
             b.arena.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
             if b.graph is not None and not eager:
                 b.graph.launch(self.stream)
@@ -174,6 +221,13 @@ class StepGraphs:
         if advance:
             self.kv.lengths[slots] += t
         return b, m
+
+    def run_piece(self, segments, x, layers):
+        """The hidden states (N, D) after resident `layers` of the segments' rows, from theirs x
+        (N, D) on this device: a view of the piece's buffer, valid until its next replay."""
+        slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
+        b, m = self.launch(slots, toks, layers, x=x)
+        return b.logits[:m]
 
     def _rows(self, b: _Bucket, m: int, t: int, last_only: bool):
         logits = b.logits[:m]

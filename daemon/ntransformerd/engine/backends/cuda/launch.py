@@ -37,8 +37,11 @@ WIDE_ROWS_PER_WARP = 4  # one-row matvecs of at most settings.mvq_wide_max_n row
 
 
 def bucket_of(rows: int) -> int:
-    """The compiled batch width a matvec of `rows` rows runs at."""
-    return next(m for m in MATVEC_BUCKETS if m >= rows)
+    """The compiled batch width a matvec of `rows` rows runs at (1..MATVEC_MAX_ROWS)."""
+    for m in MATVEC_BUCKETS:
+        if m >= rows:
+            return m
+    raise ValueError(f"{rows} rows: the fused kernels take at most {MATVEC_MAX_ROWS}")
 
 
 def dequantize_rows(w, rows=None, *, half: bool = False, out=None):

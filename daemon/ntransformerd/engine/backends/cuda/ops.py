@@ -237,7 +237,8 @@ class CudaOps:
             n_splits = K.step_splits(n, kv_layer.k.shape[1], c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
-        if fused and one_token and tiles is None and K.bucket_of(n) <= s.attn_one_launch_max_bucket:
+        if (fused and one_token and tiles is None and n <= K.MATVEC_MAX_ROWS
+                and K.bucket_of(n) <= s.attn_one_launch_max_bucket):
             scratch = self.arena.scratch if self.arena is not None else K.attention_scratch(n, c, n_splits, counters=True)
             return K.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, n_splits=n_splits, ld=_ld(q),
                                        ldv=_ld(v), out=out, scratch=scratch, q_out=q_out)

@@ -347,6 +347,10 @@ class CudaWeights:
         else:
             self.stream.begin(layers)
 
+    def resident(self, i: int) -> bool:
+        """Whether layer i stays in device memory (acquire neither waits nor copies)."""
+        return i in self._layers
+
     def acquire(self, i: int) -> types.SimpleNamespace:
         ly = self._layers.get(i)
         if ly is not None:
