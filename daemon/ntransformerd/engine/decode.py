@@ -86,8 +86,11 @@ class Sequence:
 
     def need(self) -> int | None:
         """How many most likely ids this sequence draws from (Sampler.need); None: the whole row
-        (a constraint's allowed ids may lie anywhere in it; log-probabilities read all of it)."""
-        return None if self.constraint is not None or self.logprobs is not None else self.sampler.need()
+        (a constraint's allowed ids may lie anywhere in it; log-probabilities and a kept row read
+        all of it)."""
+        if self.constraint is not None or self.logprobs is not None or self.keep_rows:
+            return None
+        return self.sampler.need()
 
     def draws_anywhere(self) -> bool:
         """Its draws need nothing on the host but an id: where the logits are, they can be drawn."""

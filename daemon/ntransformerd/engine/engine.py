@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -465,6 +465,11 @@ class StopMatcher:
 # Sampler.sample draws it), so a seed gives the same ids whichever computes them. `sample_rows`
 # is the host's implementation and the reference a device one is tested against; Sampler.sample
 # is sample_rows on one row, so the per-request and the batched draws are one implementation.
+# A device sampler takes the step's logits where they are (B, V) and a SampleRows whose ragged
+# fields it receives packed, and returns Drawn (B ids, B fault codes): 9 bytes a row to the host.
+# Greedy rows must give sample_rows' ids exactly; a filtered draw uses the row's uniform as given
+# (top-k, top-p, min-p, temperature, then the running-sum search), so its ids equal
+# sample_rows' wherever float64 rounding of exp and the sums does not move a boundary.
 
 _NONE = np.zeros(0, np.int64)
 FAULT_NAN, FAULT_INF, FAULT_NO_FINITE, FAULT_NOT_ALLOWED = 1, 2, 3, 4  # Drawn.fault: why a row has no id
