@@ -37,7 +37,7 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
 
-    e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=max(batches) + 2, max_ctx=1024,
+    e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_batch=max(batches) + 2, max_ctx=1024,
                                                     max_vram_layers=max_vram_layers))
     runner = getattr(e, "steps", None) or getattr(e, "_graphs", None) or getattr(e, "_decoder")
     new_api = hasattr(runner, "bucket")  # StepGraphs: the caller moves the cache lengths on

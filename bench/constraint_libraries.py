@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.append(a.torch_standin)
     from ntransformerd.engine.engine import Engine, EngineConfig
     n = 3 if a.smoke else a.properties
-    engine = Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=16, max_ctx=512))
+    engine = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=16, max_ctx=512))
     tok, vocab = engine.tokenizer, engine.cfg.vocab_size
     schema = large_schema(n)
     ids = tok.encode(instance(n), parse_special=False, add_special=False)

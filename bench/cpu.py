@@ -57,7 +57,7 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
 
 
 def ours(backend: str, path: str, prompt: list[int], n_decode: int, batches: list[int], threads: int) -> dict:
-    e = Engine.load(path, config=EngineConfig(backend=backend, max_seqs=max(batches) + 1,
+    e = Engine.load(path, config=EngineConfig(backend=backend, max_batch=max(batches) + 1,
                                               max_ctx=len(prompt) + n_decode + 16,
                                               prefill_chunk=len(prompt), cpu_threads=threads))
     s = e.open()

@@ -42,10 +42,10 @@ GOLDEN = os.path.join(HERE, os.pardir, "tests", "golden", "forward_smollm2.json"
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
-def hybrid_engine(model: GGUFModel, config: EngineConfig) -> Engine:
+def hybrid_engine(model: GGUFModel, config: EngineConfig, resident: int) -> Engine:
     from ntransformerd.engine.backends import cuda
     n = model.config.n_layers
-    cfg = dataclasses.replace(config, max_vram_layers=n // 2, host_compute="auto")
+    cfg = dataclasses.replace(config, max_vram_layers=resident, host_compute="auto")
     sizes = [cuda.layer_nbytes(model, i) for i in range(n)]
     figures = Figures(55e9, {1: 55e9, 512: 55e9})
     plan = tiers.model_plan(model, cfg, backend="cuda", vram_free=cuda.vram_free(), layer_bytes=sizes,
@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = a.model or default_model_path()
     model = GGUFModel(path)
-    config = EngineConfig(backend="cuda", max_seqs=2, max_ctx=max(a.ctx, 1024), kv_dtype="f16")
-    engines = {"gpu": Engine(model, config=config), "hybrid": hybrid_engine(model, config)}
+    config = EngineConfig(backend="cuda", max_batch=2, max_ctx=max(a.ctx, 1024), kv_dtype="f16")
+    # half the layers streamed (the smoke's 2-layer model: both, so that the host takes one)
+    resident = 0 if a.smoke else model.config.n_layers // 2
+    engines = {"gpu": Engine(model, config=config), "hybrid": hybrid_engine(model, config, resident)}
     sched = engines["hybrid"].plan.schedule
     print("\n".join(engines["hybrid"].plan.explain().splitlines()), flush=True)
     out = {"model": os.path.basename(path), "smoke": a.smoke, "ctx": a.ctx,

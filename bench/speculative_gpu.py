@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape, synth_shape, settings, is_streamed in runs:
         path = common.synthetic(a.dir, synth_shape, "q4_k_m")
         t = time.perf_counter()
-        e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=17, max_ctx=256, **settings))
+        e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_batch=17, max_ctx=256, **settings))
         print(f"{shape}: loaded in {time.perf_counter() - t:.0f} s; plan {e.plan.explain().splitlines()[1:4]}",
               flush=True)
         for b in () if a.no_verify else (1, 16):

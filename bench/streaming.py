@@ -165,7 +165,7 @@ def hybrid_rows(args, path: str, label: str, out: dict, save, *, splits, batches
         rates = {}
         for hc in ("off", "auto"):
             t = time.perf_counter()
-            e = Engine.load(path, config=EngineConfig(backend="cuda", max_seqs=max(batches), max_ctx=256,
+            e = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=max(batches), max_ctx=256,
                                                       max_vram_layers=k, host_compute=hc, link_cap=link_cap,
                                                       cpu_threads=threads))
             load_s = time.perf_counter() - t
@@ -202,6 +202,33 @@ def hybrid_rows(args, path: str, label: str, out: dict, save, *, splits, batches
             save()
 
 
+def ab_rows(args, path: str, label: str, out: dict, save, *, splits, batch: int, reps: int) -> None:
+    """host_compute off and auto loaded side by side at each split, their decode at `batch`
+    measured in turns (`reps` each, 20 steps a turn): medians and spread, so that a small
+    difference can be told from noise."""
+    for k in splits:
+        engines = {hc: Engine.load(path, config=EngineConfig(backend="cuda", max_batch=batch, max_ctx=256,
+                                                               max_vram_layers=k, host_compute=hc,
+                                                               cpu_threads=args.threads))
+                   for hc in ("off", "auto")}
+        rates = {hc: [] for hc in engines}
+        for _ in range(reps):
+            for hc, e in engines.items():
+                rates[hc].append(decode_rate(e, batch, 3 if args.smoke else 20))
+        med = {hc: float(np.median(v)) for hc, v in rates.items()}
+        pred, host = predicted_step_s(engines["auto"].plan, batch)
+        row = {"rows": "ab", "model": label, "resident_layers": k, "batch": batch, "tok_s": rates,
+               "median": med, "auto_vs_off": med["auto"] / med["off"], "host_layers": host}
+        out["runs"].append(row)
+        log(f"  [ab] resident {k}, batch {batch}: off {med['off']:.1f} tok/s ({min(rates['off']):.1f}-"
+            f"{max(rates['off']):.1f}), auto {med['auto']:.1f} ({min(rates['auto']):.1f}-{max(rates['auto']):.1f}), "
+            f"host {len(host)} layers: {row['auto_vs_off']:.3f}x")
+        save()
+        for e in engines.values():
+            free_engine(e)
+        engines = None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__file__, __doc__)
     ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
@@ -219,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap-threads", type=int, default=8, help="host threads of the capped-link rows")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="host threads of the hybrid rows and their llama-bench (default: every CPU)")
+    ap.add_argument("--ab-splits", type=int, nargs="*", default=[],
+                    help="splits where host_compute off and auto are loaded side by side and measured in turns")
+    ap.add_argument("--ab-batch", type=int, default=16)
+    ap.add_argument("--ab-reps", type=int, default=5)
     ap.add_argument("--llama-bench", metavar="BIN", help="a CUDA build of llama-bench: adds -ngl N -t T rows")
     args = ap.parse_args(argv)
     common.require_gpu(__file__)
@@ -228,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.splits, args.batches, args.deep = [2, 1, 0], [1, 4], [1]
         args.hybrid_splits, args.hybrid_batches = ([1, 0] if args.hybrid_splits else []), [1, 4]
+        args.ab_splits, args.ab_batch = [1], 4
     out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "smoke": args.smoke, "runs": []}
 
     def save():
@@ -240,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p8 = common.synthetic(args.dir, big, "q4_k_m")
     for k in args.splits:
         t = time.perf_counter()
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k))
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, max_vram_layers=k))
         load_s = time.perf_counter() - t
         streamed = e.plan.streamed_bytes_per_step
         layer_bytes = max(e.plan.layer_bytes)
@@ -266,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         e = None
 
     for k in args.deep:
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, max_vram_layers=k,
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, max_vram_layers=k,
                                                 stream_depth=args.deep_depth))
         streamed = e.plan.streamed_bytes_per_step
         bound = bw / streamed
@@ -288,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"plain O_DIRECT reader (8 threads, {chunk >> 20} MiB): {plain / 1e9:.2f} GB/s")
         # RAM for the staging buffers and less than one layer more: every layer from storage
         # (--smoke: the tiny shape's two layers need a ring of one slot for that)
-        ram = dict(ram_budget=layer_bytes, stream_depth=1) if args.smoke else dict(ram_budget="300MiB")
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=64, max_vram_layers=0, **ram))
+        ram = dict(pinned_budget=layer_bytes, stream_depth=1) if args.smoke else dict(pinned_budget="300MiB")
+        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=1, max_ctx=64, max_vram_layers=0, **ram))
         assert len(e.plan.layers("storage")) == n_layers, e.plan.explain()
         streamed = e.plan.streamed_bytes_per_step
         slot = e.open()
@@ -314,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         # --smoke: one of the tiny shape's two layers streamed, as most of the 70B's are in 24 GiB
         budget = {"max_vram_layers": 1} if args.smoke else {"vram_budget": "24GiB"}
-        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, **budget))
+        e = Engine.load(p70, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, **budget))
         load_s = time.perf_counter() - t
         log(e.plan.explain(h2d_bps=bw))
         streamed = e.plan.streamed_bytes_per_step
@@ -333,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         e = None
         save()
         if args.hybrid_70b:  # the same budget with the host computing streamed layers beside the GPU
-            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_seqs=16, max_ctx=256, host_compute="auto",
+            e = Engine.load(p70, config=EngineConfig(backend="cuda", max_batch=16, max_ctx=256, host_compute="auto",
                                                      cpu_threads=args.threads, **budget))
             if getattr(e.plan, "schedule", None) is not None:
                 log("\n".join(e.plan.schedule.explain()))
@@ -347,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             free_engine(e)
             e = None
 
+    if args.ab_splits:
+        log(f"side-by-side rows: host_compute off and auto in turns, batch {args.ab_batch}, {args.ab_reps} turns")
+        ab_rows(args, p8, label, out, save, splits=args.ab_splits, batch=args.ab_batch,
+                reps=2 if args.smoke else args.ab_reps)
     if args.hybrid_splits:
         log(f"hybrid rows: host_compute auto vs off, {args.threads} host threads")
         hybrid_rows(args, p8, label, out, save, splits=args.hybrid_splits, batches=args.hybrid_batches,

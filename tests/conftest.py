@@ -50,7 +50,7 @@ def default_model(default_model_path):
 def default_engine(default_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
 
-    return Engine(default_model, config=EngineConfig(backend="cpu-ref", max_seqs=8, max_ctx=1024))
+    return Engine(default_model, config=EngineConfig(backend="cpu-ref", max_batch=8, max_ctx=1024))
 
 
 @pytest.fixture(scope="session")

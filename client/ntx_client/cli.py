@@ -307,6 +307,10 @@ def cmd_status(client: Client, args) -> int:
              str(s.free_slots), f"{s.tokens_per_second:.1f}")])
     for t in s.tiers:
         print(_tier_line(t))
+    for p in s.placements:
+        measured = f"{p.measured_step_seconds * 1e3:.2f} ms over {p.steps} steps" if p.steps else "no steps yet"
+        print(f"  steps of ≤ {p.rows} rows: host {len(p.host_layers)} layers [{_span(p.host_layers)}], link "
+              f"{p.link_layers}; predicted {p.predicted_step_seconds * 1e3:.2f} ms (layers only), measured {measured}")
     if s.skip_layers:
         print(f"  skipped layers: {','.join(map(str, s.skip_layers))}")
     sp = s.speculation
@@ -316,6 +320,19 @@ def cmd_status(client: Client, args) -> int:
     if s.error:
         print(f"error: {s.error}")
     return 0
+
+
+def _span(ids) -> str:
+    """Sorted layer indices as ranges: 0-3,7,9-10."""
+    parts, ids = [], sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
 
 
 def _tier_line(t) -> str:

@@ -106,12 +106,14 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
                      prefix_cache: bool = True, speculative: str = "", json_schema: str | dict | None = None,
                      regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
-                     prompt_logprobs: bool = False, **sampling) -> pb.GenerateRequest:
+                     prompt_logprobs: bool = False, on_behalf_of: str = "", **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids. prefix_cache=False:
     the daemon neither starts from cached KV nor keeps this request's. speculative: "" (the
     daemon's default), off, auto, ngram, draft, skip or prefix. At most one constraint:
     json_schema (JSON text or a dict), regex, grammar (Lark or GBNF). logprobs: each token's
-    log-probability and its n (0..20) most likely alternatives'; prompt_logprobs: the prompt's too."""
+    log-probability and its n (0..20) most likely alternatives'; prompt_logprobs: the prompt's too.
+    on_behalf_of: who a proxy sends this for (e.g. "key:3fa1c2"), a scope below its own: the
+    daemon's prefix cache keeps each one's prompts apart."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_ids")
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
@@ -121,7 +123,7 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
     req = pb.GenerateRequest(model=model, stop=list(stop), ignore_eos=ignore_eos, no_prefix_cache=not prefix_cache,
-                             speculative=speculative or "")
+                             speculative=speculative or "", on_behalf_of=on_behalf_of)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

@@ -7,6 +7,12 @@ Precedence: flag > file > default. The file is `--config PATH`, else
 Every key goes through one table, KEYS: its check (type and range, the message naming the key)
 and its flag's help. A new key is a field of DaemonConfig, a row of KEYS and a line of the
 example file; the flag, its shown default and the validation follow from the row.
+
+A value has one meaning everywhere: sizes and rates are read by ntransformerd/settings.py (the
+convention ntx-model shares: 24GiB binary, 24GB decimal, a bare 24G refused), the file by
+ntx_system/config_file.py (the reader ntx-admin shares). The keys keep their names on the way
+down (EngineConfig's fields are the same names), and a backend named here must honour kv_dtype
+and storage (backends.settle), else the key is refused at start.
 """
 
 from __future__ import annotations
@@ -16,30 +22,25 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 from collections.abc import Callable
 from typing import Any
 
 from ntx_client import paths
+from ntx_system import config_file
+from ntx_system.config_file import ConfigError, boolean, kind as _kind, path, storage as storage_kind
 
+from ntransformerd.engine import backends
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.settings import SettingError, Spelling, parse_rate, parse_size
 
-DEFAULT_CONFIG_FILE = "/etc/ntransformer/ntransformerd.toml"
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
-          "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+DEFAULT_CONFIG_FILE = config_file.DEFAULT_PATH
 
-
-class ConfigError(ValueError):
-    """A bad setting; the message names the key and what it accepts."""
+__all__ = ["ConfigError", "DaemonConfig", "KEYS", "SPELLING", "argument_parser", "load"]
 
 
 # ---- checks: (key, value) -> the value to use, or ConfigError naming the key ----------------------
 
 Check = Callable[[str, Any], Any]
-
-
-def _kind(v: Any) -> str:
-    return "true/false" if isinstance(v, bool) else type(v).__name__
 
 
 def integer(lo: int, hi: int) -> Check:
@@ -68,28 +69,7 @@ def choice(*options: str) -> Check:
     return check
 
 
-def path(*, empty: str | None = None) -> Check:
-    """A file path made absolute; `empty` (when not None) says what an empty string means."""
-    def check(key, v):
-        if not isinstance(v, str):
-            raise ConfigError(f"{key} = {v!r}: must be a path in quotes, not {_kind(v)}")
-        if "\0" in v:
-            raise ConfigError(f"{key} = {v!r}: a path cannot contain a NUL character")
-        if not v.strip():
-            if empty is None:
-                raise ConfigError(f"{key} is empty: give a path")
-            return ""
-        return os.path.abspath(os.path.expanduser(v))
-    return check
-
-
 _GROUP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
-
-
-def boolean(key: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key} = {v!r}: use true or false")
-    return v
 
 
 def group_name(key: str, v: Any) -> str:
@@ -110,49 +90,31 @@ def host_port(key: str, v: Any) -> str:
 
 
 def size(minimum: int) -> Check:
-    """Bytes: '24GiB', '512MiB', '8G', an integer count, or 'auto'/''/None for no limit."""
+    """Bytes (settings.parse_size: "24GiB", "24GB", a count of bytes; a bare "24G" is refused as
+    ambiguous), or "auto" / "" / None: no limit (the tier plan uses what is free)."""
     def check(key, v):
-        if v is None:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "auto")):
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ConfigError(f"{key} = {v!r}: write a size such as \"24GiB\", \"512MiB\" or \"auto\"")
-        n = v if isinstance(v, int) else parse_bytes(v, key)
-        if n is not None and n < minimum:
+        try:
+            n = parse_size(v, setting=key)
+        except SettingError as e:
+            raise ConfigError(e.worded(SPELLING)) from None
+        if n < minimum:
             raise ConfigError(f"{key} = {v!r}: at least {minimum >> 20} MiB, or \"auto\" for what is free")
         return n
     return check
 
 
-def parse_bytes(value: str | int | None, key: str = "size") -> int | None:
-    """'24GiB' → 25769803776; None, '' and 'auto' → None (the tier plan decides)."""
-    if value is None or isinstance(value, int):
-        return value
-    if str(value).strip().lower() in ("", "auto"):
+def rate(key: str, v: Any) -> float | None:
+    """Bytes per second (settings.parse_rate: "6.5GB/s", "800MiB/s"), or "off" / "" / None."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off")):
         return None
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{key} = {value!r}: not a size: write e.g. 24GiB, 512MiB, 8G or auto")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-# ---- storage and the NVMe drive: checks -------------------------------------------------------
-
-def storage_kind(key: str, v: Any) -> str:
-    """file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)."""
-    if not isinstance(v, str):
-        raise ConfigError(f"{key} = {v!r}: must be a name in quotes, not {_kind(v)}")
-    if v in ("file", "odirect", "mmap"):
-        return v
-    if v.startswith("nvme:") and v[5:].strip():
-        return f"nvme:{v[5:].strip()}"
-    raise ConfigError(f"{key} = {v!r}: use file, odirect, mmap or nvme:SERIAL (the serial `ntx-admin devices` "
-                      "shows; a PCI address also works)")
-
-
-def boolean(key: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key} = {v!r}: use true or false")
-    return v
+    if not isinstance(v, (str, float)):  # a bare 5 is more likely a slip than 5 bytes per second
+        raise ConfigError(f'{key} = {v!r}: must be a rate in quotes such as "6.5GB/s", or "off"')
+    try:
+        return parse_rate(v, setting=key)
+    except SettingError as e:
+        raise ConfigError(e.worded(SPELLING)) from None
 
 
 def _bool_flag(text: str) -> bool:
@@ -160,9 +122,6 @@ def _bool_flag(text: str) -> bool:
     if low not in ("true", "false", "yes", "no", "1", "0"):
         raise argparse.ArgumentTypeError(f"{text!r}: use true or false")
     return low in ("true", "yes", "1")
-
-
-# ---- end of storage checks ----------------------------------------------------------------------
 
 
 def speculative_mode(key: str, v: Any) -> str:
@@ -174,17 +133,6 @@ def speculative_mode(key: str, v: Any) -> str:
     except ValueError as e:
         raise ConfigError(f"{key} = {v!r}: {e}") from None
     return v.strip().lower()
-
-
-def link_rate(key: str, v: Any) -> str:
-    from ntransformerd.engine.tiers.pipeline import parse_rate
-    if not isinstance(v, str):
-        raise ConfigError(f'{key} = {v!r}: must be a rate in quotes such as "6.5GB/s", or "off"')
-    try:
-        parse_rate(v)
-    except ValueError as e:
-        raise ConfigError(f"{key} = {v!r}: {e}") from None
-    return v.strip()
 
 
 def skip_spec(key: str, v: Any) -> str:
@@ -219,32 +167,38 @@ KEYS: dict[str, Key] = {
     "tls_client_ca": Key(path(empty=""), "CA that signed the clients' certificates (PEM); clients must have one", "PATH"),
     "model": Key(path(empty=""), "GGUF file", "PATH", shown="the embedded SmolLM2-135M-Instruct"),
     "backend": Key(choice(*BACKENDS), ", ".join(BACKENDS[:-1]) + " or " + BACKENDS[-1], "NAME"),
-    "vram_budget": Key(size(1 << 20), "VRAM the tier plan may use, e.g. 24GiB", "SIZE", shown="auto, what is free"),
+    "vram_budget": Key(size(1 << 20), "VRAM the tier plan may use: 24GiB (binary) or 24GB (decimal); a bare 24G "
+                       "is refused as ambiguous", "SIZE", shown="auto, what is free"),
     "pinned_budget": Key(size(1 << 20), "pinned host RAM for the tier plan, e.g. 64GiB", "SIZE",
                          shown="auto, what is free"),
     "max_batch": Key(integer(1, 4096), "sequences decoded together (KV-cache slots)", "N", int),
     "max_queue": Key(integer(0, 1 << 20), "requests waiting for a slot before RESOURCE_EXHAUSTED", "N", int),
     "max_ctx": Key(integer(16, 1 << 24), "positions per sequence (capped by the model)", "N", int),
-    "kv_dtype": Key(choice("f32", "f16"), "KV-cache storage: f32 or f16", "TYPE"),
+    "kv_dtype": Key(choice("auto", "f32", "f16"), "KV-cache storage: auto (the backend's own: f32 on the CPU, f16 "
+                    "on the GPU), f32 or f16; one the backend cannot store is refused", "TYPE"),
     "prefill_chunk": Key(integer(1, 1 << 20), "prompt tokens per scheduler step", "N", int),
     "prefix_cache": Key(boolean, "start prompts from the cached KV of earlier sequences sharing their prefix "
                         "(--no-prefix-cache: off)", shown="on"),
+    "prefix_cache_share": Key(choice("none", "group", "all"), "whose cached prompts a request may start from: "
+                              "none (only its caller's own), group (callers whose uid has the same primary "
+                              "group) or all", "MODE"),
     "default_max_tokens": Key(integer(1, 1 << 24), "max_tokens of a request that does not say", "N", int),
     "drain_timeout": Key(number(0, 3600, "seconds"), "seconds in-flight requests get on SIGTERM / Drain", "S", float),
     "log_level": Key(choice("debug", "info", "warning", "error"), "debug, info, warning or error", "LEVEL"),
     "cpu_threads": Key(integer(0, 4096), "threads of the CPU backend's steps (0: every CPU the daemon may use)", "N", int),
     "host_compute": Key(choice("off", "auto"), "the host CPU computes some streamed layers beside the GPU, "
                         "per step shape from rates measured at load: off or auto", "MODE"),
-    "link_cap": Key(link_rate, "pace the stream's host-to-device copies to this rate, e.g. 6.5GB/s "
-                    "(a slower PCIe link emulated), or off", "RATE"),
+    "link_cap": Key(rate, "pace the stream's host-to-device copies to this rate, e.g. 6.5GB/s "
+                    "(a slower PCIe link emulated), or off", "RATE", shown="off"),
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) -------------------
-    "storage": Key(storage_kind, "where streamed layers come from: file, odirect, mmap or nvme:SERIAL", "KIND"),
+    "storage": Key(storage_kind, "where streamed layers come from: file, odirect, mmap or nvme:SERIAL (the cpu "
+                   "backend computes layers where they lie: file or mmap)", "KIND"),
     "nvme_queues": Key(integer(1, 64), "NVMe I/O queue pairs (reads in flight at once)", "N", int),
     "nvme_queue_depth": Key(integer(1, 4095), "NVMe commands in flight per queue pair", "N", int),
     "nvme_io_timeout": Key(number(0.1, 600, "seconds"), "seconds before an NVMe command counts as lost", "S",
                            float),
     "nvme_retries": Key(integer(1, 100), "drive bring-up attempts (at start, after a drive error)", "N", int),
-    "nvme_release": Key(choice("nvme", "keep"), "on stop: hand the drive back to nvme, or keep it on vfio-pci",
+    "nvme_release": Key(config_file.release, "on stop: hand the drive back to nvme, or keep it on vfio-pci",
                         "MODE"),
     "noiommu": Key(boolean, "accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)", "BOOL",
                    _bool_flag),
@@ -278,10 +232,13 @@ class DaemonConfig:
     max_batch: int = 8  # sequences decoded together (KV-cache slots)
     max_queue: int = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
     max_ctx: int = 4096  # positions per sequence (capped by the model)
-    kv_dtype: str = "f32"
+    kv_dtype: str = "auto"  # auto: the backend's own (backends.settle); one it cannot store is refused
     prefill_chunk: int = 256  # prompt tokens per step across all prefilling requests
     # keep finished sequences' KV in free slots and start prompts from the longest shared prefix
     prefix_cache: bool = True
+    # whose cached KV a request may reuse: its caller's own (a unix uid, a TLS identity, a
+    # gateway's API key under the gateway's uid), its uid's primary group's, or everyone's
+    prefix_cache_share: str = "none"
     default_max_tokens: int = 512  # when a request does not say
     drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = "info"
@@ -289,7 +246,7 @@ class DaemonConfig:
     # the host's share beside a GPU. 0: every CPU the daemon may run on.
     cpu_threads: int = 0
     host_compute: str = "off"  # off | auto: engine/tiers/placement.py, from engine/figures.py's rates
-    link_cap: str = "off"  # e.g. "6.5GB/s": the stream's copies paced to it (tiers/pipeline.py)
+    link_cap: float | None = None  # bytes/s ("6.5GB/s" given) the stream's copies are paced to; None: off
     # ---- storage and the NVMe drive (ntx_system.service reads the same keys) ---------------
     storage: str = "file"  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
     nvme_queues: int = 2  # I/O queue pairs: reads in flight at once (the stream's 2 readers)
@@ -312,6 +269,17 @@ class DaemonConfig:
         if self.socket == self.admin_socket:
             raise ConfigError(f"socket and admin_socket are both {self.socket}: give them different paths")
         self.validate_tcp()
+        self.validate_backend()
+
+    def validate_backend(self) -> None:
+        """A backend named (not "auto") must honour kv_dtype and storage: refused now, before
+        anything loads; "auto" is checked where it is resolved, at the model's load."""
+        if self.backend == "auto":
+            return
+        try:
+            backends.settle(backends.TYPES[self.backend], kv_dtype=self.kv_dtype, storage=self.storage)
+        except SettingError as e:
+            raise ConfigError(e.worded(SPELLING)) from None
 
     def validate_tcp(self) -> None:
         """The TCP keys: all or nothing, and TLS files that exist (a client certificate is required)."""
@@ -332,6 +300,9 @@ class DaemonConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 assert set(FIELDS) == set(KEYS), "every DaemonConfig field has its row in KEYS"
+# How the daemon's errors name a setting: by its key (the flag is the same name with dashes).
+# Settings the daemon does not have (stream_depth, devices, ...) are left out of the advice.
+SPELLING = Spelling({name: name for name in KEYS})
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -350,13 +321,8 @@ def argument_parser() -> argparse.ArgumentParser:
 
 
 def from_file(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    """The keys of the TOML file at `path` (config_file.read, the reader ntx-admin shares)."""
+    data = config_file.read(path)
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from .config_file import DEFAULT_PATH as DEFAULT_CONFIG
+
 EXIT_OK, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
 CONFIRM_PREFIX = "--yes-i-mean-"
 
@@ -485,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--service", action="store_true",
                    help="the drive ntransformerd's config names, after every check (the unit's "
                         "ExecStartPre)")
-    s.add_argument("--config", default="/etc/ntransformer/ntransformerd.toml",
-                   help="ntransformerd's config (with --service)")
+    s.add_argument("--config", default=DEFAULT_CONFIG,
+                   help=f"ntransformerd's config (with --service; default {DEFAULT_CONFIG})")
     s.set_defaults(func=cmd_bind)
     s = sub.add_parser("unbind", help="give the controller back to nvme")
     s.add_argument("pci_address", nargs="?")

@@ -29,10 +29,9 @@ import json
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Callable
 
-from . import staging
+from . import config_file, staging
 from .bind import bind_vfio, current_driver, unbind_vfio
 from .discovery import NvmeDevice, discover
 from .policy import device_verdict
@@ -44,8 +43,8 @@ STATE_DIR = "/var/lib/ntransformer"      # the unit's StateDirectory
 RECORD_FILE = "nvme.json"
 KNOWN_FILE = "nvme-drives.json"
 SHA_CACHE_FILE = "sha256-cache.json"
-RELEASE_MODES = ("nvme", "keep")
-DEFAULT_CONFIG = "/etc/ntransformer/ntransformerd.toml"
+RELEASE_MODES = config_file.RELEASE_MODES
+DEFAULT_CONFIG = config_file.DEFAULT_PATH
 
 Status = Callable[[str], None]
 
@@ -67,7 +66,8 @@ def storage_drive(storage: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
-    """The keys of ntransformerd.toml the privileged steps need (the daemon validates all)."""
+    """The keys of ntransformerd.toml the privileged steps need (config_file.DRIVE_KEYS; the
+    daemon checks the others)."""
 
     storage: str = "file"
     model: str = ""
@@ -76,21 +76,12 @@ class ServiceConfig:
 
     @classmethod
     def from_toml(cls, path: str) -> "ServiceConfig":
+        """The drive's keys of ntransformerd's config, read and checked as the daemon reads them
+        (config_file); a missing file: the defaults."""
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            return cls()
-        except tomllib.TOMLDecodeError as exc:
-            raise Refused(f"config {path} is not valid TOML: {exc}") from None
-        kw = {k: data[k] for k in ("storage", "model", "noiommu", "nvme_release") if k in data}
-        cfg = cls(**kw)
-        if cfg.nvme_release not in RELEASE_MODES:
-            raise Refused(f"config {path}: nvme_release = {cfg.nvme_release!r}: use "
-                          f"{' or '.join(RELEASE_MODES)}")
-        if cfg.model:
-            object.__setattr__(cfg, "model", os.path.abspath(os.path.expanduser(cfg.model)))
-        return cfg
+            return cls(**config_file.drive_settings(path))
+        except config_file.ConfigError as exc:
+            raise Refused(str(exc)) from None
 
 
 @dataclasses.dataclass

@@ -152,7 +152,7 @@ def check_speculative_gpu(d: dict) -> None:
 
 def check_streaming(d: dict) -> None:
     paths = {(r["resident_layers"], r["batch"]): r["path"] for r in d["runs"] if "batch" in r and "depth" not in r
-             and r["model"] == "tiny-q4_k_m"}
+             and r["model"] == "tiny-q4_k_m" and "rows" not in r}
     assert set(paths) >= {(k, b) for k in (2, 1, 0) for b in (1, 4)}, paths
     assert d["odirect"]["tier_Bps"] > 0 and d["odirect"]["plain_Bps"] > 0, d["odirect"]
     hybrid = {(r["rows"], r["resident_layers"], r["batch"], r["host_compute"]): r for r in d["runs"]
@@ -161,6 +161,8 @@ def check_streaming(d: dict) -> None:
         ("capped", k, 1, hc) for k in (1, 0) for hc in ("off", "auto")}, sorted(hybrid)
     assert all(r["tok_s"] > 0 and (r["predicted_step_s"] or 0) > 0 and r["vs_off"] > 0
                for r in hybrid.values() if r["host_compute"] == "auto"), hybrid
+    ab = [r for r in d["runs"] if r.get("rows") == "ab"]
+    assert ab and all(len(r["tok_s"]["off"]) == len(r["tok_s"]["auto"]) >= 2 and r["auto_vs_off"] > 0 for r in ab), ab
 
 
 def check_hybrid_quality(d: dict) -> None:
@@ -183,7 +185,18 @@ def check_constraint_libraries(d: dict) -> None:
     assert [r["batch"] for r in d["step_overhead"]] == [1, 2] and all(r["step_ms"] > 0 for r in d["step_overhead"])
 
 
+def check_relay(d: dict) -> None:
+    for load in ("idle", "busy"):
+        for path in ("relayed", "direct"):
+            m = d["micro"][load][path]
+            assert m["rtt_median_us"] > 0 and m["stream_us_per_message"] > 0, m
+    for path in ("relayed", "direct"):
+        assert set(d["daemon"][path]) == {"streams_1", "streams_2"}, d["daemon"]
+        assert all(x["ttft_median_ms"] > 0 and x["token_interval_median_ms"] > 0 for x in d["daemon"][path].values())
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+       "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,

@@ -25,7 +25,7 @@ BOUND_S = 5.0  # a hostile constraint is refused (or compiled) within this, on C
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    return Engine(default_model, config=EngineConfig(backend="cpu", max_seqs=4, max_ctx=512))
+    return Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=512))
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def test_parse_rate(text, bps):
 @pytest.mark.parametrize("bad", ["fast", "0GB/s", "-3GB/s", True])
 def test_a_bad_link_cap_says_what_it_takes(bad):
     from ntransformerd.engine.engine import EngineConfig
-    with pytest.raises(ValueError, match="link cap .* such as 6.5GB/s"):
+    with pytest.raises(ValueError, match="link_cap = .*: .*rate.* such as \"6.5GB/s\""):
         EngineConfig(link_cap=bad).validate()
 
 
@@ -53,7 +53,7 @@ def test_the_engine_paces_its_streamed_layers(synth_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q8_0"))
-    config = EngineConfig(backend="cpu-ref", max_ctx=32, max_seqs=1, max_vram_layers=0, link_cap="5MB/s")
+    config = EngineConfig(backend="cpu-ref", max_ctx=32, max_batch=1, max_vram_layers=0, link_cap="5MB/s")
     engine = Engine(model, config=config)
     stream = engine.weights.host.stream
     assert stream.link_cap == 5e6
@@ -120,7 +120,7 @@ def test_the_hybrid_host_device_uses_cpu_threads(synth_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
-    config = EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, max_vram_layers=1, host_compute="auto",
+    config = EngineConfig(backend="cpu", max_ctx=32, max_batch=2, max_vram_layers=1, host_compute="auto",
                           cpu_threads=2)
     engine = Engine(model, config=config)
     hosts = [st for st in engine.pipeline.stages if st.name == "host"]
@@ -130,7 +130,7 @@ def test_the_hybrid_host_device_uses_cpu_threads(synth_model):
 # ---- the keys and flags -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, value, words", [("host_compute", '"on"', "host_compute = 'on': use off or auto"),
-                                               ("link_cap", '"fast"', "link_cap = 'fast': link cap 'fast'"),
+                                               ("link_cap", '"fast"', "link_cap = 'fast': not a rate"),
                                                ("link_cap", "5", 'link_cap = 5: must be a rate in quotes')])
 def test_daemon_keys_name_themselves(tmp_path, key, value, words):
     from ntransformerd import config
@@ -144,9 +144,9 @@ def test_daemon_keys_reach_the_engine_config(tmp_path):
     from ntransformerd import config
     from ntransformerd.engine.engine import EngineConfig
     c = config.load(["--host-compute", "auto", "--link-cap", "6.5GB/s", "--socket", str(tmp_path / "s.sock")])
-    assert (c.host_compute, c.link_cap) == ("auto", "6.5GB/s")
-    EngineConfig(host_compute=c.host_compute, link_cap=c.link_cap).validate()
-    assert config.load(["--socket", str(tmp_path / "s.sock")]).link_cap == "off"
+    assert (c.host_compute, c.link_cap) == ("auto", 6.5e9)  # bytes per second, parsed once
+    assert EngineConfig(host_compute=c.host_compute, link_cap=c.link_cap).link_cap == 6.5e9
+    assert config.load(["--socket", str(tmp_path / "s.sock")]).link_cap is None
 
 
 def test_ntx_model_plan_shows_the_placement_per_step_shape(capsys):
@@ -166,10 +166,10 @@ def test_a_step_wholly_on_a_recorded_main_device(synth_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
-    hybrid = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, max_vram_layers=1,
+    hybrid = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_batch=2, max_vram_layers=1,
                                                host_compute="auto", cpu_threads=1))
     assert len(hybrid.pipeline.layout.devices) == 2 and hybrid.pipeline.groups(2, None) == [(0, [0, 1, 2, 3])]
-    plain = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_seqs=2, cpu_threads=1))
+    plain = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_batch=2, cpu_threads=1))
     for e in (hybrid, plain):
         e.slots = [e.open(), e.open()]
     for toks in ([3, 5], [7, 11]):

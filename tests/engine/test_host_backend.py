@@ -193,7 +193,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 @pytest.fixture(scope="module")
 def fast_engine(default_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
-    return Engine(default_model, config=EngineConfig(backend="cpu", max_seqs=4, max_ctx=1024))
+    return Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=1024))
 
 
 def test_perplexity_within_half_a_percent_of_the_exact_run(fast_engine):
@@ -265,7 +265,7 @@ def test_the_host_as_two_devices_gives_one_devices_bits(small_model):
     from ntransformerd.engine.tiers.planner import VRAM, Plan
 
     m = small_model("q4_1")
-    cfg = dict(backend="cpu", max_seqs=4, max_ctx=64, prefill_chunk=16)
+    cfg = dict(backend="cpu", max_batch=4, max_ctx=64, prefill_chunk=16)
     one = Engine(m, config=EngineConfig(**cfg))
     lb = [m.layer_bytes(i) for i in range(2)]
     plans = tuple(Plan((VRAM,), (b,), 0, 0, 0, 0, 0, -1, -1) for b in lb)

@@ -64,7 +64,7 @@ def test_greedy_ids_identical_for_every_source(default_engine, draft_engine, pro
         got, stats = speculated(e, ids, params, draft)
         assert got == want, f"{source} on {name}: diverges at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
         assert stats["proposed"] > 0, f"{source} on {name}: nothing was drafted, nothing was verified"
-        assert e.kv.free_slots == e.config.max_seqs and (draft_engine.kv.free_slots == draft_engine.config.max_seqs)
+        assert e.kv.free_slots == e.config.max_batch and (draft_engine.kv.free_slots == draft_engine.config.max_batch)
 
 
 def test_ngram_yields_two_tokens_per_pass_on_a_code_edit(default_engine, prompts):
@@ -231,7 +231,7 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
 
 @pytest.fixture(scope="module")
 def tiny(synth_model):
-    engine = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=64))
+    engine = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu", max_batch=2, max_ctx=64))
     # the tiny model's 2 layers: its first layer alone drafts for it (close to it, not equal)
     return engine, Memo(engine), Memo(engine, layers=[0])
 
@@ -277,7 +277,7 @@ class _TimedEngine:
     def __init__(self, path: str, cost, *, delayed=()):
         self.model = types.SimpleNamespace(path=path)
         self.cfg = types.SimpleNamespace(vocab_size=100, n_layers=4)
-        self.config = types.SimpleNamespace(kv_dtype="f32", cpu_threads=0, max_ctx=256, max_seqs=2)
+        self.config = types.SimpleNamespace(kv_dtype="f32", cpu_threads=0, max_ctx=256, max_batch=2)
         self.backend_name, self.plan, self.layers = "cpu", None, None
         self.cost, self.delayed, self.steps = cost, set(delayed), 0
         self.slots = [0, 1]

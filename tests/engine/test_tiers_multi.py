@@ -27,7 +27,7 @@ def shape_sizes(shape: str, ftype: str):
 
 
 L70, E70, O70 = shape_sizes("llama3-70b", "q4_k_m")
-KV70 = 2 * 80 * 2 * 4096 * 1024 * 2  # the CUDA cache: F16, max_seqs 1 + a scratch slot, 4096 positions
+KV70 = 2 * 80 * 2 * 4096 * 1024 * 2  # the CUDA cache: F16, max_batch 1 + a scratch slot, 4096 positions
 WS = 1 * GiB
 
 
@@ -59,7 +59,7 @@ def check(mp, n_layers):
 L8 = [int(0.1285 * GiB)] * 32
 CASES = [({}, 139 * GiB, 120 * GiB), ({"max_vram_layers": 24}, 139 * GiB, 120 * GiB),
          ({"vram_budget": 4 * GiB}, 139 * GiB, 120 * GiB), ({"vram_budget": "4GiB", "stream_depth": 3}, 139 * GiB, 120 * GiB),
-         ({"max_vram_layers": 0, "ram_budget": 2 * GiB}, 139 * GiB, 120 * GiB), ({}, None, None)]
+         ({"max_vram_layers": 0, "pinned_budget": 2 * GiB}, 139 * GiB, 120 * GiB), ({}, None, None)]
 
 
 @pytest.mark.parametrize("over,vram,ram", CASES)
@@ -144,7 +144,7 @@ def test_link_rates_weight_the_shares():
 
 
 def test_ram_limit_storage_tail_on_the_last_devices():
-    mp = p70(2, "12GiB", ram_budget=10 * GiB)
+    mp = p70(2, "12GiB", pinned_budget=10 * GiB)
     check(mp, 80)
     assert mp.layers(STORAGE) and mp.bytes(STORAGE) + mp.bytes(PINNED) == mp.streamed_bytes_per_step
     assert mp.ram_bytes <= 10 * GiB

@@ -37,7 +37,7 @@ def _run(engine, prompt=(1, 2, 3, 4, 5, 6, 7), steps=3):
         engine.close(b)
 
 
-CONFIG = dict(backend="cpu-ref", max_seqs=2, max_ctx=64, prefill_chunk=3)
+CONFIG = dict(backend="cpu-ref", max_batch=2, max_ctx=64, prefill_chunk=3)
 
 
 def _engine(model, **kw):
@@ -113,7 +113,7 @@ def test_planned_devices_bit_identical_small(small):
     lb = [model.layer_bytes(i) for i in range(4)]
     m = max(lb)
     mp = plan_devices(lb, vram_free=[None] * 3, vram_budget=[int(1.6 * m)] * 3, ram_available=None,
-                      ram_budget=int(3.5 * m), stream_depth=1)
+                      pinned_budget=int(3.5 * m), stream_depth=1)
     assert mp.n_devices == 3 and len(mp.streamed) == 4 and mp.layers(STORAGE), mp.explain()
     e = _engine(model, plan=mp, poison=True)
     got = _run(e, steps=2)

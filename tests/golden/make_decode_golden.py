@@ -60,8 +60,8 @@ def flat_costs():
 def engines():
     """(the engine every case runs on, one whose context ends at SMALL_CTX positions)."""
     from ntransformerd.engine.engine import Engine, EngineConfig
-    big = Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=8, max_ctx=1024, prefill_chunk=128))
-    small = Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=SMALL_CTX, prefill_chunk=16))
+    big = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=8, max_ctx=1024, prefill_chunk=128))
+    small = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=SMALL_CTX, prefill_chunk=16))
     return big, small
 
 

@@ -65,9 +65,9 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
     path = str(tmp_path / f"small-{ftype}.gguf")
     synthesize(path, shape="small", ftype=ftype, seed=3)
     m = GGUFModel(path)
-    cfg = EngineConfig(backend="cpu-ref", max_seqs=2, max_ctx=256)
+    cfg = EngineConfig(backend="cpu-ref", max_batch=2, max_ctx=256)
     cpu_e = Engine(m, config=cfg)
-    gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=256))
+    gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=256))
     assert gpu_e.backend_name == "cuda" and gpu_e.steps is not None
     tokens = [int(x) for x in np.random.default_rng(0).integers(100, 40000, 68)]
     a, b = teacher_forced(cpu_e, tokens), teacher_forced(gpu_e, tokens)
@@ -79,8 +79,8 @@ def test_engine_cuda_agrees_with_cpu(tmp_path, ftype):
 
 def test_real_slice_greedy_identical(real_slice):
     m = GGUFModel(real_slice)
-    cpu_e = Engine(m, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=256))
-    gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=256))
+    cpu_e = Engine(m, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=256))
+    gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_batch=1, max_ctx=256))
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = cpu_e.tokenizer.encode(text)
         assert greedy(gpu_e, prompt, 32) == greedy(cpu_e, prompt, 32), text
@@ -122,7 +122,7 @@ def test_generate_samples_on_device_as_on_host(tmp_path, params):
     from ntransformerd.engine.sampler import SamplingParams
     path = str(tmp_path / "small-q8_0.gguf")
     synthesize(path, shape="small", ftype="q8_0", seed=5)
-    e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_seqs=1, max_ctx=256))
+    e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_batch=1, max_ctx=256))
     p = SamplingParams(seed=11, max_tokens=24, ignore_eos=True, **params)
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 9)]
     got = [ev.token for ev in eng.generate(e, prompt, p)]

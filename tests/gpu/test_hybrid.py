@@ -18,7 +18,7 @@ from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.engine.tiers.planner import PINNED, VRAM
 from ntransformerd.engine.tiers.runs import DeviceKV
 
-CONFIG = dict(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40, kv_dtype="f16")
+CONFIG = dict(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40, kv_dtype="f16")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def small(tmp_path_factory):
 
 
 def _engine(model, **kw):
-    e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40, **kw))
+    e = Engine(model, config=EngineConfig(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40, **kw))
     e.steps = None  # the same kernels as the streamed path (model.forward, eagerly)
     return e
 
@@ -68,7 +68,7 @@ def test_streamed_equals_resident_on_gpu(small, reference, mix, depth):
 
 
 def test_engine_plans_and_streams(small, reference):
-    e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
+    e = Engine(small, config=EngineConfig(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
     assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e.steps is not None
     e.steps = None  # model.forward eagerly, as the reference; test_engine_plans_and_decodes_in_graphs has the graphs
@@ -82,7 +82,7 @@ def _decoding_engine(model, mix=None, depth=2, source=None):
     """An engine decoding through the captured step: resident weights, or streamed ones of `mix`
     (slots poisoned on release)."""
     from ntransformerd.engine.backends import cuda
-    e = Engine(model, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40))
+    e = Engine(model, config=EngineConfig(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40))
     if mix is not None:
         sizes = [cuda.layer_nbytes(model, i) for i in range(len(mix))]
         plan = Plan(mix, tuple(sizes), depth, max(sizes), 0, 0, 0, -1, -1)
@@ -168,7 +168,7 @@ def test_streamed_decode_with_storage_runs_eagerly(small, resident_decoded, mix,
 
 def test_engine_plans_and_decodes_in_graphs(small, resident_decoded):
     """The engine's own plan (2 layers resident, 2 pinned) decodes through the graph."""
-    e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=4, max_ctx=128, prefill_chunk=40,
+    e = Engine(small, config=EngineConfig(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=2))
     assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e.steps.use_graphs
     _assert_close(_interleaved(e, 3), resident_decoded(3), "engine plan")
@@ -179,7 +179,7 @@ def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
     """skip_layers: the plan marks them, the weights never load them, and every step (prefill
     eagerly, decode captured) runs model.forward over the other layers."""
     from ntransformerd.engine.tiers.planner import SKIP
-    e = Engine(small, config=EngineConfig(backend="cuda", max_seqs=2, max_ctx=128, prefill_chunk=40,
+    e = Engine(small, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=128, prefill_chunk=40,
                                           max_vram_layers=1, skip_layers=(2,)))
     assert e.plan.tiers[2] == SKIP and e.layers == (0, 1, 3) and 2 not in e.weights.layouts
     ref = _engine(small)  # every layer resident, eager: the reference over layers 0, 1, 3

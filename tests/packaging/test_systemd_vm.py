@@ -259,7 +259,7 @@ refuse other-model 'model = "%(other)s"
 storage = "nvme:ntxdata"'
 mkdir -p /run/nonroot && chown ntxuser /run/nonroot
 systemd-run --unit ntx-nonroot --wait -p User=ntxuser -p Type=notify -p NotifyAccess=main -E PYTHONPATH \
-    $bin/ntransformerd --config /dev/null --socket /run/nonroot/x.sock --socket-group "" --backend cpu --storage nvme:ntxdata >/dev/null 2>&1
+    $bin/ntransformerd --config /dev/null --socket /run/nonroot/x.sock --socket-group "" --backend cpu-ref --storage nvme:ntxdata >/dev/null 2>&1
 say "REFUSED not-root status=$(systemctl show -p StatusText --value ntx-nonroot)"
 say "JOURNAL not-root $(journalctl -u ntx-nonroot --no-pager -o cat | grep -a 'refused' | tail -1)"
 printf '\377\377\377\377' | dd of=$DATA bs=1 seek=300 conv=notrunc 2>/dev/null; sync
@@ -286,9 +286,9 @@ def _vm_budgets(model: str, max_ctx: int) -> tuple[int, int, int]:
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_seqs=2, max_ctx=max_ctx), "cpu")
+    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=max_ctx), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 16), 3 * layer + (1 << 16)
-    cfg = EngineConfig(max_seqs=2, max_ctx=max_ctx, vram_budget=vram, ram_budget=ram)
+    cfg = EngineConfig(max_batch=2, max_ctx=max_ctx, vram_budget=vram, pinned_budget=ram)
     plan = tiers.model_plan(m, cfg, backend="cpu", ram_available=8 << 30)
     return vram, ram, len(plan.layers(tiers.STORAGE))
 

@@ -92,7 +92,7 @@ def daemon():
 def engine():
     """The same model in this process, for solo reference runs."""
     from ntransformerd.engine.engine import Engine, EngineConfig
-    return Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=2, max_ctx=1024, prefill_chunk=128))
+    return Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=1024, prefill_chunk=128))
 
 
 @pytest.fixture(scope="session")

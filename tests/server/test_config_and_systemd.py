@@ -1,14 +1,23 @@
-"""The daemon's config (TOML + flags → one object) and its sd_notify datagrams."""
+"""The daemon's config (TOML + flags → one object), one meaning per setting (the same size in
+the config file, the daemon's flags, ntx-model and EngineConfig; a setting the backend cannot
+honour refused with its key), and its sd_notify datagrams."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 
 import pytest
 
-from ntransformerd import config
+from ntransformerd import config, settings
+from ntransformerd.engine import backends, tiers
+from ntransformerd.engine.engine import EngineConfig, resolved
+from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.server.systemd import Notifier
+from ntransformerd.tools import ntx_model
+from ntx_system.service import Refused, ServiceConfig
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
@@ -25,6 +34,9 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     ("max_batch = 0\n", "max_batch = 0"),
     ('backend = "tpu"\n', "backend = 'tpu'"),
     ('vram_budget = "lots"\n', "not a size"),
+    ('vram_budget = "24G"\n', "vram_budget = '24G': G is ambiguous: write 24GiB"),
+    ('backend = "cuda"\nkv_dtype = "f32"\n', "kv_dtype = 'f32': the cuda backend stores its KV cache as f16 only"),
+    ('backend = "cpu"\nstorage = "nvme:S1"\n', "storage = 'nvme:S1': the cpu backend computes every layer"),
     ("max_batch = \n", "not valid TOML"),
     ('max_batch = "8"\n', "max_batch = '8'"),
 ])
@@ -50,6 +62,8 @@ BAD_VALUES = [
     ("drain_timeout", "-1"), ("drain_timeout", "nan"), ("drain_timeout", '"5s"'), ("drain_timeout", "false"),
     ("vram_budget", "-1"), ("vram_budget", "0"), ("vram_budget", '"-4GiB"'), ("vram_budget", "1.5"),
     ("vram_budget", "true"), ("pinned_budget", '"lots"'), ("pinned_budget", "-1"),
+    ("vram_budget", '"24G"'), ("pinned_budget", '"64g"'), ("vram_budget", '"512M"'), ("link_cap", '"6.5G/s"'),
+    ("link_cap", "5"), ("kv_dtype", '"f32"\nbackend = "cuda"'), ("storage", '"odirect"\nbackend = "cpu"'),
 ]
 
 
@@ -113,3 +127,223 @@ def test_sd_notify_datagrams(tmp_path):
 def test_notify_without_systemd_is_a_no_op():
     n = Notifier(environ={})
     assert not n.enabled and n.notify("READY=1") is False and n.watchdog_interval is None
+
+
+# ---- one setting, one meaning ------------------------------------------------------------------
+
+SIZES = [("24GiB", 24 << 30), ("24GB", 24 * 10 ** 9), ("1.5GiB", 3 << 29), ("512MiB", 512 << 20),
+         ("100MB", 10 ** 8), ("64gib", 64 << 30), ("25769803776", 24 << 30), ("2TB", 2 * 10 ** 12)]
+
+
+@pytest.fixture(scope="module")
+def small(synth_model):
+    return synth_model("small", "q8_0")
+
+
+def _ntx_model(capsys, *args) -> tuple[int, str, str]:
+    rc = ntx_model.main(["run", "--plan", "--ctx", "64", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("text,n", SIZES, ids=[t for t, _ in SIZES])
+def test_a_size_means_the_same_bytes_in_the_config_the_flags_and_ntx_model(tmp_path, capsys, small, text, n):
+    f = tmp_path / "d.toml"
+    f.write_text(f'vram_budget = "{text}"\npinned_budget = "{text}"\nsocket = "{tmp_path}/d.sock"\n')
+    from_file = config.load(["--config", str(f)])
+    from_flags = config.load(["--config", os.devnull, "--socket", str(tmp_path / "d.sock"),
+                              "--vram-budget", text, "--pinned-budget", text])
+    assert (from_file.vram_budget, from_file.pinned_budget) == (n, n)
+    assert (from_flags.vram_budget, from_flags.pinned_budget) == (n, n)
+    engine = EngineConfig(vram_budget=text, pinned_budget=text)  # what ntx-model and the daemon hand down
+    assert (engine.vram_budget, engine.pinned_budget) == (n, n)
+    # ntx-model's own parse, end to end: the plan's VRAM limit is the budget it read
+    rc, out, err = _ntx_model(capsys, small, "--backend", "cpu-ref", "--vram-budget", text, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["vram_limit"] == n
+
+
+@pytest.mark.parametrize("text,binary,decimal", [("24G", "24GiB", "24GB"), ("512m", "512MiB", "512MB"),
+                                                 ("1.5T", "1.5TiB", "1.5TB"), ("64K", "64KiB", "64kB")])
+def test_a_bare_unit_is_refused_everywhere_with_both_spellings(tmp_path, capsys, small, text, binary, decimal):
+    f = tmp_path / "d.toml"
+    f.write_text(f'vram_budget = "{text}"\n')
+    for argv in (["--config", str(f)], ["--config", os.devnull, "--vram-budget", text]):
+        with pytest.raises(config.ConfigError) as e:
+            config.load(argv)
+        assert str(e.value).startswith(f"vram_budget = {text!r}: ") and binary in str(e.value) \
+            and decimal in str(e.value), e.value
+    rc, _, err = _ntx_model(capsys, small, "--vram-budget", text)
+    assert rc == 2 and f"ntx-model: error: --vram-budget {text}: " in err and binary in err and decimal in err, err
+    with pytest.raises(settings.SettingError, match="ambiguous"):
+        EngineConfig(pinned_budget=text)
+
+
+def test_sizes_and_rates_refuse_what_they_cannot_read():
+    for bad in ("lots", "-1GiB", "1.5", "24XB", "GiB", "", True, -1, 1.5, float("inf"), [1]):
+        with pytest.raises(settings.SettingError) as e:
+            settings.parse_size(bad, setting="vram_budget")
+        assert str(e.value).startswith("vram_budget = "), e.value
+    assert settings.parse_rate("6.5GB/s") == 6.5e9 and settings.parse_rate("800MiB/s") == 800 * 2 ** 20
+    assert settings.parse_rate("10mb") == 1e7 and settings.parse_rate(2e9) == 2e9
+    for bad in ("fast", "0GB/s", "6.5G/s", -3.0, True):
+        with pytest.raises(settings.SettingError):
+            settings.parse_rate(bad, setting="link_cap")
+
+
+def test_kv_dtype_the_backend_cannot_store_is_refused_with_the_key(tmp_path, capsys):
+    from ntransformerd.main import main
+    f = tmp_path / "d.toml"
+    f.write_text(f'socket = "{tmp_path}/d.sock"\nbackend = "cuda"\nkv_dtype = "f32"\n')
+    assert main(["--config", str(f)]) == 2  # refused at start: no GPU library needed to know it
+    err = capsys.readouterr().err
+    assert err.startswith("ntransformerd: kv_dtype = 'f32': the cuda backend stores its KV cache as f16 only") \
+        and 'set kv_dtype to "auto" or "f16"' in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == [f]  # nothing bound
+    # ntx-model's flags: the same check, the flag named
+    with pytest.raises(settings.SettingError) as e:
+        backends.settle(backends.TYPES["cuda"], kv_dtype="f32", storage="file")
+    assert e.value.worded(ntx_model.FLAGS).startswith("--kv-dtype f32: the cuda backend stores its KV cache as f16")
+    assert "set --kv-dtype to" in e.value.worded(ntx_model.FLAGS) and "kv_dtype" not in e.value.worded(ntx_model.FLAGS)
+    # what each backend stores, and what "auto" means on it
+    assert backends.settle(backends.TYPES["cuda"], kv_dtype="auto", storage="file") == "f16"
+    assert backends.settle(backends.TYPES["cpu"], kv_dtype="auto", storage="file") == "f32"
+    assert backends.settle(backends.TYPES["cpu-ref"], kv_dtype="f16", storage="nvme:S1") == "f16"
+
+
+class _FakeGpu:
+    """What backends.resolve("auto") finds on a GPU host (the kernels are never reached)."""
+
+    @staticmethod
+    def available() -> bool:
+        return True
+
+
+def test_backend_auto_is_resolved_once_and_refused_with_the_key(tmp_path, monkeypatch, small):
+    """On a GPU host, kv_dtype = "f32" with backend = "auto" stops the load naming the key and why."""
+    from ntransformerd.server.daemon import Daemon
+    calls = []
+    real = backends.resolve
+
+    def counting(name):
+        calls.append(name)
+        return real(name)
+    monkeypatch.setattr(backends, "resolve", counting)
+    d = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "d.sock"), model=small, backend="auto",
+                                          kv_dtype="f32", storage="file"))
+    optional = backends._optional
+    monkeypatch.setattr(backends, "_optional", lambda module: _FakeGpu() if module.endswith(".cuda") else None)
+    with pytest.raises(config.ConfigError) as e:
+        d._bring_up()
+    assert str(e.value).startswith("kv_dtype = 'f32': the cuda backend (what backend auto chose on this "
+                                   "machine) stores its KV cache as f16 only"), e.value
+    monkeypatch.setattr(backends, "_optional", optional)
+    calls.clear()
+    cpu = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "c.sock"), model=small, backend="auto",
+                                            max_batch=2, max_ctx=64))
+    cpu._bring_up()
+    try:
+        assert calls.count("auto") == 1, calls  # decided once; the load below looks the decided name up
+        assert cpu.scheduler.engine.config.backend in ("cpu", "cpu-ref")
+        assert cpu.scheduler.engine.config.kv_dtype == "f32"  # auto on the host
+    finally:
+        cpu._close_engine(cpu.scheduler.detach())
+
+
+def test_storage_the_cpu_backend_does_not_read_is_refused_with_the_key(tmp_path, capsys, small):
+    from ntransformerd.main import main
+    f = tmp_path / "d.toml"
+    f.write_text(f'socket = "{tmp_path}/d.sock"\nbackend = "cpu"\nstorage = "odirect"\n')
+    assert main(["--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ntransformerd: storage = 'odirect': the cpu backend computes every layer where it lies") \
+        and 'set storage to "file" or "mmap"' in err, err
+    rc, _, err = _ntx_model(capsys, small, "--backend", "cpu", "--storage", "odirect")
+    assert rc == 2 and "ntx-model: error: --storage odirect: the cpu backend" in err and "set --storage to" in err, err
+    assert config.DaemonConfig(backend="cpu-ref", storage="odirect").storage == "odirect"  # cpu-ref reads it
+
+
+def _too_small_for_staging(model: str) -> int:
+    """A VRAM budget that holds the fixed weights, the KV cache and the two slots, so layers stream
+    (and, past a 1 MiB pinned budget, their two staging buffers do not fit)."""
+    m = GGUFModel(model)
+    layer = max(m.layer_bytes(i) for i in range(m.config.n_layers))
+    fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
+    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=8, max_ctx=64, kv_dtype="f32"), "cpu")
+    assert 2 * layer > 1 << 20
+    return fixed + kv + 2 * layer + (1 << 16)
+
+
+def test_a_plan_error_names_the_settings_of_the_program_that_was_run(tmp_path, capsys, small, new_daemon):
+    vram = _too_small_for_staging(small)
+    rc, _, err = _ntx_model(capsys, small, "--backend", "cpu-ref", "--max-batch", "8", "--vram-budget", str(vram),
+                            "--pinned-budget", "1MiB")
+    assert rc == 2 and "storage staging buffers" in err and "raise --pinned-budget, or lower --stream-depth" in err, err
+    d = new_daemon("--model", small, "--backend", "cpu-ref", "--max-batch", "8", "--max-ctx", "64",
+                   "--vram-budget", str(vram), "--pinned-budget", "1MiB")
+    try:
+        end = time.monotonic() + 60
+        while d.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+        log = d.log()
+        assert d.proc.returncode == 2, log  # refused: the unit does not restart it
+        line = next(ln for ln in log.splitlines() if "refused:" in ln)
+        assert "storage staging buffers" in line and line.endswith("; raise pinned_budget"), line
+        assert "stream" not in line.split(";")[-1] and "--" not in line  # the daemon has no stream_depth
+    finally:
+        d.cleanup()
+
+
+def test_one_plan_per_load_is_handed_to_the_engine(tmp_path, monkeypatch, small):
+    """The daemon plans once (engine.plan_for) and loads the engine by that plan
+    (tests/system/test_daemon_storage.py: the same with the NVMe drive's fill)."""
+    from ntransformerd.server.daemon import Daemon
+    plans = []
+    real = tiers.model_plan
+
+    def counting(*a, **kw):  # the planner's entry: every plan of a load goes through it
+        plans.append(real(*a, **kw))
+        return plans[-1]
+    vram = _too_small_for_staging(small)
+    monkeypatch.setattr(tiers, "model_plan", counting)
+    d = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "d.sock"), model=small, backend="cpu-ref",
+                                          max_batch=2, max_ctx=64, vram_budget=vram))
+    engine = d.load_model(None, None)
+    try:
+        assert len(plans) == 1 and engine.plan is plans[0] and engine.plan.streamed, plans
+    finally:
+        d._close_engine(d.scheduler.detach())
+
+
+def test_ntx_admin_reads_the_daemons_file_the_daemons_way(tmp_path, monkeypatch):
+    """One reader (ntx_system.config_file): the drive's keys read by ntx-admin's service step are
+    the values the daemon reads from the same file, and both refuse the same bad file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    f = tmp_path / "d.toml"
+    f.write_text(f'socket = "{tmp_path}/d.sock"\nstorage = "nvme: S1 "\nmodel = "m.gguf"\nnvme_release = "keep"\n'
+                 'noiommu = true\nbackend = "cpu-ref"\nvram_budget = "24GiB"\n')
+    daemon, admin = config.load(["--config", str(f)]), ServiceConfig.from_toml(str(f))
+    for key in ("storage", "model", "nvme_release", "noiommu"):
+        assert getattr(admin, key) == getattr(daemon, key), key
+    assert admin.storage == "nvme:S1" and admin.model == str(tmp_path / "m.gguf")
+    for text, words in (('nvme_release = "later"\n', "nvme_release = 'later': use nvme or keep"),
+                        ('storage = "nvme:"\n', "storage = 'nvme:': use file, odirect, mmap or nvme:SERIAL"),
+                        ("storage = \n", "is not valid TOML")):
+        f.write_text(text)
+        with pytest.raises(config.ConfigError, match=words):
+            config.load(["--config", str(f)])
+        with pytest.raises(Refused, match=words):
+            ServiceConfig.from_toml(str(f))
+    assert ServiceConfig.from_toml(str(tmp_path / "none.toml")) == ServiceConfig()  # no file: the defaults
+
+
+def test_ntx_model_spells_every_setting_it_names_as_a_flag_it_has(capsys):
+    with pytest.raises(SystemExit):
+        ntx_model.main(["run", "--help"])
+    out = capsys.readouterr().out
+    for setting, flag in ntx_model.FLAGS.names.items():
+        assert f"{flag} " in out, (setting, flag)
+        assert setting in EngineConfig.__dataclass_fields__
+    for setting in ("vram_budget", "pinned_budget", "max_batch", "max_ctx", "kv_dtype", "storage", "backend"):
+        assert setting in config.KEYS  # the daemon's key of the same name and meaning

@@ -29,7 +29,7 @@ def ref_daemon(new_daemon):
 
 @pytest.fixture(scope="module")
 def ref_engine():
-    return Engine.load(None, config=EngineConfig(backend="cpu-ref", max_seqs=1, max_ctx=512, prefill_chunk=128))
+    return Engine.load(None, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=512, prefill_chunk=128))
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -78,9 +78,9 @@ def _budgets(model_path):
     m = GGUFModel(model_path)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_seqs=2, max_ctx=128), "cpu")
+    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=128), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 20), 3 * layer + (1 << 16)
-    plan = tiers.model_plan(m, EngineConfig(max_seqs=2, max_ctx=128, vram_budget=vram, ram_budget=ram), backend="cpu")
+    plan = tiers.model_plan(m, EngineConfig(max_batch=2, max_ctx=128, vram_budget=vram, pinned_budget=ram), backend="cpu")
     storage = plan.layers(tiers.STORAGE)
     assert len(storage) >= 4, plan.explain()
     return vram, ram, sum(m.layer_bytes(i) for i in storage)
@@ -140,6 +140,28 @@ def file_ids(drive, tmp_path_factory):
             st = _storage_tier(c.status())
             assert st.source.startswith("file ") and st.read_bytes > 0
         return ids
+    finally:
+        r.stop()
+
+
+def test_one_plan_fills_the_drive_image_and_loads_the_engine(drive, tmp_path, monkeypatch):
+    """The model read from the drive alone: one tier plan per load decides which layers come off
+    the drive into memory and is the plan the engine loads (engine.plan_for, then Engine(plan=))."""
+    from ntransformerd.engine import tiers as tiers_mod
+    plans = []
+    real = tiers_mod.model_plan
+
+    def counting(*a, **kw):  # the planner's entry: every plan of a load goes through it
+        plans.append(real(*a, **kw))
+        return plans[-1]
+    vram, ram, _ = _budgets(drive["model"])
+    monkeypatch.setattr(tiers_mod, "model_plan", counting)
+    r = Running(_config(tmp_path, "once", storage=f"nvme:{SERIAL}", vram_budget=vram, pinned_budget=ram), drive,
+                tmp_path)
+    try:
+        r.wait()
+        engine = r.daemon.scheduler.engine
+        assert len(plans) == 1 and engine.plan is plans[0] and engine.plan.layers("storage"), plans
     finally:
         r.stop()
 

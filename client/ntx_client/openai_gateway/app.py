@@ -9,6 +9,10 @@ the model → generate on the daemon → answer. Nothing a client sends becomes 
 series are labelled by route. Reading the request itself is bounded by the HTTP server
 (serve.py): header and body timeouts, header size, connections.
 
+Each generation tells the daemon which API key it came with (`key_id`: a hash, never the key),
+and the daemon keeps each key's cached prompts apart, under the gateway's own uid: one key's
+user cannot learn from the prefix cache what another's sent.
+
 Chat messages go to the daemon as messages, never rendered here; a completion's prompt is
 tokenized with special tokens not parsed, so "<|im_start|>" typed by a user stays text.
 While a request waits for the daemon, its HTTP connection is watched: a client that goes away
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -201,9 +206,10 @@ class Gateway:
 
     # ---- plumbing --------------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> str:
+        """Check the request's API key; its key_id ("" when the gateway needs no key)."""
         if not self.config.api_keys:
-            return
+            return ""
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -214,6 +220,7 @@ class Gateway:
         if not any(hmac.compare_digest(key, k.encode()) for k in self.config.api_keys):
             raise APIError(401, "Incorrect API key provided: it is not in the gateway's --api-keys-file.",
                            code="invalid_api_key")
+        return key_id(key)
 
     def authorize_monitoring(self, request: Request) -> None:
         if not self.config.open_monitoring:
@@ -284,10 +291,10 @@ class Gateway:
         return await self._generate(request, "completions", protocol.parse_completion)
 
     async def _generate(self, request: Request, endpoint: str, parse) -> Response:
-        self.authorize(request)
+        caller = self.authorize(request)
         job = parse(await self.body(request))
         info = await self.check_model(job.model)
-        kw = dict(job.generate)
+        kw = dict(job.generate, on_behalf_of=caller)
         if job.prompt is not None:
             kw["prompt_ids"] = await self.daemons.client.tokenize(job.prompt, parse_special=False)
         self.metrics.in_flight.inc()
@@ -486,6 +493,12 @@ def create_app(config: GatewayConfig) -> Starlette:
     return app
 
 
+def key_id(key: bytes) -> str:
+    """The identity of an API key that the daemon scopes its prefix cache by: a hash, so the key
+    itself never leaves the gateway; the same key always gives the same id."""
+    return "key:" + hashlib.sha256(b"ntx-openai api key\0" + key).hexdigest()[:24]
+
+
 def read_api_keys(path: str) -> frozenset[str]:
     """One key per line; blank lines and lines starting with # are skipped."""
     try:
@@ -499,4 +512,4 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
-__all__ = ["LOOPBACK_HOSTS", "GatewayConfig", "create_app", "read_api_keys"]
+__all__ = ["LOOPBACK_HOSTS", "GatewayConfig", "create_app", "key_id", "read_api_keys"]

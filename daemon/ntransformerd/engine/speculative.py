@@ -248,7 +248,7 @@ def cost_key(engine, draft_engine=None) -> str:
            "draft": _file_id(draft_engine.model.path) if draft_engine is not None else None,
            "backend": getattr(engine, "backend_name", ""), "layers": list(getattr(engine, "layers", None) or ()),
            "plan": plan.explain() if plan is not None else "resident",
-           "config": {k: str(getattr(config, k, "")) for k in ("kv_dtype", "cpu_threads", "max_ctx", "max_seqs")},
+           "config": {k: str(getattr(config, k, "")) for k in ("kv_dtype", "cpu_threads", "max_ctx", "max_batch")},
            "machine": _machine()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -570,7 +570,7 @@ def load_draft_engine(path: str, target, *, backend: str | None = None):
     model = GGUFModel(path)
     check_vocabulary(target.model, model)
     tc = target.config
-    return Engine(model, config=EngineConfig(backend=backend or tc.backend, max_seqs=tc.max_seqs,
+    return Engine(model, config=EngineConfig(backend=backend or tc.backend, max_batch=tc.max_batch,
                                              max_ctx=target.max_ctx, kv_dtype=tc.kv_dtype,
                                              prefill_chunk=tc.prefill_chunk))
 

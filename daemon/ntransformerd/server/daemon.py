@@ -27,11 +27,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ntransformerd.config import SPELLING, ConfigError
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, plan_for, resolved
+from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors, sockets, tcp
+from ntransformerd.server.callers import Identify, unix_caller
+from ntransformerd.server.relay import Relay
 from ntransformerd.server.lifecycle import FAILED, SERVING, Lifecycle
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
+from ntransformerd.settings import SettingError
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
@@ -58,20 +64,28 @@ class Daemon:
         self._resources: dict[int, tuple] = {}  # id(engine) → (storage handle, closers)
         self._transport_factory = transport_factory
         self._run_dir, self._state_dir = run_dir, state_dir
+        self._backend: str | None = None  # the configured backend, decided once (_settled_backend)
         workers = config.max_batch + config.max_queue + 16  # each stream holds a thread while it waits
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rpc"),
                                   interceptors=[DecodeErrorInterceptor()])
         self.admin_server = grpc.server(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="admin"),
                                         interceptors=[DecodeErrorInterceptor()])
+        # the user socket's clients come through the relay, which knows their uid; TCP clients
+        # through TLS with a certificate; the admin socket's are root (or the daemon's user)
+        self.relay = Relay()
+        self._user_socket = ""  # the gRPC server's own listener, behind the relay
+        group = config.prefix_cache_share == "group"
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(scheduler=self.scheduler, daemon=self), self.server)
+            InferenceServicer(scheduler=self.scheduler, daemon=self, identify=Identify(relay=self.relay, group=group)),
+            self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(daemon=self), self.admin_server)
         for server, names in ((self.server, (INFERENCE,)), (self.admin_server, (ADMIN, INFERENCE))):
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         # the admin socket also answers the inference verbs (status for ntx-admin)
+        admin_caller = Identify(fixed=unix_caller(os.geteuid(), group=group))
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(scheduler=self.scheduler, daemon=self), self.admin_server)
+            InferenceServicer(scheduler=self.scheduler, daemon=self, identify=admin_caller), self.admin_server)
         self.set_health(False)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -80,10 +94,20 @@ class Daemon:
         c = self.config
         if c.tcp_listen:  # first: a bad TLS file then leaves no socket behind
             tcp.bind(self.server, c)
-        sockets.bind(self.server, c.socket, mode=sockets.USER_MODE, group=c.socket_group)
-        sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
+        self._user_socket = sockets.bind_private(self.server, c.socket)
+        listener = None
+        try:
+            listener = sockets.listen(c.socket, mode=sockets.USER_MODE, group=c.socket_group)
+            sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+                sockets.remove(c.socket)
+            sockets.remove_private(self._user_socket)
+            raise
         self.server.start()
         self.admin_server.start()
+        self.relay.start(listener, self._user_socket)
         self.scheduler.start()
         log.info("listening on %s (admin %s), pid %d", c.socket, c.admin_socket, os.getpid())
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
@@ -95,7 +119,7 @@ class Daemon:
         except errors.ShuttingDown:
             log.info("the load stopped: ntransformerd is stopping")
             return
-        except Refused as e:
+        except (Refused, ConfigError) as e:  # the drive, or a setting the backend cannot honour
             log.error("refused: %s", e)
             self._exit(2, f"refused: {e}")
             return
@@ -118,6 +142,7 @@ class Daemon:
         nvme_retries times with a growing pause; a refusal is never retried."""
         from ntransformerd.server.storage import Drive, drive_errors
         c = self.config
+        self._settled_backend()  # a setting the backend cannot honour is refused before the drive comes up
         if not c.storage.startswith("nvme:"):
             return self.load_model(c.model or None, None)
         if self.drive is None:
@@ -138,6 +163,18 @@ class Daemon:
                             c.nvme_retries, e, pause)
                 self.notifier.status(f"nvme: attempt {attempt}/{c.nvme_retries} failed ({e}); retrying")
                 time.sleep(pause)
+
+    def _settled_backend(self) -> str:
+        """The configured backend, decided once ("auto": cuda where a GPU is visible, else cpu)
+        and checked to honour kv_dtype and storage; a ConfigError naming the key otherwise."""
+        if self._backend is None:
+            c = self.config
+            try:
+                settled, _ = resolved(EngineConfig(backend=c.backend, kv_dtype=c.kv_dtype, storage=c.storage))
+            except SettingError as e:
+                raise ConfigError(e.worded(SPELLING)) from None
+            self._backend = settled.backend
+        return self._backend
 
     def _drive_failed(self, exc: BaseException) -> None:
         """A read from the drive failed (a reader thread): stop serving, recover elsewhere."""
@@ -191,6 +228,7 @@ class Daemon:
         finished, cancelled = self.drain(timeout, reason="ntransformerd is shutting down")
         log.info("drained: %d finished, %d cancelled", finished, cancelled)
         self.server.stop(grace=1.0).wait(2.0)
+        self.relay.stop()  # after the server: its last words to the clients have passed through
         self.admin_server.stop(grace=0.5).wait(1.0)
         self.scheduler.stop()
         # a load under way stops at its next layer (_check_stop); one stuck in a long step (a
@@ -209,6 +247,8 @@ class Daemon:
                 self._load_lock.release()
         for path in (self.config.socket, self.config.admin_socket):
             sockets.remove(path)
+        if self._user_socket:
+            sockets.remove_private(self._user_socket)
         log.info("stopped")
 
     # ---- health and models ----------------------------------------------------------------
@@ -271,7 +311,6 @@ class Daemon:
         staged one, or the default model). `show` reports progress through the scheduler's
         loading state (only when nothing is serving)."""
         from ntx_system.service import Refused, check_staged_model, file_sha256
-        from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
         from ntransformerd.engine.gguf_file import GGUFModel
         from ntransformerd.server.storage import StorageHandle
 
@@ -317,31 +356,31 @@ class Daemon:
                 seen.add(i)
                 progress(f"loading layer {len(seen)}/{n}", 0.05 + 0.9 * len(seen) / n)
 
-        ecfg = EngineConfig(backend=backend or c.backend, max_seqs=c.max_batch, max_ctx=c.max_ctx,
-                            kv_dtype=c.kv_dtype, prefill_chunk=c.prefill_chunk,
-                            vram_budget=c.vram_budget, ram_budget=c.pinned_budget, storage=source,
-                            skip_layers=skip or None, cpu_threads=c.cpu_threads or None,
-                            host_compute=c.host_compute, link_cap=c.link_cap)
         try:
+            # One configuration, resolved once (the backend decided at start, or the one a
+            # LoadModel names; kv_dtype and storage checked against it), and one plan: the drive
+            # fills what the plan keeps in memory, the engine loads by the same plan.
+            ecfg, _ = resolved(EngineConfig(
+                backend=backend or self._settled_backend(), max_batch=c.max_batch, max_ctx=c.max_ctx, kv_dtype=c.kv_dtype,
+                prefill_chunk=c.prefill_chunk, vram_budget=c.vram_budget, pinned_budget=c.pinned_budget,
+                storage=source, skip_layers=skip or None, cpu_threads=c.cpu_threads, host_compute=c.host_compute,
+                link_cap=c.link_cap))
+            plan = plan_for(model, ecfg)
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now
-                fill(set(range(n)) - set(_storage_layers(model, ecfg)))
+                fill(set(range(n)) - set(plan.layers(STORAGE) if plan is not None else ()))
             progress("checking the model's scales", 0.02)
             model.check_finite()  # a NaN scale would only show as NaN logits, request by request
             model.on_layer_loaded(loaded)
             try:
-                engine = Engine(model, config=ecfg)
+                engine = Engine(model, config=ecfg, plan=plan)
             finally:
                 model.on_layer_loaded(None)
-            if fill is not None:
-                holes = set(range(n)) - fill(()) - set(_storage_layers(model, ecfg, engine.plan))
-                if holes:
-                    raise RuntimeError(f"layers {sorted(holes)} were planned in memory after the drive "
-                                       "was read for another plan: set vram_budget and pinned_budget "
-                                       "explicitly")
-        except BaseException:
+        except BaseException as e:
             source.close()
             if fill is not None:
                 os.close(model.staged_fd)
+            if isinstance(e, SettingError):  # worded with the daemon's keys; INVALID_ARGUMENT to a LoadModel
+                raise ConfigError(e.worded(SPELLING)) from None
             raise
         log.info("loaded %s in %.1f s (%s backend, %d layers, storage %s)",
                  path or f"the model staged on {self.drive.describe}", time.monotonic() - t0,
@@ -403,22 +442,3 @@ class Daemon:
             self.lifecycle.no_model()
         log.info("model unloaded")
 
-
-def _storage_layers(model, ecfg, plan=None) -> list[int]:
-    """The layers `ecfg`'s tier plan streams from storage (none when all are resident); with
-    `plan`, the engine's own."""
-    from ntransformerd.engine import tiers
-    if plan is None:
-        backend = ecfg.backend
-        if backend == "auto":
-            try:
-                from ntransformerd.engine.backends import cuda
-                backend = "cuda" if cuda.available() else "cpu"
-            except ImportError:
-                backend = "cpu"
-        if backend == "cuda":
-            from ntransformerd.engine.backends import cuda
-            plan = tiers.cuda_plan(cuda, model, ecfg)
-        elif tiers.wanted(ecfg):
-            plan = tiers.model_plan(model, ecfg, backend="cpu")
-    return list(plan.layers(tiers.STORAGE)) if plan is not None else []

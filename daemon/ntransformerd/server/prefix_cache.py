@@ -13,6 +13,12 @@ sequences costs no memory.
 Concurrent requests sharing a prefix both benefit: while an older request is still prefilling
 positions a younger one shares, the younger waits and then copies them (`catch_up`).
 
+Private by default: a sequence is reused only by requests of its own scope, so one user can
+never learn from a faster first token or from `cached_prompt_tokens` what another sent. The
+scope of a caller (callers.py) follows `prefix_cache_share`: "none", the caller itself (a unix
+uid, a TLS identity, a gateway's API key under the gateway's uid); "group", the uid's primary
+group (what a caller names below itself stays split); "all", everyone (one cache for all).
+
 Thread rule: the scheduler thread only, like the engine.
 """
 
@@ -20,6 +26,20 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+
+SHARE = ("none", "group", "all")  # prefix_cache_share
+
+Live = Sequence[tuple[int, Sequence[int], object]]  # (slot, token ids in its KV, its caller)
+
+
+def scope(caller, share: str) -> str:
+    """The key under which `caller`'s sequences are reused: equal keys share. A caller of None
+    is the daemon's own process (a request made in-process, as tests and tools do)."""
+    if share == "all" or caller is None:
+        return ""
+    if share == "group" and caller.gid is not None:
+        return f"gid:{caller.gid}/{caller.on_behalf_of}" if caller.on_behalf_of else f"gid:{caller.gid}"
+    return caller.id
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -31,26 +51,35 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, engine, *, enabled: bool):
+    def __init__(self, engine, *, enabled: bool, share: str = "none"):
+        if share not in SHARE:
+            raise ValueError(f"prefix_cache_share {share!r}: use none, group or all")
         self.engine = engine
         # an engine without copy_prefix (a test double) has no way to share KV
         self.enabled = enabled and hasattr(engine, "copy_prefix")
-        self.held: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # free slot → its tokens
+        self.share = share
+        # free slot → (its scope, its tokens), least recently freed first
+        self.held: collections.OrderedDict[int, tuple[str, list[int]]] = collections.OrderedDict()
         self.hit_tokens = 0
         self.evictions = 0
 
-    def open(self, prompt: Sequence[int], live: Sequence[tuple[int, Sequence[int]]], *, use: bool) -> tuple[int, int]:
-        """(slot, positions already filled) for a new sequence with `prompt`; `live` is
-        (slot, token ids in its KV) of the running sequences."""
+    def shares(self, a, b) -> bool:
+        """Whether callers `a` and `b` may reuse each other's sequences."""
+        return scope(a, self.share) == scope(b, self.share)
+
+    def open(self, prompt: Sequence[int], live: Live, *, use: bool, caller=None) -> tuple[int, int]:
+        """(slot, positions already filled) for a new sequence of `caller` with `prompt`; `live`
+        is (slot, token ids in its KV, caller) of the running sequences."""
         if not self.enabled:
             return self.engine.open(), 0
-        limit = len(prompt) - 1
-        held_slot, held_n = self._best(prompt, self.held.items(), limit) if use else (None, 0)
-        live_slot, live_n = self._best(prompt, live, limit) if use else (None, 0)
+        limit, key = len(prompt) - 1, scope(caller, self.share)
+        held = [(slot, tokens) for slot, (k, tokens) in self.held.items() if k == key]
+        held_slot, held_n = self._best(prompt, held, limit) if use else (None, 0)
+        live_slot, live_n = self._best(prompt, self._ours(live, key), limit) if use else (None, 0)
         if held_n and held_n >= live_n:
             self.hit_tokens += held_n
             empty = self._empty()
-            if held_n < len(self.held[held_slot]) and empty:
+            if held_n < len(self.held[held_slot][1]) and empty:
                 # the cached sequence goes on past the shared part: keep it for others, copy
                 slot = self.engine.open(empty[-1])
                 self.engine.copy_prefix(held_slot, slot, held_n)
@@ -63,24 +92,27 @@ class PrefixCache:
             self.hit_tokens += live_n
         return slot, live_n
 
-    def catch_up(self, slot: int, prompt: Sequence[int], filled: int,
-                 live: Sequence[tuple[int, Sequence[int]]]) -> int:
-        """Copy into `slot` what another live sequence has computed of `prompt` past `filled`;
-        the new number of filled positions."""
+    def catch_up(self, slot: int, prompt: Sequence[int], filled: int, live: Live, *, caller=None) -> int:
+        """Copy into `slot` what another live sequence of `caller`'s scope has computed of
+        `prompt` past `filled`; the new number of filled positions."""
         if not self.enabled:
             return filled
-        src, n = self._best(prompt, [(s, t) for s, t in live if s != slot], len(prompt) - 1)
+        ours = [(s, t) for s, t in self._ours(live, scope(caller, self.share)) if s != slot]
+        src, n = self._best(prompt, ours, len(prompt) - 1)
         if n <= filled:
             return filled
         self.engine.copy_prefix(src, slot, n)
         self.hit_tokens += n - filled
         return n
 
-    def close(self, slot: int, tokens: Sequence[int], *, keep: bool) -> None:
-        """Free `slot`; with `keep`, remember that its KV holds `tokens`."""
+    def close(self, slot: int, tokens: Sequence[int], *, keep: bool, caller=None) -> None:
+        """Free `slot`; with `keep`, remember that its KV holds `tokens`, for `caller`'s scope."""
         self.engine.close(slot)
         if self.enabled and keep and tokens:
-            self.held[slot] = list(tokens)
+            self.held[slot] = (scope(caller, self.share), list(tokens))
+
+    def _ours(self, live: Live, key: str) -> list[tuple[int, Sequence[int]]]:
+        return [(slot, tokens) for slot, tokens, c in live if scope(c, self.share) == key]
 
     @staticmethod
     def _best(prompt, candidates, limit: int) -> tuple[int | None, int]:

@@ -70,9 +70,10 @@ class Request:
     scheduler thread writes its sequence and state, the streaming thread its text and outputs;
     cancel() any thread."""
 
-    def __init__(self, seq: decode.Sequence, *, deadline: float | None, prefix_cache: bool = True):
+    def __init__(self, seq: decode.Sequence, *, deadline: float | None, prefix_cache: bool = True, caller=None):
         self.id = next(_ids)
         self.seq = seq
+        self.caller = caller  # callers.Caller: whose prefix cache scope it uses; None: in-process
         self.deadline = deadline  # time.monotonic() value, or None
         self.state = "queued"  # queued → prefill → decode → done (retired)
         self.prefix_cache = prefix_cache  # may start from, and leave its KV to, the prefix cache
@@ -143,6 +144,7 @@ class RequestStatus:
     prompt_tokens: int
     generated_tokens: int
     age_seconds: float
+    caller: object = None  # callers.Caller that sent it (Status shows a caller its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +228,7 @@ class Scheduler:
         with self._cv:
             self.engine = engine
             self.draft_engine, self.costs, self._speculators = draft_engine, costs, {}
-            self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache)
+            self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache, share=self.config.prefix_cache_share)
             self._cv.notify_all()
 
     def detach(self):
@@ -305,7 +307,8 @@ class Scheduler:
 
     def schedule(self, prompt_ids: list[int], params, *, max_tokens: int | None,
                  deadline: float | None = None, prefix_cache: bool = True, speculative: Mode | None = None,
-                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None) -> Request:
+                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None,
+                 caller=None) -> Request:
         """Queue a request; raises InvalidRequest, NotReady, Draining or QueueFull.
 
         speculative: the request's mode, None for the daemon's default. logprobs: report each
@@ -326,7 +329,7 @@ class Scheduler:
         seq = decode.Sequence(engine, prompt_ids, params, max_tokens=max_tokens, constraint=constraint,
                               speculator=self.speculator(speculative), logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
-        req = Request(seq, deadline=deadline, prefix_cache=prefix_cache and not prompt_logprobs)
+        req = Request(seq, deadline=deadline, prefix_cache=prefix_cache and not prompt_logprobs, caller=caller)
         with self._cv:
             self.serving_engine()
             if len(self._live) + len(self._queue) >= self.config.max_batch + self.config.max_queue:
@@ -483,7 +486,7 @@ class Scheduler:
             seq.spec = None
         if self.engine is not None and seq.slot >= 0:
             try:
-                self.prefix.close(seq.slot, self._kv_tokens(r), keep=r.prefix_cache)
+                self.prefix.close(seq.slot, self._kv_tokens(r), keep=r.prefix_cache, caller=r.caller)
             except Exception:  # noqa: BLE001
                 log.exception("freeing KV slot %d of request %d", seq.slot, r.id)
             seq.slot = -1
@@ -497,8 +500,9 @@ class Scheduler:
                 break  # the next iteration measures the cost table first (ensure_costs)
             r = self._queue.popleft()
             try:
-                live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-                r.seq.slot, r.seq.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache)
+                live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
+                r.seq.slot, r.seq.prefilled = self.prefix.open(r.prompt_ids, live, use=r.prefix_cache,
+                                                               caller=r.caller)
             except Exception as e:  # noqa: BLE001
                 self.fail_request(r, e, "giving it a KV-cache slot")
                 r.state = "done"
@@ -522,7 +526,7 @@ class Scheduler:
         for o in self._live:
             if o is r:
                 return False
-            if o.state == "prefill" and o.prefix_cache and \
+            if o.state == "prefill" and o.prefix_cache and self.prefix.shares(r.caller, o.caller) and \
                     min(common_prefix(r.prompt_ids, o.prompt_ids), len(r.prompt_ids) - 1) > max(o.prefilled,
                                                                                                 r.prefilled):
                 return True
@@ -538,8 +542,8 @@ class Scheduler:
         for r in self._live:
             if r.state == "prefill" and r.prefix_cache and self.prefix.enabled:
                 try:
-                    live = [(q.slot, self._kv_tokens(q)) for q in self._live if q.prefix_cache]
-                    filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live)
+                    live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
+                    filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live, caller=r.caller)
                 except Exception as e:  # noqa: BLE001
                     self.fail_request(r, e, "copying its prompt's cached keys and values")
                     continue
@@ -592,8 +596,8 @@ class Scheduler:
             # steps within the window only: steps are what prune it, so when idle it is stale
             recent = [(t, n) for t, n in self._recent if t >= now - RATE_WINDOW_S]
             span = now - recent[0][0] if len(recent) > 1 else 0.0
-            reqs = tuple(RequestStatus(r.id, r.state, r.slot, len(r.prompt_ids), r.generated, now - r.t_created)
-                         for r in list(self._live) + list(self._queue))
+            reqs = tuple(RequestStatus(r.id, r.state, r.slot, len(r.prompt_ids), r.generated, now - r.t_created,
+                                       r.caller) for r in list(self._live) + list(self._queue))
             specs = [sp.stats() for sp in self._speculators.values()]
             passes = sum(x["passes"] for x in specs)
             proposed, accepted = sum(x["proposed"] for x in specs), sum(x["accepted"] for x in specs)

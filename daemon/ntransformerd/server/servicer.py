@@ -20,6 +20,7 @@ from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
+from ntransformerd.server.callers import Caller
 from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
@@ -193,9 +194,25 @@ def _messages(chat: pb.Chat) -> list[dict]:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, *, scheduler: Scheduler, daemon):
+    """`identify`: context → callers.Caller, who sent a call (the server's callers.Identify)."""
+
+    def __init__(self, *, scheduler: Scheduler, daemon, identify):
         self.scheduler = scheduler
         self.daemon = daemon
+        self.identify = identify
+        self._unnamed_warned = False
+
+    def _caller(self, request, context) -> Caller | None:
+        """Who sent `request`: the connection's identity, below it what the sender names in
+        on_behalf_of. None for a peer the daemon cannot name: its request neither uses nor
+        leaves anything in the prefix cache."""
+        caller = self.identify(context)
+        if caller is None:
+            if not self._unnamed_warned:
+                log.warning("cannot tell who peer %s is: its requests bypass the prefix cache", context.peer())
+                self._unnamed_warned = True
+            return None
+        return caller.below(request.on_behalf_of)
 
     def _prompt_ids(self, request) -> list[int]:
         which = request.WhichOneof("input")
@@ -221,14 +238,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidRequest(f"logprobs {logprobs} is out of range: ask for 0..{MAX_TOP_LOGPROBS} "
                                         "alternatives per token")
+        caller = self._caller(request, context)
         prompt_ids = self._prompt_ids(request)
         constraint = constraint_of(request, self.scheduler.engine)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                      prefix_cache=not request.no_prefix_cache, speculative=mode,
-                                      logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
-                                      constraint=constraint)
+                                      prefix_cache=not request.no_prefix_cache and caller is not None,
+                                      speculative=mode, logprobs=logprobs,
+                                      prompt_logprobs=request.prompt_logprobs, constraint=constraint, caller=caller)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
         for out in req.stream():
@@ -267,7 +285,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     @rpc
     def Status(self, request, context):
-        return status_response(self.scheduler, self.daemon)
+        return status_response(self.scheduler, self.daemon, self.identify(context))
 
 
 def model_info(engine) -> pb.ModelInfo:
@@ -316,23 +334,6 @@ def _engine_memory(engine) -> tuple[int, int]:
     return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
 
 
-def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
-    """Status, mapped from the daemon's typed figures in this one place."""
-    s: SchedulerStatus = scheduler.status()
-    life, cfg, engine = daemon.lifecycle.status(), daemon.config, scheduler.engine
-    r = pb.StatusResponse(state=life.state, load_progress=life.progress, load_fraction=life.fraction, error=life.error,
-                          live_requests=s.live, queued_requests=s.queued, batch_size=s.batch,
-                          max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s.free_slots,
-                          tokens_per_second=s.tokens_per_second, steps=s.steps,
-                          requests_total=s.requests_total, tokens_generated_total=s.tokens_total,
-                          uptime_seconds=s.uptime, memory_bytes=_rss_bytes(), pid=os.getpid(),
-                          requests=[pb.RequestInfo(id=q.id, state=q.state, slot=q.slot, prompt_tokens=q.prompt_tokens,
-                                                   generated_tokens=q.generated_tokens, age_seconds=q.age_seconds)
-                                    for q in s.requests],
-                          prompt_tokens_total=s.prompt_tokens_total, prefill_tokens_total=s.prefill_tokens_total,
-                          prefix_hit_tokens_total=s.prefix_hit_tokens_total,
-                          prefix_evictions_total=s.prefix_evictions_total,
-                          prefix_cached_slots=s.prefix_cached_slots, prefix_cache=cfg.prefix_cache)
     r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
     sp = s.speculation
     r.skip_layers.extend(s.skip_layers)
@@ -341,6 +342,7 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
         accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
         cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
     if engine is not None:
+        r.placements.extend(placements(engine))
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
         storage = daemon.storage_stats()
@@ -350,6 +352,73 @@ def status_response(scheduler: Scheduler, daemon) -> pb.StatusResponse:
             if t.name == "storage" and storage is not None:
                 tier_counters(tier, storage)
     return r
+
+
+def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
+    """The daemon's state for `caller`, mapped from its typed figures in this one place. Counts
+    and totals are the daemon's (the prefix counters too: no request hits another scope's cache,
+    so they say how busy it is, not what anyone asked); the list of requests is the caller's
+    own, all of them for root and the daemon's user."""
+    s: SchedulerStatus = scheduler.status()
+    life, cfg, engine = daemon.lifecycle.status(), daemon.config, scheduler.engine
+    shown_requests = [q for q in s.requests
+                      if caller is not None and (caller.privileged or _same_sender(q.caller, caller))]
+    r = pb.StatusResponse(state=life.state, load_progress=life.progress, load_fraction=life.fraction, error=life.error,
+                          live_requests=s.live, queued_requests=s.queued, batch_size=s.batch,
+                          max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s.free_slots,
+                          tokens_per_second=s.tokens_per_second, steps=s.steps,
+                          requests_total=s.requests_total, tokens_generated_total=s.tokens_total,
+                          uptime_seconds=s.uptime, memory_bytes=_rss_bytes(), pid=os.getpid(),
+                          requests=[pb.RequestInfo(id=q.id, state=q.state, slot=q.slot, prompt_tokens=q.prompt_tokens,
+                                                   generated_tokens=q.generated_tokens, age_seconds=q.age_seconds)
+                                    for q in shown_requests],
+                          prompt_tokens_total=s.prompt_tokens_total, prefill_tokens_total=s.prefill_tokens_total,
+                          prefix_hit_tokens_total=s.prefix_hit_tokens_total,
+                          prefix_evictions_total=s.prefix_evictions_total,
+                          prefix_cached_slots=s.prefix_cached_slots, prefix_cache=cfg.prefix_cache,
+                          prefix_cache_share=cfg.prefix_cache_share)
+    r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
+    sp = s.speculation
+    r.skip_layers.extend(s.skip_layers)
+    r.speculation.CopyFrom(pb.SpeculationStatus(
+        default_mode=sp.default_mode, draft_model=sp.draft_model, passes=sp.passes, proposed=sp.proposed,
+        accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
+        cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
+    if engine is not None:
+        r.placements.extend(placements(engine))
+        info = model_info(engine)
+        r.model, r.backend = info.name, info.backend
+        storage = daemon.storage_stats()
+        for t in info.plan.tiers:  # each step reads every layer once
+            tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
+                               bytes_per_second=t.bytes * s.steps_per_second)
+            if t.name == "storage" and storage is not None:
+                tier_counters(tier, storage)
+    return r
+
+
+def _same_sender(owner: Caller | None, caller: Caller) -> bool:
+    """A request of `owner` is shown to `caller`: the same connection identity (a gateway sees
+    the requests of all its keys; on_behalf_of does not hide them from their sender)."""
+    return owner is not None and owner.principal == caller.principal
+
+
+def placements(engine) -> list[pb.Placement]:
+    """Where the layers run at each step shape of a plan with the host computing beside the GPU:
+    the plan's prediction and the steps measured since the load. Empty for other plans."""
+    schedule = getattr(getattr(engine, "plan", None), "schedule", None)
+    pipeline = getattr(engine, "pipeline", None)
+    if schedule is None or pipeline is None:
+        return []
+    out = []
+    for p in schedule.placements:
+        k = pipeline.layout.entry(p.rows)
+        n, seconds = pipeline.step_times[k] if k < len(pipeline.step_times) else (0, 0.0)
+        out.append(pb.Placement(rows=p.rows, host_layers=p.host_layers,
+                                link_layers=sum(1 for t in p.tiers if t in ("pinned", "storage")),
+                                predicted_step_seconds=p.time.seconds, measured_step_seconds=seconds / n if n else 0.0,
+                                steps=n))
+    return out
 
 
 def tier_counters(tier: pb.TierStatus, st: dict) -> None:

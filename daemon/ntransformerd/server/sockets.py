@@ -10,6 +10,10 @@ A socket is bound inside a private directory (mode 0700) made next to its final 
 mode and group there, where nobody else can reach or replace it, and then renamed into place:
 it never appears at its path with another mode or group, and nothing is changed through a path
 someone else could redirect.
+
+The user socket is the relay's (relay.py), which learns each client's uid and passes its bytes
+on to the gRPC server's own listener: a socket left in such a private directory (bind_private),
+so that nobody but the daemon can connect to the server past the relay.
 """
 
 from __future__ import annotations
@@ -130,8 +134,9 @@ def _group_id(group: str, path: str) -> int | None:
         return None
 
 
-def bind(server, path: str, *, mode: int, group: str = "") -> None:
-    """Bind `server` (a grpc.Server, not yet started) to `path` with `mode`, group-owned when root."""
+def _staged(path: str, *, mode: int, group: str, bind_at) -> None:
+    """Bind at `path` through `bind_at(staged path)` (which raises SocketError), with `mode` and,
+    when root, `group`: made in a private directory next to it, then renamed into place."""
     prepare(path)
     gid = _group_id(group, path) if group and is_root() else None
     private = tempfile.mkdtemp(prefix=".ntx-", dir=os.path.dirname(path))  # 0700, ours
@@ -140,15 +145,7 @@ def bind(server, path: str, *, mode: int, group: str = "") -> None:
         if len(staged.encode()) > MAX_PATH:
             raise SocketError(f"socket directory {os.path.dirname(path)} is too long a path to bind in "
                               f"(unix sockets allow {MAX_PATH} bytes): pick a shorter --socket")
-        try:
-            port = server.add_insecure_port(f"unix:{staged}")
-        except RuntimeError as e:
-            port, err = 0, e
-        else:
-            err = None
-        if not port:
-            raise SocketError(f"cannot bind {path}: {err or 'gRPC refused the address'}. Is the directory "
-                              "writable? Pick another --socket")
+        bind_at(staged)
         os.chmod(staged, mode)
         if gid is not None:
             os.chown(staged, -1, gid, follow_symlinks=False)
@@ -158,6 +155,86 @@ def bind(server, path: str, *, mode: int, group: str = "") -> None:
             os.unlink(staged)
         with contextlib.suppress(OSError):
             os.rmdir(private)
+
+
+def _add_port(server, path: str, shown: str) -> None:
+    try:
+        port = server.add_insecure_port(f"unix:{path}")
+    except RuntimeError as e:
+        port, err = 0, e
+    else:
+        err = None
+    if not port:
+        raise SocketError(f"cannot bind {shown}: {err or 'gRPC refused the address'}. Is the directory "
+                          "writable? Pick another --socket")
+
+
+def bind(server, path: str, *, mode: int, group: str = "") -> None:
+    """Bind `server` (a grpc.Server, not yet started) to `path` with `mode`, group-owned when root."""
+    _staged(path, mode=mode, group=group, bind_at=lambda staged: _add_port(server, staged, path))
+
+
+def listen(path: str, *, mode: int, group: str = "") -> socket.socket:
+    """A listening unix socket at `path` with `mode`, group-owned when root (relay.py accepts on it)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def bind_at(staged: str) -> None:
+        try:
+            sock.bind(staged)
+            sock.listen(socket.SOMAXCONN)
+        except OSError as e:
+            raise SocketError(f"cannot bind {path}: {e.strerror}. Is the directory writable? Pick another "
+                              "--socket") from None
+    try:
+        _staged(path, mode=mode, group=group, bind_at=bind_at)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+PRIVATE_PREFIX = ".ntx-grpc-"
+
+
+def _remove_stale_private(d: str) -> None:
+    """Remove what a daemon killed in `d` left of bind_private: our directories whose listener
+    nobody serves."""
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        if not name.startswith(PRIVATE_PREFIX) or os.lstat(path).st_uid != os.geteuid() \
+                or not stat.S_ISDIR(os.lstat(path).st_mode):
+            continue
+        inner = os.path.join(path, "s")
+        if not _in_use(inner):
+            with contextlib.suppress(OSError):
+                os.unlink(inner)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def bind_private(server, near: str) -> str:
+    """Bind `server` in a new directory only this user can enter, next to socket `near`: a
+    listener nobody else can connect to (the relay's target). Returns its path."""
+    prepare(near)  # the directory is checked before anything is made in it
+    _remove_stale_private(os.path.dirname(near))
+    private = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=os.path.dirname(near))  # 0700, ours
+    path = os.path.join(private, "s")
+    try:
+        if len(path.encode()) > MAX_PATH:
+            raise SocketError(f"socket directory {os.path.dirname(near)} is too long a path to bind in "
+                              f"(unix sockets allow {MAX_PATH} bytes): pick a shorter --socket")
+        _add_port(server, path, near)
+    except BaseException:
+        os.rmdir(private)
+        raise
+    return path
+
+
+def remove_private(path: str) -> None:
+    """Remove bind_private's socket and its directory."""
+    remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 def remove(path: str) -> None:

@@ -7,7 +7,8 @@
                                          # staged header checked against `model`
     model, fill = drive.staged_model()   # `model` unset: metadata, tokenizer and tensors read
                                          # from the drive alone
-    source = drive.handle()              # EngineConfig(storage=source): the tiers read through it
+    source = drive.handle()              # EngineConfig(storage=source): the tiers read through it,
+                                         # its `kind` the storage setting it serves
     drive.close(); drive.release()       # queues deleted, controller disabled, unmapped; handed
                                          # back to nvme when this process bound it
 
@@ -174,7 +175,7 @@ class Drive:
         if self.staged is None:
             raise StorageUnavailable(f"{self.describe} is not up: retry once ntransformerd is serving "
                                      "again (systemctl status ntransformerd)")
-        return StorageHandle(self.staged, name=self.describe, on_error=self.failed)
+        return StorageHandle(self.staged, kind=self.config.storage, name=self.describe, on_error=self.failed)
 
     def staged_model(self):
         """(GGUFModel, fill) of the model on the drive alone: a sparse in-memory image (memfd)
@@ -222,13 +223,15 @@ class Drive:
 
 class StorageHandle(Source):
     """One engine's view of a storage source: counts its reads, unmaps what it registered when
-    the engine closes, and reports a failed read (UNAVAILABLE for the requests it served)."""
+    the engine closes, and reports a failed read (UNAVAILABLE for the requests it served).
+    `kind` is the storage setting it serves (file | odirect | mmap | nvme:…): the backend is
+    checked against it (backends.settle) as against the setting itself."""
 
     alignment = PAGE
 
-    def __init__(self, inner, *, name: str, on_error: Callable[[BaseException], None] | None = None,
+    def __init__(self, inner, *, kind: str, name: str, on_error: Callable[[BaseException], None] | None = None,
                  owns: bool = False):
-        self.inner, self.name, self._on_error, self._owns = inner, name, on_error, owns
+        self.inner, self.kind, self.name, self._on_error, self._owns = inner, kind, name, on_error, owns
         self._nvme = hasattr(inner, "register_buffer")
         self.alignment = PAGE if self._nvme else getattr(inner, "alignment", PAGE)
         self._registered: list[np.ndarray] = []
@@ -240,7 +243,7 @@ class StorageHandle(Source):
     @classmethod
     def for_file(cls, kind: str, path: str) -> "StorageHandle":
         """A handle that owns a file source (file | odirect | mmap) of `path`."""
-        return cls(open_source(kind, path), name=f"{kind} {path}", owns=True)
+        return cls(open_source(kind, path), kind=kind, name=f"{kind} {path}", owns=True)
 
     def register(self, dest: np.ndarray) -> None:
         if self._nvme and self.inner.register_buffer(dest):

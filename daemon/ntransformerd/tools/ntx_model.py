@@ -18,6 +18,7 @@ import numpy as np
 
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFError
+from ntransformerd.settings import SettingError, Spelling
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 
 EXAMPLES = """\
@@ -29,6 +30,13 @@ examples:
   ntx-model quantize IN-F16.gguf OUT.gguf --type q4_k_m
   ntx-model synth --shape llama3-8b --type q8_0 /data/l3-8b-q8.gguf
 """
+
+# EngineConfig's settings as `ntx-model run` spells them: an error names the flag the user typed.
+FLAGS = Spelling({"backend": "--backend", "kv_dtype": "--kv-dtype", "max_ctx": "--ctx", "max_batch": "--max-batch",
+                  "vram_budget": "--vram-budget", "pinned_budget": "--pinned-budget",
+                  "max_vram_layers": "--max-vram-layers", "stream_depth": "--stream-depth", "storage": "--storage",
+                  "devices": "--devices", "skip_layers": "--skip-layers", "host_compute": "--host-compute",
+                  "link_cap": "--link-cap", "cpu_threads": "--cpu-threads"}, flags=True)
 
 
 def _model_path(arg: str | None) -> str:
@@ -86,8 +94,7 @@ def _sampling(args):
 
 
 def cmd_run(args) -> int:
-    from ntransformerd.engine.decode import generate
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.engine import Engine, EngineConfig, generate, resolved
     from ntransformerd.engine.speculative import Mode
 
     params = _sampling(args).validate()
@@ -97,32 +104,22 @@ def cmd_run(args) -> int:
         print(f"ntx-model: --speculative: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    config = EngineConfig(
-        backend=args.backend, max_seqs=args.max_seqs, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
-        vram_budget=args.vram_budget, ram_budget=args.ram_budget, max_vram_layers=args.max_vram_layers,
+    config, backend = resolved(EngineConfig(  # sizes parsed, "auto" decided, kv_dtype and storage checked: once
+        backend=args.backend, max_batch=args.max_batch, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
+        vram_budget=args.vram_budget, pinned_budget=args.pinned_budget, max_vram_layers=args.max_vram_layers,
         stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
         skip_layers=_skip_layers(args) or None, host_compute=args.host_compute, link_cap=args.link_cap,
-        cpu_threads=args.cpu_threads)
+        cpu_threads=args.cpu_threads))
     if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
         from ntransformerd.engine import tiers
         from ntransformerd.engine.gguf_file import GGUFModel
         model = GGUFModel(_model_path(args.model))
-        backend = args.backend
-        if backend != "cpu":
-            try:
-                from ntransformerd.engine.backends import cuda
-                backend = "cuda" if cuda.available() else "cpu"
-            except ImportError:
-                backend = "cpu"
-        try:
-            plan = (tiers.cuda_plan(cuda, model, config) if backend == "cuda"
-                    else tiers.model_plan(model, config, backend="cpu"))
-        except tiers.PlanError as e:
-            print(f"ntx-model: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps({"backend": backend, **plan.to_dict()}) if args.json else f"[{backend}] {plan.explain()}")
+        kind = "cpu" if backend.is_host else backend.name
+        sizes = [backend.layer_bytes(model, i) for i in range(model.config.n_layers)]
+        plan = tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(0), layer_bytes=sizes)
+        print(json.dumps({"backend": kind, **plan.to_dict()}) if args.json else f"[{kind}] {plan.explain()}")
         return 0
     engine = Engine.load(args.model, config=config)
     load_s = time.perf_counter() - t0
@@ -187,12 +184,8 @@ def _plan_devices(args, config) -> int:
 
     ids = parse_devices(args.devices)
     model = GGUFModel(_model_path(args.model))
-    backend, free = device_free(ids, args.backend)
-    try:
-        mp = tiers.model_plan_devices(model, config, backend=backend, vram_free=free)
-    except tiers.PlanError as e:
-        print(f"ntx-model: {e}", file=sys.stderr)
-        return 2
+    backend, free = device_free(ids, config.backend)
+    mp = tiers.model_plan_devices(model, config, backend=backend, vram_free=free)
     print(json.dumps({"backend": backend, "device_ids": list(ids), **mp.to_dict()}) if args.json
           else f"[{backend}, devices {','.join(map(str, ids))}] {mp.explain()}")
     return 0
@@ -352,12 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
     s.add_argument("--backend", choices=BACKENDS, default="cpu",
                    help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
-    s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="KV cache storage (default f32)")
+    s.add_argument("--kv-dtype", choices=("auto", "f32", "f16"), default="auto",
+                   help="KV cache storage: auto (the backend's own: f32 on the CPU, f16 on the GPU), f32 or f16; "
+                        "one the backend cannot store is refused (default auto)")
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
-    s.add_argument("--max-seqs", type=int, default=1, help="KV-cache slots (the plan reserves their cache)")
+    s.add_argument("--max-batch", type=int, default=1, help="KV-cache slots: sequences decoded together, as the "
+                   "daemon's max_batch (the plan reserves their cache; default 1)")
     s.add_argument("--plan", action="store_true", help="print the tier plan (VRAM / pinned RAM / storage) and exit")
-    s.add_argument("--vram-budget", metavar="SIZE", help="device memory to use in all, e.g. 24GiB (emulates a smaller GPU)")
-    s.add_argument("--ram-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
+    s.add_argument("--vram-budget", metavar="SIZE", help="device memory to use in all: 24GiB (binary) or 24GB "
+                   "(decimal), as in the daemon's config; a bare 24G is refused as ambiguous (emulates a smaller GPU)")
+    s.add_argument("--pinned-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
     s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
     s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
     s.add_argument("--host-compute", choices=("off", "auto"), default="off",
@@ -367,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a slower PCIe link emulated)")
     s.add_argument("--cpu-threads", type=int, metavar="N", help="host threads of the cpu backend and of the "
                    "host's layers (default: every CPU)")
-    s.add_argument("--storage", default="odirect", help="source for layers beyond RAM: odirect (default), mmap, nvme:PCI")
+    s.add_argument("--storage", default="file", help="source for layers beyond RAM: file (O_DIRECT where it can; "
+                   "the default), odirect, mmap, nvme:PCI; the cpu backend computes layers where they lie: file or mmap")
     s.add_argument("--speculative", metavar="MODE", help="speculative decoding: ngram, draft (with --draft), "
                    "skip[:LAYERS], prefix[:N], auto; the same output, fewer target passes")
     s.add_argument("--draft", metavar="MODEL", help="a small GGUF with the model's vocabulary that drafts for it")
@@ -423,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_paths(args)
         return args.func(args)
+    except SettingError as e:  # named as the flag the user typed
+        print(f"ntx-model: error: {e.worded(FLAGS)}", file=sys.stderr)
+        return 2
     except (GGUFError, FileNotFoundError, ValueError) as e:
         print(f"ntx-model: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ def _read_text(path: str) -> tuple[str, str]:
 
 def _engine(args, skip=()):
     from ntransformerd.engine.engine import Engine, EngineConfig
-    return Engine.load(args.model, config=EngineConfig(backend=args.backend, max_seqs=1, max_ctx=args.ctx,
+    return Engine.load(args.model, config=EngineConfig(backend=args.backend, max_batch=1, max_ctx=args.ctx,
                                                         prefill_chunk=min(args.ctx, 512), skip_layers=tuple(skip) or None))
 
 

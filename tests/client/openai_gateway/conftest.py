@@ -36,8 +36,8 @@ def free_port() -> int:
 class GatewayProcess:
     """`ntx-openai` in a subprocess on a free port; .url (…/v1), .port, .log(), .stop()."""
 
-    def __init__(self, *flags: str, api_key: str | None = None):
-        self.api_key = api_key
+    def __init__(self, *flags: str, api_key: str | None = None, more_keys: tuple[str, ...] = ()):
+        self.api_key = api_key  # the one wait_ready uses; more_keys are valid too
         self.dir = tempfile.mkdtemp(prefix="ntx-openai-")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -46,7 +46,7 @@ class GatewayProcess:
         if api_key:
             keys = os.path.join(self.dir, "keys")
             with open(keys, "w") as f:
-                f.write(f"# test key\n{api_key}\n")
+                f.write(f"# test key\n{api_key}\n" + "".join(f"{k}\n" for k in more_keys))
             cmd += ["--api-keys-file", keys]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)

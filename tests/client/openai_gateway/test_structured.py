@@ -307,7 +307,7 @@ def test_completion_echo_logprobs_sum_to_perplexity(oai, model, stack):
     r = oai.completions.create(model=model, prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True)
     lp = r.choices[0].logprobs
     assert r.choices[0].text.startswith(text)
-    engine = Engine.load(None, config=EngineConfig(backend="cpu", max_seqs=1, max_ctx=512, prefill_chunk=128))
+    engine = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=512, prefill_chunk=128))
     ids = engine.tokenizer.encode(text, parse_special=False, add_special=True)
     n = len(ids)
     assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])

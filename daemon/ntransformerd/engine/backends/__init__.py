@@ -6,6 +6,11 @@
     cuda     CuPy and our kernels (backends/cuda), on an NVIDIA GPU
     auto     cuda where a GPU is visible, else cpu
 
+What a backend can honour is declared beside it (`kv_dtypes`, `reads_storage`), and `settle`
+checks a configuration against it: a KV-cache type it cannot store, or a storage it does not
+read from, is a SettingError naming the setting, never a silent substitute. A daemon checks a
+backend it was told by name at start (TYPES: no GPU library imported), "auto" once resolved.
+
 Each backend module keeps its own functions (load, kv_cache, ...); the small classes here
 present them as the one `Backend` interface the engine builds devices with. The GPU and host
 modules are imported when first resolved: CuPy and the host kernels are optional.
@@ -24,7 +29,9 @@ import numpy as np
 from ntransformerd.engine.backends import cpu
 from ntransformerd.engine.devices import Backend
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
+from ntransformerd.engine.kv_cache import KV_DTYPES as HOST_KV_DTYPES
 from ntransformerd.engine.tiers.planner import HOST, VRAM
+from ntransformerd.settings import SettingError
 
 BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")
 log = logging.getLogger(__name__)
@@ -34,6 +41,8 @@ class CpuRef:
     """backends/cpu.py as a Backend: exact float32, host memory."""
 
     name, is_host = "cpu-ref", True
+    kv_dtypes = tuple(HOST_KV_DTYPES)  # f32 first: exact
+    reads_storage = True
 
     def available(self) -> bool:
         return True
@@ -66,6 +75,7 @@ class Host(CpuRef):
     every other layer it computes straight from the page cache."""
 
     name = "cpu"
+    reads_storage = False  # layers are computed where they lie: the model file's page cache
 
     def __init__(self, module):
         self.module = module
@@ -88,6 +98,8 @@ class Cuda:
     """backends/cuda as a Backend: each GPU by its ordinal."""
 
     name, is_host = "cuda", False
+    kv_dtypes = ("f16",)  # backends/cuda/kv.py
+    reads_storage = True
 
     def __init__(self, module):
         self.module = module
@@ -119,6 +131,30 @@ class Cuda:
     def to_device(self, x, device=0):
         with self.context(device):
             return self.module.cp.array(x, copy=True)
+
+
+TYPES: dict[str, type] = {"cpu": Host, "cpu-ref": CpuRef, "cuda": Cuda}  # what each name can honour
+
+
+def settle(backend, *, kv_dtype: str, storage, asked: str | None = None) -> str:
+    """The KV-cache type `kv_dtype` means on `backend` ("auto": the first it stores), once the
+    backend is known to honour it and `storage` (a kind, or a Source with its `kind`); else a
+    SettingError naming the setting. backend: a Backend, or its class from TYPES; asked: the
+    backend setting as given ("auto" says so in the message)."""
+    how = f"the {backend.name} backend" + (" (what backend auto chose on this machine)" if asked == "auto" else "")
+    if kv_dtype != "auto" and kv_dtype not in backend.kv_dtypes:
+        fix = " or ".join(f'"{t}"' for t in ("auto", *backend.kv_dtypes))
+        able = [f'"{n}"' for n, t in TYPES.items() if n != backend.name and kv_dtype in t.kv_dtypes]
+        raise SettingError(f"{how} stores its KV cache as {' or '.join(backend.kv_dtypes)} only: set {{kv_dtype}} "
+                           f"to {fix}" + (f", or {{backend}} to {' or '.join(able)}" if able else ""),
+                           setting="kv_dtype", value=kv_dtype)
+    kind = storage if isinstance(storage, str) or storage is None else storage.kind
+    if kind and not backend.reads_storage and (kind == "odirect" or kind.startswith("nvme:")):
+        readers = " or ".join(f'"{n}"' for n, t in TYPES.items() if t.reads_storage)
+        raise SettingError(f"{how} computes every layer where it lies in memory (the model file's page cache) "
+                           f'and streams nothing from storage: set {{storage}} to "file" or "mmap", or {{backend}} '
+                           f"to {readers}", setting="storage", value=kind)
+    return backend.kv_dtypes[0] if kv_dtype == "auto" else kv_dtype
 
 
 def _optional(module: str):

@@ -17,11 +17,11 @@ from __future__ import annotations
 from ntransformerd.engine.tiers.multi import MultiPlan, parse_devices, plan_devices
 from ntransformerd.engine.tiers.placement import STEP_ROWS, Figures, with_schedule
 from ntransformerd.engine.tiers.planner import (HOST, PINNED, SKIP, STORAGE, TIERS, VRAM, Plan, PlanError, fmt_bytes,
-                                                mem_available, parse_size, plan_tiers, resident_plan)
+                                                mem_available, plan_tiers, resident_plan)
 from ntransformerd.engine.tiers.sources import open_source
 
 __all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "Figures", "MultiPlan", "Plan", "PlanError",
-           "fmt_bytes", "mem_available", "parse_devices", "parse_size", "plan_devices", "plan_tiers", "resident_plan",
+           "fmt_bytes", "mem_available", "parse_devices", "plan_devices", "plan_tiers", "resident_plan",
            "cuda_plan", "host_compute", "model_plan", "with_schedule", "STEP_ROWS", "model_plan_devices", "open_storage", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
@@ -30,7 +30,7 @@ WORKSPACE_MIN = 256 << 20
 def wanted(config) -> bool:
     """Did the configuration ask for tiers (any budget, layer cap or skipped layer)?"""
     return bool(skip_list(config)) or any(getattr(config, f, None) is not None
-                                          for f in ("vram_budget", "ram_budget", "max_vram_layers"))
+                                          for f in ("vram_budget", "pinned_budget", "max_vram_layers"))
 
 
 def _non_layer_bytes(model) -> int:
@@ -42,12 +42,13 @@ def _kv_work(model, config, backend: str) -> tuple[int, int]:
     c = model.config
     max_ctx = min(config.max_ctx, c.context_length)
     if backend == "cuda":  # F16 cache with one scratch slot; prefill dequantizes one weight to F16
-        kv = 2 * c.n_layers * (config.max_seqs + 1) * max_ctx * c.kv_dim * 2
+        kv = 2 * c.n_layers * (config.max_batch + 1) * max_ctx * c.kv_dim * 2
         biggest = max(c.d_ff * c.d_model, c.q_dim * c.d_model)
         chunk = config.prefill_chunk
         work = WORKSPACE_MIN + (2 * biggest if chunk > 32 else 0) + chunk * (3 * c.d_ff + c.vocab_size + 4 * c.d_model) * 4
     else:
-        kv = 2 * c.n_layers * config.max_seqs * max_ctx * c.kv_dim * (4 if config.kv_dtype == "f32" else 2)
+        # kv_dtype as the engine resolved it ("auto" on the host: f32, its first)
+        kv = 2 * c.n_layers * config.max_batch * max_ctx * c.kv_dim * (2 if config.kv_dtype == "f16" else 4)
         work = 0
     return kv, work
 
@@ -79,7 +80,7 @@ def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram
     layer_bytes, kv, work, ram_available = _plan_inputs(model, config, backend, ram_available, layer_bytes)
     plan = plan_tiers(layer_bytes, skip=skip_list(config), fixed_bytes=_non_layer_bytes(model), kv_bytes=kv,
                       workspace_bytes=work, vram_free=vram_free, ram_available=ram_available,
-                      vram_budget=parse_size(config.vram_budget), ram_budget=parse_size(config.ram_budget),
+                      vram_budget=config.vram_budget, pinned_budget=config.pinned_budget,
                       max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
     if host_compute(config):
         plan = with_schedule(plan, figures or Figures.assumed(), STEP_ROWS + (config.prefill_chunk,))
@@ -100,7 +101,7 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
     last = fixed - embd + (embd if c.tied_output else 0)
     return plan_devices(layer_bytes, fixed_bytes=fixed, fixed_split=(embd, last), kv_bytes=kv, workspace_bytes=work,
                         vram_free=list(vram_free), ram_available=ram_available, vram_budget=config.vram_budget,
-                        ram_budget=parse_size(config.ram_budget), max_vram_layers=config.max_vram_layers,
+                        pinned_budget=config.pinned_budget, max_vram_layers=config.max_vram_layers,
                         stream_depth=config.stream_depth)
 
 

@@ -48,8 +48,8 @@ import math
 from collections.abc import Sequence
 
 from ntransformerd.engine.tiers.planner import (ASSUMED_DISK_BPS, ASSUMED_H2D_BPS, PINNED, RAM_RESERVE, STORAGE,
-                                                TIERS, VRAM, Plan, PlanError, _int, fmt_bytes, layer_span, parse_size,
-                                                plan_tiers)
+                                                TIERS, VRAM, Plan, PlanError, _int, fmt_bytes, layer_span, plan_tiers)
+from ntransformerd.settings import parse_size
 
 MAX_DEVICES = 16
 
@@ -80,9 +80,10 @@ def parse_budgets(budget, n: int) -> list[int | None]:
         budget = [b for b in budget.split(",")]
     if isinstance(budget, (list, tuple)):
         if len(budget) != n:
-            raise PlanError(f"{len(budget)} VRAM budgets for {n} devices: give one size, or one per device")
-        return [parse_size(b) for b in budget]
-    return [parse_size(budget)] * n
+            raise PlanError(f"{len(budget)} VRAM budgets for {n} devices: give one size, or one per device",
+                            setting="vram_budget", value=",".join(map(str, budget)))
+        return [None if b is None else parse_size(b, setting="vram_budget") for b in budget]
+    return [parse_size(budget, setting="vram_budget")] * n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +221,7 @@ class _Short(Exception):
 def plan_devices(layer_bytes: list[int], *, n_devices: int | None = None, fixed_bytes: int = 0,
                  fixed_split: tuple[int, int] | None = None, kv_bytes: int = 0, workspace_bytes: int = 0,
                  vram_free: Sequence[int | None] | int | None, ram_available: int | None,
-                 vram_budget=None, ram_budget: int | None = None, max_vram_layers: int | None = None,
+                 vram_budget=None, pinned_budget: int | None = None, max_vram_layers: int | None = None,
                  stream_depth: int = 2, ram_reserve: int = RAM_RESERVE, storage_ok: bool = True,
                  h2d_bps: float | Sequence[float] = ASSUMED_H2D_BPS) -> MultiPlan:
     """Plan `layer_bytes` over several devices.
@@ -247,22 +248,22 @@ def plan_devices(layer_bytes: list[int], *, n_devices: int | None = None, fixed_
     if n_dev == 1:
         p = plan_tiers(layer_bytes, fixed_bytes=fixed_bytes, kv_bytes=kv_bytes, workspace_bytes=workspace_bytes,
                        vram_free=frees[0], ram_available=ram_available, vram_budget=budgets[0],
-                       ram_budget=ram_budget, max_vram_layers=max_vram_layers, stream_depth=stream_depth,
+                       pinned_budget=pinned_budget, max_vram_layers=max_vram_layers, stream_depth=stream_depth,
                        ram_reserve=ram_reserve, storage_ok=storage_ok)
         return MultiPlan((p,), (0,), (float(bws[0]),), p.ram_limit, p.reasons)
     return _plan_many(layer_bytes, frees, budgets, bws, fixed_bytes=fixed_bytes, fixed_split=fixed_split,
                       kv_bytes=kv_bytes, workspace_bytes=workspace_bytes, ram_available=ram_available,
-                      ram_budget=ram_budget, max_vram_layers=max_vram_layers, stream_depth=stream_depth,
+                      pinned_budget=pinned_budget, max_vram_layers=max_vram_layers, stream_depth=stream_depth,
                       ram_reserve=ram_reserve, storage_ok=storage_ok)
 
 
 def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, workspace_bytes, ram_available,
-               ram_budget, max_vram_layers, stream_depth, ram_reserve, storage_ok) -> MultiPlan:
+               pinned_budget, max_vram_layers, stream_depth, ram_reserve, storage_ok) -> MultiPlan:
     n, N = len(lb), len(frees)
     if not 1 <= stream_depth <= 16:
-        raise PlanError(f"stream depth {stream_depth} is out of range 1..16")
+        raise PlanError("out of range 1..16", setting="stream_depth", value=stream_depth)
     if max_vram_layers is not None and max_vram_layers < 0:
-        raise PlanError(f"max_vram_layers {max_vram_layers} is negative")
+        raise PlanError("is negative", setting="max_vram_layers", value=max_vram_layers)
     reasons = []
     limits = []
     for d, (f, b) in enumerate(zip(frees, budgets)):
@@ -270,11 +271,11 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
         limits.append(min(xs) if xs else math.inf)
     if any(b is not None for b in budgets):
         reasons.append("VRAM budget per device " + ", ".join(fmt_bytes(x) for x in limits))
-    rl = [x for x in ((None if ram_available is None else max(0, ram_available - ram_reserve)), ram_budget)
+    rl = [x for x in ((None if ram_available is None else max(0, ram_available - ram_reserve)), pinned_budget)
           if x is not None]
     ram_limit = min(rl) if rl else math.inf
-    if ram_budget is not None:
-        reasons.append(f"RAM budget {fmt_bytes(ram_budget)} (shared by all devices)")
+    if pinned_budget is not None:
+        reasons.append(f"pinned RAM budget {fmt_bytes(pinned_budget)} (shared by all devices)")
     first, last = fixed_split if fixed_split is not None else (fixed_bytes, fixed_bytes)
     fixed = [0] * N
     fixed[0] += first
@@ -291,7 +292,8 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
         if base > limits[d]:
             raise PlanError(f"device {d}: VRAM budget {fmt_bytes(limits[d])} cannot hold its fixed weights "
                             f"({fmt_bytes(fixed[d])}), workspace ({fmt_bytes(ws)}) and one layer's KV cache "
-                            f"({fmt_bytes(kvl)}) = {fmt_bytes(base)}; raise its budget or leave the device out")
+                            f"({fmt_bytes(kvl)}) = {fmt_bytes(base)}",
+                            fix=[("raise its", ("vram_budget",)), ("leave the device out of", ("devices",))])
 
     def assign(streams, s_target, soft=None):
         """[(start, resident, streamed)] per device, or None if the last device cannot run the rest."""
@@ -376,8 +378,9 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
             raise PlanError(f"device {d}: VRAM budget {fmt_bytes(limits[d])} cannot hold even the {depth} streaming "
                             f"slots of {fmt_bytes(slot)} each on top of its fixed weights ({fmt_bytes(fixed[d])}), "
                             f"workspace ({fmt_bytes(ws)}) and its layers' KV cache: need at least {fmt_bytes(need)} "
-                            "and more for the KV of the layers it runs; raise its budget, lower --stream-depth, "
-                            "or leave the device out") from None
+                            "and more for the KV of the layers it runs",
+                            fix=[("raise its", ("vram_budget",)), ("lower", ("stream_depth",)),
+                                 ("leave the device out of", ("devices",))]) from None
     # Tiers in pipeline order; pinned RAM while it lasts, then storage (a contiguous tail).
     tiers = []
     for p, r, s in assignment:
@@ -387,13 +390,14 @@ def _plan_many(lb, frees, budgets, bws, *, fixed_bytes, fixed_split, kv_bytes, w
     staging_devs = sum(streams)
     if sum(lb[i] for i in streamed) > ram_limit:
         if not storage_ok:
-            raise PlanError(f"{fmt_bytes(sum(lb[i] for i in streamed))} of streamed layers do not fit the RAM "
-                            f"limit {fmt_bytes(ram_limit)} and no storage source is allowed")
+            raise PlanError(f"{fmt_bytes(sum(lb[i] for i in streamed))} of streamed layers do not fit the pinned "
+                            f"RAM limit {fmt_bytes(ram_limit)} and no storage source is allowed",
+                            fix=[("raise", ("pinned_budget",))])
         for _ in range(2):  # staging buffers only on the devices that read storage
             if depth * slot * staging_devs > ram_limit:
-                raise PlanError(f"RAM budget {fmt_bytes(ram_limit)} cannot hold even the {depth} storage staging "
-                                f"buffers of {fmt_bytes(slot)} each for {staging_devs} devices; raise --ram-budget "
-                                "or lower --stream-depth")
+                raise PlanError(f"pinned RAM limit {fmt_bytes(ram_limit)} cannot hold even the {depth} storage "
+                                f"staging buffers of {fmt_bytes(slot)} each for {staging_devs} devices",
+                                fix=[("raise", ("pinned_budget",)), ("lower", ("stream_depth",))])
             room = ram_limit - depth * slot * staging_devs
             for i in streamed:
                 if lb[i] <= room:

@@ -26,11 +26,12 @@ truly not there yet (a storage read behind).
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from ntransformerd.settings import parse_rate as parse_rate_setting
 
 
 class Device:
@@ -87,27 +88,12 @@ def _sleep_until(t: float) -> None:
         time.sleep(left)
 
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*(?:/\s*s)?\s*$", re.IGNORECASE)
-
-
 def parse_rate(value) -> float | None:
-    """A link cap in bytes per second: a number, or text such as "6.5GB/s" (decimal units, as
-    link speeds are given) or "800MiB/s" (binary); None, "" or "off": no cap."""
+    """A link cap in bytes per second (settings.parse_rate: "6.5GB/s", "800MiB/s", a number);
+    None, "" or "off": no cap."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off")):
         return None
-    if isinstance(value, str):
-        m = _RATE.match(value)
-        if not m:
-            raise ValueError(f"link cap {value!r}: give a rate such as 6.5GB/s or 800MiB/s")
-        scale = 1024 if m.group(3) else 1000
-        rate = float(m.group(1)) * scale ** " kmgt".index(m.group(2).lower() or " ")
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    else:
-        raise ValueError(f"link cap {value!r}: give a rate such as 6.5GB/s or 800MiB/s")
-    if not 0 < rate < float("inf"):
-        raise ValueError(f"link cap {value!r}: must be a positive rate such as 6.5GB/s")
-    return rate
+    return parse_rate_setting(value, setting="link_cap")
 
 
 class StreamError(RuntimeError):

@@ -8,10 +8,14 @@ VRAM first holds what every step needs (embedding, output, norms: `fixed_bytes`)
 and the workspace; if every layer then fits, every layer is resident and nothing streams.
 Otherwise `stream_depth` slots of the largest streamed layer are set aside and layers are made
 resident in order until the VRAM budget (or `max_vram_layers`) is spent. The rest go to pinned
-RAM while the RAM budget lasts (less `stream_depth` staging buffers when any layer stays on
+RAM while the pinned budget lasts (less `stream_depth` staging buffers when any layer stays on
 storage), and the remainder is read from storage on every step. Every streamed byte crosses
 PCIe once per step whatever the batch, so a step's time is bounded by
     pinned_bytes / h2d_bw  (+ storage_bytes / disk_bw, which then dominates).
+
+Budgets arrive in bytes (EngineConfig parsed them: settings.parse_size) under the names of the
+config keys (vram_budget, pinned_budget, stream_depth, max_vram_layers), and a PlanError names
+the settings that would fix it the same way, so each program words them as its user writes them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
+
+from ntransformerd.settings import SettingError
 
 VRAM, PINNED, STORAGE = "vram", "pinned", "storage"
 HOST = "host"  # computed by the host where it lies (RAM, the page cache), not brought to the GPU
@@ -47,23 +52,12 @@ def layer_span(ls: list[int]) -> str:
     return ",".join(out)
 
 
-class PlanError(ValueError):
-    """A budget that cannot hold what streaming needs; the message says what and how much."""
+class PlanError(SettingError):
+    """A budget that cannot hold what streaming needs; the message says what and how much, and
+    its `fix` which settings would help (SettingError.worded spells them for the program)."""
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str | int | None) -> int | None:
-    """'24GiB', '24G', '512MiB', '1.5g', 1234 → bytes (binary units, as nvidia-smi prints)."""
-    if text is None or isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 24GiB, 512MiB)")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * _UNITS[unit])
+SHRINK_KV = ("max_batch", "max_ctx")  # the settings that make the KV cache smaller
 
 
 def fmt_bytes(n: float) -> str:
@@ -200,10 +194,11 @@ def plan_tiers(layer_bytes: list[int], *, skip=(), **kw) -> Plan:
         return _plan_kept(list(layer_bytes), **kw)
     n = len(layer_bytes)
     if not skip <= set(range(n)):
-        raise PlanError(f"skipped layers {sorted(skip - set(range(n)))} are not among the {n} layers")
+        raise PlanError(f"layers {sorted(skip - set(range(n)))} are not among the {n} layers",
+                        setting="skip_layers", value=",".join(map(str, sorted(skip))))
     kept = [i for i in range(n) if i not in skip]
     if not kept:
-        raise PlanError("every layer is skipped")
+        raise PlanError("every layer is skipped", setting="skip_layers", value=",".join(map(str, sorted(skip))))
     sub = _plan_kept([layer_bytes[i] for i in kept], **kw)
     tiers = [SKIP] * n
     for j, i in enumerate(kept):
@@ -216,35 +211,35 @@ def plan_tiers(layer_bytes: list[int], *, skip=(), **kw) -> Plan:
 
 def _plan_kept(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 0, workspace_bytes: int = 0,
                vram_free: int | None, ram_available: int | None, vram_budget: int | None = None,
-               ram_budget: int | None = None, max_vram_layers: int | None = None, stream_depth: int = 2,
+               pinned_budget: int | None = None, max_vram_layers: int | None = None, stream_depth: int = 2,
                ram_reserve: int = RAM_RESERVE, storage_ok: bool = True) -> Plan:
     """Assign every layer a tier. vram_free/ram_available None mean unlimited (the CPU backend).
 
     vram_budget caps the device memory the engine may use in all (e.g. 24 GiB emulates an RTX
-    3090 on an H200); ram_budget caps the pinned host RAM; max_vram_layers caps resident layers.
+    3090 on an H200); pinned_budget caps the pinned host RAM; max_vram_layers caps resident layers.
     """
     n = len(layer_bytes)
     if not 1 <= stream_depth <= 16:
-        raise PlanError(f"stream depth {stream_depth} is out of range 1..16")
+        raise PlanError("out of range 1..16", setting="stream_depth", value=stream_depth)
     if max_vram_layers is not None and not 0 <= max_vram_layers:
-        raise PlanError(f"max_vram_layers {max_vram_layers} is negative")
+        raise PlanError("is negative", setting="max_vram_layers", value=max_vram_layers)
     reasons = []
     limits = [x for x in (vram_free, vram_budget) if x is not None]
     vram_limit = min(limits) if limits else math.inf
     if vram_budget is not None:
         reasons.append(f"VRAM budget {fmt_bytes(vram_budget)}"
                        + (f" (free: {fmt_bytes(vram_free)})" if vram_free is not None else ""))
-    rlimits = [x for x in ((None if ram_available is None else max(0, ram_available - ram_reserve)), ram_budget)
+    rlimits = [x for x in ((None if ram_available is None else max(0, ram_available - ram_reserve)), pinned_budget)
                if x is not None]
     ram_limit = min(rlimits) if rlimits else math.inf
-    if ram_budget is not None:
-        reasons.append(f"RAM budget {fmt_bytes(ram_budget)}")
+    if pinned_budget is not None:
+        reasons.append(f"pinned RAM budget {fmt_bytes(pinned_budget)}")
     base = fixed_bytes + kv_bytes + workspace_bytes
     if base > vram_limit:
         raise PlanError(f"VRAM budget {fmt_bytes(vram_limit)} cannot hold the fixed weights "
                         f"({fmt_bytes(fixed_bytes)}), KV cache ({fmt_bytes(kv_bytes)}) and workspace "
-                        f"({fmt_bytes(workspace_bytes)}) = {fmt_bytes(base)}; lower max_seqs or the context, "
-                        "or raise the budget")
+                        f"({fmt_bytes(workspace_bytes)}) = {fmt_bytes(base)}",
+                        fix=[("lower", SHRINK_KV), ("raise", ("vram_budget",))])
     cap = n if max_vram_layers is None else min(n, max_vram_layers)
     if max_vram_layers is not None and max_vram_layers < n:
         reasons.append(f"at most {max_vram_layers} VRAM layers")
@@ -259,8 +254,8 @@ def _plan_kept(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 
     if avail < 0:
         raise PlanError(f"VRAM budget {fmt_bytes(vram_limit)} cannot hold even the {depth} streaming slots "
                         f"of {fmt_bytes(slot)} each on top of {fmt_bytes(base)} (fixed weights, KV cache, "
-                        f"workspace): need at least {fmt_bytes(base + depth * slot)}; raise --vram-budget or "
-                        "lower --stream-depth, max_seqs or the context")
+                        f"workspace): need at least {fmt_bytes(base + depth * slot)}",
+                        fix=[("raise", ("vram_budget",)), ("lower", ("stream_depth", *SHRINK_KV))])
     tiers = [PINNED] * n
     used = 0
     resident = 0
@@ -280,12 +275,13 @@ def _plan_kept(layer_bytes: list[int], *, fixed_bytes: int = 0, kv_bytes: int = 
         return Plan(tuple(tiers), tuple(layer_bytes), depth, slot, fixed_bytes, kv_bytes, workspace_bytes,
                     _int(vram_limit), _int(ram_limit), tuple(reasons))
     if not storage_ok:
-        raise PlanError(f"{fmt_bytes(total_streamed)} of streamed layers do not fit the RAM limit "
-                        f"{fmt_bytes(ram_limit)} and no storage source is allowed")
+        raise PlanError(f"{fmt_bytes(total_streamed)} of streamed layers do not fit the pinned RAM limit "
+                        f"{fmt_bytes(ram_limit)} and no storage source is allowed", fix=[("raise", ("pinned_budget",))])
     staging = depth * slot
     if staging > ram_limit:
-        raise PlanError(f"RAM budget {fmt_bytes(ram_limit)} cannot hold even the {depth} storage staging "
-                        f"buffers of {fmt_bytes(slot)} each; raise --ram-budget or lower --stream-depth")
+        raise PlanError(f"pinned RAM limit {fmt_bytes(ram_limit)} cannot hold even the {depth} storage staging "
+                        f"buffers of {fmt_bytes(slot)} each", fix=[("raise", ("pinned_budget",)),
+                                                                   ("lower", ("stream_depth",))])
     room = ram_limit - staging
     for i in streamed:
         if layer_bytes[i] <= room:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,10 +90,14 @@ class Layout:
     head: int = 0  # the device holding the output and its norm
 
     def runs_for(self, rows: int) -> tuple[Run, ...]:
-        for limit, runs in self.schedule:
+        return self.schedule[self.entry(rows)][1]
+
+    def entry(self, rows: int) -> int:
+        """The index of the schedule entry a step of `rows` rows runs."""
+        for k, (limit, _) in enumerate(self.schedule):
             if rows <= limit:
-                return runs
-        return self.schedule[-1][1]
+                return k
+        return len(self.schedule) - 1
 
     def homes(self) -> dict[int, tuple[int, ...]]:
         """Each layer's devices: those that compute it in some entry of the schedule."""
@@ -328,6 +333,7 @@ class Pipeline:
             raise ValueError(f"{len(stages)} stages for a layout of {len(layout.devices)} devices")
         self.stages, self.layout, self.cfg = list(stages), layout, cfg
         self.handoff = handoff or Handoff()
+        self.step_times = [[0, 0.0] for _ in layout.schedule]  # per schedule entry: steps, seconds
         one = len(self.stages) == 1
         self.kv = self.stages[0].kv if one else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes())
         for st in self.stages if capture else ():
@@ -421,6 +427,7 @@ class Pipeline:
         """One step: host logits, or with top a TopLogits (picked on the head device, only those
         rows come to the host). Replayed whole where one device's captured steps cover it, else
         inside every device's step context over the runs."""
+        t0 = time.perf_counter()
         groups = self.groups(len(batch.tokens), layers)
         several = isinstance(self.kv, DeviceKV)
         if several:
@@ -439,6 +446,9 @@ class Pipeline:
                     out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
         if several:
             self.kv.wrote(batch, groups)
+        timing = self.step_times[self.layout.entry(len(batch.tokens))]
+        timing[0] += 1
+        timing[1] += time.perf_counter() - t0
         return out
 
     def close(self) -> None:

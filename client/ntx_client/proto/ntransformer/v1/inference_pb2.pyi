@@ -74,7 +74,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "chat", "prompt_ids", "sampling", "max_tokens", "stop", "ignore_eos", "speculative", "no_prefix_cache", "constraint", "logprobs", "prompt_logprobs")
+    __slots__ = ("model", "prompt", "chat", "prompt_ids", "sampling", "max_tokens", "stop", "ignore_eos", "speculative", "no_prefix_cache", "constraint", "logprobs", "prompt_logprobs", "on_behalf_of")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class GenerateRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     chat: Chat
@@ -101,7 +102,8 @@ class GenerateRequest(_message.Message):
     constraint: Constraint
     logprobs: int
     prompt_logprobs: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculative: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    on_behalf_of: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculative: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "regex", "grammar")
@@ -323,8 +325,24 @@ class SpeculationStatus(_message.Message):
     cost_table: str
     def __init__(self, default_mode: _Optional[str] = ..., draft_model: _Optional[str] = ..., passes: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance: _Optional[float] = ..., tokens_per_pass: _Optional[float] = ..., cost_table: _Optional[str] = ...) -> None: ...
 
+class Placement(_message.Message):
+    __slots__ = ("rows", "host_layers", "link_layers", "predicted_step_seconds", "measured_step_seconds", "steps")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LINK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    host_layers: _containers.RepeatedScalarFieldContainer[int]
+    link_layers: int
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    steps: int
+    def __init__(self, rows: _Optional[int] = ..., host_layers: _Optional[_Iterable[int]] = ..., link_layers: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache")
+    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache", "prefix_cache_share", "placements")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +374,8 @@ class StatusResponse(_message.Message):
     PREFIX_EVICTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     load_progress: str
     load_fraction: float
@@ -387,4 +407,6 @@ class StatusResponse(_message.Message):
     prefix_evictions_total: int
     prefix_cached_slots: int
     prefix_cache: bool
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    prefix_cache_share: str
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_share: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...

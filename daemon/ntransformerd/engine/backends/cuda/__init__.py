@@ -52,6 +52,8 @@ def vram_free() -> int:
 
 
 def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16") -> CudaKVCache:
+    if dtype != "f16":  # the cache is F16 (kv.py): another type asked for is refused, never substituted
+        raise ValueError(f"kv_dtype {dtype!r}: the cuda backend stores its KV cache as f16 only")
     return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
 
 

@@ -1,0 +1,202 @@
+"""The user socket's relay: bytes pass unchanged both ways (8 MiB each way at once, EOF passed
+on), a gRPC servicer behind it learns the client's uid from context.peer() (as root: another
+user's), a peer it did not connect is nobody, one uid cannot hold every connection, and stop()
+closes everything."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ntransformerd.server import relay as relay_mod
+from ntransformerd.server import sockets
+from ntransformerd.server.relay import Relay
+
+
+@pytest.fixture
+def sock_dir():
+    """0755 outside pytest's 0700 directories, so that another user can reach the socket."""
+    d = tempfile.mkdtemp(prefix="ntx-relay-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Echo:
+    """A unix server that sends back what it reads and closes after the client's EOF."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn):
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+
+def _relay(sock_dir: str, target: str) -> tuple[Relay, str]:
+    path = os.path.join(sock_dir, "user.sock")
+    r = Relay()
+    r.start(sockets.listen(path, mode=sockets.USER_MODE), target)
+    return r, path
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_bytes_pass_unchanged_both_ways_and_eof_is_passed_on(sock_dir):
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
+    try:
+        payload = os.urandom(8 << 20)  # far more than the socket buffers: the relay must wait for each side
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(path)
+            got = bytearray()
+
+            def read():
+                while data := c.recv(1 << 20):
+                    got.extend(data)
+            reader = threading.Thread(target=read)
+            reader.start()
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)  # the echo server sees EOF, closes, and the client its EOF
+            reader.join(30)
+            assert not reader.is_alive() and bytes(got) == payload
+        _wait(lambda: r.connections == 0)
+    finally:
+        r.stop()
+    assert not os.path.exists(path) or not _connects(path)
+
+
+def _connects(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+def test_one_uid_cannot_hold_every_connection(sock_dir, monkeypatch):
+    monkeypatch.setattr(relay_mod, "MAX_PER_UID", 3)
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
+    conns = []
+    try:
+        for _ in range(4):
+            c = socket.socket(socket.AF_UNIX)
+            c.settimeout(5)
+            c.connect(path)
+            conns.append(c)
+        for c in conns[:3]:
+            c.sendall(b"ping")
+            assert c.recv(4) == b"ping"
+        assert conns[3].recv(4) == b""  # closed by the relay
+        assert r.connections == 3
+    finally:
+        for c in conns:
+            c.close()
+        r.stop()
+
+
+class PeerHealth(health.HealthServicer):
+    """Health that records who the relay says each caller is."""
+
+    def __init__(self, relay: Relay):
+        super().__init__()
+        self.relay, self.seen = relay, []
+
+    def Check(self, request, context):
+        self.seen.append((context.peer(), self.relay.uid_of(context.peer())))
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+def grpc_behind_relay(sock_dir):
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    r = Relay()
+    servicer = PeerHealth(r)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    inner = sockets.bind_private(server, os.path.join(sock_dir, "user.sock"))
+    assert (os.stat(os.path.dirname(inner)).st_mode & 0o777) == 0o700  # nobody else reaches the server
+    server.start()
+    path = os.path.join(sock_dir, "user.sock")
+    r.start(sockets.listen(path, mode=0o666), inner)
+    try:
+        yield servicer, path, inner
+    finally:
+        server.stop(0).wait()
+        r.stop()
+        sockets.remove_private(inner)
+    assert not os.path.exists(os.path.dirname(inner))
+
+
+def test_a_grpc_servicer_learns_the_clients_uid_from_its_peer(grpc_behind_relay):
+    servicer, path, inner = grpc_behind_relay
+    with grpc.insecure_channel(f"unix:{path}") as ch:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    with grpc.insecure_channel(f"unix:{inner}") as ch:  # past the relay (only this user can)
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    (peer, uid), (peer2, uid2) = servicer.seen
+    assert peer.startswith("unix-abstract:") and uid == os.geteuid()
+    assert uid2 is None  # a peer the relay did not connect is nobody
+
+
+@pytest.mark.root
+def test_as_root_the_uid_is_the_connecting_users(grpc_behind_relay):
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv")
+    servicer, path, _ = grpc_behind_relay
+    code = ("import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\n"
+            "g.HealthStub(grpc.insecure_channel('unix:' + sys.argv[1])).Check(h.HealthCheckRequest(), timeout=10)")
+    for uid in (65534, 1):
+        r = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", sys.executable,
+                            "-c", code, path], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    assert [uid for _, uid in servicer.seen] == [65534, 1]
+
+
+def test_a_killed_daemons_private_listener_is_removed_a_live_ones_kept(sock_dir):
+    dead = os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "dead")
+    os.mkdir(dead, 0o700)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(os.path.join(dead, "s"))  # bound, never served: what a SIGKILL leaves
+    live = socket.socket(socket.AF_UNIX)
+    os.mkdir(os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "live"), 0o700)
+    live.bind(os.path.join(sock_dir, sockets.PRIVATE_PREFIX + "live", "s"))
+    live.listen()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    try:
+        inner = sockets.bind_private(server, os.path.join(sock_dir, "user.sock"))
+        left = sorted(n for n in os.listdir(sock_dir) if n.startswith(sockets.PRIVATE_PREFIX))
+        assert left == sorted([sockets.PRIVATE_PREFIX + "live", os.path.basename(os.path.dirname(inner))])
+    finally:
+        live.close()
+        server.stop(0)
