@@ -371,5 +371,7 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
     # then which streamed layers the host computes at each step shape.
     plan = tiers.model_plan(model, dataclasses.replace(config, host_compute="off"), backend=kind,
                             vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
+    if not plan.streamed:  # every layer resident: nothing for the host to take, nothing to measure
+        return plan
     figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=config.link_cap)
     return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))

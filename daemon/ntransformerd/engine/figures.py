@@ -87,7 +87,7 @@ def host_sample(model: GGUFModel, plan: Plan | None, nbytes: int = HOST_SAMPLE_B
 
 def _kv(backend, model: GGUFModel, layers: Sequence[int], rows: int, device: int = 0):
     cfg = dataclasses.replace(model.config, n_layers=len(layers))
-    kv = backend.kv_cache(cfg, n_slots=rows, max_ctx=16, dtype="f32" if backend.is_host else "f16", device=device)
+    kv = backend.kv_cache(cfg, n_slots=rows, max_ctx=16, dtype=backend.kv_dtypes[0], device=device)
     return HomeKV(kv, list(layers))
 
 

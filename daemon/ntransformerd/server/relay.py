@@ -25,6 +25,7 @@ import logging
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -34,6 +35,10 @@ CHUNK = 256 << 10  # bytes read per recv: a whole gRPC frame of a long prompt in
 MAX_PER_UID = 256  # open connections per uid; past it a new one is closed (one user cannot take them all)
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long, not spin
 STOP_FLUSH_S = 1.0  # on stop, how long what the server said last may take to reach its clients
+# The relay's thread needs the interpreter after every recv/select; a thread busy in Python (the
+# scheduler between steps) keeps it for the switch interval (5 ms by default) first. The relay
+# sets the process's interval to this at start (bench/relay.py measures both).
+SWITCH_INTERVAL_S = 0.0005
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -99,6 +104,8 @@ class Relay:
         """Serve `listener` (bound and listening: sockets.listen), relaying to the unix socket
         at `target` (sockets.bind_private)."""
         self.listener, self.target = listener, target
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.listener.setblocking(False)
         self._sel.register(self.listener, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
