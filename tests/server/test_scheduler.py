@@ -24,6 +24,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
         self.tokenizer, self.max_ctx = tokenizer, max_ctx
+        self.backend = types.SimpleNamespace(is_host=False)  # a device's steps: text on the streaming thread
         self.cfg = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, n_layers=4)
         self.lengths: dict[int, int] = {}
         self.free = list(range(slots))
@@ -393,6 +394,7 @@ def test_slow_text_work_does_not_hold_the_steps_back(tokenizer):
     """Detokenizing and writing happen on the streaming thread: the loop's steps go on while a
     request's text lags behind, and every piece still arrives, in order."""
     s, engine = make(tokenizer, max_batch=1)
+    assert not s.streamer.inline
     r = s.schedule([5, 6], GREEDY, max_tokens=10)
     push = r.text.push
 
@@ -408,3 +410,22 @@ def test_slow_text_work_does_not_hold_the_steps_back(tokenizer):
     outs = list(r.stream())
     assert [i for o in outs for i in o.token_ids] == _pieces(tokenizer, 10)[0]
     assert outs[-1].finish_reason == "length"
+
+
+def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
+    """A host backend's step takes every core: the text runs on the loop's thread after the step,
+    and the outputs are the same."""
+    want = _pieces(tokenizer, 8)
+    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1)
+    s = Scheduler(config=config, notifier=Notifier(environ={}))
+    engine = FakeEngine(tokenizer, slots=1)
+    engine.backend = types.SimpleNamespace(is_host=True)
+    s.attach(engine)
+    s.lifecycle.serving()
+    assert s.streamer.inline
+    r = s.schedule([5, 6], GREEDY, max_tokens=8)
+    while r.state != "done":
+        iterate(s)
+    assert r.outputs.qsize() == 8 + 1  # written by the loop itself: every output and the end are there
+    outs = list(r.stream())
+    assert ([i for o in outs for i in o.token_ids], [o.text for o in outs]) == want

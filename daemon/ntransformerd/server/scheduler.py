@@ -227,6 +227,8 @@ class Scheduler:
         """Serve `engine` (the daemon then turns its lifecycle SERVING)."""
         with self._cv:
             self.engine = engine
+            # a host backend's step takes every core: its text runs after the step, on this thread
+            self.streamer.inline = engine.backend.is_host
             self.draft_engine, self.costs, self._speculators = draft_engine, costs, {}
             self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache, share=self.config.prefix_cache_share)
             self._cv.notify_all()

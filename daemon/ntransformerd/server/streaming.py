@@ -7,8 +7,13 @@ its Outputs. A stop string found here ends the request's text at once (Request.t
 loop sees the flag and retires the request at its next iteration, and whatever it drew for it
 meanwhile is dropped here, so the output is the one it would be had the loop stopped at once.
 
-Thread rule: after a request is queued, this thread is the only writer of its outputs and its
-text state; send() and end() may be called from any thread (the loop, a drain giving up on it).
+Where the step itself occupies the host's cores (a host backend: the CPU computes every layer
+with all of them), a second thread would only take a core from the step, so the streamer runs
+`inline`: the same work, in the same order, on the loop's thread right after the step.
+
+Thread rule: after a request is queued, the streaming thread (inline: the loop's) is the only
+writer of its outputs and its text state; send() and end() may be called from any thread (the
+loop, a drain giving up on it).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class Output:
 
 
 class Streamer:
-    def __init__(self, *, on_error):
+    def __init__(self, *, on_error, inline: bool = False):
         self.on_error = on_error  # on_error(request, exception): its text failed (this thread)
+        self.inline = inline  # the caller's thread does the work (set where the engine is attached)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stream", daemon=True)
 
@@ -49,26 +55,35 @@ class Streamer:
 
     def send(self, request, tokens: list[int], logprobs: list | None, finish: str | None) -> None:
         """Tokens the request accepted in one step; finish: the loop's end of it with the last."""
-        self._queue.put((request, tokens, logprobs, finish))
+        if self.inline:
+            self._handle((request, tokens, logprobs, finish))
+        else:
+            self._queue.put((request, tokens, logprobs, finish))
 
     def end(self, request, error) -> None:
         """The request's stream ends after what was sent before: with `error` unless its text
         already ended."""
-        self._queue.put((request, None, error, None))
+        if self.inline:
+            self._handle((request, None, error, None))
+        else:
+            self._queue.put((request, None, error, None))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            request, tokens, extra, finish = item
-            try:
-                if tokens is None:
-                    self._end(request, extra)
-                else:
-                    self._text(request, tokens, extra, finish)
-            except Exception as e:  # noqa: BLE001 - one request's text must not end the others'
-                self.on_error(request, e)  # the loop retires it; its end carries the error
+            self._handle(item)
+
+    def _handle(self, item) -> None:
+        request, tokens, extra, finish = item
+        try:
+            if tokens is None:
+                self._end(request, extra)
+            else:
+                self._text(request, tokens, extra, finish)
+        except Exception as e:  # noqa: BLE001 - one request's text must not end the others'
+            self.on_error(request, e)  # the loop retires it; its end carries the error
 
     def _text(self, r, tokens: list[int], logprobs: list | None, finish: str | None) -> None:
         if r.text_done or r.ended:  # a stop string ended it; the loop had drawn more meanwhile
