@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batched-bench", metavar="BIN", help="llama-batched-bench (CUDA build): part 3")
+    ap.add_argument("--default-model", metavar="PATH", help="part 3's file (default: the embedded default model)")
     a = ap.parse_args(argv)
     common.require_gpu(__file__)
     if a.smoke:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_daemon(proc)
         if a.batched_bench or a.smoke:
             from ntransformerd.engine.engine import default_model_path
-            small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else default_model_path()
+            small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
             npl = [1, 2] if a.smoke else [1, 16]
             proc, socket = start_daemon(small, max(npl), d)
             try:
