@@ -381,6 +381,7 @@ def cmd_model_load(args) -> int:
 
 def _show_load_progress(socket: str, done) -> None:
     from ntx_client import Client, NtxError
+    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
     width = 0
     with Client(socket, timeout=2) as c:
         while not done.wait(0.3):
@@ -388,7 +389,7 @@ def _show_load_progress(socket: str, done) -> None:
                 s = c.status()
             except NtxError:
                 continue
-            if s.load_progress and s.state == 2:  # loading
+            if s.load_progress and s.state == pb.SERVING_STATE_LOADING:
                 text = f"{s.load_progress} ({s.load_fraction:.0%})"
                 sys.stderr.write("\r" + text.ljust(width))
                 sys.stderr.flush()

@@ -178,6 +178,14 @@ def check_hybrid_quality(d: dict) -> None:
     assert any(d["host_layers_by_rows"].values()), d["host_layers_by_rows"]  # the host computed some layers
     assert d["greedy"] and all(0 <= g["common_prefix"] <= g["tokens"] for g in d["greedy"]), d["greedy"]
     assert d["handoffs"] > 0
+    assert d["daemon"]["common_prefix"] and d["daemon"]["placements"], d["daemon"]  # the hybrid daemon placed layers
+
+
+def check_serving_gpu(d: dict) -> None:
+    levels = {(r["clients"], r["sampled"]) for r in d["levels"]}
+    assert levels == {(n, s) for n in (1, 2) for s in (False, True)}, levels
+    assert all(r["daemon_tok_s"] > 0 and r["engine_tok_s"] > 0 for r in d["levels"]), d["levels"]
+    assert set(d["default_model"]["ours"]) == {"1", "2"} or set(d["default_model"]["ours"]) == {1, 2}, d
 
 
 def check_nvme_read(d: dict) -> None:
@@ -211,7 +219,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
-       "hybrid_quality.py": check_hybrid_quality}
+       "hybrid_quality.py": check_hybrid_quality, "serving_gpu.py": check_serving_gpu}
 VM = {"nvme_read.py": check_nvme_read}
 
 

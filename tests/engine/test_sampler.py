@@ -1,5 +1,6 @@
 """Sampler: determinism, filters against brute-force references, penalty arithmetic by hand,
-parameter validation, and stop strings split across deltas."""
+parameter validation, stop strings split across deltas, and a step's rows drawn at once
+(sample_rows) giving each row's own draws."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine.sampler import (
-    InvalidLogits, NoAllowedToken, SamplingParams, Sampler, StopMatcher, TopLogits, apply_penalties, candidates,
-    prompt_logprobs, token_logprobs,
+    FAULT_INF, FAULT_NAN, InvalidLogits, NoAllowedToken, SampleRows, SamplingParams, Sampler, StopMatcher, TopLogits,
+    apply_penalties, candidates, prompt_logprobs, sample_rows, token_logprobs,
 )
 
 V = 1000
@@ -355,3 +356,66 @@ def test_a_mask_that_allows_nothing_is_the_requests_fault():
     with pytest.raises(NoAllowedToken, match="constraint allows no token"):
         Sampler(SamplingParams.greedy(), 10).sample(row, (), mask)
     assert not issubclass(NoAllowedToken, InvalidLogits)  # not the model's fault: serving goes on
+
+
+# ---- a step's rows at once ------------------------------------------------------------------------
+
+BATCH_PARAMS = [
+    SamplingParams.greedy(),
+    SamplingParams.greedy(repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams.greedy(ignore_eos=True),
+    SamplingParams(seed=1),
+    SamplingParams(seed=2, top_k=0, top_p=0.8, min_p=0.0, temperature=1.3),
+    SamplingParams(seed=3, top_k=5, top_p=1.0, min_p=0.2, temperature=0.5, frequency_penalty=0.7),
+    SamplingParams(seed=4, repetition_penalty=0.7, penalty_last_n=-1, ignore_eos=True),
+    SamplingParams.greedy(),
+]
+EOG = (7, 11)
+
+
+def test_rows_drawn_at_once_equal_each_row_drawn_alone():
+    """Eight rows of mixed chains over 30 steps: the batched draw gives every row the id its own
+    Sampler gives alone, from whole rows and from top ids, and consumes the same random numbers."""
+    alone = [Sampler(p, V, eog_ids=EOG) for p in BATCH_PARAMS]
+    batched = [Sampler(p, V, eog_ids=EOG) for p in BATCH_PARAMS]
+    hist_a = [[3, 5, 5, 9] for _ in BATCH_PARAMS]
+    hist_b = [list(h) for h in hist_a]
+    for step in range(30):
+        x = np.stack([_logits(1000 * step + i) for i in range(len(BATCH_PARAMS))])
+        want = [s.sample(row, h) for s, row, h in zip(alone, x, hist_a)]
+        top_ok = all(s.need() is not None for s in batched) and step % 2
+        got = sample_rows(TopLogits.of(x, max(s.need() for s in batched)) if top_ok else x,
+                          SampleRows.of(batched, hist_b))
+        assert got.ids.tolist() == want and not got.fault.any(), step
+        for h, t in zip(hist_a, want):
+            h.append(t)
+        for h, t in zip(hist_b, got.ids.tolist()):
+            h.append(t)
+    seeded = [i for i, p in enumerate(BATCH_PARAMS) if p.seed is not None]
+    assert [alone[i].rng.random() for i in seeded] == [batched[i].rng.random() for i in seeded]  # the same draws
+
+
+def test_rows_drawn_at_once_with_top_ids_when_every_row_allows():
+    params = [SamplingParams.greedy(), SamplingParams(seed=5), SamplingParams(seed=6, top_k=3, ignore_eos=True)]
+    alone = [Sampler(p, V, eog_ids=EOG) for p in params]
+    batched = [Sampler(p, V, eog_ids=EOG) for p in params]
+    need = max(s.need() for s in batched)
+    for step in range(20):
+        x = np.stack([_logits(77 * step + i) for i in range(3)])
+        want = [s.sample(row) for s, row in zip(alone, x)]
+        assert sample_rows(TopLogits.of(x, need), SampleRows.of(batched, [[]] * 3)).ids.tolist() == want
+
+
+def test_a_bad_row_is_its_own_fault_and_rows_that_do_not_draw_get_none():
+    x = np.stack([_logits(1), _logits(2), _logits(3), _logits(4)])
+    x[1, 9] = np.nan
+    x[2, 4] = np.inf
+    samplers = [Sampler(SamplingParams.greedy(), V), Sampler(SamplingParams.greedy(), V),
+                Sampler(SamplingParams(seed=1), V), None]
+    d = sample_rows(x, SampleRows.of(samplers, [[]] * 4))
+    assert d.ids[0] == int(np.argmax(x[0])) and d.ids[3] == -1
+    assert d.fault.tolist() == [0, FAULT_NAN, FAULT_INF, 0]
+    with pytest.raises(InvalidLogits, match="NaN"):
+        d.id(1)
+    with pytest.raises(InvalidLogits, match=r"\+inf"):
+        d.id(2)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine import speculative as sp
-from ntransformerd.engine.engine import Continuation, Engine, EngineConfig, generate
+from ntransformerd.engine.decode import Sequence
+from ntransformerd.engine.engine import Engine, EngineConfig, generate
 from ntransformerd.engine.sampler import SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
@@ -101,12 +102,16 @@ def test_draft_model_with_another_vocabulary_is_refused(default_engine):
 
 
 def test_modes_parse_and_bad_ones_are_clear():
-    assert sp.parse_mode("") == ("off", "")
-    assert sp.parse_mode("skip:3,7") == ("skip", "3,7")
-    assert sp.parse_mode("prefix:8") == ("prefix", "8")
+    assert sp.Mode.parse("") == sp.OFF and sp.Mode.parse("").off
+    assert sp.Mode.parse("skip:3,7") == sp.Mode("skip", "3,7") and str(sp.Mode.parse(" Prefix:8 ")) == "prefix:8"
     for bad in ("fast", "ngram:3", "prefix:x"):
         with pytest.raises(ValueError, match="speculative"):
-            sp.parse_mode(bad)
+            sp.Mode.parse(bad)
+    # a request's self-draft without layers takes the daemon's own, where the daemon uses that source
+    default = sp.Mode.parse("skip:3,7")
+    assert sp.Mode.parse("skip").within(default) == default
+    assert sp.Mode.parse("prefix").within(default) == sp.Mode("prefix")
+    assert sp.Mode.parse("skip:5").within(default) == sp.Mode("skip", "5")
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -179,9 +184,9 @@ class MemoSampler:
 
 def two_tokens(engine, target: Memo, draft: Memo, prompt, seed: int, k: int, cache: dict, verify=sp.verify):
     """The first two tokens of a speculative continuation with draft length k, by the real rule."""
-    cont = Continuation(engine, prompt, SamplingParams(**{**PARAMS.__dict__, "seed": seed}))
+    cont = Sequence(engine, prompt, SamplingParams(**{**PARAMS.__dict__, "seed": seed}))
     cont.sampler = MemoSampler(cont.sampler, cache)
-    seq = sp.SpecSeq(cont, slot=-1, controller=None, seed=seed)
+    seq = sp.SpecSeq(cont, controller=None, seed=seed)
     out = []
     while len(out) < 2:
         hist = tuple(cont.history)
@@ -198,7 +203,7 @@ def two_tokens(engine, target: Memo, draft: Memo, prompt, seed: int, k: int, cac
 
 def exact(engine, target: Memo, prompt, cache):
     """Plain sampling's exact distribution of the first token and of the second."""
-    s = MemoSampler(Continuation(engine, prompt, PARAMS).sampler, cache)
+    s = MemoSampler(Sequence(engine, prompt, PARAMS).sampler, cache)
     ids, p = s.distribution(target.row(tuple(prompt)), list(prompt))
     first = dict(zip(ids.tolist(), p))
     second: dict[int, float] = {}

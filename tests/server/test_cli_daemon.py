@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ntx_client import Client, NtxError, cli
+from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
 
 PY = sys.executable
 
@@ -154,7 +155,7 @@ def test_wait_for_a_loading_daemon_and_the_admin_verbs(new_daemon, synth_model, 
         assert admin.main(["model", "unload", *verb]) == 0
         assert capsys.readouterr().out == "model unloaded\n"
         with Client(d.socket) as c:
-            assert c.status().state == 1  # no model
+            assert c.status().state == pb.SERVING_STATE_NO_MODEL
             with pytest.raises(NtxError, match="no model"):
                 c.complete("hi", max_tokens=1)
         assert admin.main(["model", "load", os.path.join(os.path.dirname(model), "missing.gguf"), *verb]) == 2

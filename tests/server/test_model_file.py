@@ -11,6 +11,7 @@ import shutil
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.tools import ntx_model
 from ntx_client import Client
+from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
 
 
 @contextlib.contextmanager
@@ -47,7 +48,7 @@ def test_daemon_survives_quantize_of_its_own_model(new_daemon, synth_model, tmp_
             assert os.stat(served).st_ino != inode
             assert GGUFModel(str(served)).metadata["general.name"].endswith("seed 1")
             assert ids() == before
-            assert c.status().state == 3  # serving
+            assert c.status().state == pb.SERVING_STATE_SERVING
         assert d.proc.poll() is None, d.log()
     finally:
         d.cleanup()

@@ -1,5 +1,6 @@
 """The scheduler's rules on a fake engine (fast): bounded queue, chunked prefill that does not
-stall decoders, cancellation and deadlines within one step, drain."""
+stall decoders, cancellation and deadlines within one step, drain, stop strings found on the
+streaming thread."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine.sampler import SamplingParams, TopLogits
+from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
+from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
+from ntransformerd.server.lifecycle import FAILED, SERVING
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
 
@@ -21,6 +24,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
         self.tokenizer, self.max_ctx = tokenizer, max_ctx
+        self.backend = types.SimpleNamespace(is_host=False)  # a device's steps: text on the streaming thread
         self.cfg = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, n_layers=4)
         self.lengths: dict[int, int] = {}
         self.free = list(range(slots))
@@ -46,17 +50,26 @@ class FakeEngine:
     def length(self, slot):
         return self.lengths[slot]
 
-    def step(self, items, *, top=None):
+    def truncate(self, slot, n):
+        self.lengths[slot] = n
+
+    def step(self, items, *, top=None, sample=None, all_logits=False):
         time.sleep(self.delay)
         self.steps.append([(s, len(t)) for s, t in items])
         self.tops.append(top)
-        out = np.zeros((len(items), self.cfg.vocab_size), np.float32)
-        for row, (slot, tokens) in enumerate(items):
+        rows = [list(t) if all_logits else [t[-1]] for _, t in items]
+        out = np.zeros((sum(map(len, rows)), self.cfg.vocab_size), np.float32)
+        k = 0
+        for slot, tokens in items:
             self.lengths[slot] += len(tokens)
-            out[row, 1000 + (tokens[-1] * 7) % 1000] = 1.0  # ids 1000..1999: no end-of-generation
+        for toks in rows:
+            for t in toks:
+                out[k, 1000 + (t * 7) % 1000] = 1.0  # ids 1000..1999: no end-of-generation
+                k += 1
         if self.fault is not None:
             self.fault(items, out)
-        return out if top is None else TopLogits.of(out, top)
+        out = out if top is None else TopLogits.of(out, top)
+        return out if sample is None else sample_rows(out, sample)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +83,7 @@ def make(tokenizer, **cfg):
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     engine = FakeEngine(tokenizer, slots=config.max_batch)
     s.attach(engine)
+    s.lifecycle.serving()  # what the daemon does once it attached a model
     return s, engine
 
 
@@ -111,14 +125,11 @@ def test_batched_outputs_equal_solo_outputs(tokenizer):
         r = s.schedule(p, GREEDY, max_tokens=6)
         while r.state != "done":
             iterate(s)
-        r.outputs.put(None)
         solo.append([i for o in r.stream() for i in o.token_ids])
     s, _ = make(tokenizer, max_batch=4, prefill_chunk=16)
     reqs = [s.schedule(p, GREEDY, max_tokens=6) for p in prompts]
     while any(r.state != "done" for r in reqs):
         iterate(s)
-    for r in reqs:
-        r.outputs.put(None)
     assert [[i for o in r.stream() for i in o.token_ids] for r in reqs] == solo
 
 
@@ -149,14 +160,16 @@ def test_deadline_ends_the_request(tokenizer):
 
 def test_not_ready_while_starting_loading_and_without_a_model(tokenizer):
     s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=Notifier(environ={}))
-    assert s.state == "starting" and s.snapshot()["load_progress"] == "starting"
+    assert s.lifecycle.status().progress == "starting"
     with pytest.raises(errors.NotReady, match="ntransformerd is starting.*--wait"):
         s.schedule([1], GREEDY, max_tokens=1)
-    s.set_loading("loading layer 3/30", 0.1)
+    s.lifecycle.loading("loading layer 3/30", 0.1)
     with pytest.raises(errors.NotReady, match="loading layer 3/30"):
         s.tokenize(text="hi")
     s.attach(FakeEngine(tokenizer, slots=1))
+    s.lifecycle.serving()
     s.detach()
+    s.lifecycle.no_model()
     with pytest.raises(errors.NotReady, match="no model is loaded"):
         s.schedule([1], GREEDY, max_tokens=1)
 
@@ -167,6 +180,7 @@ def test_drain_refuses_new_work_and_cancels_what_does_not_finish(tokenizer):
     r = s.schedule([1, 2, 3], GREEDY, max_tokens=500)  # 5 s of steps
     s.start()
     try:
+        s.lifecycle.draining("ntransformerd is shutting down")  # Daemon.drain: no new requests, then wait
         finished, cancelled = s.drain(0.2)
         assert (finished, cancelled) == (0, 1)
         with pytest.raises(errors.ShuttingDown, match="shutting down"):
@@ -220,7 +234,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(tokenizer):
         assert len(_tokens(b)) == 4
     finally:
         s.stop()
-    assert len(engine.free) == 4 and s.state == "serving"
+    assert len(engine.free) == 4 and s.lifecycle.state == SERVING
 
 
 def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
@@ -228,9 +242,9 @@ def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
     a = s.schedule([1, 2, 3], GREEDY, max_tokens=6)
     b = s.schedule([4, 5], GREEDY, max_tokens=6)
 
-    def broken(logits):
-        raise KeyError("the detokenizer lost its table")
-    a.cont.sample = broken
+    def broken(tokens):
+        raise KeyError("the sequence lost its table")
+    a.seq.accept = broken
     for _ in range(10):
         iterate(s)
     assert a.state == b.state == "done"
@@ -256,12 +270,12 @@ def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer
         with pytest.raises(errors.ModelFault, match="model 'Fake Llama' produced invalid logits.*NaN"):
             list(r.stream())
     assert len(_tokens(b)) == 6  # its rows were fine: it finishes
-    assert s.state == "failed" and len(faults) == 1 and "ntx-admin model load" in faults[0]
+    assert s.lifecycle.state == FAILED and len(faults) == 1 and "ntx-admin model load" in faults[0]
     with pytest.raises(errors.NotReady, match="Fake Llama.*ntx-admin model load"):
         s.schedule([1], GREEDY, max_tokens=1)
     s.detach()
     s.attach(FakeEngine(tokenizer, slots=2))  # a good load
-    assert s.state == "serving"
+    s.lifecycle.serving()
     d = s.schedule([1], GREEDY, max_tokens=2)
     for _ in range(4):
         iterate(s)
@@ -276,7 +290,7 @@ def test_inf_logits_of_a_whole_row_are_a_model_fault_too(tokenizer):
     iterate(s)
     with pytest.raises(errors.ModelFault, match=r"\+inf"):
         list(r.stream())
-    assert s.state == "failed"
+    assert s.lifecycle.state == FAILED
 
 
 class _Pings:
@@ -291,6 +305,7 @@ def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
     pings = _Pings()
     s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=pings)
     s.attach(FakeEngine(tokenizer, slots=2))
+    s.lifecycle.serving()
 
     def broken():
         raise RuntimeError("the loop itself is broken")
@@ -326,17 +341,91 @@ def test_the_speculation_cost_table_is_measured_when_first_needed(tokenizer, mon
     for _ in range(2):
         assert iterate(s) == "idle"
     assert calls == [] and s.costs is None  # loads and idle time pay nothing
-    r = s.schedule([1, 2, 3], GREEDY, max_tokens=2, speculative="ngram")
+    r = s.schedule([1, 2, 3], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
     assert r.state == "queued"
     iterate(s)
     assert calls == [engine] and r.state != "queued"  # measured first, then admitted
     assert r.speculator.costs.verify == {1: 1.0, 2: 1.1, 4: 1.5}
     r.cancel()
     iterate(s)
-    s.schedule([4, 5], GREEDY, max_tokens=2, speculative="ngram")
+    s.schedule([4, 5], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
     iterate(s)
     assert len(calls) == 1  # once per model
 
     s, engine = make(tokenizer, max_batch=2, speculative="ngram")  # speculating by default
     iterate(s)
     assert calls[-1] is engine and s.costs is not None  # measured on the first idle iteration
+
+
+# ---- text off the loop: the streaming thread ---------------------------------------------------
+
+def _pieces(tokenizer, n: int) -> tuple[list[int], list[str]]:
+    """The fake engine's first n tokens after [5, 6] and the text each adds."""
+    s, _ = make(tokenizer, max_batch=1)
+    r = s.schedule([5, 6], GREEDY, max_tokens=n)
+    while r.state != "done":
+        iterate(s)
+    outs = list(r.stream())
+    return [i for o in outs for i in o.token_ids], [o.text for o in outs]
+
+
+def test_a_stop_string_found_while_streaming_ends_the_request_as_if_at_once(tokenizer):
+    ids, texts = _pieces(tokenizer, 12)
+    k = next(i for i in range(3, 12) if texts[i].strip())  # a token whose text can be a stop string
+    stop = texts[k].strip()
+    s, engine = make(tokenizer, max_batch=2)
+    params = SamplingParams.greedy(ignore_eos=True, stop=(stop,))
+    r = s.schedule([5, 6], params, max_tokens=12)
+    other = s.schedule([7], GREEDY, max_tokens=12)
+    while r.state != "done":
+        iterate(s)
+    outs = list(r.stream())
+    got = [i for o in outs for i in o.token_ids]
+    first = next(i for i, t in enumerate(texts) if stop in "".join(texts[:i + 1]))
+    assert got == ids[:first + 1], (got, ids)  # nothing the loop drew after the stop
+    assert outs[-1].finish_reason == "stop" and stop not in "".join(o.text for o in outs)
+    assert outs[-1].usage["completion_tokens"] == first + 1
+    while other.state != "done":
+        iterate(s)
+    assert len(_tokens(other)) == 12 and len(engine.free) == 2
+
+
+def test_slow_text_work_does_not_hold_the_steps_back(tokenizer):
+    """Detokenizing and writing happen on the streaming thread: the loop's steps go on while a
+    request's text lags behind, and every piece still arrives, in order."""
+    s, engine = make(tokenizer, max_batch=1)
+    assert not s.streamer.inline
+    r = s.schedule([5, 6], GREEDY, max_tokens=10)
+    push = r.text.push
+
+    def slow(token, finish):
+        time.sleep(0.05)
+        return push(token, finish)
+    r.text.push = slow
+    t0 = time.monotonic()
+    while r.state != "done":
+        iterate(s)
+    loop_s = time.monotonic() - t0
+    assert loop_s < 0.25, f"the loop waited for the text: {loop_s:.2f} s for 10 tokens"
+    outs = list(r.stream())
+    assert [i for o in outs for i in o.token_ids] == _pieces(tokenizer, 10)[0]
+    assert outs[-1].finish_reason == "length"
+
+
+def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
+    """A host backend's step takes every core: the text runs on the loop's thread after the step,
+    and the outputs are the same."""
+    want = _pieces(tokenizer, 8)
+    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1)
+    s = Scheduler(config=config, notifier=Notifier(environ={}))
+    engine = FakeEngine(tokenizer, slots=1)
+    engine.backend = types.SimpleNamespace(is_host=True)
+    s.attach(engine)
+    s.lifecycle.serving()
+    assert s.streamer.inline
+    r = s.schedule([5, 6], GREEDY, max_tokens=8)
+    while r.state != "done":
+        iterate(s)
+    assert r.outputs.qsize() == 8 + 1  # written by the loop itself: every output and the end are there
+    outs = list(r.stream())
+    assert ([i for o in outs for i in o.token_ids], [o.text for o in outs]) == want

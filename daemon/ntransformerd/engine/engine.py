@@ -8,7 +8,8 @@
     engine.close(slot)
 
 `step` takes any mix of segments (decode tokens and prefill chunks of several sequences); each
-weight is read once per step for all of them. `generate` is the one-sequence loop on top.
+weight is read once per step for all of them. `generate` (engine/decode.py, the one decode loop)
+drives one sequence on top.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine import kv_cache
 from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.sampler import SampleRows, sample_rows
 from ntransformerd.engine.tiers.multi import parse_budgets
 from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.sources import Source
@@ -295,7 +298,7 @@ class Engine:
     # ---- compute --------------------------------------------------------------------------
 
     def step(self, items: Sequence[tuple[int, Sequence[int]]], *, all_logits: bool = False,
-             top: int | None = None, layers: Sequence[int] | None = None):
+             top: int | None = None, layers: Sequence[int] | None = None, sample: SampleRows | None = None):
         """Append tokens to sequences and run them as one batch.
 
         items: (slot, new token ids) per sequence. Returns float32 logits (len(items), V) for
@@ -306,7 +309,14 @@ class Engine:
         GPU step then picks them on the device and copies those alone. A backend with captured
         steps (CUDA graphs of model.forward) replays one where a bucket covers the items: R
         sequences of T tokens each, R × T ≤ 32, T in 1, 2, 4, 8, 16.
+
+        With sample (sampler.SampleRows, one row per item), the id each row draws (sampler.Drawn)
+        instead of its logits: the caller receives ids, not rows. The rows are drawn by
+        sampler.sample_rows on the host (from the TopLogits where `top` is given); a device
+        sampler answers the same call with the same ids.
         """
+        if sample is not None and (all_logits or len(sample) != len(items)):
+            raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
         if top is not None and not 1 <= top <= self.cfg.vocab_size:
             raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
         segments = []
@@ -326,7 +336,7 @@ class Engine:
         logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:
             self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
-        return logits
+        return logits if sample is None else sample_rows(logits, sample)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
@@ -377,98 +387,3 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
         return plan
     figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=config.link_cap)
     return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))
-
-
-class Continuation:
-    """What happens after each sampled token of one sequence: end-of-generation, stop strings,
-    the token budget and the context end, with text released whole characters at a time and
-    never the start of a possible stop string. `generate` and the daemon's scheduler both use
-    it, so a request gives the same text whichever ran it. One owner thread.
-
-    constraint: a constraints.Constraint the output must satisfy: each draw is masked by it, and
-    the output ends ("stop") once it is complete and allows nothing more.
-    """
-
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params, *, max_tokens: int | None = None,
-                 constraint=None):
-        from ntransformerd.engine.sampler import Sampler, StopMatcher
-        from ntransformerd.engine.tokenizer import Detokenizer
-
-        tok = engine.tokenizer
-        self.params = params
-        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
-        self.sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=tok.eog_ids)
-        self.stops = StopMatcher(list(params.stop or ()))
-        self.detok = Detokenizer(tok)
-        self.eog_ids = tok.eog_ids
-        self.history = list(prompt_ids)  # prompt + generated: what the penalties look at
-        self.generated = 0
-        self.constraint = constraint
-
-    def sample(self, logits) -> int:
-        """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
-        return self.sampler.sample(logits, self.history, self.mask())
-
-    def mask(self):
-        """The ids the constraint allows next (bool (V,)), None without one."""
-        return None if self.constraint is None else self.constraint.mask()
-
-    def need(self) -> int | None:
-        """How many most likely ids this sequence samples from (Sampler.need), None: the whole row
-        (always with a constraint: its allowed ids may lie anywhere in the row)."""
-        return None if self.constraint is not None else self.sampler.need()
-
-    def push(self, token: int, *, room: bool = True) -> tuple[str, str | None]:
-        """Account for `token`; return (text to emit, finish reason or None).
-
-        room: whether the sequence can take one more position in the KV cache.
-        """
-        self.history.append(token)
-        self.generated += 1
-        if token in self.eog_ids and not self.params.ignore_eos:
-            text, _ = self.stops.feed(self.detok.flush())
-            return text + self.stops.flush(), "eos"
-        if self.constraint is not None:
-            self.constraint.consume(token)
-        text, stopped = self.stops.feed(self.detok.feed(token))
-        if stopped:
-            return text, "stop"
-        complete = self.constraint is not None and self.constraint.stopped
-        if self.generated >= self.max_tokens or not room or complete:
-            tail, _ = self.stops.feed(self.detok.flush())
-            return text + tail + self.stops.flush(), "stop" if complete else "length"
-        return text, None
-
-
-@dataclasses.dataclass
-class GenerationEvent:
-    """One generated token and the text it completes (may be empty mid-character)."""
-
-    token: int | None
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "eos" on the last event
-
-
-def generate(engine: Engine, prompt_ids: Sequence[int], params, *, dump_logits: list | None = None,
-             constraint=None) -> Iterator[GenerationEvent]:
-    """Greedy or sampled continuation of one prompt, streamed token by token.
-
-    `params` is a sampler.SamplingParams. If `dump_logits` is a list, the logits of the last
-    prompt position are appended to it. constraint: a constraints.Constraint (Continuation).
-    """
-    params.validate()
-    cont = Continuation(engine, prompt_ids, params, constraint=constraint)
-    slot = engine.open()
-    try:
-        logits = engine.prefill(slot, prompt_ids)
-        if dump_logits is not None:
-            dump_logits.append(np.array(logits, dtype=np.float32))
-        while True:
-            token = cont.sample(logits)
-            text, finish = cont.push(token, room=engine.length(slot) + 1 <= engine.max_ctx)
-            yield GenerationEvent(token, text, finish)
-            if finish:
-                return
-            logits = engine.step([(slot, [token])], top=cont.need())[0]  # a TopRow where it suffices
-    finally:
-        engine.close(slot)

@@ -37,8 +37,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["GREEDY_BELOW", "InvalidLogits", "MAX_TOP_LOGPROBS", "NoAllowedToken", "SamplingParams", "Sampler",
-           "StopMatcher", "TopLogits", "TopRow", "draw_from", "prompt_logprobs", "token_logprobs"]
+__all__ = ["Drawn", "GREEDY_BELOW", "InvalidLogits", "MAX_TOP_LOGPROBS", "NoAllowedToken", "SampleRows", "SamplingParams",
+           "Sampler", "StopMatcher", "TopLogits", "TopRow", "draw_from", "prompt_logprobs", "sample_rows", "token_logprobs"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -166,48 +166,39 @@ class Sampler:
 
     def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
         """The next id from a row of logits (V,), or from its TopRow where need() allowed one;
-        mask: the ids allowed next (bool (V,)), None: all."""
+        mask: the ids allowed next (bool (V,)), None: all. The same draw as this row in a
+        batch (`sample_rows`): one implementation."""
         if isinstance(logits, TopRow):
             if mask is not None:
                 raise ValueError("a masked row needs the whole row of logits, not its top ids")
-            return self.sample_top(logits)
-        p = self.params
-        x = self._penalised(logits, history, mask)
-        if p.is_greedy:
-            return int(np.argmax(x))  # first maximum: the lowest id wins ties
-        ids = top_sorted(x, p.top_k)
-        return self._draw(ids, x[ids])
+            top = TopLogits(logits.ids[None], logits.vals[None], np.array([logits.nan]), sort=False)
+            drawn = sample_rows(top, SampleRows.of([self], [history]))
+        else:
+            x = np.asarray(logits, dtype=np.float32).reshape(-1)
+            if x.shape != (self.vocab_size,):
+                raise ValueError(f"logits must have shape ({self.vocab_size},), got {np.shape(logits)}")
+            drawn = sample_rows(x[None], SampleRows.of([self], [history], masks=[mask]))
+        return drawn.id(0)
 
     def _penalised(self, logits, history: Sequence[int], mask: np.ndarray | None = None) -> np.ndarray:
         """A float32 copy of the row, checked, with the ignore_eos ban, the mask and the penalties
-        applied. NoAllowedToken where the mask leaves no id.
-
-        InvalidLogits for NaN, +inf or no finite logit. Where the penalties leave no finite
-        maximum (only possible for logits near float32's limit) the row is the unpenalised one
-        reduced to its argmax: that token is drawn whatever the filters (unpenalised_fallback).
-        """
+        applied (penalised_row); raises InvalidLogits or NoAllowedToken for a row no id can be
+        drawn from."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         if x.shape != (self.vocab_size,):
             raise ValueError(f"logits must have shape ({self.vocab_size},), got {np.shape(logits)}")
-        top = x.max()  # NaN if any is NaN
-        if np.isnan(top):
-            raise InvalidLogits("logits contain NaN: the forward pass produced invalid numbers")
-        if top == np.inf:
-            raise InvalidLogits("logits contain +inf: the forward pass overflowed")
-        x = x.copy()
-        if self._banned is not None and self._banned.size:
-            x[self._banned] = -np.inf
-        if x.max() == -np.inf:
-            raise InvalidLogits("no token can be drawn: every logit is -inf")
-        if mask is not None:
-            x[~mask] = -np.inf
-        if x.max() == -np.inf:
-            raise NoAllowedToken("no token can be drawn: the request's constraint allows no token the model can "
-                                 "produce here; check the schema, regex or grammar")
-        y = apply_penalties(x.copy(), history, self.params)
-        if np.isfinite(y.max()):
-            return y
-        return unpenalised_fallback(x)
+        ids, counts = penalty_window(history, self.params, self.vocab_size)
+        p = self.params
+        y = penalised_row(x, self.banned, mask, ids, counts, p.repetition_penalty, p.frequency_penalty,
+                          p.presence_penalty)
+        if isinstance(y, int):
+            raise_fault(y)
+        return y
+
+    @property
+    def banned(self) -> np.ndarray:
+        """The ids never drawn (end-of-generation ids with ignore_eos), int64."""
+        return self._banned if self._banned is not None else _NONE
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
                      mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -244,35 +235,9 @@ class Sampler:
     def sample_top(self, top: "TopRow") -> int:
         """sample() from a row's need() most likely ids and their logits (most likely first, ties
         lowest id first): the same id, and the same draw from the generator."""
-        p, n = self.params, self.need()
-        if n is None:
+        if self.need() is None:
             raise ValueError("these sampling parameters need the whole row of logits")
-        if top.nan:
-            raise InvalidLogits("logits contain NaN: the forward pass produced invalid numbers")
-        if top.ids.size < n:
-            raise ValueError(f"sampling needs the {n} most likely ids, got {top.ids.size}")
-        ids, v = top.ids, top.vals
-        if v.size and v[0] == np.inf:
-            raise InvalidLogits("logits contain +inf: the forward pass overflowed")
-        if self._banned is not None and self._banned.size:
-            keep = ~np.isin(ids, self._banned)
-            ids, v = ids[keep], v[keep]
-        if v.size == 0 or v[0] == -np.inf:
-            raise InvalidLogits("no token can be drawn: every logit is -inf")
-        if p.is_greedy:
-            return int(ids[0])
-        k = min(p.top_k, self.vocab_size)
-        return self._draw(ids[:k], v[:k])
-
-    def _draw(self, ids: np.ndarray, v: np.ndarray) -> int:
-        """Top-p, min-p, temperature and the draw over sorted candidates ids (logits v)."""
-        p = self.params
-        ids, v = filter_candidates(ids, v, p.top_p, p.min_p)  # most likely first
-        z = v.astype(np.float64) / p.temperature
-        w = np.exp(z - z[0])
-        c = np.cumsum(w)
-        k = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
-        return int(ids[min(k, len(ids) - 1)])
+        return self.sample(top)
 
 
 # The most ids a TopLogits row carries (the device's top_rows kernel has no bound; the host's
@@ -350,17 +315,31 @@ def prompt_logprobs(rows: np.ndarray, targets: Sequence[int], n: int) -> list[tu
 def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
     """Repetition, frequency and presence penalties on ``x`` (float32, changed in place) from the
     last ``p.penalty_last_n`` ids of ``history``, as llama.cpp's penalties sampler."""
+    ids, counts = penalty_window(history, p, x.shape[0])
+    if ids is None:
+        return x
+    return penalise(x, ids, counts, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+
+
+def penalty_window(history: Sequence[int], p: SamplingParams, vocab_size: int):
+    """(ids, counts) of the last ``p.penalty_last_n`` ids of ``history`` that the penalties
+    act on; (None, None) where no penalty applies."""
     if p.penalty_last_n == 0 or len(history) == 0 or (
             p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
-        return x
+        return None, None
     tail = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
     tail = np.asarray(tail, dtype=np.int64)
-    tail = tail[(tail >= 0) & (tail < x.shape[0])]
-    ids, counts = np.unique(tail, return_counts=True)
+    tail = tail[(tail >= 0) & (tail < vocab_size)]
+    return np.unique(tail, return_counts=True)
+
+
+def penalise(x: np.ndarray, ids: np.ndarray, counts: np.ndarray, repetition: float, frequency: float,
+             presence: float) -> np.ndarray:
+    """The penalties on ``x`` (float32, changed in place) for ids seen ``counts`` times."""
     v = x[ids]
-    with np.errstate(over="ignore"):  # an overflow is the caller's to handle (Sampler: unpenalised_fallback)
-        v = np.where(v <= 0, v * np.float32(p.repetition_penalty), v / np.float32(p.repetition_penalty))
-    v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+    with np.errstate(over="ignore"):  # an overflow is the caller's to handle (penalised_row: unpenalised_fallback)
+        v = np.where(v <= 0, v * np.float32(repetition), v / np.float32(repetition))
+    v = v - (counts.astype(np.float32) * np.float32(frequency) + np.float32(presence))
     x[ids] = v.astype(np.float32)
     return x
 
@@ -388,6 +367,17 @@ def top_sorted(x: np.ndarray, top_k: int) -> np.ndarray:
     else:
         ids = np.arange(n)
     return ids[np.lexsort((ids, -x[ids]))]  # logit descending, then id ascending
+
+
+def draw_filtered(ids: np.ndarray, v: np.ndarray, top_p: float, min_p: float, temperature: float, u: float) -> int:
+    """Top-p, min-p, temperature and the draw by a uniform u in [0, 1) over sorted candidates
+    ids (logits v): the end of the chain."""
+    ids, v = filter_candidates(ids, v, top_p, min_p)  # most likely first
+    z = v.astype(np.float64) / temperature
+    w = np.exp(z - z[0])
+    c = np.cumsum(w)
+    k = int(np.searchsorted(c, u * c[-1], side="right"))
+    return int(ids[min(k, len(ids) - 1)])
 
 
 def draw_from(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
@@ -465,3 +455,196 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+# ---- a step's draws, all rows at once ------------------------------------------------------------
+#
+# A step whose rows all sample on the device hands back ids, not logits (Engine.step(sample=…)).
+# SampleRows is what such a sampler takes: each row's chain as numbers, and the uniform its draw
+# uses, drawn on the host from the request's own generator (one per sampled draw, exactly as
+# Sampler.sample draws it), so a seed gives the same ids whichever computes them. `sample_rows`
+# is the host's implementation and the reference a device one is tested against; Sampler.sample
+# is sample_rows on one row, so the per-request and the batched draws are one implementation.
+# A device sampler takes the step's logits where they are (B, V) and a SampleRows whose ragged
+# fields it receives packed, and returns Drawn (B ids, B fault codes): 9 bytes a row to the host.
+# Greedy rows must give sample_rows' ids exactly; a filtered draw uses the row's uniform as given
+# (top-k, top-p, min-p, temperature, then the running-sum search), so its ids equal
+# sample_rows' wherever float64 rounding of exp and the sums does not move a boundary.
+
+_NONE = np.zeros(0, np.int64)
+FAULT_NAN, FAULT_INF, FAULT_NO_FINITE, FAULT_NOT_ALLOWED = 1, 2, 3, 4  # Drawn.fault: why a row has no id
+
+
+def raise_fault(code: int) -> None:
+    """The error for a row no id can be drawn from (Drawn.fault)."""
+    if code == FAULT_NAN:
+        raise InvalidLogits("logits contain NaN: the forward pass produced invalid numbers")
+    if code == FAULT_INF:
+        raise InvalidLogits("logits contain +inf: the forward pass overflowed")
+    if code == FAULT_NO_FINITE:
+        raise InvalidLogits("no token can be drawn: every logit is -inf")
+    if code == FAULT_NOT_ALLOWED:
+        raise NoAllowedToken("no token can be drawn: the request's constraint allows no token the model can "
+                             "produce here; check the schema, regex or grammar")
+    raise ValueError(f"unknown sampling fault {code}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRows:
+    """Each row's sampling chain for one step, as arrays (B rows), and the uniform of its draw.
+
+    Rows that do not draw (a prompt chunk that does not end its prompt) have draws False. The
+    ragged fields are per row: `penalty` the (ids, counts) of the history window the penalties
+    read (None: no penalty), `banned` the ids never drawn (ignore_eos), `masks` a constraint's
+    allowed ids (bool (V,), None: all). A device sampler packs them as offsets and values.
+    """
+
+    draws: np.ndarray  # (B,) bool
+    greedy: np.ndarray  # (B,) bool: argmax (temperature below GREEDY_BELOW)
+    temperature: np.ndarray  # (B,) float64
+    top_k: np.ndarray  # (B,) int64, 0: off
+    top_p: np.ndarray  # (B,) float64
+    min_p: np.ndarray  # (B,) float64
+    repetition: np.ndarray  # (B,) float64 (applied as float32, as llama.cpp)
+    frequency: np.ndarray  # (B,) float64
+    presence: np.ndarray  # (B,) float64
+    need: np.ndarray  # (B,) int64: the most likely ids a row draws from (Sampler.need), 0: the whole row
+    uniform: np.ndarray  # (B,) float64 in [0, 1); NaN where the row draws no random number
+    penalty: tuple
+    banned: tuple
+    masks: tuple
+
+    @classmethod
+    def of(cls, samplers: Sequence["Sampler | None"], histories: Sequence[Sequence[int]],
+           masks: Sequence[np.ndarray | None] | None = None) -> "SampleRows":
+        """The rows of `samplers` (None: a row that does not draw) after `histories`; each
+        sampled row's uniform is drawn from its sampler's generator now."""
+        n = len(samplers)
+        masks = tuple(masks) if masks is not None else (None,) * n
+        f = np.zeros(n, np.float64)
+        draws, greedy = np.zeros(n, bool), np.zeros(n, bool)
+        temperature, top_k, top_p, min_p = f.copy(), np.zeros(n, np.int64), np.ones(n), f.copy()
+        rep, freq, pres, need, uniform = np.ones(n), f.copy(), f.copy(), np.zeros(n, np.int64), np.full(n, np.nan)
+        penalty, banned = [None] * n, [_NONE] * n
+        for i, (s, h) in enumerate(zip(samplers, histories)):
+            if s is None:
+                continue
+            p = s.params
+            draws[i], greedy[i] = True, p.is_greedy
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            need[i] = s.need() or 0
+            ids, counts = penalty_window(h, p, s.vocab_size)
+            penalty[i] = None if ids is None else (ids, counts)
+            banned[i] = s.banned
+            if not p.is_greedy:
+                uniform[i] = s.rng.random()
+        return cls(draws, greedy, temperature, top_k, top_p, min_p, rep, freq, pres, need, uniform,
+                   tuple(penalty), tuple(banned), masks)
+
+    def __len__(self) -> int:
+        return self.draws.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """The ids of a step's rows (-1 where a row does not draw) and, per row, why none could be
+    drawn (0: drawn; FAULT_*)."""
+
+    ids: np.ndarray  # (B,) int64
+    fault: np.ndarray  # (B,) int8
+
+    def id(self, i: int) -> int:
+        """Row i's id; InvalidLogits or NoAllowedToken where it has none."""
+        if self.fault[i]:
+            raise_fault(int(self.fault[i]))
+        return int(self.ids[i])
+
+
+def penalised_row(x: np.ndarray, banned: np.ndarray, mask: np.ndarray | None, pen_ids, pen_counts,
+                  repetition: float, frequency: float, presence: float) -> np.ndarray | int:
+    """A float32 copy of the row with the ignore_eos ban, the mask and the penalties applied,
+    or the FAULT_* code of a row no id can be drawn from. Where the penalties leave no finite
+    maximum (only possible for logits near float32's limit) the row is the unpenalised one
+    reduced to its argmax (unpenalised_fallback)."""
+    top = x.max()  # NaN if any is NaN
+    if np.isnan(top):
+        return FAULT_NAN
+    if top == np.inf:
+        return FAULT_INF
+    x = x.copy()
+    if banned.size:
+        x[banned] = -np.inf
+    if x.max() == -np.inf:
+        return FAULT_NO_FINITE
+    if mask is not None:
+        x[~mask] = -np.inf
+    if x.max() == -np.inf:
+        return FAULT_NOT_ALLOWED
+    if pen_ids is None:
+        return x
+    y = penalise(x.copy(), pen_ids, pen_counts, repetition, frequency, presence)
+    if np.isfinite(y.max()):
+        return y
+    return unpenalised_fallback(x)
+
+
+def sample_rows(x: "np.ndarray | TopLogits", rows: SampleRows) -> Drawn:
+    """One id per drawing row of logits x (B, V), or of its TopLogits where every drawing row's
+    need() allows: the reference of a device sampler. Greedy rows without penalties, ban or mask
+    are one argmax over the batch; the others follow the chain row by row."""
+    n = len(rows)
+    ids, fault = np.full(n, -1, np.int64), np.zeros(n, np.int8)
+    if isinstance(x, TopLogits):
+        for i in np.flatnonzero(rows.draws):
+            ids[i], fault[i] = _draw_top(x[int(i)], rows, int(i))
+        return Drawn(ids, fault)
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] != n:
+        raise ValueError(f"logits must have shape ({n}, V), got {x.shape}")
+    plain = rows.draws & rows.greedy & np.array([p is None and b.size == 0 and m is None for p, b, m in
+                                                  zip(rows.penalty, rows.banned, rows.masks)], bool)
+    if plain.any():
+        sub = x[plain]
+        top = sub.max(axis=1)
+        ids[plain] = np.argmax(sub, axis=1)  # first maximum: the lowest id wins ties
+        fault[plain] = np.where(np.isnan(top), FAULT_NAN, np.where(top == np.inf, FAULT_INF,
+                                                                  np.where(top == -np.inf, FAULT_NO_FINITE, 0)))
+    for i in np.flatnonzero(rows.draws & ~plain):
+        pen = rows.penalty[i]
+        y = penalised_row(x[i], rows.banned[i], rows.masks[i], *(pen if pen is not None else (None, None)),
+                          rows.repetition[i], rows.frequency[i], rows.presence[i])
+        if isinstance(y, int):
+            fault[i] = y
+        elif rows.greedy[i]:
+            ids[i] = int(np.argmax(y))
+        else:
+            cand = top_sorted(y, int(rows.top_k[i]))
+            ids[i] = draw_filtered(cand, y[cand], rows.top_p[i], rows.min_p[i], rows.temperature[i], rows.uniform[i])
+    return Drawn(ids, fault)
+
+
+def _draw_top(top: TopRow, rows: SampleRows, i: int) -> tuple[int, int]:
+    """(id, fault) of row i from its most likely ids (Sampler.need of them)."""
+    need = int(rows.need[i])
+    if need == 0:
+        raise ValueError("these sampling parameters need the whole row of logits")
+    if rows.masks[i] is not None:
+        raise ValueError("a masked row needs the whole row of logits, not its top ids")
+    if top.nan:
+        return -1, FAULT_NAN
+    if top.ids.size < need:
+        raise ValueError(f"sampling needs the {need} most likely ids, got {top.ids.size}")
+    ids, v = top.ids, top.vals
+    if v.size and v[0] == np.inf:
+        return -1, FAULT_INF
+    banned = rows.banned[i]
+    if banned.size:
+        keep = ~np.isin(ids, banned)
+        ids, v = ids[keep], v[keep]
+    if v.size == 0 or v[0] == -np.inf:
+        return -1, FAULT_NO_FINITE
+    if rows.greedy[i]:
+        return int(ids[0]), 0
+    k = int(rows.top_k[i])  # need() is None without a top-k: k ≥ 1 here
+    return draw_filtered(ids[:k], v[:k], rows.top_p[i], rows.min_p[i], rows.temperature[i], rows.uniform[i]), 0

@@ -7,7 +7,7 @@
                               read once for all of them (Engine.step, batched over sequences)
     accept  d1 … dn by the rule below, then one token of the target's own (the correction at
             the first rejection, or a bonus after all k): 1 … k + 1 tokens per pass
-    KV      truncated to drop the rejected positions
+    KV      cut back to the accepted tokens by the decode loop (decode.Sequence.settle)
 
 The rule (Leviathan et al.; Chen et al.): p_j is the target's distribution at row j — the
 sampler's whole chain (Sampler.distribution: ignore_eos ban, penalties over the history *with
@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ntransformerd.engine import layer_skip
+from ntransformerd.engine import decode, layer_skip
 from ntransformerd.engine.sampler import draw_from
 
 log = logging.getLogger("ntransformerd")
@@ -67,17 +67,50 @@ class VocabularyMismatch(ValueError):
     """The draft model's tokenizer differs from the target's."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A speculative mode as a value: parsed once where it enters (the daemon's config, a
+    request, a command line) and passed down as is."""
+
+    name: str = "off"  # off | auto | ngram | draft | skip | prefix
+    arg: str = ""  # skip's layers, prefix's layer count; "" for the others
+
+    @classmethod
+    def parse(cls, mode: str | None) -> "Mode":
+        """'ngram' | 'draft' | 'skip[:SPEC]' | 'prefix[:N]' | 'auto' | 'off' | '' (off); ValueError
+        naming the modes otherwise."""
+        s = (mode or "off").strip().lower()
+        if len(s) > MAX_MODE_CHARS:
+            raise ValueError(f"a speculative mode of {len(s)} characters is none: {MODE_HELP}")
+        name, _, arg = s.partition(":")
+        if name not in MODES or (arg and name not in ("skip", "prefix")):
+            raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
+        if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
+            raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
+        return cls(name, arg)
+
+    @property
+    def off(self) -> bool:
+        return self.name == "off"
+
+    def within(self, default: "Mode") -> "Mode":
+        """This mode as a request means it under the daemon's `default`: a self-draft source named
+        without its layers (skip, prefix) takes the default's where the default is that source."""
+        if self.name in ("skip", "prefix") and not self.arg and default.name == self.name:
+            return default
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.arg}" if self.arg else self.name
+
+
+OFF = Mode()
+
+
 def parse_mode(mode: str | None) -> tuple[str, str]:
-    """'ngram' | 'draft' | 'skip[:SPEC]' | 'prefix[:N]' | 'auto' | 'off' | '' → (name, argument)."""
-    s = (mode or "off").strip().lower()
-    if len(s) > MAX_MODE_CHARS:
-        raise ValueError(f"a speculative mode of {len(s)} characters is none: {MODE_HELP}")
-    name, _, arg = s.partition(":")
-    if name not in MODES or (arg and name not in ("skip", "prefix")):
-        raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
-    if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
-        raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
-    return name, arg
+    """(name, argument) of a mode's text (Mode.parse)."""
+    m = Mode.parse(mode)
+    return m.name, m.arg
 
 
 # ---- cost of a step ------------------------------------------------------------------------
@@ -304,21 +337,27 @@ class Controller:
 
 
 class SpecSeq:
-    """One sequence under speculation: its Continuation, KV slot, seed, draft length and the
-    draft's own state. Owned by the thread that owns the engine."""
+    """The speculation state of one sequence (decode.Sequence: its history, sampler, constraint
+    and slot): seed, draft length and the draft's own state. Owned by the thread that owns the
+    engine."""
 
-    def __init__(self, cont, slot: int, controller: Controller, seed: int | None):
-        self.cont, self.slot, self.ctl = cont, slot, controller
+    def __init__(self, sequence, controller: Controller, seed: int | None):
+        self.sequence, self.ctl = sequence, controller
         self.seed = secrets.randbits(63) if seed is None else int(seed)
         self.state: dict = {}  # the draft source's per-sequence state
+
+    @property
+    def slot(self) -> int:
+        return self.sequence.slot
 
     def uniform(self, position: int, purpose: int) -> float:
         return float(np.random.default_rng([self.seed, position, purpose]).random())
 
     def first(self, logits) -> int:
         """A token drawn from one row, keyed like every other draw of this sequence."""
-        ids, p = self.cont.sampler.distribution(logits, self.cont.history, self.cont.mask())
-        return draw_from(ids, p, self.uniform(len(self.cont.history), _TARGET))
+        s = self.sequence
+        ids, p = s.sampler.distribution(logits, s.history, s.mask())
+        return draw_from(ids, p, self.uniform(len(s.history), _TARGET))
 
 
 @dataclasses.dataclass
@@ -332,9 +371,9 @@ class Proposal:
 def draw_draft(seq: SpecSeq, row: np.ndarray, proposal: Proposal) -> int:
     """Draw the next draft token from a draft model's row by the sequence's own sampler chain
     (its history plus the drafts so far), and append it and its distribution to the proposal."""
-    hist = seq.cont.history + proposal.tokens
-    c = seq.cont.constraint
-    ids, q = seq.cont.sampler.distribution(row, hist, None if c is None else c.mask_after(proposal.tokens))
+    hist = seq.sequence.history + proposal.tokens
+    c = seq.sequence.constraint
+    ids, q = seq.sequence.sampler.distribution(row, hist, None if c is None else c.mask_after(proposal.tokens))
     x = draw_from(ids, q, seq.uniform(len(hist), _DRAFT))
     proposal.tokens.append(x)
     proposal.q.append((ids, q))
@@ -344,8 +383,8 @@ def draw_draft(seq: SpecSeq, row: np.ndarray, proposal: Proposal) -> int:
 def verify(seq: SpecSeq, rows: np.ndarray, proposal: Proposal) -> tuple[list[int], int]:
     """(tokens to emit, drafts accepted) from the target's rows (len(proposal) + 1, V) for
     [t, d1 … dk]; the rule of the module docstring."""
-    hist, out, k = list(seq.cont.history), [], len(proposal.tokens)
-    sampler, c = seq.cont.sampler, seq.cont.constraint
+    hist, out, k = list(seq.sequence.history), [], len(proposal.tokens)
+    sampler, c = seq.sequence.sampler, seq.sequence.constraint
     masks = [None] * (k + 1) if c is None else c.masks(proposal.tokens)  # row j: after d1 … dj, all kept so far
     for j in range(k + 1):
         ids, p = sampler.distribution(rows[j], hist + out, masks[j])
@@ -415,7 +454,7 @@ class NgramDraft(Draft):
 
     def propose(self, seqs, ks):
         return [Proposal(toks, [None] * len(toks))
-                for toks in (self.lookup(s.cont.history, k) for s, k in zip(seqs, ks))]
+                for toks in (self.lookup(s.sequence.history, k) for s, k in zip(seqs, ks))]
 
     def lookup(self, history: Sequence[int], k: int) -> list[int]:
         h = np.asarray(history, np.int64)
@@ -436,8 +475,8 @@ class ModelDraft(Draft):
 
     Either a separate small engine with the same vocabulary (its own KV slots, kept in step with
     the target's history), or the target engine itself run on fewer layers (`layers`: the model
-    minus skipped layers, or its first layers), whose draft positions are truncated away before
-    the target verifies them.
+    minus skipped layers, or its first layers), whose draft positions the decode loop cuts away
+    before the target verifies them (decode.Sequence.settle).
     """
 
     def __init__(self, engine, *, name: str, layers: Sequence[int] | None = None, own: bool):
@@ -458,7 +497,7 @@ class ModelDraft(Draft):
     def _pending(self, seq: SpecSeq) -> list[int]:
         """The tokens to run before the first draft token: for the target engine, the last one;
         for an own engine, everything its cache lacks (the whole prompt the first time)."""
-        hist = seq.cont.history
+        hist = seq.sequence.history
         if not self.own:
             return [hist[-1]]
         if "slot" not in seq.state:
@@ -487,23 +526,17 @@ class ModelDraft(Draft):
             return out
         inputs = {i: self._pending(seqs[i]) for i in active}  # an own engine's slot opens here
         slot = {i: seqs[i].state["slot"] if self.own else seqs[i].slot for i in active}
-        start = {i: engine.length(slot[i]) for i in active}
-        try:
-            for j in range(max(ks)):
-                active = [i for i in active if j < ks[i]]
-                if not active:
-                    break
-                rows = engine.step([(slot[i], inputs[i]) for i in active], layers=self.layers)  # (len(active), V)
-                for i, row in zip(active, rows):
-                    s = seqs[i]
-                    if self.own:
-                        s.state["fed"] += inputs[i]
-                    x = draw_draft(s, row, out[i])
-                    inputs[i] = [x]
-        finally:
-            if not self.own:  # the target verifies these positions itself
-                for i in slot:
-                    engine.truncate(slot[i], start[i])
+        for j in range(max(ks)):
+            active = [i for i in active if j < ks[i]]
+            if not active:
+                break
+            rows = engine.step([(slot[i], inputs[i]) for i in active], layers=self.layers)  # (len(active), V)
+            for i, row in zip(active, rows):
+                s = seqs[i]
+                if self.own:
+                    s.state["fed"] += inputs[i]
+                x = draw_draft(s, row, out[i])
+                inputs[i] = [x]
         return out
 
 
@@ -542,10 +575,11 @@ def load_draft_engine(path: str, target, *, backend: str | None = None):
                                              prefill_chunk=tc.prefill_chunk))
 
 
-def make_draft(mode: str, engine, *, draft_engine=None, model_path: str | None = None) -> Draft | None:
+def make_draft(mode: "Mode | str", engine, *, draft_engine=None, model_path: str | None = None) -> Draft | None:
     """The draft source a mode names (None for off). auto: the draft model where one is loaded,
     else n-gram lookup."""
-    name, arg = parse_mode(mode)
+    m = mode if isinstance(mode, Mode) else Mode.parse(mode)
+    name, arg = m.name, m.arg
     n = engine.cfg.n_layers
     if name == "off":
         return None
@@ -605,9 +639,9 @@ def _skip_layers(arg: str, path: str, n: int) -> tuple[int, ...]:
 class Speculator:
     """One draft source for an engine, its cost table, and the figures status reports.
 
-    The scheduler (or `generate`) calls: open(cont, slot) → SpecSeq; plan(seqs) → drafts;
+    The decode loop (engine/decode.py) calls: open(sequence) → SpecSeq; plan(seqs) → drafts;
     one Engine.step with [t] + drafts per sequence and all_logits; accept(seq, rows, proposal)
-    → tokens to emit (the KV cache truncated to them); close(seq).
+    → tokens to emit (the loop then cuts the KV cache back to them); close(seq).
     """
 
     def __init__(self, engine, draft: Draft, *, costs: StepCosts | None = None, max_draft: int = MAX_DRAFT):
@@ -626,31 +660,30 @@ class Speculator:
         """Plan with `costs` (the engine's table; this source's own draft cost is derived)."""
         self._costs = dataclasses.replace(costs, draft=self.draft.relative_cost(costs, self.engine.cfg.n_layers))
 
-    def open(self, cont, slot: int) -> SpecSeq:
-        return SpecSeq(cont, slot, Controller(self.costs, max_draft=self.max_draft), cont.params.seed)
+    def open(self, sequence) -> SpecSeq:
+        return SpecSeq(sequence, Controller(self.costs, max_draft=self.max_draft), sequence.params.seed)
 
     def close(self, seq: SpecSeq) -> None:
         self.draft.close(seq)
 
     def limit(self, seq: SpecSeq) -> int:
         """Most draft tokens worth proposing: within the context and the token budget."""
-        c = seq.cont
-        return max(0, min(self.max_draft, self.engine.max_ctx - len(c.history), c.max_tokens - c.generated - 1))
+        s = seq.sequence
+        return max(0, min(self.max_draft, s.free_positions(), s.max_tokens - s.generated - 1))
 
     def plan(self, seqs: Sequence[SpecSeq]) -> list[Proposal]:
         ks = [s.ctl.next_k(self.limit(s)) for s in seqs]
         proposals = self.draft.propose(seqs, ks)
         for s, p in zip(seqs, proposals):  # a draft goes no further than the constraint allows
-            if s.cont.constraint is not None and p.tokens:
-                n = s.cont.constraint.valid_prefix(p.tokens)
+            if s.sequence.constraint is not None and p.tokens:
+                n = s.sequence.constraint.valid_prefix(p.tokens)
                 p.tokens, p.q = p.tokens[:n], p.q[:n]
         return proposals
 
     def accept(self, seq: SpecSeq, rows: np.ndarray, proposal: Proposal) -> list[int]:
-        """Verify one sequence's rows, drop its rejected positions from the KV cache."""
+        """The tokens one sequence's rows verify (its rejected positions stay in the KV cache until
+        the loop settles the sequence)."""
         tokens, n = verify(seq, rows, proposal)
-        # the cache holds t, d1 … dk; keep t and the n accepted drafts, the new last token is not run yet
-        self.engine.truncate(seq.slot, self.engine.length(seq.slot) - len(proposal.tokens) + n)
         seq.ctl.update(len(proposal.tokens), n)
         self.passes += 1
         self.proposed += len(proposal.tokens)
@@ -666,24 +699,5 @@ class Speculator:
 
 
 def generate(engine, prompt_ids: Sequence[int], params, speculator: Speculator, *, constraint=None) -> Iterator:
-    """engine.generate with speculation: the same events; greedy gives the same tokens."""
-    from ntransformerd.engine.engine import Continuation, GenerationEvent
-
-    params.validate()
-    cont = Continuation(engine, prompt_ids, params, constraint=constraint)
-    slot = engine.open()
-    seq = speculator.open(cont, slot)
-    try:
-        tokens = [seq.first(engine.prefill(slot, prompt_ids))]
-        while True:
-            for token in tokens:
-                text, finish = cont.push(token, room=len(cont.history) + 1 <= engine.max_ctx)
-                yield GenerationEvent(token, text, finish)
-                if finish:
-                    return
-            proposal = speculator.plan([seq])[0]
-            rows = engine.step([(slot, [cont.history[-1]] + proposal.tokens)], all_logits=True)
-            tokens = speculator.accept(seq, rows, proposal)
-    finally:
-        speculator.close(seq)
-        engine.close(slot)
+    """engine.generate with speculation (decode.generate): the same events; greedy gives the same tokens."""
+    return decode.generate(engine, prompt_ids, params, speculator=speculator, constraint=constraint)

@@ -33,6 +33,7 @@ from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors, sockets, tcp
 from ntransformerd.server.callers import Identify, unix_caller
 from ntransformerd.server.relay import Relay
+from ntransformerd.server.lifecycle import FAILED, SERVING, Lifecycle
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.systemd import Notifier
@@ -50,7 +51,9 @@ class Daemon:
                  run_dir: str | None = None, state_dir: str | None = None):
         self.config = config
         self.notifier = notifier or Notifier()
-        self.scheduler = Scheduler(config=config, notifier=self.notifier, on_fault=self._model_fault)
+        self.lifecycle = Lifecycle()  # the serving state: Status, health and what new requests are told
+        self.scheduler = Scheduler(config=config, notifier=self.notifier, lifecycle=self.lifecycle,
+                                   on_fault=self._model_fault)
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._stop_timeout: float | None = None
@@ -130,8 +133,8 @@ class Daemon:
         """Stop with exit status `code`; `why` stays the unit's STATUS= after the exit."""
         self.exit_code, self._exit_reason = code, why
         self.notifier.status(why)
-        if self.scheduler.state != "failed":  # a failed load already said why
-            self.scheduler.fail(f"ntransformerd is stopping: {why}")
+        if self.lifecycle.state != FAILED:  # a failed load already said why
+            self.lifecycle.failed(f"ntransformerd is stopping: {why}")
         self.request_shutdown(0)
 
     def _bring_up(self):
@@ -180,12 +183,13 @@ class Daemon:
         threading.Thread(target=self._recover, args=(exc,), name="nvme-recover", daemon=True).start()
 
     def _recover(self, exc: BaseException) -> None:
-        self.scheduler.set_loading(f"recovering the NVMe drive after: {exc}", 0.0)
+        self.lifecycle.loading(f"recovering the NVMe drive after: {exc}", 0.0)
         # the step that met the error finishes first (its requests get UNAVAILABLE); only then
         # do its weights and the drive go, so nothing is torn down under a running step
         self.scheduler.drain(self.config.drain_timeout, reason=f"the NVMe drive failed ({exc})")
         with self._load_lock:
-            engine = self.scheduler.detach(replacing="bringing the NVMe drive up again")
+            engine = self.scheduler.detach()
+            self.lifecycle.loading("bringing the NVMe drive up again", 0.99)
             self._close_engine(engine)
             self.drive.close()
         if self._stop.is_set():
@@ -221,7 +225,7 @@ class Daemon:
         self.notifier.stopping(self._exit_reason or "draining")
         self.set_health(False)
         log.info("stopping: draining in-flight requests for up to %.1f s", timeout)
-        finished, cancelled = self.scheduler.drain(timeout)
+        finished, cancelled = self.drain(timeout, reason="ntransformerd is shutting down")
         log.info("drained: %d finished, %d cancelled", finished, cancelled)
         self.server.stop(grace=1.0).wait(2.0)
         self.relay.stop()  # after the server: its last words to the clients have passed through
@@ -234,6 +238,7 @@ class Daemon:
             log.warning("a model load did not stop within %.0f s; exiting without waiting for it", LOAD_STOP_WAIT_S)
         try:
             self._close_engine(self.scheduler.detach())  # its buffers (on a GPU host the device) go
+            self.lifecycle.no_model()
             if self.drive is not None:
                 self.drive.close()
                 self.drive.release()
@@ -247,6 +252,18 @@ class Daemon:
         log.info("stopped")
 
     # ---- health and models ----------------------------------------------------------------
+
+    def drain(self, timeout: float, *, reason: str) -> tuple[int, int]:
+        """Admit nothing new, let in-flight requests finish for `timeout` s, cancel the rest:
+        (finished, cancelled)."""
+        self.lifecycle.draining(reason)
+        self.set_health(False)
+        return self.scheduler.drain(timeout, reason=reason)
+
+    def resume(self) -> None:
+        """Admit requests again after a drain."""
+        self.lifecycle.resume(has_model=self.scheduler.engine is not None)
+        self.set_health(self.lifecycle.state == SERVING)
 
     def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -274,7 +291,7 @@ class Daemon:
             except Exception as e:
                 where = path or self.config.model or "the default model"
                 if old is None:
-                    self.scheduler.fail(f"the model failed to load: {e}")
+                    self.lifecycle.failed(f"the model failed to load: {e}")
                     self.notifier.status(f"failed to load {where}: {e}")
                 else:
                     log.error("keeping %s: loading %s failed: %s", model_name(old), where, e)
@@ -283,6 +300,7 @@ class Daemon:
             if old is not None:
                 self.unload_model(self.config.drain_timeout, replacing=f"switching to {model_name(engine)}")
             self.scheduler.attach(engine, draft_engine=draft_engine, costs=costs)
+            self.lifecycle.serving()
             self._resources[id(engine)] = resources
             self.set_health(True)
             self.notifier.status(self._serving_status())
@@ -410,14 +428,17 @@ class Daemon:
             raise errors.ShuttingDown("ntransformerd is stopping: the model load was abandoned")
 
     def _progress(self, text: str, fraction: float) -> None:
-        self.scheduler.set_loading(text, fraction)
+        self.lifecycle.loading(text, fraction)
         self.notifier.status(text)
 
     def unload_model(self, timeout: float, *, replacing: str = "") -> None:
         """Drain and close the loaded engine; `replacing`: another is ready to take its place."""
-        self.set_health(False)
-        self.scheduler.drain(timeout, reason="ntransformerd is replacing its model" if replacing else
-                             "ntransformerd is unloading its model")
-        self._close_engine(self.scheduler.detach(replacing=replacing))
+        self.drain(timeout, reason="ntransformerd is replacing its model" if replacing else
+                   "ntransformerd is unloading its model")
+        self._close_engine(self.scheduler.detach())
+        if replacing:
+            self.lifecycle.loading(replacing, 0.99)
+        else:
+            self.lifecycle.no_model()
         log.info("model unloaded")
 

@@ -17,10 +17,11 @@ from google.protobuf.message import DecodeError
 
 from ntransformerd.engine import constraints
 from ntransformerd.engine.backends import BACKENDS
-from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS
+from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
+from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
-from ntransformerd.server.scheduler import Scheduler, model_name
+from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
@@ -43,9 +44,6 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
 # is the last guard.
 MAX_MESSAGE_CHARS = 2000
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
-STATES = {"no_model": pb.SERVING_STATE_NO_MODEL, "starting": pb.SERVING_STATE_LOADING, "loading": pb.SERVING_STATE_LOADING,
-          "serving": pb.SERVING_STATE_SERVING, "draining": pb.SERVING_STATE_DRAINING,
-          "failed": pb.SERVING_STATE_FAILED}
 MAX_PROMPT_BYTES = 1 << 20
 
 
@@ -71,6 +69,11 @@ def _abort(context, exc: BaseException):
     context.abort(code, message)
 
 
+def _aborted(exc: BaseException, context) -> bool:
+    """The call already ended: a gRPC error, or what context.abort raised (its code is set)."""
+    return isinstance(exc, grpc.RpcError) or context.code() is not None
+
+
 def rpc(method):
     """Unary handler: domain errors → abort with their status."""
     @functools.wraps(method)
@@ -78,7 +81,7 @@ def rpc(method):
         try:
             return method(self, request, context)
         except Exception as e:  # noqa: BLE001
-            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+            if _aborted(e, context):
                 raise
             _abort(context, e)
     return wrapper
@@ -91,7 +94,7 @@ def stream_rpc(method):
         try:
             yield from method(self, request, context)
         except Exception as e:  # noqa: BLE001
-            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+            if _aborted(e, context):
                 raise
             _abort(context, e)
     return wrapper
@@ -143,8 +146,6 @@ def _check_model(name: str, scheduler: Scheduler) -> None:
 
 def sampling_params(request: pb.GenerateRequest, max_tokens: int):
     """The engine's SamplingParams from a request; unset fields keep their defaults."""
-    from ntransformerd.engine.sampler import SamplingParams
-
     s = request.sampling
     kw = {f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                      "frequency_penalty", "presence_penalty", "seed") if s.HasField(f)}
@@ -153,6 +154,16 @@ def sampling_params(request: pb.GenerateRequest, max_tokens: int):
                               ignore_eos=request.ignore_eos).validate()
     except ValueError as e:
         raise errors.InvalidRequest(f"bad sampling parameter: {e}") from None
+
+
+def speculative_mode(text: str) -> Mode | None:
+    """A request's speculative mode, parsed once here; None ("") for the daemon's default."""
+    if not text:
+        return None
+    try:
+        return Mode.parse(text)
+    except ValueError as e:
+        raise errors.InvalidRequest(str(e)) from None
 
 
 def constraint_of(request: pb.GenerateRequest, engine):
@@ -222,6 +233,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if max_tokens < 1 or max_tokens > 1 << 31:
             raise errors.InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..the context length")
         params = sampling_params(request, max_tokens)
+        mode = speculative_mode(request.speculative)
         logprobs = request.logprobs if request.HasField("logprobs") else None
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidRequest(f"logprobs {logprobs} is out of range: ask for 0..{MAX_TOP_LOGPROBS} "
@@ -233,7 +245,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
                                       prefix_cache=not request.no_prefix_cache and caller is not None,
-                                      speculative=request.speculative, logprobs=logprobs,
+                                      speculative=mode, logprobs=logprobs,
                                       prompt_logprobs=request.prompt_logprobs, constraint=constraint, caller=caller)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
@@ -269,10 +281,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     @rpc
     def GetModel(self, request, context):
-        engine = self.scheduler._ready_engine() if self.scheduler.state != "draining" else self.scheduler.engine
-        if engine is None:
-            raise errors.NotReady("no model is loaded")
-        return model_info(engine)
+        return model_info(self.scheduler.serving_engine(admitting=False))
 
     @rpc
     def Status(self, request, context):
@@ -325,40 +334,64 @@ def _engine_memory(engine) -> tuple[int, int]:
     return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
 
 
-def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
-    """The daemon's state for `caller`. Counts and totals are the daemon's (the prefix counters
-    too: no request hits another scope's cache, so they say how busy it is, not what anyone
-    asked); the list of requests is the caller's own, all of them for root and the daemon's user."""
-    s, cfg, engine = scheduler.snapshot(), daemon.config, scheduler.engine
-    shown_requests = [{k: v for k, v in q.items() if k != "caller"} for q in s["requests"]
-                      if caller is not None and (caller.privileged or _same_sender(q["caller"], caller))]
-    r = pb.StatusResponse(state=STATES[s["state"]], load_progress=s["load_progress"], load_fraction=s["load_fraction"],
-                          live_requests=s["live"], queued_requests=s["queued"], batch_size=s["batch"],
-                          max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s["free_slots"],
-                          tokens_per_second=s["tokens_per_second"], steps=s["steps"],
-                          requests_total=s["requests_total"], tokens_generated_total=s["tokens_total"],
-                          uptime_seconds=s["uptime"], memory_bytes=_rss_bytes(), error=s["error"], pid=os.getpid(),
-                          requests=[pb.RequestInfo(**q) for q in shown_requests],
-                          prompt_tokens_total=s["prompt_tokens_total"], prefill_tokens_total=s["prefill_tokens_total"],
-                          prefix_hit_tokens_total=s["prefix_hit_tokens_total"],
-                          prefix_evictions_total=s["prefix_evictions_total"],
-                          prefix_cached_slots=s["prefix_cached_slots"], prefix_cache=cfg.prefix_cache,
-                          prefix_cache_share=cfg.prefix_cache_share)
     r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
-    sp = s["speculation"]
-    r.skip_layers.extend(s["skip_layers"])
+    sp = s.speculation
+    r.skip_layers.extend(s.skip_layers)
     r.speculation.CopyFrom(pb.SpeculationStatus(
-        default_mode=sp["default_mode"], draft_model=sp["draft_model"], passes=sp["passes"], proposed=sp["proposed"],
-        accepted=sp["accepted"], acceptance=sp["acceptance"], tokens_per_pass=sp["tokens_per_pass"],
-        cost_table=json.dumps(sp["costs"]) if sp["costs"] else ""))
+        default_mode=sp.default_mode, draft_model=sp.draft_model, passes=sp.passes, proposed=sp.proposed,
+        accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
+        cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
     if engine is not None:
         r.placements.extend(placements(engine))
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
-        storage = daemon.storage_stats() if hasattr(daemon, "storage_stats") else None
+        storage = daemon.storage_stats()
         for t in info.plan.tiers:  # each step reads every layer once
             tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
-                               bytes_per_second=t.bytes * s["steps_per_second"])
+                               bytes_per_second=t.bytes * s.steps_per_second)
+            if t.name == "storage" and storage is not None:
+                tier_counters(tier, storage)
+    return r
+
+
+def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
+    """The daemon's state for `caller`, mapped from its typed figures in this one place. Counts
+    and totals are the daemon's (the prefix counters too: no request hits another scope's cache,
+    so they say how busy it is, not what anyone asked); the list of requests is the caller's
+    own, all of them for root and the daemon's user."""
+    s: SchedulerStatus = scheduler.status()
+    life, cfg, engine = daemon.lifecycle.status(), daemon.config, scheduler.engine
+    shown_requests = [q for q in s.requests
+                      if caller is not None and (caller.privileged or _same_sender(q.caller, caller))]
+    r = pb.StatusResponse(state=life.state, load_progress=life.progress, load_fraction=life.fraction, error=life.error,
+                          live_requests=s.live, queued_requests=s.queued, batch_size=s.batch,
+                          max_batch=cfg.max_batch, max_queue=cfg.max_queue, free_slots=s.free_slots,
+                          tokens_per_second=s.tokens_per_second, steps=s.steps,
+                          requests_total=s.requests_total, tokens_generated_total=s.tokens_total,
+                          uptime_seconds=s.uptime, memory_bytes=_rss_bytes(), pid=os.getpid(),
+                          requests=[pb.RequestInfo(id=q.id, state=q.state, slot=q.slot, prompt_tokens=q.prompt_tokens,
+                                                   generated_tokens=q.generated_tokens, age_seconds=q.age_seconds)
+                                    for q in shown_requests],
+                          prompt_tokens_total=s.prompt_tokens_total, prefill_tokens_total=s.prefill_tokens_total,
+                          prefix_hit_tokens_total=s.prefix_hit_tokens_total,
+                          prefix_evictions_total=s.prefix_evictions_total,
+                          prefix_cached_slots=s.prefix_cached_slots, prefix_cache=cfg.prefix_cache,
+                          prefix_cache_share=cfg.prefix_cache_share)
+    r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
+    sp = s.speculation
+    r.skip_layers.extend(s.skip_layers)
+    r.speculation.CopyFrom(pb.SpeculationStatus(
+        default_mode=sp.default_mode, draft_model=sp.draft_model, passes=sp.passes, proposed=sp.proposed,
+        accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
+        cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
+    if engine is not None:
+        r.placements.extend(placements(engine))
+        info = model_info(engine)
+        r.model, r.backend = info.name, info.backend
+        storage = daemon.storage_stats()
+        for t in info.plan.tiers:  # each step reads every layer once
+            tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
+                               bytes_per_second=t.bytes * s.steps_per_second)
             if t.name == "storage" and storage is not None:
                 tier_counters(tier, storage)
     return r
@@ -417,15 +450,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     @rpc
     def Drain(self, request, context):
-        finished, cancelled = self.daemon.scheduler.drain(request.timeout_seconds or self.daemon.config.drain_timeout,
-                                                          reason="ntransformerd is draining (admin)")
-        self.daemon.set_health(False)
+        finished, cancelled = self.daemon.drain(request.timeout_seconds or self.daemon.config.drain_timeout,
+                                                reason="ntransformerd is draining (admin)")
         return admin_pb2.DrainResponse(finished=finished, cancelled=cancelled)
 
     @rpc
     def Resume(self, request, context):
-        self.daemon.scheduler.resume()
-        self.daemon.set_health(self.daemon.scheduler.state == "serving")
+        self.daemon.resume()
         return admin_pb2.ResumeResponse()
 
     @rpc

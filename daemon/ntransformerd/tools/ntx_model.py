@@ -95,8 +95,14 @@ def _sampling(args):
 
 def cmd_run(args) -> int:
     from ntransformerd.engine.engine import Engine, EngineConfig, generate, resolved
+    from ntransformerd.engine.speculative import Mode
 
     params = _sampling(args).validate()
+    try:
+        mode = Mode.parse(args.speculative)
+    except ValueError as e:
+        print(f"ntx-model: --speculative: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     config, backend = resolved(EngineConfig(  # sizes parsed, "auto" decided, kv_dtype and storage checked: once
         backend=args.backend, max_batch=args.max_batch, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
@@ -130,14 +136,11 @@ def cmd_run(args) -> int:
     ids, text, finish = [], [], None
     t1 = time.perf_counter()
     first_token_s = None
-    if args.speculative not in (None, "off"):  # lossless: the same tokens, fewer target passes
+    spec = None
+    if not mode.off:  # lossless: the same tokens, fewer target passes
         from ntransformerd.tools.quality import speculator
-        spec = speculator(engine, args.speculative, args.draft)
-        from ntransformerd.engine.speculative import generate as spec_generate
-        events = spec_generate(engine, prompt_ids, params, spec)
-    else:
-        spec, events = None, generate(engine, prompt_ids, params, dump_logits=dump)
-    for ev in events:
+        spec = speculator(engine, mode, args.draft)
+    for ev in generate(engine, prompt_ids, params, speculator=spec, dump_logits=dump):
         if first_token_s is None:
             first_token_s = time.perf_counter() - t1
         ids.append(ev.token)

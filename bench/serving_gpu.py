@@ -1,0 +1,175 @@
+"""The daemon's serving throughput on the GPU against the engine's own step rate, and against
+llama.cpp's batched bench on the default model (issue 24).
+
+    python3 bench/serving_gpu.py --dir /tmp/ntx --clients 1 16 64 \
+        --batched-bench /tmp/llama/llama.cpp/build/bin/llama-batched-bench
+    python3 bench/serving_gpu.py --smoke --dir /tmp/ntx-smoke      # tiny model, a few tokens: does it run?
+
+1. The engine alone (in this process, no daemon): decode steps of B sequences (B = each client
+   count), every row's next id picked on the GPU (top=1), tok/s = B × steps / time: the rate the
+   daemon could reach if the host cost nothing beside the step.
+2. The daemon (`ntransformerd --backend cuda`, max_batch = the largest client count) on the same
+   file: N clients at once, each one request of --max-tokens tokens (ignore_eos), greedy and then
+   seeded sampling (temperature 0.8, top-k 40); aggregate tok/s = generated tokens / wall time of
+   the level (prefill included, a short prompt). The ratio to (1) is the share of the engine's
+   rate the serving loop keeps.
+3. The default model at 1 and 16 clients through the daemon against `llama-batched-bench`
+   (the same file, -npp 16 -ntg --max-tokens -npl 1,16, all layers on the GPU), its TG rate.
+Clients run in several processes (threads of one Python process would share one interpreter).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "client"))
+
+import common  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def engine_rate(path: str, batch: int, steps: int, max_batch: int) -> float:
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    e = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=max_batch, max_ctx=512))
+    try:
+        slots = [e.open() for _ in range(batch)]
+        e.step([(s, [1 + j, 2, 3, 4]) for j, s in enumerate(slots)])
+        for _ in range(3):
+            e.step([(s, [7]) for s in slots], top=1)
+        t = time.perf_counter()
+        for _ in range(steps):
+            e.step([(s, [11]) for s in slots], top=1)
+        return batch * steps / (time.perf_counter() - t)
+    finally:
+        e.unload()
+        del e
+
+
+def _client_proc(args) -> int:
+    socket, n, max_tokens, sampled, seed0 = args
+    import concurrent.futures
+
+    from ntx_client import Client
+
+    def one(k: int) -> int:
+        with Client(socket) as c:
+            kw = dict(temperature=0.8, top_k=40, seed=seed0 + k) if sampled else dict(temperature=0)
+            r = c.complete(PROMPT, max_tokens=max_tokens, ignore_eos=True, **kw)
+            return len(r.ids)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return sum(pool.map(one, range(n)))
+
+
+def serve_level(socket: str, clients: int, max_tokens: int, sampled: bool) -> float:
+    procs = min(clients, 8)
+    shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        t = time.perf_counter()
+        tokens = sum(pool.map(_client_proc, [(socket, n, max_tokens, sampled, 1000 * i)
+                                              for i, n in enumerate(shares)]))
+        return tokens / (time.perf_counter() - t)
+
+
+def start_daemon(path: str, max_batch: int, d: str):
+    socket = os.path.join(d, "d.sock")
+    cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", "cuda", "--config", os.devnull,
+           "--model", path, "--max-batch", str(max_batch), "--max-ctx", "512", "--socket-group", ""]
+    proc = subprocess.Popen(cmd, stderr=open(os.path.join(d, "daemon.log"), "w"))
+    while not os.path.exists(socket):
+        if proc.poll() is not None:
+            raise SystemExit(f"ntransformerd exited {proc.returncode}: {open(os.path.join(d, 'daemon.log')).read()[-2000:]}")
+        time.sleep(0.05)
+    from ntx_client import Client
+    with Client(socket) as c:
+        c.wait_ready(600)
+    serve_level(socket, 1, 4, False)  # warm: kernels, graphs
+    return proc, socket
+
+
+def stop_daemon(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def batched_bench(binary: str, path: str, ntg: int, npl: list[int]) -> dict[int, float]:
+    """llama-batched-bench's text-generation rate (S_TG t/s) per parallel sequence count."""
+    r = subprocess.run([binary, "-m", path, "-c", str(max(npl) * (16 + ntg) + 64), "-b", "2048", "-ub", "512",
+                        "-npp", "16", "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-ngl", "99"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed: {r.stderr[-2000:]}")
+    out = {}
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and re.fullmatch(r"\d+", cells[0] or "x"):
+            out[int(cells[2])] = float(cells[7])  # PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
+    ap.add_argument("--model", help="the served file (default: the 8B-shaped Q4_K_M made in --dir)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batched-bench", metavar="BIN", help="llama-batched-bench (CUDA build): part 3")
+    ap.add_argument("--default-model", metavar="PATH", help="part 3's file (default: the embedded default model)")
+    a = ap.parse_args(argv)
+    common.require_gpu(__file__)
+    if a.smoke:
+        a.clients, a.max_tokens = [1, 2], 8
+    path = a.model or common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", "q4_k_m")
+    out = {"smoke": a.smoke, "model": os.path.basename(path), "max_tokens": a.max_tokens, "levels": []}
+    top = max(a.clients)
+    rates = {b: engine_rate(path, b, 8 if a.smoke else 40, top) for b in a.clients}
+    for b, r in rates.items():
+        print(f"engine alone, batch {b:3d}: {r:9.1f} tok/s", flush=True)
+    d = tempfile.mkdtemp(prefix="ntx-serve-")
+    try:
+        proc, socket = start_daemon(path, top, d)
+        try:
+            for sampled in (False, True):
+                for n in a.clients:
+                    r = serve_level(socket, n, a.max_tokens, sampled)
+                    row = {"clients": n, "sampled": sampled, "daemon_tok_s": r, "engine_tok_s": rates[n],
+                           "vs_engine": r / rates[n]}
+                    out["levels"].append(row)
+                    print(f"daemon, {n:3d} clients, {'sampled' if sampled else 'greedy ':7s}: {r:9.1f} tok/s = "
+                          f"{100 * r / rates[n]:.0f}% of the engine's step rate", flush=True)
+        finally:
+            stop_daemon(proc)
+        if a.batched_bench or a.smoke:
+            from ntransformerd.engine.engine import default_model_path
+            small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
+            npl = [1, 2] if a.smoke else [1, 16]
+            proc, socket = start_daemon(small, max(npl), d)
+            try:
+                ours = {n: serve_level(socket, n, a.max_tokens, False) for n in npl}
+            finally:
+                stop_daemon(proc)
+            peer = batched_bench(a.batched_bench, small, a.max_tokens, npl) if a.batched_bench else {}
+            out["default_model"] = {"ours": ours, "llama_batched_bench": peer}
+            for n in npl:
+                vs = f", llama-batched-bench {peer[n]:.1f} tok/s: {ours[n] / peer[n]:.2f}x" if n in peer else ""
+                print(f"default model, {n:2d} clients: daemon {ours[n]:.1f} tok/s{vs}", flush=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    common.write_json(a.json, out)
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

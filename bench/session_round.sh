@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The end-of-round device calls, back to back (files in /tmp last while the machine stays warm):
+#   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
+#                 llama-batched-bench) built in the background; the first half of the default
+#                 model (.gpu-full-a/part) kept in /tmp for
+#   PHASE=checks: the default model whole again (.gpu-full-b/part), bench/hybrid_quality.py on it,
+#                 bench/serving_gpu.py (8B shape at 1/16/64 clients, the default model against
+#                 llama-batched-bench).
+#   (device tool) PHASE=tests:  carry .whl .llama .gpu-data .gpu-full-a ; bash bench/session_round.sh
+#                 PHASE=checks: carry .whl .gpu-data .gpu-full-b
+# Make the halves here: head -c N model > .gpu-full-a/part; tail -c +N+1 model > .gpu-full-b/part.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L" /tmp/ntx
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system
+t0=$(date +%s)
+llama=/tmp/llama/llama.cpp/build/bin
+if [ "${PHASE:-tests}" = tests ]; then
+  [ -f .gpu-full-a/part ] && cp .gpu-full-a/part /tmp/full.a
+  [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
+                                         echo "rc=$?" >> /tmp/llama_build.log ) &
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
+    ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
+  echo "tests done at $(( $(date +%s) - t0 )) s"
+  for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
+  tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
+else
+  model=/tmp/smollm2.gguf
+  [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
+  ls -la $model
+  text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-data/GPL-3
+  timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
+    --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
+  timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
+    $( [ -x $llama/llama-batched-bench ] && echo --batched-bench $llama/llama-batched-bench ) \
+    --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -16
+fi
+echo "phase ${PHASE:-tests} done at $(( $(date +%s) - t0 )) s"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs

@@ -1,0 +1,332 @@
+"""One decode loop: how every sequence advances, whoever drives it.
+
+    seq = Sequence(engine, prompt_ids, params, speculator=…)   sampler, budget, constraint, draft state
+    seq.open()                                                  a KV slot (the daemon's prefix cache
+                                                                gives it one instead)
+    rows = [seq.row(budget), …]                                 what each sequence runs next: a prompt
+                                                                chunk, or its last token
+    step(engine, rows)                                          drafts, one engine.step for all rows,
+                                                                then each sequence advances by the
+                                                                tokens it accepts (row.accepted): one
+                                                                drawn, or a verified draft and one more
+    Text(tokenizer, stops).push(token, seq.finish)              the text a client may see
+
+`generate` (`ntx-model run`, with or without speculation) drives one sequence with it; the
+daemon's scheduler drives its live batch through the same `step` and turns tokens into text on
+its streaming thread. The rules live here, once:
+
+* room: a sequence's slot holds every accepted token but the last, which runs in the next step;
+  a token is accepted with room while len(history) ≤ max_ctx, and the one past that ends the
+  sequence ("length") without being run;
+* KV: after a step each sequence's slot is cut back to what it accepted (`Sequence.settle`, the
+  one place a slot is truncated): a verified draft's rejected positions, a self-draft's scratch
+  positions;
+* draws: a step whose drawing rows can all be drawn where the logits are asks the engine for ids
+  (Engine.step(sample=…): sampler.sample_rows on the host, a device sampler on a GPU), so the
+  host receives ids, not rows; rows that need logits on the host (log-probabilities, a
+  constraint's mask, speculation's verification) take them, drawn by the same sample_rows.
+
+Thread rule: a Sequence, its rows and `step` belong to the thread that owns the engine; a Text
+belongs to the thread that streams its sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence as Seq
+
+import numpy as np
+
+from ntransformerd.engine.sampler import (Drawn, InvalidLogits, SampleRows, Sampler, StopMatcher, prompt_logprobs,
+                                          token_logprobs)
+from ntransformerd.engine.tokenizer import Detokenizer
+
+
+class DraftFault(RuntimeError):
+    """A draft source produced logits no token can be drawn from: its requests fail, and the model
+    keeps serving (the draft is not the model)."""
+
+
+class Sequence:
+    """One sequence from its prompt to its last accepted token: KV slot, history, sampler,
+    token budget, constraint and, when it speculates, its draft state (speculative.SpecSeq)."""
+
+    def __init__(self, engine, prompt_ids: Seq[int], params, *, max_tokens: int | None = None, constraint=None,
+                 speculator=None, logprobs: int | None = None, prompt_logprobs: bool = False):
+        self.engine, self.params = engine, params
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        self.max_ctx = engine.max_ctx
+        self.sampler = Sampler(params, engine.cfg.vocab_size, eog_ids=engine.tokenizer.eog_ids)
+        self.eog_ids = engine.tokenizer.eog_ids
+        self.constraint = constraint  # constraints.Constraint: masks every draw, ends the output when complete
+        self.speculator = speculator  # speculative.Speculator of the request's mode; None: off
+        self.spec = None  # speculative.SpecSeq, from the first token on when speculating
+        self.logprobs = logprobs  # None: none; n: each token's and its n most likely alternatives'
+        self.prompt_logprobs: list | None = [] if prompt_logprobs else None  # filled chunk by chunk
+        self.history = list(prompt_ids)  # prompt + accepted tokens: what penalties and drafts read
+        self.generated = 0  # accepted tokens
+        self.slot = -1
+        self.prefilled = 0  # prompt positions in the slot
+        self.finish: str | None = None  # "eos" | "length" | "stop" (the constraint is complete)
+        self.keep_rows = False  # the driver wants each draw's row of logits (Row.logits)
+
+    @property
+    def decoding(self) -> bool:
+        """The whole prompt is in the slot."""
+        return self.prefilled >= len(self.prompt_ids)
+
+    def free_positions(self) -> int:
+        """Positions left after the last accepted token's (negative: it has none)."""
+        return self.max_ctx - len(self.history)
+
+    def mask(self):
+        """The ids the constraint allows next (bool (V,)), None without one."""
+        return None if self.constraint is None else self.constraint.mask()
+
+    def need(self) -> int | None:
+        """How many most likely ids this sequence draws from (Sampler.need); None: the whole row
+        (a constraint's allowed ids may lie anywhere in it; log-probabilities and a kept row read
+        all of it)."""
+        if self.constraint is not None or self.logprobs is not None or self.keep_rows:
+            return None
+        return self.sampler.need()
+
+    def draws_anywhere(self) -> bool:
+        """Its draws need nothing on the host but an id: where the logits are, they can be drawn."""
+        return self.constraint is None and self.logprobs is None and self.speculator is None and not self.keep_rows
+
+    def sample(self, row) -> int:
+        """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
+        return self.sampler.sample(row, self.history, self.mask())
+
+    def open(self) -> int:
+        self.slot = self.engine.open()
+        return self.slot
+
+    def close(self) -> None:
+        """Its draft state and its slot go back."""
+        if self.spec is not None:
+            self.speculator.close(self.spec)
+            self.spec = None
+        if self.slot >= 0:
+            self.engine.close(self.slot)
+            self.slot = -1
+
+    def row(self, budget: int) -> "Row | None":
+        """What it runs next: up to `budget` prompt tokens, or its last token; None when finished."""
+        if self.finish is not None:
+            return None
+        if not self.decoding:
+            chunk = self.prompt_ids[self.prefilled:self.prefilled + budget]
+            return Row(self, chunk) if chunk else None
+        return Row(self, [self.history[-1]])
+
+    def accept(self, tokens: Seq[int]) -> list[int]:
+        """Append tokens while none ends the sequence; the ones taken (finish says why it ended)."""
+        taken = []
+        for t in tokens:
+            self.history.append(int(t))
+            self.generated += 1
+            taken.append(int(t))
+            if t in self.eog_ids and not self.params.ignore_eos:
+                self.finish = "eos"
+                break
+            if self.constraint is not None:
+                self.constraint.consume(t)
+            if self.constraint is not None and self.constraint.stopped:
+                self.finish = "stop"
+                break
+            if self.generated >= self.max_tokens or self.free_positions() < 0:
+                self.finish = "length"
+                break
+        return taken
+
+    def settle(self) -> None:
+        """Cut the slot back to the accepted tokens but the last (rejected drafts, a self-draft's
+        scratch positions): the one place a sequence's KV is truncated."""
+        keep = len(self.history) - 1
+        if self.slot >= 0 and self.decoding and self.engine.length(self.slot) > keep:
+            self.engine.truncate(self.slot, keep)
+
+
+class Text:
+    """A sequence's tokens as text a client may see: whole characters, never the start of a
+    possible stop string. push() follows the sequence's own end (Sequence.finish) and ends it
+    earlier at a stop string."""
+
+    def __init__(self, tokenizer, stops: Seq[str] = ()):
+        self.detok = Detokenizer(tokenizer)
+        self.stops = StopMatcher(list(stops))
+
+    def push(self, token: int, finish: str | None) -> tuple[str, str | None]:
+        """(text to emit, finish reason or None) for `token`, which the sequence accepted with
+        `finish` (None: it goes on)."""
+        if finish == "eos":  # an end-of-generation token is not text
+            text, _ = self.stops.feed(self.detok.flush())
+            return text + self.stops.flush(), "eos"
+        text, stopped = self.stops.feed(self.detok.feed(token))
+        if stopped:
+            return text, "stop"
+        if finish is not None:
+            tail, _ = self.stops.feed(self.detok.flush())
+            return text + tail + self.stops.flush(), finish
+        return text, None
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """One sequence's share of a step, and what came of it."""
+
+    seq: Sequence
+    tokens: list[int]  # a prompt chunk, or the last accepted token
+    draft: object = None  # speculative.Proposal verified in this step
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list | None = None  # per accepted token: (id, logprob, top ids, their logprobs)
+    logits: np.ndarray | None = None  # the row the first token was drawn from (Sequence.keep_rows)
+    error: BaseException | None = None  # this row failed; the others went on
+    doing: str = ""  # what failed, for the error's message
+
+    @property
+    def draws(self) -> bool:
+        """It draws a token: a decode row, or the chunk that ends its prompt."""
+        return self.seq.decoding or self.seq.prefilled + len(self.tokens) >= len(self.seq.prompt_ids)
+
+    def fail(self, exc: BaseException, doing: str) -> None:
+        self.error, self.doing = exc, doing
+
+
+def step(engine, rows: Seq[Row]) -> None:
+    """One step for `rows`: drafts for the speculating ones, one engine.step for all, then each
+    sequence advances (Row.accepted). A row's own failure (its draft, its draw) is its
+    Row.error; what engine.step raises is every row's and is raised."""
+    draft(rows)
+    live = [r for r in rows if r.error is None]
+    if not live:
+        return
+    for r in live:
+        r.seq.settle()  # a self-draft ran scratch positions on the slot
+    items = [(r.seq.slot, r.tokens + (r.draft.tokens if r.draft is not None else [])) for r in live]
+    drawing = [r for r in live if r.draws]
+    needs = [r.seq.need() for r in drawing]
+    top = max(needs) if needs and None not in needs else None
+    drawn: Drawn | None = None
+    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding for r in live)
+    if scoring or any(r.draft is not None and r.draft.tokens for r in live):  # every row of a draft or a scored prompt
+        flat = engine.step(items, all_logits=True)
+        ends = np.cumsum([len(t) for _, t in items])
+        outs = [flat[e - len(t):e] for (_, t), e in zip(items, ends)]
+    elif drawing and all(r.seq.draws_anywhere() for r in drawing):
+        sample = SampleRows.of([r.seq.sampler if r.draws else None for r in live], [r.seq.history for r in live])
+        drawn = engine.step(items, top=top, sample=sample)
+        outs = [None] * len(live)
+    else:
+        if any(r.seq.speculator is not None for r in live):  # speculation verifies whole rows
+            top = None
+        out = engine.step(items, top=top)
+        outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(live)]  # a verify row: (1, V)
+    for i, (r, out) in enumerate(zip(live, outs)):
+        try:
+            advance(r, out, drawn, i)
+        except Exception as e:  # noqa: BLE001 - this row fails, the others go on
+            r.fail(e, "sampling its next token")
+
+
+def draft(rows: Seq[Row]) -> None:
+    """Draft tokens for every speculating row in decode, each source drafting for all of its rows
+    at once (speculative.Speculator.plan); a source's failure fails its rows."""
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        if r.error is None and r.seq.decoding and r.seq.spec is not None:
+            groups.setdefault(id(r.seq.speculator), []).append(r)
+    for group in groups.values():
+        speculator = group[0].seq.speculator
+        try:
+            proposals = speculator.plan([r.seq.spec for r in group])
+        except Exception as e:  # noqa: BLE001 - a draft source's fault fails its own rows
+            if isinstance(e, InvalidLogits):  # the draft's logits: not a reason to stop serving the model
+                e = DraftFault(f"the draft {speculator.draft.name} produced invalid logits ({e}): "
+                               "retry with another speculative mode (e.g. --speculative off)")
+            for r in group:
+                r.fail(e, "drafting tokens for it")
+            continue
+        for r, p in zip(group, proposals):
+            r.draft = p
+
+
+def advance(r: Row, out, drawn: Drawn | None, i: int) -> None:
+    """Row i's sequence after the step: its prompt progress, or the tokens it accepts. out: its
+    logits ((V,), a TopRow, or (n, V) for its tokens) or None where the step drew its id."""
+    seq = r.seq
+    if not seq.decoding:
+        if seq.prompt_logprobs is not None:
+            score_prompt(seq, r.tokens, out)
+        seq.prefilled += len(r.tokens)
+        if not seq.decoding:
+            return
+        row = out[-1] if isinstance(out, np.ndarray) and out.ndim == 2 else out
+        r.logits = row if seq.keep_rows else None
+        if seq.speculator is not None:  # from its first token on, a speculating sequence draws by its seed
+            seq.spec = seq.speculator.open(seq)
+            tokens, rows = [seq.spec.first(row)], [row]
+        else:
+            tokens, rows = [drawn.id(i) if drawn is not None else seq.sample(row)], [row]
+    elif r.draft is not None:
+        tokens, rows = seq.speculator.accept(seq.spec, out, r.draft), out
+    else:
+        row = out[-1] if isinstance(out, np.ndarray) and out.ndim == 2 else out
+        tokens, rows = [drawn.id(i) if drawn is not None else seq.sample(row)], [row]
+    r.accepted = seq.accept(tokens)
+    if seq.logprobs is not None:
+        r.logprobs = [(t, *token_logprobs(row, t, seq.logprobs)) for t, row in zip(r.accepted, rows)]
+    seq.settle()
+
+
+def score_prompt(seq: Sequence, tokens: list[int], rows) -> None:
+    """The log-probabilities of the prompt tokens that this chunk's rows predict."""
+    start = seq.prefilled + 1  # row i predicts prompt position prefilled + i + 1
+    targets = seq.prompt_ids[start:start + len(tokens)]
+    rows = np.asarray(rows).reshape(-1, np.shape(rows)[-1])
+    seq.prompt_logprobs += [(t, *lp) for t, lp in
+                            zip(targets, prompt_logprobs(rows[:len(targets)], targets, seq.logprobs or 0))]
+
+
+@dataclasses.dataclass
+class GenerationEvent:
+    """One generated token and the text it completes (may be empty mid-character)."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "eos" on the last event
+
+
+def generate(engine, prompt_ids: Seq[int], params, *, speculator=None, constraint=None,
+             dump_logits: list | None = None) -> Iterator[GenerationEvent]:
+    """Greedy or sampled continuation of one prompt, streamed token by token: the decode loop
+    with one sequence.
+
+    `params` is a sampler.SamplingParams; speculator: a speculative.Speculator (greedy output
+    is the same, sampled output keeps its distribution). If `dump_logits` is a list, the logits
+    of the last prompt position are appended to it. constraint: a constraints.Constraint.
+    """
+    params.validate()
+    seq = Sequence(engine, prompt_ids, params, constraint=constraint, speculator=speculator)
+    seq.keep_rows = dump_logits is not None
+    text = Text(engine.tokenizer, params.stop)
+    seq.open()
+    try:
+        while True:
+            row = seq.row(engine.config.prefill_chunk)
+            step(engine, [row])
+            if row.error is not None:
+                raise row.error
+            if row.logits is not None:
+                dump_logits.append(np.array(row.logits, dtype=np.float32))
+                seq.keep_rows = False
+            for k, token in enumerate(row.accepted):
+                piece, finish = text.push(token, seq.finish if k == len(row.accepted) - 1 else None)
+                yield GenerationEvent(token, piece, finish)
+                if finish:
+                    return
+    finally:
+        seq.close()
