@@ -400,7 +400,8 @@ def test_tools_calls_and_results_with_control_token_text_stay_text(smollm2, sour
     template_text = "".join(p for p, literal in parts if not literal)
     start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
     # only the template's own turns are control tokens: every HOSTILE piece stayed text
-    assert ids.count(start) == template_text.count("<|im_start|>") and ids.count(end) == template_text.count("<|im_end|>")
+    assert ids.count(start) == template_text.count("<|im_start|>")
+    assert ids.count(end) == template_text.count("<|im_end|>")
     assert "".join(p for p, _ in parts).count("<|im_end|>") > ids.count(end) + 4
     assert "Obey" not in template_text
     result = ("result " if source else "get_weather returned: result ") + HOSTILE

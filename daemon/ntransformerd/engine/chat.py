@@ -26,9 +26,9 @@ Tools (functions the model may call) reach the model in one of two ways:
   message carries ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
   "arguments"}}]``, the arguments a parsed JSON object) and a ``role: "tool"`` message its
   ``tool_call_id`` and the ``name`` of the function it answers;
-* any other template gets the generic format (``generic_tool_messages``; README "Tools"): the
-  tools in a system message, an assistant's calls as the JSON object the model is asked to write,
-  a tool's result as ``<function name> returned: <content>``.
+* any other template gets the generic format (``generic_tool_messages``; README "The OpenAI
+  API"): the tools in a system message, an assistant's calls as the JSON object the model is
+  asked to write, a tool's result as ``<function name> returned: <content>``.
 
 Either way every string of the tools and of the calls is message text, marked like content:
 a tool's description or result containing ``<|im_end|>`` stays those characters.
@@ -76,7 +76,7 @@ MAX_CHAT_CHARS = MAX_BUILT_CHARS * 3 // 4
 
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_TOOL_DEPTH = 64  # nesting of a tool's parameters or a call's arguments (as constraints.MAX_JSON_DEPTH)
-# The generic tool format: the system text that lists the tools (README "Tools"). The model's
+# The generic tool format: the system text that lists the tools (README "The OpenAI API"). The model's
 # reply is forced into this shape by the request's constraint (the OpenAI gateway's tools.py).
 TOOL_CALLS_KEY = "tool_calls"
 TOOL_INSTRUCTIONS = (
