@@ -162,3 +162,33 @@ def test_tools_and_calls_reach_the_template_over_grpc(daemon, engine):
                        tools=[{"type": "function", "function": {"name": "f", "parameters": "{oops"}}])
         with pytest.raises(ValueError, match="tools go with messages"):
             c.complete("Hi", tools=[WEATHER])
+
+
+def test_fuzzed_tools_and_calls_are_served_or_invalid_argument(daemon):
+    hypothesis = pytest.importorskip("hypothesis", reason="pip install hypothesis (the test extra)")
+    st = hypothesis.strategies
+    json_text = st.one_of(st.text(max_size=30), st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=8).map(json.dumps))
+    calls = st.lists(st.builds(pb.ToolCall, id=st.sampled_from(["", "c1", "c2"]), name=st.text(max_size=8),
+                               arguments=json_text), max_size=2)
+    messages = st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "assistant", "tool", "system"]),
+                                  content=st.text(max_size=20), tool_calls=calls,
+                                  tool_call_id=st.sampled_from(["", "c1", "c2", "c3"])), max_size=4)
+    tools = st.lists(st.builds(pb.Tool, name=st.text(max_size=8), description=st.text(max_size=20),
+                               parameters=json_text), max_size=3)
+
+    with grpc.insecure_channel(f"unix://{daemon.socket}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        @hypothesis.settings(max_examples=80, deadline=None, derandomize=True)
+        @hypothesis.given(messages, tools)
+        def fuzz(ms, ts):
+            try:
+                stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=ms, tools=ts)), timeout=30)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+        fuzz()
+    with Client(daemon.socket, timeout=60) as c:
+        assert c.complete("Hi", max_tokens=2, temperature=0).usage["completion_tokens"] == 2
