@@ -170,6 +170,7 @@ def check_hybrid_quality(d: dict) -> None:
     assert any(d["host_layers_by_rows"].values()), d["host_layers_by_rows"]  # the host computed some layers
     assert d["greedy"] and all(0 <= g["common_prefix"] <= g["tokens"] for g in d["greedy"]), d["greedy"]
     assert d["handoffs"] > 0
+    assert d["daemon"]["common_prefix"] and d["daemon"]["placements"], d["daemon"]  # the hybrid daemon placed layers
 
 
 def check_serving_gpu(d: dict) -> None:
