@@ -242,10 +242,10 @@ class Engine:
             self._chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         return self._chat_template
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages, *, tools=None, add_generation_prompt: bool = True) -> list[int]:
         """Render messages with the chat template and tokenize: special tokens are parsed in the
         template's own text only, so a message's text stays text and cannot forge a turn."""
-        parts = self.chat_template.render_parts(messages, add_generation_prompt=add_generation_prompt)
+        parts = self.chat_template.render_parts(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode_parts(parts, add_special=True)
 
     @classmethod
