@@ -347,3 +347,25 @@ def test_ntx_model_spells_every_setting_it_names_as_a_flag_it_has(capsys):
         assert setting in EngineConfig.__dataclass_fields__
     for setting in ("vram_budget", "pinned_budget", "max_batch", "max_ctx", "kv_dtype", "storage", "backend"):
         assert setting in config.KEYS  # the daemon's key of the same name and meaning
+
+
+def test_the_daemon_serves_a_quantized_paged_kv_cache_as_configured(new_daemon):
+    """kv_dtype q8_0 and a kv_blocks pool from the daemon's flags reach the engine: its greedy
+    ids equal an in-process engine of the same settings, and a pool too small for a request is
+    an error naming kv_blocks, the daemon serving on."""
+    from ntransformerd.engine.engine import Engine, EngineConfig, generate
+    from ntransformerd.engine.sampler import SamplingParams
+    from ntx_client import Client, NtxError
+    d = new_daemon("--kv-dtype", "q8_0", "--kv-blocks", "8", "--max-batch", "2", "--max-ctx", "512").wait_ready()
+    try:
+        e = Engine.load(None, config=EngineConfig(backend="cpu", kv_dtype="q8_0", kv_blocks=8, max_batch=2, max_ctx=512))
+        with Client(d.socket) as c:
+            prompt = c.tokenize("The capital of France is")
+            got = c.complete(prompt_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True).ids
+            want = [ev.token for ev in generate(e, prompt, SamplingParams.greedy(max_tokens=12, ignore_eos=True))]
+            assert got == want
+            with pytest.raises(NtxError, match="kv_blocks"):  # 8 blocks hold 128 positions
+                c.complete(prompt_ids=prompt * 40, max_tokens=4, temperature=0)
+            assert c.complete(prompt_ids=prompt, max_tokens=2, temperature=0).ids  # still serving
+    finally:
+        d.cleanup()

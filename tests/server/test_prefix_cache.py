@@ -71,6 +71,22 @@ def serve(cache: PrefixCache, engine: SlotEngine, prompt: list[int], caller, liv
 PROMPT = list(range(100, 140))
 
 
+def test_a_held_slot_is_reused_only_as_far_as_its_kv_still_holds():
+    """A paged pool reclaims a closed slot's blocks when others need them (engine.kept): the
+    cache then reuses what is left, never positions that are gone."""
+    engine = SlotEngine(SLOTS)
+    kept = {}
+    engine.kept = lambda slot: kept.get(slot, len(engine.kv[slot]))
+    cache = PrefixCache(engine, enabled=True)
+    assert serve(cache, engine, PROMPT, ALICE) == 0
+    (held,) = cache.held
+    kept[held] = 16  # the pool took all but the first 16 positions' blocks
+    engine.kv[held] = engine.kv[held][:16]
+    assert serve(cache, engine, PROMPT, ALICE) == 16  # serve() checks the ids it took are the prompt's own
+    kept.clear()
+    assert serve(cache, engine, PROMPT, ALICE) == len(PROMPT) - 1
+
+
 @pytest.mark.parametrize("share,expected", [
     ("none", {ALICE: "uid:1001", BOB: "uid:1002", ALICE.below("key:1"): "uid:1001/key:1", TLS: TLS.principal}),
     ("group", {ALICE: "gid:100", BOB: "gid:100", CAROL: "gid:200", ALICE.below("key:1"): "gid:100/key:1",

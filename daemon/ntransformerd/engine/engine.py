@@ -271,6 +271,11 @@ class Engine:
     def free_slot_ids(self) -> tuple[int, ...]:
         return self.kv.free_ids
 
+    def kept(self, slot: int) -> int:
+        """Positions a free slot's keys and values still hold (a paged cache reclaims a closed
+        slot's blocks when others need them; the prefix cache reuses no more than this)."""
+        return int(self.kv.kept(slot))
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Give slot `dst` the first n positions of slot `src` (a prompt prefix they share);
         only what `dst` does not hold yet is copied. `src` may be free: the caller (the prefix

@@ -73,13 +73,13 @@ class PrefixCache:
         if not self.enabled:
             return self.engine.open(), 0
         limit, key = len(prompt) - 1, scope(caller, self.share)
-        held = [(slot, tokens) for slot, (k, tokens) in self.held.items() if k == key]
+        held = [(slot, tokens[:self._kept(slot, len(tokens))]) for slot, (k, tokens) in self.held.items() if k == key]
         held_slot, held_n = self._best(prompt, held, limit) if use else (None, 0)
         live_slot, live_n = self._best(prompt, self._ours(live, key), limit) if use else (None, 0)
         if held_n and held_n >= live_n:
             self.hit_tokens += held_n
             empty = self._empty()
-            if held_n < len(self.held[held_slot][1]) and empty:
+            if held_n < self._kept(held_slot, len(self.held[held_slot][1])) and empty:
                 # the cached sequence goes on past the shared part: keep it for others, copy
                 slot = self.engine.open(empty[-1])
                 self.engine.copy_prefix(held_slot, slot, held_n)
@@ -110,6 +110,12 @@ class PrefixCache:
         self.engine.close(slot)
         if self.enabled and keep and tokens:
             self.held[slot] = (scope(caller, self.share), list(tokens))
+
+    def _kept(self, slot: int, n: int) -> int:
+        """How many of a held slot's n positions its KV still holds (a paged pool may have
+        reclaimed its blocks since it closed)."""
+        kept = getattr(self.engine, "kept", None)
+        return n if kept is None else min(n, kept(slot))
 
     def _ours(self, live: Live, key: str) -> list[tuple[int, Sequence[int]]]:
         return [(slot, tokens) for slot, tokens, c in live if scope(c, self.share) == key]

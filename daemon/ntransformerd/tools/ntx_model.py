@@ -18,6 +18,7 @@ import numpy as np
 
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.gguf_file import GGUFError
+from ntransformerd.engine.kv_cache import KV_DTYPES as STORED_KV
 from ntransformerd.settings import SettingError, Spelling
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 
@@ -345,9 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
     s.add_argument("--backend", choices=BACKENDS, default="cpu",
                    help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
-    s.add_argument("--kv-dtype", choices=("auto", "f32", "f16"), default="auto",
-                   help="KV cache storage: auto (the backend's own: f32 on the CPU, f16 on the GPU), f32 or f16; "
-                        "one the backend cannot store is refused (default auto)")
+    s.add_argument("--kv-dtype", choices=("auto", *STORED_KV), default="auto",
+                   help="KV cache storage: auto (the backend's own: f32 on the CPU, f16 on the GPU), f32, f16, q8_0 "
+                        "or q4_0 (lossy); one the backend cannot store is refused (default auto)")
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
     s.add_argument("--max-batch", type=int, default=1, help="KV-cache slots: sequences decoded together, as the "
                    "daemon's max_batch (the plan reserves their cache; default 1)")
