@@ -13,6 +13,9 @@ placement gives the host layers in decode steps and prefill chunks alike). Repor
 2. greedy ids of the six reference prompts (tests/golden/forward_smollm2.json: the default
    model's ids, which its slices share), --tokens each, through Engine.generate on both: the
    length of the common prefix of each pair, and which layers the host computed.
+3. the same greedy ids through two daemons (`ntransformerd --backend cuda`): every layer resident,
+   and `--host-compute auto` with a `--vram-budget` that leaves half the layers streamed (the host
+   takes the ones the measured figures give it; Status shows where): common prefixes again.
 The host computes in float32 with int8 activations and the GPU on its own kernels, so the two
 differ by rounding: where the top two logits are nearly tied a greedy pair may part.
 """
@@ -56,6 +59,45 @@ def hybrid_engine(model: GGUFModel, config: EngineConfig, resident: int) -> Engi
 def greedy(e: Engine, prompt: list[int], n: int) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [ev.token for ev in generate(e, prompt, params)]
+
+
+def daemon_greedy(path: str, prompts, n: int, extra: list[str]) -> tuple[list[list[int]], list]:
+    """Greedy ids of each prompt through a daemon started with `extra` flags, and its Status's
+    placements."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    from ntx_client import Client
+    d = tempfile.mkdtemp(prefix="ntx-hq-")
+    sock = os.path.join(d, "d.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "ntransformerd.main", "--socket", sock, "--socket-group", "",
+                             "--config", os.devnull, "--backend", "cuda", "--model", path, "--max-batch", "2",
+                             "--max-ctx", "1024", "--kv-dtype", "f16", *extra],
+                            stderr=open(os.path.join(d, "log"), "w"))
+    try:
+        while not os.path.exists(sock):
+            if proc.poll() is not None:
+                raise SystemExit(f"ntransformerd exited {proc.returncode}: {open(os.path.join(d, 'log')).read()[-2000:]}")
+            time.sleep(0.05)
+        with Client(sock) as c:
+            c.wait_ready(600)
+            ids = [c.complete(prompt_ids=p, max_tokens=n, temperature=0, ignore_eos=True).ids for _, p in prompts]
+            placements = [{"rows": p.rows, "host_layers": list(p.host_layers), "steps": p.steps,
+                           "measured_step_seconds": p.measured_step_seconds} for p in c.status().placements]
+        return ids, placements
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def half_budget(plan, n_resident: int) -> int:
+    """A VRAM budget whose plan keeps the first n_resident layers and streams the rest."""
+    lb = plan.layer_bytes
+    slots = 2 * max(lb[n_resident:], default=0)
+    return plan.fixed_bytes + plan.kv_bytes + plan.workspace_bytes + sum(lb[:n_resident]) + slots + (1 << 20)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -115,8 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:16s} common prefix {n:3d} of {len(g)}", flush=True)
     stats = engines["hybrid"].kv.stats
     out["kv_syncs"], out["handoffs"] = stats["syncs"], engines["hybrid"].pipeline.handoff.stats["copies"]
+    budget = half_budget(engines["gpu"].plan, resident)
     for e in engines.values():
         e.unload()
+    engines = None
+    gpu_ids, _ = daemon_greedy(path, prompts, a.tokens, [])
+    hyb_ids, placed = daemon_greedy(path, prompts, a.tokens, ["--host-compute", "auto", "--vram-budget", str(budget)])
+    out["daemon"] = {"vram_budget": budget, "placements": placed,
+                     "common_prefix": [{"prompt": name, "tokens": len(g), "common_prefix": common_prefix(g, h)}
+                                       for (name, _), g, h in zip(prompts, gpu_ids, hyb_ids)]}
+    print(f"daemons (hybrid: --vram-budget {budget}, host layers by rows "
+          f"{ {p['rows']: len(p['host_layers']) for p in placed} }):", flush=True)
+    for r in out["daemon"]["common_prefix"]:
+        print(f"  {r['prompt']:16s} common prefix {r['common_prefix']:3d} of {r['tokens']}", flush=True)
     common.write_json(a.json, out)
     print(f"wrote {a.json}")
     return 0

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ntx_client import channels, paths
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
-from ntx_client.errors import NtxError, connection_error, from_rpc_error
+from ntx_client.errors import NtxError, RequestTooLarge, connection_error, from_rpc_error
 
 # The command lines' sampling defaults, one for ntx-client and `ntx-model run`: the daemon's own
 # temperature for a request that does not set one (proto SamplingParams), and, for text through
@@ -29,6 +29,10 @@ from ntx_client.errors import NtxError, connection_error, from_rpc_error
 DEFAULT_TEMPERATURE = 0.8
 CHAT_REPETITION_PENALTY = 1.1
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos"}
+# The daemon compiles at most this much constraint text (proto Constraint); a larger one is refused
+# here, before sending, with the same words (a request past gRPC's 4 MiB message limit would
+# otherwise come back as RESOURCE_EXHAUSTED, which names neither the field nor the limit).
+MAX_CONSTRAINT_BYTES = 1 << 20
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "frequency_penalty", "presence_penalty", "seed")
 
@@ -104,15 +108,18 @@ async def collect_async(chunks) -> Completion:
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                     tools: Sequence[dict] | None = None,
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
                      prefix_cache: bool = True, speculative: str = "", json_schema: str | dict | None = None,
                      regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
                      prompt_logprobs: bool = False, on_behalf_of: str = "", **sampling) -> pb.GenerateRequest:
-    """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids. prefix_cache=False:
-    the daemon neither starts from cached KV nor keeps this request's. speculative: "" (the
-    daemon's default), off, auto, ngram, draft, skip or prefix. At most one constraint:
-    json_schema (JSON text or a dict), regex, grammar (Lark or GBNF). logprobs: each token's
+    """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids; with messages, tools
+    for the chat template to show the model (chat_message; only a constraint forces a call's
+    shape). prefix_cache=False: the daemon neither starts from cached KV nor keeps this
+    request's. speculative: "" (the daemon's default), off, auto, ngram, draft, skip or prefix.
+    At most one constraint: json_schema (JSON text or a dict), regex, grammar (Lark or GBNF), of
+    at most MAX_CONSTRAINT_BYTES (RequestTooLarge, before sending). logprobs: each token's
     log-probability and its n (0..20) most likely alternatives'; prompt_logprobs: the prompt's too.
     on_behalf_of: who a proxy sends this for (e.g. "key:3fa1c2"), a scope below its own: the
     daemon's prefix cache keeps each one's prompts apart."""
@@ -121,6 +128,8 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
     if len(given) > 1:
         raise ValueError(f"give at most one constraint, not {' and '.join(given)}")
+    if tools and messages is None:
+        raise ValueError("tools go with messages (a chat): the model's chat template renders them")
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -129,13 +138,15 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.chat.CopyFrom(chat_message(messages, tools))
     else:
         req.prompt_ids.ids.extend(prompt_ids)
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for kind, text in given.items():
-        setattr(req.constraint, kind, json.dumps(text) if isinstance(text, dict) else text)
+        text = json.dumps(text) if isinstance(text, dict) else text
+        check_constraint_size(kind, text)
+        setattr(req.constraint, kind, text)
     if logprobs is not None:
         req.logprobs = logprobs
     req.prompt_logprobs = prompt_logprobs
@@ -145,10 +156,42 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
     return req
 
 
-def _tokenize_request(text, messages, add_special, parse_special) -> pb.TokenizeRequest:
+def check_constraint_size(kind: str, text: str) -> None:
+    """RequestTooLarge where `text` is more constraint text than the daemon takes."""
+    size = len(text.encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise RequestTooLarge(f"constraint.{kind} is {size:,} bytes; the daemon takes at most "
+                              f"{MAX_CONSTRAINT_BYTES >> 20} MiB ({MAX_CONSTRAINT_BYTES:,} bytes) of constraint text: "
+                              "shorten or simplify it")
+
+
+def _json_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def chat_message(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> pb.Chat:
+    """A Chat from OpenAI-shaped dicts: messages {"role", "content"}, an assistant's
+    "tool_calls" ([{"id", "type": "function", "function": {"name", "arguments"}}]), a tool
+    result's "tool_call_id"; tools [{"type": "function", "function": {"name", "description",
+    "parameters"}}]. Arguments and parameters may be JSON text or objects."""
+    chat = pb.Chat()
+    for m in messages:
+        msg = chat.messages.add(role=m["role"], content=m.get("content") or "",
+                                tool_call_id=m.get("tool_call_id") or "")
+        for c in m.get("tool_calls") or ():
+            fn = c["function"]
+            msg.tool_calls.add(id=c.get("id") or "", name=fn["name"], arguments=_json_text(fn.get("arguments", {})))
+    for t in tools or ():
+        fn = t["function"]
+        chat.tools.add(name=fn["name"], description=fn.get("description") or "",
+                       parameters=_json_text(fn["parameters"]) if fn.get("parameters") is not None else "")
+    return chat
+
+
+def _tokenize_request(text, messages, add_special, parse_special, tools=None) -> pb.TokenizeRequest:
     req = pb.TokenizeRequest()
     if messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.chat.CopyFrom(chat_message(messages, tools))
     else:
         req.text = text
     if add_special is not None:
@@ -220,8 +263,10 @@ class Client(_Channel):
     def complete(self, prompt: str | None = None, **kw) -> Completion:
         return collect(self.generate(prompt, **kw))
 
-    def tokenize(self, text: str | None = None, *, messages=None, add_special=None, parse_special=None) -> list[int]:
-        return list(self._call(self._stub.Tokenize, _tokenize_request(text, messages, add_special, parse_special)).ids)
+    def tokenize(self, text: str | None = None, *, messages=None, tools=None, add_special=None,
+                 parse_special=None) -> list[int]:
+        req = _tokenize_request(text, messages, add_special, parse_special, tools)
+        return list(self._call(self._stub.Tokenize, req).ids)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._call(self._stub.Detokenize, pb.DetokenizeRequest(ids=list(ids))).text
@@ -292,8 +337,9 @@ class AsyncClient:
     async def complete(self, prompt: str | None = None, **kw) -> Completion:
         return collect([c async for c in self.generate(prompt, **kw)])
 
-    async def tokenize(self, text: str | None = None, *, messages=None, add_special=None, parse_special=None) -> list[int]:
-        r = await self._call(self._stub.Tokenize, _tokenize_request(text, messages, add_special, parse_special))
+    async def tokenize(self, text: str | None = None, *, messages=None, tools=None, add_special=None,
+                       parse_special=None) -> list[int]:
+        r = await self._call(self._stub.Tokenize, _tokenize_request(text, messages, add_special, parse_special, tools))
         return list(r.ids)
 
     async def detokenize(self, ids: Sequence[int]) -> str:
@@ -348,6 +394,6 @@ class AdminClient(_Channel):
         self._call(self._stub.Shutdown, admin_pb2.ShutdownRequest(timeout_seconds=timeout_seconds))
 
 
-__all__ = ["AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError", "TokenLogprob", "collect",
-           "collect_async",
+__all__ = ["MAX_CONSTRAINT_BYTES", "AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError",
+           "RequestTooLarge", "TokenLogprob", "chat_message", "check_constraint_size", "collect", "collect_async",
            "connection_error", "generate_request"]

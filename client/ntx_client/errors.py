@@ -18,6 +18,14 @@ class NtxError(Exception):
         self.code = code
 
 
+class RequestTooLarge(NtxError, ValueError):
+    """A request the daemon would refuse for its size, refused here before it is sent (code
+    INVALID_ARGUMENT, as the daemon would answer)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class ConnectionFailed(NtxError):
     """The daemon's socket could not be reached (not running, wrong path)."""
 

@@ -35,13 +35,19 @@ typedef struct {
     const int64_t *tokens, *positions, *slots, *out_rows; /* (n_rows,) ×3, (n_out,) */
 } ntx_header;
 
+/* The KV cache (kernels/cpu/kv.h, engine/kv_cache.py): each layer's k and v are blocks of
+ * kv_block positions, (n_blocks, n_kv_heads, kv_block, row) with rows of kv_row_bytes holding
+ * head_dim values of GGML type kv_type (F32, F16, Q8_0, Q4_0); kv_tables (slots, kv_max_blocks)
+ * gives each slot's block ids in position order. The caller reserves a step's blocks before it. */
 typedef struct {
     int32_t n_heads, n_kv_heads, head_dim, rope_dim;
-    int32_t rope_neox, kv_f16;
-    int64_t max_ctx;        /* positions per KV slot */
+    int32_t rope_neox, kv_type;
+    int64_t max_ctx;        /* positions per sequence (the rope table, the scores' scratch) */
     float attn_scale;
-    int32_t pad;
+    int32_t kv_block;
     const float *rope_cos, *rope_sin; /* (max_ctx, rope_dim/2) */
+    const int32_t *kv_tables;
+    int64_t kv_max_blocks, kv_row_bytes;
 } ntx_model;
 
 int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,

@@ -16,6 +16,7 @@
 
 #include "ntx_cpu.h"
 #include "ntx_step.h"
+#include "attention.h"
 
 static inline int64_t rows_of(const ntx_header *h, int32_t sel) {
     return sel == NTX_ROWS_OUT ? h->n_out : h->n_rows;
@@ -130,17 +131,8 @@ static inline void rope_head(float *x, const float *cs, const float *sn, int rd,
     }
 }
 
-static inline void kv_store(const ntx_model *md, void *base, int64_t off, const float *src) {
-    if (md->kv_f16) {
-        _Float16 *d = (_Float16 *)base + off;
-        for (int i = 0; i < md->head_dim; i++) d[i] = (_Float16)src[i];
-    } else {
-        memcpy((float *)base + off, src, (size_t)md->head_dim * sizeof(float));
-    }
-}
-
 /* Phase 1 of attention: RoPE on q (in place) and k, then k and v into the cache at each row's
- * slot and position. Split by rows. */
+ * slot and position (its block reserved by the caller). Split by rows. */
 static void op_attn_write(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
                           int t, int nt) {
     int64_t lo, hi;
@@ -157,70 +149,23 @@ static void op_attn_write(const ntx_instr *in, const ntx_header *h, char *arena,
         for (int kh = 0; kh < Hk; kh++) {
             memcpy(kbuf, k + kh * hd, (size_t)hd * sizeof(float));
             rope_head(kbuf, cs, sn, rd, md->rope_neox);
-            int64_t off = ((slot * md->max_ctx + pos) * Hk + kh) * hd;
-            kv_store(md, in->kv_k, off, kbuf);
-            kv_store(md, in->kv_v, off, v + kh * hd);
+            ntx_kv_store(md->kv_type, kbuf, hd, ntx_kv_row(md, in->kv_k, slot, pos, kh));
+            ntx_kv_store(md->kv_type, v + kh * hd, hd, ntx_kv_row(md, in->kv_v, slot, pos, kh));
         }
     }
 }
 
-static inline void kv_load(const ntx_model *md, const void *base, int64_t off, float *dst) {
-    if (md->kv_f16) {
-        const _Float16 *s = (const _Float16 *)base + off;
-#pragma omp simd
-        for (int i = 0; i < md->head_dim; i++) dst[i] = (float)s[i];
-    } else {
-        memcpy(dst, (const float *)base + off, (size_t)md->head_dim * sizeof(float));
-    }
-}
-
-/* Phase 2: causal GQA attention of each (row, KV head): the row sees positions [0, pos] of its
- * slot; the g query heads of the KV head share each key and value read. Split by (row, KV head). */
+/* Phase 2: causal GQA attention through each sequence's block table (attention.c), split by
+ * (group of rows, KV head). */
 static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
-                    float *scratch, int t, int nt) {
-    int hd = md->head_dim, H = md->n_heads, Hk = md->n_kv_heads, g = H / Hk;
+                    const int64_t *groups, int64_t n_groups, float *scratch, int t, int nt) {
+    int Hk = md->n_kv_heads;
     int64_t lo, hi;
-    share(h->n_rows * Hk, 1, t, nt, &lo, &hi);
-    float *sc = scratch;                       /* (g, max_ctx) scores */
-    float *kv = scratch + (int64_t)g * md->max_ctx; /* one key or value row */
-    float acc[16 * 256];
+    share(n_groups * Hk, 1, t, nt, &lo, &hi);
     for (int64_t it = lo; it < hi; it++) {
-        int64_t r = it / Hk;
-        int kh = (int)(it % Hk);
-        int64_t L = h->positions[r] + 1, slot = h->slots[r];
-        const float *q = F(arena, in->x) + r * (int64_t)H * hd + (int64_t)kh * g * hd;
-        float *o = F(arena, in->out) + r * (int64_t)H * hd + (int64_t)kh * g * hd;
-        int64_t base = slot * md->max_ctx * Hk * hd + (int64_t)kh * hd, step = (int64_t)Hk * hd;
-        for (int64_t l = 0; l < L; l++) {
-            kv_load(md, in->kv_k, base + l * step, kv);
-            for (int j = 0; j < g; j++) {
-                const float *qj = q + j * hd;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int i = 0; i < hd; i++) s += qj[i] * kv[i];
-                sc[j * md->max_ctx + l] = s * md->attn_scale;
-            }
-        }
-        for (int j = 0; j < g; j++) {
-            float *s = sc + j * md->max_ctx, mx = -INFINITY, sum = 0.0f;
-            for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
-            for (int64_t l = 0; l < L; l++) {
-                s[l] = expf(s[l] - mx);
-                sum += s[l];
-            }
-            float inv = 1.0f / sum;
-            for (int64_t l = 0; l < L; l++) s[l] *= inv;
-        }
-        memset(acc, 0, (size_t)g * hd * sizeof(float));
-        for (int64_t l = 0; l < L; l++) {
-            kv_load(md, in->kv_v, base + l * step, kv);
-            for (int j = 0; j < g; j++) {
-                float p = sc[j * md->max_ctx + l], *a = acc + j * hd;
-#pragma omp simd
-                for (int i = 0; i < hd; i++) a[i] += p * kv[i];
-            }
-        }
-        memcpy(o, acc, (size_t)g * hd * sizeof(float));
+        int64_t gi = it / Hk;
+        ntx_attn_group(md, h, F(arena, in->x), F(arena, in->out), in->kv_k, in->kv_v, groups[gi], groups[gi + 1],
+                       (int)(it % Hk), scratch);
     }
 }
 
@@ -230,7 +175,7 @@ static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const
 #define NTX_CHUNKS_PER_THREAD 4
 
 static void run_chunk(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
-                      float *mine, int c, int nc) {
+                      const int64_t *groups, int64_t n_groups, float *mine, int c, int nc) {
     switch (in->op) {
     case NTX_OP_EMBED: op_embed(in, h, arena, c, nc); break;
     case NTX_OP_RMS_NORM: op_rms_norm(in, h, arena, c, nc); break;
@@ -239,7 +184,7 @@ static void run_chunk(const ntx_instr *in, const ntx_header *h, char *arena, con
     case NTX_OP_SWIGLU: op_swiglu(in, h, arena, c, nc); break;
     case NTX_OP_ROWS: op_rows(in, h, arena, c, nc); break;
     case NTX_OP_ATTN_WRITE: op_attn_write(in, h, arena, md, c, nc); break;
-    case NTX_OP_ATTN: op_attn(in, h, arena, md, mine, c, nc); break;
+    case NTX_OP_ATTN: op_attn(in, h, arena, md, groups, n_groups, mine, c, nc); break;
     default: break;
     }
 }
@@ -266,9 +211,18 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
     if (n_threads < 1) n_threads = 1;
     if (md->head_dim > 256 || md->n_heads / md->n_kv_heads > 16 || md->head_dim > 1024)
         return -1;
+    if (md->kv_block < 1 || ntx_kv_row_bytes(md->kv_type, md->head_dim) != md->kv_row_bytes)
+        return -3;
+    if (scratch_per_thread < ntx_attn_scratch(md)) return -4;
     int nc = n_threads * NTX_CHUNKS_PER_THREAD;
     int32_t *ctr = calloc((size_t)n_instr * 2 + 2, sizeof(int32_t)); /* claimed, done per phase */
-    if (!ctr) return -2;
+    int64_t *groups = malloc((size_t)(h->n_rows + 1) * sizeof(int64_t)); /* attention's groups of rows */
+    if (!ctr || !groups) {
+        free(ctr);
+        free(groups);
+        return -2;
+    }
+    int64_t n_groups = ntx_attn_groups(h, groups);
 #pragma omp parallel num_threads(n_threads)
     {
         int t = omp_get_thread_num();
@@ -280,7 +234,7 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
             for (;;) {
                 int32_t k = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
                 if (k >= total) break;
-                run_chunk(prog + a + k / nc, h, arena, md, mine, k % nc, nc);
+                run_chunk(prog + a + k / nc, h, arena, md, groups, n_groups, mine, k % nc, nc);
                 __atomic_fetch_add(done, 1, __ATOMIC_RELEASE);
             }
             wait_done(done, total);
@@ -288,6 +242,7 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
         }
     }
     free(ctr);
+    free(groups);
     return 0;
 }
 

@@ -87,6 +87,14 @@ def check_quality(d: dict) -> None:
     assert len(cal["similarity"]) == 2 and os.path.exists(cal["saved"]), cal
 
 
+def check_kv_quality(d: dict) -> None:
+    rows = {r["kv_dtype"]: r for r in d["types"]}
+    assert sorted(rows) == ["f16", "q4_0", "q8_0"] and d["types"][0]["vs_first"] == 0, rows
+    for r in rows.values():
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1 and r["tokens_scored"] == 2 * (64 - 1 - 32), r
+    assert rows["f16"]["bytes_per_token"] > rows["q8_0"]["bytes_per_token"] > rows["q4_0"]["bytes_per_token"]
+
+
 def check_speculative(d: dict) -> None:
     # the script itself asserts that every speculative output is the plain greedy one
     keys = set(d["sources"])
@@ -170,6 +178,7 @@ def check_hybrid_quality(d: dict) -> None:
     assert any(d["host_layers_by_rows"].values()), d["host_layers_by_rows"]  # the host computed some layers
     assert d["greedy"] and all(0 <= g["common_prefix"] <= g["tokens"] for g in d["greedy"]), d["greedy"]
     assert d["handoffs"] > 0
+    assert d["daemon"]["common_prefix"] and d["daemon"]["placements"], d["daemon"]  # the hybrid daemon placed layers
 
 
 def check_serving_gpu(d: dict) -> None:
@@ -203,6 +212,7 @@ def check_relay(d: dict) -> None:
 
 
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
+       "kv_quality.py": check_kv_quality,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries}
@@ -220,7 +230,7 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py") else []  # their models' place
+    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py", "kv_quality.py") else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 
 

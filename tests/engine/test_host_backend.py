@@ -196,10 +196,12 @@ def fast_engine(default_model):
     return Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=1024))
 
 
-def test_perplexity_within_half_a_percent_of_the_exact_run(fast_engine):
+def test_perplexity_within_a_percent_of_the_exact_run(fast_engine):
     """The default model on the GPL-3 text, ctx 512, the golden's first chunks: the exact run
     (llama.cpp on the all-F32 copy, which our float32 reference equals to 1e-6) against the
-    fast backend's 8-bit activations."""
+    fast backend's 8-bit activations. Those make the figure chaotic: a change of the attention's
+    float rounding alone (1e-7 of its output) moves one 255-token chunk by up to a percent either
+    way (bench/RESULTS.md), so two chunks are held to 1% (a wrong kernel is off by far more)."""
     import json
     import math
 
@@ -211,7 +213,7 @@ def test_perplexity_within_half_a_percent_of_the_exact_run(fast_engine):
     chunks = 2
     exact = math.exp(sum(c["nll_sum"] for c in g["chunks"][:chunks]) / sum(c["tokens"] for c in g["chunks"][:chunks]))
     p = perplexity(fast_engine, g["ids"], ctx=g["ctx"], max_chunks=chunks)
-    assert abs(p.perplexity / exact - 1) < 0.005, f"fast {p.perplexity:.4f}, exact {exact:.4f}"
+    assert abs(p.perplexity / exact - 1) < 0.01, f"fast {p.perplexity:.4f}, exact {exact:.4f}"
 
 
 def test_greedy_matches_llama_cpp_q4_1_where_it_is_decisive(fast_engine):

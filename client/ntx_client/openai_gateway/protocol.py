@@ -235,7 +235,7 @@ def _messages(body: dict) -> list[dict]:
     if not msgs:
         raise bad_request("Invalid 'messages': empty array. Expected an array with minimum length 1.", "messages",
                           "empty_array")
-    out, called = [], {}  # called: tool call id → function name
+    out, called = [], set()  # the ids of the tool calls so far
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad_request(f"Invalid type for 'messages[{i}]': expected an object, but got {_type_name(m)} "
@@ -245,21 +245,27 @@ def _messages(body: dict) -> list[dict]:
             raise bad_request(f"Invalid value for 'messages[{i}].role': {shown(repr(role))}; supported values are "
                               "'system', 'developer', 'user', 'assistant' and 'tool'.", f"messages[{i}].role",
                               "invalid_value")
-        text = _content(m, i)
-        if role == "assistant" and m.get("tool_calls") is not None:  # the generic format: tools.py
-            text = tools_.call_text(m["tool_calls"], i)
-            called.update({c.get("id"): c["function"]["name"] for c in m["tool_calls"]})
+        msg = {"role": ROLES[role], "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls") is not None:  # the chat template shows them: tools.py
+            msg["tool_calls"] = tools_.tool_calls(m["tool_calls"], i)
+            called.update(c["id"] for c in msg["tool_calls"] if c["id"])
         elif role == "assistant" and m.get("function_call") is not None:
             raise bad_request(f"messages[{i}].function_call (deprecated by OpenAI) is not supported: send "
                               "'tool_calls'", f"messages[{i}].function_call", "unsupported_parameter")
         elif role == "tool":
             call_id = m.get("tool_call_id")
-            if call_id not in called:
+            if not isinstance(call_id, str) or call_id not in called:
                 raise bad_request(f"Invalid 'messages[{i}].tool_call_id': {shown(repr(call_id))} answers no tool call "
                                   "of an earlier assistant message.", f"messages[{i}].tool_call_id", "invalid_value")
-            text = f"{called[call_id]} returned: {text}"
-        out.append({"role": ROLES[role], "content": text})
+            msg["tool_call_id"] = call_id
+        out.append(msg)
     return out
+
+
+def _text_bytes(messages: list[dict]) -> int:
+    """What the messages hold: their text and their calls' arguments, in UTF-8 bytes."""
+    return sum(len(m["content"].encode()) + sum(len(c["function"]["arguments"].encode()) for c in
+                                                 m.get("tool_calls", ())) for m in messages)
 
 
 def _too_large(what: str, size: str) -> APIError:
@@ -272,7 +278,7 @@ def parse_chat(body) -> Job:
         raise bad_request("The request body must be a JSON object.", None, "invalid_json")
     model = _model(body)
     messages = _messages(body)
-    size = sum(len(m["content"].encode()) for m in messages)
+    size = _text_bytes(messages)
     if size > MAX_PROMPT_BYTES:
         raise _too_large("text of the messages", f"{size} bytes")
     stream, include_usage = _stream(body)
@@ -284,8 +290,8 @@ def parse_chat(body) -> Job:
     elif top:
         raise bad_request("Invalid value for 'top_logprobs': it needs 'logprobs' set to true.", "top_logprobs",
                           "invalid_value")
-    return Job("chat", model, {**kw, **tools.constraint(), "messages": tools_.with_tools(messages, tools)},
-               stream=stream, include_usage=include_usage, tools=tools, logprobs=kw.get("logprobs"))
+    gen = {**kw, **tools.constraint(), "messages": messages, "tools": tools.openai_tools() or None}
+    return Job("chat", model, gen, stream=stream, include_usage=include_usage, tools=tools, logprobs=kw.get("logprobs"))
 
 
 def parse_completion(body) -> Job:
@@ -323,7 +329,7 @@ def parse_completion(body) -> Job:
     kw = _common(body, "completion")
     schema = tools_.parse_response_format(body)  # not OpenAI's on this endpoint; vLLM's and ours
     if schema is not None:
-        kw["json_schema"] = json.dumps(schema)
+        kw.update(tools_.sized_constraint("json_schema", json.dumps(schema), "response_format"))
     logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     echo = _bool(body, "echo")
     if logprobs is not None:

@@ -1,24 +1,21 @@
 """Structured output and tool calls: `response_format` and `tools` as a constraint for the daemon,
-the generic tool format the model reads, and the model's output read back as tool calls.
+and the model's output read back as tool calls.
 
-The generic format (for every model; a chat template's own `tools` support is not used yet):
+The tools, the assistant's earlier calls and the tools' results go to the daemon as they are
+(proto Chat), and the model's chat template shows them to the model: a template that reads
+`tools` in its own way, any other in the generic format (README "The OpenAI API", the daemon's
+engine/chat.py). Whichever it is, the model's reply is read in one shape, which the constraint
+forces: a JSON object
 
-* the tools go into the system message (after the client's own, if any):
-
-      You can call functions. To call one or more, reply with only a JSON object of the form
-      {"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}.
-      Otherwise reply in plain text. A function's result comes back as a message of role "tool".
-      Functions:
-      {"name": "get_weather", "description": "...", "parameters": {...}}
-
-* an assistant message that called tools is that same JSON object, as its text;
-* a tool result is a message of role "tool" whose text is `<function name> returned: <content>`.
+    {"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}
 
 The constraint (the daemon's grammar, llguidance's Lark with `%json` for JSON Schema) forces the
 call's shape whatever the model: `required` and a named function allow only the call object
 (one call unless parallel_tool_calls), its names the tools' and its arguments valid against
 their `parameters`; `auto` allows the call object or plain text that does not start with "{"
 (or, with a JSON response_format, the response's JSON); `none` lists no tools and allows any text.
+A constraint is at most the client library's MAX_CONSTRAINT_BYTES of text (the daemon's limit):
+a larger one is a 400 here, naming the field, before anything is sent.
 """
 
 from __future__ import annotations
@@ -28,20 +25,25 @@ import json
 import re
 import secrets
 
+from ntx_client.client import RequestTooLarge, check_constraint_size
 from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 
 MAX_TOOLS = 128  # OpenAI's own limit
-MAX_SCHEMA_BYTES = 1 << 20  # the daemon compiles constraints of at most 1 MiB (proto Constraint)
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_KEY = "tool_calls"
 # JSON on one line, as the daemon lays out a json_schema constraint (llguidance's option, which
 # the daemon's grammar reads inside %json)
 JSON_LAYOUT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-INSTRUCTIONS = (
-    "You can call functions. To call one or more, reply with only a JSON object of the form\n"
-    '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}.\n'
-    'Otherwise reply in plain text. A function\'s result comes back as a message of role "tool".\n'
-    "Functions:\n")
+
+
+def sized_constraint(kind: str, text: str, param: str) -> dict:
+    """{kind: text}, the generate() keyword of a constraint; a 400 naming `param` (what it was
+    built from) where it is more text than the daemon takes."""
+    try:
+        check_constraint_size(kind, text)
+    except RequestTooLarge as e:
+        raise bad_request(f"'{param}' is too large: {e}", param, "invalid_value") from None
+    return {kind: text}
 
 
 @dataclasses.dataclass
@@ -60,20 +62,20 @@ class Tools:
     def constraint(self) -> dict:
         """The generate() keyword of the constraint ({} for none): json_schema or grammar."""
         if not self.calls_possible:
-            return {"json_schema": json.dumps(self.response_schema)} if self.response_schema is not None else {}
+            if self.response_schema is None:
+                return {}
+            return sized_constraint("json_schema", json.dumps(self.response_schema), "response_format")
         call = self._call_schema()
         if self.choice != "auto":
-            out = {"json_schema": json.dumps(call)}
-        else:
-            call = json.dumps({**call, **JSON_LAYOUT})
-            other = (f"%json {json.dumps({**self.response_schema, **JSON_LAYOUT})}"
-                     if isinstance(self.response_schema, dict) else "TEXT\nTEXT: /[^{](?s:.*)/")
-            out = {"grammar": f"start: call | other\ncall: %json {call}\nother: {other}\n"}
-        size = len(next(iter(out.values())).encode())
-        if size > MAX_SCHEMA_BYTES:
-            raise bad_request(f"The tools' and response format's schemas come to {size} bytes; this server takes at "
-                              f"most {MAX_SCHEMA_BYTES >> 10} KiB of them: shorten them.", "tools", "invalid_value")
-        return out
+            return sized_constraint("json_schema", json.dumps(call), "tools")
+        call = json.dumps({**call, **JSON_LAYOUT})
+        other = (f"%json {json.dumps({**self.response_schema, **JSON_LAYOUT})}"
+                 if isinstance(self.response_schema, dict) else "TEXT\nTEXT: /[^{](?s:.*)/")
+        return sized_constraint("grammar", f"start: call | other\ncall: %json {call}\nother: {other}\n", "tools")
+
+    def openai_tools(self) -> list[dict]:
+        """The tools for the daemon's chat template (generate()'s tools=), when calls are possible."""
+        return [{"type": "function", "function": f} for f in self.functions] if self.calls_possible else []
 
     def _call_schema(self) -> dict:
         fns = [f for f in self.functions if self.choice in ("auto", "required") or f["name"] == self.choice]
@@ -83,9 +85,6 @@ class Tools:
         if not self.parallel or self.choice not in ("auto", "required"):
             calls["maxItems"] = 1
         return {"type": "object", "additionalProperties": False, "required": [CALL_KEY], "properties": {CALL_KEY: calls}}
-
-    def system_text(self) -> str:
-        return INSTRUCTIONS + "\n".join(json.dumps(f, ensure_ascii=False) for f in self.functions)
 
 
 def _object(v, where: str) -> dict:
@@ -179,26 +178,28 @@ def parse_tools(body: dict) -> Tools:
     return Tools(functions, choice, parallel, parse_response_format(body))
 
 
-def call_text(tool_calls, i: int) -> str:
-    """An assistant message's tool calls (OpenAI's shape) as the JSON text the model writes."""
-    if not isinstance(tool_calls, list) or not tool_calls:
+def tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool calls, checked: OpenAI's shape, each call's arguments JSON text."""
+    if not isinstance(calls, list) or not calls:
         raise bad_request(f"Invalid type for 'messages[{i}].tool_calls': expected a non-empty array.",
                           f"messages[{i}].tool_calls", "invalid_type")
-    calls = []
-    for j, c in enumerate(tool_calls):
+    out = []
+    for j, c in enumerate(calls):
         where = f"messages[{i}].tool_calls[{j}]"
         fn = _object(_object(c, where).get("function"), f"{where}.function")
         name, args = fn.get("name"), fn.get("arguments", "{}")
-        if not isinstance(name, str) or not isinstance(args, str):
+        if not isinstance(name, str) or not name or not isinstance(args, str):
             raise bad_request(f"Invalid '{where}.function': 'name' and 'arguments' (a JSON string) are required.",
                               f"{where}.function", "invalid_value")
         try:
-            parsed = json.loads(args)
-        except ValueError:
+            json.loads(args)
+        except (ValueError, RecursionError):
             raise bad_request(f"Invalid '{where}.function.arguments': not JSON ({shown(args)}).",
                               f"{where}.function.arguments", "invalid_value") from None
-        calls.append({"name": name, "arguments": parsed})
-    return json.dumps({CALL_KEY: calls}, ensure_ascii=False)
+        call_id = c.get("id")
+        out.append({"id": call_id if isinstance(call_id, str) else "", "type": "function",
+                    "function": {"name": name, "arguments": args}})
+    return out
 
 
 def read_calls(text: str) -> list[dict] | None:
@@ -222,15 +223,5 @@ def read_calls(text: str) -> list[dict] | None:
     return out
 
 
-def with_tools(messages: list[dict], tools: Tools) -> list[dict]:
-    """The messages with the tools' system text (when calls are possible)."""
-    if not tools.calls_possible:
-        return messages
-    text = tools.system_text()
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}] + messages[1:]
-    return [{"role": "system", "content": text}] + messages
-
-
-__all__ = ["APIError", "MAX_TOOLS", "Tools", "call_text", "parse_response_format", "parse_tools", "read_calls",
-           "with_tools"]
+__all__ = ["APIError", "MAX_TOOLS", "Tools", "parse_response_format", "parse_tools", "read_calls", "sized_constraint",
+           "tool_calls"]

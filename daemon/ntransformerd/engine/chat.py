@@ -18,6 +18,21 @@ return). ``render_parts`` cuts the output at the marks into (text, literal) part
 then parses special tokens only in the template's own parts (``Tokenizer.encode_parts``), and a
 message containing ``<|im_end|>`` stays those characters, not a forged turn.
 
+Tools (functions the model may call) reach the model in one of two ways:
+
+* a template that reads a ``tools`` variable (its source uses it: ``knows_tools``) renders them
+  itself, as Hugging Face's ``apply_chat_template`` passes them: ``tools`` is OpenAI's list of
+  ``{"type": "function", "function": {"name", "description", "parameters"}}``, an assistant
+  message carries ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+  "arguments"}}]``, the arguments a parsed JSON object) and a ``role: "tool"`` message its
+  ``tool_call_id`` and the ``name`` of the function it answers;
+* any other template gets the generic format (``generic_tool_messages``; README "The OpenAI
+  API"): the tools in a system message, an assistant's calls as the JSON object the model is
+  asked to write, a tool's result as ``<function name> returned: <content>``.
+
+Either way every string of the tools and of the calls is message text, marked like content:
+a tool's description or result containing ``<|im_end|>`` stays those characters.
+
 Thread rule: a ``ChatTemplate`` is immutable once built and can render from any thread.
 """
 
@@ -32,12 +47,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "validate_messages", "split_literal"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "TOOL_INSTRUCTIONS", "generic_tool_messages",
+           "split_literal", "validate_messages", "validate_tools"]
 
 # Used when the GGUF has no template: ChatML, as llama.cpp falls back to.
 CHATML_TEMPLATE = (
@@ -57,6 +74,17 @@ MAX_MESSAGES = 10_000
 # its own markup around them, so a conversation this long still renders.
 MAX_CHAT_CHARS = MAX_BUILT_CHARS * 3 // 4
 
+MAX_TOOLS = 128  # OpenAI's own limit
+MAX_TOOL_DEPTH = 64  # nesting of a tool's parameters or a call's arguments (as constraints.MAX_JSON_DEPTH)
+# The generic tool format: the system text that lists the tools (README "The OpenAI API"). The model's
+# reply is forced into this shape by the request's constraint (the OpenAI gateway's tools.py).
+TOOL_CALLS_KEY = "tool_calls"
+TOOL_INSTRUCTIONS = (
+    "You can call functions. To call one or more, reply with only a JSON object of the form\n"
+    '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}.\n'
+    'Otherwise reply in plain text. A function\'s result comes back as a message of role "tool".\n'
+    "Functions:\n")
+
 # Noncharacters: Unicode keeps them for a program's internal use, so no text needs them, and
 # messages containing them are refused.
 LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
@@ -72,16 +100,20 @@ class _Interrupted(BaseException):
     template's own error handling cannot swallow it)."""
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
+def validate_messages(messages: Any, *, tool_chars: int = 0) -> list[dict[str, Any]]:
     """Check the conversation shape and return plain-dict copies for the template:
-    a non-empty list of mappings, each with string ``role`` and ``content``."""
+    a non-empty list of mappings, each with string ``role`` and ``content``; an assistant's
+    ``tool_calls`` (OpenAI's shape; arguments as JSON text or an object) come back with their
+    arguments parsed, and a tool message's ``tool_call_id`` must answer one of them (its
+    ``name`` is then filled in). tool_chars: what the request's tools hold, counted with the
+    messages against MAX_CHAT_CHARS."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ChatTemplateError(f"messages must be a list, not {type(messages).__name__}")
     if not messages:
         raise ChatTemplateError("messages is empty: a chat needs at least one message")
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"too many messages: {len(messages)} (at most {MAX_MESSAGES})")
-    out, total = [], 0
+    out, total, called = [], tool_chars, {}  # called: tool call id → function name
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ChatTemplateError(f"messages[{i}] must be an object with role and content, not {type(m).__name__}")
@@ -90,22 +122,155 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        total += sum(len(v) for v in m.values() if isinstance(v, str))
-        if total > MAX_CHAT_CHARS:
-            raise ChatTemplateError(f"the chat's messages hold over {MAX_CHAT_CHARS:,} characters (at "
-                                    f"messages[{i}]); a conversation may have at most that: shorten or split "
-                                    "it (the model's context holds far fewer tokens anyway)")
+        m = dict(m)
         for key, value in m.items():
-            if isinstance(value, str) and _MARKS.search(value):
-                raise ChatTemplateError(f"messages[{i}].{key} contains U+FDD0 or U+FDD1, noncharacters that "
-                                        "text may not carry here: remove them")
-        out.append(dict(m))
+            if key != "tool_calls":
+                total += _size(value, f"messages[{i}].{key}")
+        if m.get("tool_calls") is not None:
+            m["tool_calls"], size = _tool_calls(m["tool_calls"], i)
+            total += size
+            called.update((c["id"], c["function"]["name"]) for c in m["tool_calls"] if c["id"])
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise ChatTemplateError(f"messages[{i}].tool_call_id must be a string, got {type(call_id).__name__}")
+            if call_id not in called:
+                raise ChatTemplateError(f"messages[{i}].tool_call_id {_shown(call_id)!r} answers no tool call of an "
+                                        "earlier assistant message: give the id of the call this result is for")
+            m.setdefault("name", called[call_id])
+        if total > MAX_CHAT_CHARS:
+            raise ChatTemplateError(f"the chat's messages{' and tools' if tool_chars else ''} hold over "
+                                    f"{MAX_CHAT_CHARS:,} characters (at messages[{i}]); a conversation may have "
+                                    "at most that: shorten or split it (the model's context holds far fewer "
+                                    "tokens anyway)")
+        out.append(m)
+    return out
+
+
+def validate_tools(tools: Any) -> tuple[list[dict[str, Any]], int]:
+    """OpenAI's list of tools as plain copies, each ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` with the parameters (JSON text or an object) parsed; and the
+    characters they hold (counted with the messages' against MAX_CHAT_CHARS)."""
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise ChatTemplateError(f"tools must be a list, not {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise ChatTemplateError(f"too many tools: {len(tools)} (at most {MAX_TOOLS})")
+    out, total, names = [], 0, set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = t.get("function") if isinstance(t, Mapping) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping):
+            raise ChatTemplateError(f"{where} must be an object {{\"type\": \"function\", \"function\": {{...}}}}")
+        name, desc = fn.get("name"), fn.get("description", "")
+        if not isinstance(name, str) or not name:
+            raise ChatTemplateError(f"{where}.function.name must be a non-empty string, got {_shown(repr(name))}")
+        if name in names:
+            raise ChatTemplateError(f"{where}.function.name {_shown(name)!r} is given twice: tool names must differ")
+        names.add(name)
+        if not isinstance(desc, str):
+            raise ChatTemplateError(f"{where}.function.description must be a string, got {type(desc).__name__}")
+        params = _json_value(fn.get("parameters", {"type": "object", "properties": {}}), f"{where}.function.parameters")
+        if not isinstance(params, dict):
+            raise ChatTemplateError(f"{where}.function.parameters must be a JSON Schema object")
+        total += _size(name, where) + _size(desc, where) + _size(params, where)
+        out.append({"type": "function", "function": {"name": name, "description": desc, "parameters": params}})
+    return out, total
+
+
+def _tool_calls(calls: Any, i: int) -> tuple[list[dict[str, Any]], int]:
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)) or not calls:
+        raise ChatTemplateError(f"messages[{i}].tool_calls must be a non-empty list of calls")
+    out, total = [], 0
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatTemplateError(f"{where} must be an object {{\"id\", \"type\": \"function\", \"function\": "
+                                    "{\"name\", \"arguments\"}}")
+        call_id = c.get("id") or ""
+        if not isinstance(call_id, str):
+            raise ChatTemplateError(f"{where}.id must be a string, got {type(call_id).__name__}")
+        args = _json_value(fn.get("arguments", {}), f"{where}.function.arguments")
+        total += _size(call_id, where) + _size(fn["name"], where) + _size(args, where)
+        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out, total
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """A JSON value given as text (parsed) or as Python data, at most MAX_TOOL_DEPTH deep."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise ChatTemplateError(f"{where} is nested too deeply to read: flatten it") from None
+        except ValueError as e:
+            raise ChatTemplateError(f"{where} is not JSON ({e}): send a JSON object") from None
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TOOL_DEPTH:
+            raise ChatTemplateError(f"{where} nests more than {MAX_TOOL_DEPTH} levels deep: flatten it")
+        if isinstance(node, Mapping):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, (list, tuple)):
+            stack += [(v, depth + 1) for v in node]
+        elif not (node is None or isinstance(node, (str, int, float, bool))):
+            raise ChatTemplateError(f"{where} holds a {type(node).__name__}, which is not JSON")
+    return value
+
+
+def _size(value: Any, where: str) -> int:
+    """Characters of the strings in `value` (keys included); refuses the literal marks."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _MARKS.search(node):
+                raise ChatTemplateError(f"{where} contains U+FDD0 or U+FDD1, noncharacters that text may not carry "
+                                        "here: remove them")
+            total += len(node)
+        elif isinstance(node, Mapping):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, (list, tuple)):
+            stack += node
+    return total
+
+
+def _shown(text: str, limit: int = 64) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation in the generic tool format, for a template that knows no tools: the
+    tools listed in the system message (after the client's own, if any), each assistant's calls
+    as the JSON object ``{"tool_calls": [{"name", "arguments"}]}`` it is asked to write, each
+    tool result as ``<function name> returned: <content>``. ``messages`` and ``tools`` as
+    validate_messages / validate_tools return them."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            out.append({"role": m["role"], "content": json.dumps({TOOL_CALLS_KEY: calls}, ensure_ascii=False)})
+        elif m["role"] == "tool" and m.get("name"):
+            out.append({"role": "tool", "content": f"{m['name']} returned: {m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        text = TOOL_INSTRUCTIONS + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
     return out
 
 
 def _marked(value: Any) -> Any:
+    """`value` with every string in it marked, dictionary keys included (a tool's parameter
+    names are the client's text as much as its description)."""
     if isinstance(value, str):
         return value if isinstance(value, _Literal) else _Literal(value)
+    if isinstance(value, Mapping):
+        return {_marked(k): _marked(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_marked(v) for v in value]
     if isinstance(value, tuple):
@@ -225,6 +390,8 @@ class ChatTemplate:
                        extensions=[jinja2.ext.loopcontrols], undefined=jinja2.Undefined)
         try:
             self._template = env.from_string(source)
+            # reads `tools` (not set by the template itself): it renders tools its own way
+            self.knows_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
         except Exception as e:  # anything else the compiler raises on odd input
@@ -258,18 +425,26 @@ class ChatTemplate:
             add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         return cls(source, bos_token=bos, eos_token=eos, strip_bos=add_bos, strip_eos=add_eos)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **extra: Any) -> str:
-        """The prompt text for ``messages``. ``extra`` variables (``tools``, ``date_string``...)
-        are passed to the template as they are."""
-        return "".join(t for t, _ in self.render_parts(messages, add_generation_prompt=add_generation_prompt, **extra))
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The prompt text for ``messages`` (and ``tools``: see render_parts). ``extra``
+        variables (``date_string``...) are passed to the template as they are."""
+        return "".join(t for t, _ in self.render_parts(messages, tools=tools,
+                                                       add_generation_prompt=add_generation_prompt, **extra))
 
-    def render_parts(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                     **extra: Any) -> list[tuple[str, bool]]:
-        """The prompt as (text, literal) parts: literal parts are the messages' own strings,
-        the rest is what the template wrote (where its special tokens are)."""
-        marked = [{k: _marked(v) if isinstance(v, str) else v for k, v in m.items()}
-                  for m in validate_messages(messages)]
+    def render_parts(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                     add_generation_prompt: bool = True, **extra: Any) -> list[tuple[str, bool]]:
+        """The prompt as (text, literal) parts: literal parts are the messages' own strings
+        (the tools' and the calls' included), the rest is what the template wrote (where its
+        special tokens are). tools: OpenAI's list of function tools, for the template's
+        ``tools`` variable where it has one, else in the generic format (module docstring)."""
+        tool_list, size = validate_tools(tools) if tools else ([], 0)
+        plain = validate_messages(messages, tool_chars=size)
+        if self.knows_tools:
+            extra["tools"] = _marked(tool_list) if tool_list else None  # None when absent, as transformers passes
+        else:
+            plain = generic_tool_messages(plain, tool_list)
+        marked = [{k: _marked(v) for k, v in m.items()} for m in plain]
         variables = {
             **extra,
             "messages": marked,

@@ -32,7 +32,9 @@ import llguidance
 import numpy as np
 
 KINDS = ("json_schema", "regex", "grammar")
-MAX_CONSTRAINT_BYTES = 1 << 20  # a schema, regex or grammar; a larger one is refused before compiling
+# A schema, regex or grammar; a larger one is refused before compiling. The API's limit (proto
+# Constraint): the client library (ntx_client.client) and the OpenAI gateway refuse it before sending.
+MAX_CONSTRAINT_BYTES = 1 << 20
 MAX_JSON_DEPTH = 64  # nesting of a JSON schema document (llguidance's own parser stops at 128)
 # llguidance's limits, tighter than its defaults where a request could make the daemon work long:
 # lexer fuel ~50k/ms to build, ~14k/ms per token; Earley items ~20k/ms per token.
@@ -77,8 +79,8 @@ class Compiler:
             raise InvalidConstraint(f"the {_NAMES[kind]} is empty")
         size = len(text.encode())
         if size > MAX_CONSTRAINT_BYTES:
-            raise InvalidConstraint(f"the {_NAMES[kind]} is {size} bytes; at most {MAX_CONSTRAINT_BYTES >> 10} KiB "
-                                    "are compiled: simplify it")
+            raise InvalidConstraint(f"the {_NAMES[kind]} is {size:,} bytes; at most {MAX_CONSTRAINT_BYTES >> 20} MiB "
+                                    f"({MAX_CONSTRAINT_BYTES:,} bytes) are compiled: shorten or simplify it")
         try:
             if kind == "json_schema":
                 schema = json.loads(text)

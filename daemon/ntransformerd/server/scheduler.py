@@ -276,8 +276,9 @@ class Scheduler:
         return engine
 
     def tokenize(self, *, text: str | None = None, messages: Sequence[dict] | None = None,
-                 ids: Sequence[int] | None = None, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        """Prompt ids from raw text, chat messages (through the model's template) or ids."""
+                 ids: Sequence[int] | None = None, add_special: bool = True, parse_special: bool = True,
+                 tools: Sequence[dict] | None = None) -> list[int]:
+        """Prompt ids from raw text, chat messages and tools (through the model's template) or ids."""
         engine = self.serving_engine()
         tok = engine.tokenizer
         if ids is not None:
@@ -287,7 +288,7 @@ class Scheduler:
                                      f"{engine.cfg.vocab_size} ids (0..{engine.cfg.vocab_size - 1})")
             return list(ids)
         if messages is not None:
-            return encode_chat(engine, messages)
+            return encode_chat(engine, messages, tools)
         return tok.encode(text, parse_special=parse_special, add_special=add_special)
 
     def speculator(self, mode: Mode | None):
@@ -628,7 +629,7 @@ def model_name(engine) -> str:
     return str(engine.model.metadata.get("general.name") or os.path.basename(engine.model.path))
 
 
-def encode_chat(engine, messages: Sequence[dict]) -> list[int]:
+def encode_chat(engine, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
     """Prompt ids of `messages` through the model's chat template, generation prompt added
     (engine.encode_chat: what `ntx-model run --chat` does)."""
     if not messages:
@@ -636,4 +637,4 @@ def encode_chat(engine, messages: Sequence[dict]) -> list[int]:
     for m in messages:
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise InvalidRequest(f"chat role {shown(m['role'])} is not one of system, user, assistant, tool")
-    return engine.encode_chat(messages)
+    return engine.encode_chat(messages, tools=tools)

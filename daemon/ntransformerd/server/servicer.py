@@ -168,10 +168,16 @@ def speculative_mode(text: str) -> Mode | None:
 
 def constraint_of(request: pb.GenerateRequest, engine):
     """The request's compiled constraint (engine/constraints.py), None without one; a schema,
-    regex or grammar the compiler refuses is InvalidRequest with the compiler's message."""
+    regex or grammar over MAX_CONSTRAINT_BYTES, or one the compiler refuses, is InvalidRequest
+    naming the field and the limit, or with the compiler's message."""
     kind = request.constraint.WhichOneof("kind")
     if kind is None:
         return None
+    size = len(getattr(request.constraint, kind).encode())
+    if size > constraints.MAX_CONSTRAINT_BYTES:
+        limit = constraints.MAX_CONSTRAINT_BYTES
+        raise errors.InvalidRequest(f"constraint.{kind} is {size:,} bytes; the daemon takes at most {limit >> 20} MiB "
+                                    f"({limit:,} bytes) of constraint text: shorten or simplify it")
     if engine is None:
         raise errors.NotReady("no model is loaded: load one with the Admin LoadModel verb (as root)")
     try:
@@ -189,8 +195,21 @@ def logprobs_pb(tokenizer, entries) -> list[pb.TokenLogprob]:
     return [one(*e) for e in entries]
 
 
-def _messages(chat: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+def chat_of(chat: pb.Chat) -> dict:
+    """A Chat as engine/chat.py takes it (OpenAI's shapes): tokenize()'s messages= and tools=."""
+    messages = []
+    for m in chat.messages:
+        d = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        messages.append(d)
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               **({"parameters": t.parameters} if t.parameters else {})}}
+             for t in chat.tools]
+    return {"messages": messages, "tools": tools or None}
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -223,7 +242,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise errors.InvalidRequest(f"the prompt is over {MAX_PROMPT_BYTES} characters: shorten it")
             return self.scheduler.tokenize(text=request.prompt)
         if which == "chat":
-            return self.scheduler.tokenize(messages=_messages(request.chat))
+            return self.scheduler.tokenize(**chat_of(request.chat))
         return self.scheduler.tokenize(ids=list(request.prompt_ids.ids))
 
     @stream_rpc
@@ -267,7 +286,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         add = request.add_special if request.HasField("add_special") else True
         parse = request.parse_special if request.HasField("parse_special") else True
         if which == "chat":
-            ids = self.scheduler.tokenize(messages=_messages(request.chat))
+            ids = self.scheduler.tokenize(**chat_of(request.chat))
         else:
             ids = self.scheduler.tokenize(text=request.text, add_special=add, parse_special=parse)
         tok = self.scheduler.engine.tokenizer

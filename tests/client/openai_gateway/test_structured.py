@@ -340,7 +340,8 @@ def test_bad_schemas_are_a_clear_400_in_bounded_time(stack, oai, model):
             "type": "object", "properties": {"a": {"type": "string", "pattern": "(a"}}}}}]}, "cannot be compiled"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
-                                             for i in range(12_000)}}}}]}, "at most 1024 KiB"),
+                                             for i in range(12_000)}}}}]},
+         r"'tools' is too large: constraint.grammar is [\d,]+ bytes; the daemon takes at most 1 MiB"),
     ]
     for extra, message in cases:
         t = time.monotonic()
@@ -354,5 +355,25 @@ def test_bad_schemas_are_a_clear_400_in_bounded_time(stack, oai, model):
                                   {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
     assert status == 400 and "nested too deeply" in reply["error"]["message"], reply
     assert time.monotonic() - t < 15
+    r = oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_schema_over_one_mib_is_a_400_naming_the_field_and_the_limit(stack, oai, model):
+    """5 MB of schema (under the 8 MiB body limit, over gRPC's 4 MiB message limit): refused here by
+    name, as the daemon would refuse anything over 1 MiB, on both endpoints."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 90}
+                                            for i in range(50_000)}}
+    assert len(json.dumps(big)) > 5_000_000
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}
+    message = (r"'response_format' is too large: constraint.json_schema is [\d,]+ bytes; the daemon takes at most "
+               r"1 MiB \(1,048,576 bytes\) of constraint text: shorten or simplify it")
+    for create in (lambda: oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, response_format=fmt),
+                   lambda: oai.completions.create(model=model, prompt="Hi", max_tokens=2,
+                                                  extra_body={"response_format": fmt})):
+        t = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            create()
+        assert e.value.body["param"] == "response_format" and time.monotonic() - t < 15
     r = oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2

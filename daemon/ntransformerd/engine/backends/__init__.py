@@ -30,6 +30,7 @@ from ntransformerd.engine.backends import cpu
 from ntransformerd.engine.devices import Backend
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KV_DTYPES as HOST_KV_DTYPES
+from ntransformerd.engine.kv_cache import default_blocks
 from ntransformerd.engine.tiers.planner import HOST, VRAM
 from ntransformerd.settings import SettingError
 
@@ -56,8 +57,9 @@ class CpuRef:
     def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
         return cpu.load_share(model, share, source=source, poison=poison, link_cap=link_cap)
 
-    def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0):
-        return cpu.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+    def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0,
+                 n_blocks: int | None = None):
+        return cpu.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
 
     def capture(self, ops, weights, kv, *, threads: int | None = None) -> None:
         return None
@@ -87,8 +89,8 @@ class Host(CpuRef):
         # nothing streams here (layers are computed where they lie), so there is no copy to pace
         return self.module.load(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)})
 
-    def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0):
-        return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+    def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0, n_blocks=None):
+        return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
 
     def capture(self, ops, weights, kv, *, threads: int | None = None):
         return self.module.graphs(ops, weights, kv, threads=threads)
@@ -118,7 +120,10 @@ class Cuda:
         with self.context(device):
             return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap)
 
-    def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0):
+    def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0, n_blocks=None):
+        if n_blocks is not None and n_blocks != default_blocks(n_slots, max_ctx):
+            raise SettingError("the cuda backend's KV cache holds whole slots ({max_batch} × {max_ctx}) until its "
+                               "paged form lands: leave {kv_blocks} unset", setting="kv_blocks", value=n_blocks)
         with self.context(device):
             return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
 

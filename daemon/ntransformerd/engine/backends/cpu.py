@@ -285,5 +285,6 @@ def load_share(model: GGUFModel, share: Plan, *, source: Source | None = None, p
     return ops, StreamedCpuWeights(model, share, source=source, poison=poison, link_cap=link_cap)
 
 
-def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str) -> KVCache:
-    return KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, n_blocks: int | None = None) -> KVCache:
+    """The paged cache (kv_cache.py); this reference reads its quantized types dequantized."""
+    return KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)

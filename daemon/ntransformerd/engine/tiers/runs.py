@@ -234,17 +234,42 @@ class DeviceKV(SlotTable):
     on every device that computes it (Layout.homes). `valid[d, i, slot]`: how many leading
     positions of that slot device d holds for layer i; a step first brings each device the
     positions it lacks for the layers it computes (`sync`), then marks what it wrote (`wrote`).
-    One owner thread (the engine's)."""
+    A slot's room is reserved, trimmed and freed on every device's cache at once. One owner
+    thread (the engine's)."""
 
     def __init__(self, n_slots: int, stages: Sequence[Stage], homes: dict[int, tuple[int, ...]]):
         super().__init__(n_slots)
         self.stages, self.homes = list(stages), homes
+        self.max_ctx = min(st.kv.cache.max_ctx for st in self.stages)
         self.valid = np.zeros((len(self.stages), max(homes, default=-1) + 1, n_slots), np.int64)
         self.stats = {"syncs": 0, "positions": 0}
 
     def layer(self, i: int):
         """Layer i's cache on its first home."""
         return self.stages[self.homes[i][0]].kv.layer(i)
+
+    def alloc(self, slot: int | None = None) -> int:
+        slot = super().alloc(slot)
+        for st in self.stages:
+            st.kv.cache.alloc(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        super().free(slot)
+        for st in self.stages:
+            st.kv.cache.free(slot)
+
+    def reserve(self, slot: int, n: int) -> None:
+        for st in self.stages:
+            st.kv.cache.reserve(slot, n)
+
+    def trim(self, slot: int, n: int) -> None:
+        for st in self.stages:
+            st.kv.cache.trim(slot, n)
+        self.valid[:, :, slot] = np.minimum(self.valid[:, :, slot], n)
+
+    def kept(self, slot: int) -> int:
+        return min(st.kv.cache.kept(slot) for st in self.stages)
 
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
         """Positions [start, n) of `src` into `dst` on every device; each device then holds of
@@ -285,14 +310,12 @@ class DeviceKV(SlotTable):
         copy through the host, one scatter per layer."""
         src, dst = self.stages[e], self.stages[d]
         with src.context():
-            parts = [getattr(src.kv.layer(i), name)[slot, lo:hi] for i in layers for name in ("k", "v")]
+            parts = [x for i in layers for x in src.kv.layer(i).rows(slot, lo, hi)]  # (hi - lo, Hkv, hd) each
             rows = src.ops.to_host(np.stack(parts))  # a device's own stack (NEP 18) where they are its arrays
         with dst.context():
             got = dst.to_device(rows)
             for j, i in enumerate(layers):
-                b = dst.kv.layer(i)
-                b.k[slot, lo:hi] = got[2 * j]
-                b.v[slot, lo:hi] = got[2 * j + 1]
+                dst.kv.layer(i).write(slot, lo, got[2 * j], got[2 * j + 1])
         self.stats["syncs"] += 1
         self.stats["positions"] += (hi - lo) * len(layers)
 

@@ -23,6 +23,15 @@ class CudaKVLayer:
     def read(self, slot: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         return (cp.asnumpy(self.k[slot, :end]).astype(np.float32), cp.asnumpy(self.v[slot, :end]).astype(np.float32))
 
+    def write(self, slot: int, start: int, k, v) -> None:
+        """Positions start … start + n of `slot` from device arrays (n, Hkv, hd), rounded to F16."""
+        self.k[slot, start:start + len(k)] = k
+        self.v[slot, start:start + len(v)] = v
+
+    def rows(self, slot: int, p0: int, p1: int):
+        """Positions [p0, p1) of `slot`: views of the device arrays (n, Hkv, hd)."""
+        return self.k[slot, p0:p1], self.v[slot, p0:p1]
+
 
 class CudaKVCache(SlotTable):
     """Slot bookkeeping on the host (as the CPU cache), keys and values on the device. One more

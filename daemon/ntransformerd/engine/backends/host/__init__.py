@@ -8,7 +8,7 @@ exact float32 reference (backends/cpu.py, `cpu-ref`) stays beside it and the tes
 two.
 
     ops, weights = host.load(model)
-    kv = host.kv_cache(cfg, n_slots=8, max_ctx=4096, dtype="f32")
+    kv = host.kv_cache(cfg, n_slots=8, max_ctx=4096, dtype="q8_0")
     steps = host.graphs(ops, weights, kv)
     logits = steps.run(batch)                 # (segments, V) float32
 """
@@ -112,8 +112,9 @@ def native_types() -> tuple[Q, ...]:
     return (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
-def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str) -> KVCache:
-    return KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, n_blocks: int | None = None) -> KVCache:
+    """The paged cache (kv_cache.py) the kernels read through its block tables: f32, f16, q8_0, q4_0."""
+    return KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
 
 
 def _cap(n: int) -> int:
@@ -132,14 +133,13 @@ class HostSteps:
         self.threads = threads or default_threads()
         c = self.cfg
         cache = getattr(kv, "cache", kv)  # a device's share of a multi-device cache (tiers.runs.HomeKV)
-        self.max_ctx = cache.max_ctx
+        self.cache, self.max_ctx = cache, cache.max_ctx
         freqs = rope_frequencies(c, self._freq_factors(weights.model))
         theta = np.arange(self.max_ctx, dtype=np.float64)[:, None] * freqs[None, :]  # (max_ctx, rope_dim/2)
         self.rope_cos = np.ascontiguousarray(np.cos(theta), dtype=np.float32)
         self.rope_sin = np.ascontiguousarray(np.sin(theta), dtype=np.float32)
-        self.consts = model_consts(c, self.rope_cos, self.rope_sin, max_ctx=self.max_ctx,
-                                   kv_f16=cache.dtype == "f16")
-        per = (c.n_heads // c.n_kv_heads) * self.max_ctx + c.head_dim + 16
+        self.consts = model_consts(c, self.rope_cos, self.rope_sin, cache)
+        per = self.lib.attn_scratch(ctypes.addressof(self.consts))  # floats one thread's attention uses
         self.scratch_per_thread = per
         self.scratch = np.zeros(self.threads * per, np.float32)
         self.arena = np.zeros(0, np.uint8)
@@ -186,6 +186,8 @@ class HostSteps:
         n = len(batch.tokens)
         if int(batch.positions.max()) >= self.max_ctx:
             raise ValueError(f"position {int(batch.positions.max())} is past the KV cache's {self.max_ctx}")
+        for seg in batch.segments:  # the blocks this step writes, before the kernels look them up
+            self.cache.reserve(seg.slot, seg.start + len(seg.tokens))
         tape = self.tape(batch, embed=x is None, layers=layers, head=head, all_logits=all_logits)
         tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)
         positions = np.ascontiguousarray(batch.positions, dtype=np.int64)
@@ -206,7 +208,9 @@ class HostSteps:
                            ctypes.addressof(self.consts), self.scratch.ctypes.data, self.scratch_per_thread,
                            self.threads)
         if rc != 0:
-            raise RuntimeError(f"the CPU step failed ({rc}): head_dim {self.cfg.head_dim} or GQA group too large")
+            why = ("the KV cache's layout does not match the kernels'" if rc == -3
+                   else f"head_dim {self.cfg.head_dim} or GQA group too large")
+            raise RuntimeError(f"the CPU step failed ({rc}): {why}")
         w, rows = tape.output.width, (len(out_rows) if head else n)
         result = np.frombuffer(self.arena, np.float32, rows * w, offsets[tape.output.id]).reshape(rows, w)
         if out is None:

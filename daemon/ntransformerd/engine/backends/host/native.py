@@ -142,9 +142,10 @@ class Header(ctypes.Structure):
 
 class ModelConsts(ctypes.Structure):
     _fields_ = [("n_heads", ctypes.c_int32), ("n_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
-                ("rope_dim", ctypes.c_int32), ("rope_neox", ctypes.c_int32), ("kv_f16", ctypes.c_int32),
-                ("max_ctx", ctypes.c_int64), ("attn_scale", ctypes.c_float), ("pad", ctypes.c_int32),
-                ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p)]
+                ("rope_dim", ctypes.c_int32), ("rope_neox", ctypes.c_int32), ("kv_type", ctypes.c_int32),
+                ("max_ctx", ctypes.c_int64), ("attn_scale", ctypes.c_float), ("kv_block", ctypes.c_int32),
+                ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
+                ("kv_tables", ctypes.c_void_p), ("kv_max_blocks", ctypes.c_int64), ("kv_row_bytes", ctypes.c_int64)]
 
 
 _p, _i32, _i64, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_size_t
@@ -172,6 +173,9 @@ class Library:
             "ntx_topk": (None, [_p, _i64, _i64, _i32, _p, _p, _p, _i32]),
             "ntx_struct_sizes": (None, [_p]),
             "ntx_read_probe": (ctypes.c_double, [_p, _i64, _i32, _i32]),
+            "ntx_attn_scratch": (_i64, [_p]),
+            "ntx_kv_store_rows": (None, [_i32, _p, _i64, _i32, _p]),
+            "ntx_kv_load_rows": (None, [_i32, _p, _i64, _i32, _p]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)

@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.host.native import Header, Instr, Library, ModelConsts
+from ntransformerd.engine.kv_cache import KV_TYPES, row_bytes
 from ntransformerd.engine.sampler import TopLogits
 
 OP_EMBED, OP_RMS_NORM, OP_QUANT, OP_MATMUL, OP_SWIGLU, OP_ROWS, OP_ATTN_WRITE, OP_ATTN = range(1, 9)
@@ -282,11 +283,17 @@ def top_rows(lib: Library, logits: np.ndarray, n: int, *, threads: int = 1) -> T
     return TopLogits(ids, vals, nan, sort=False)
 
 
-def model_consts(cfg, rope_cos: np.ndarray, rope_sin: np.ndarray, *, max_ctx: int, kv_f16: bool) -> ModelConsts:
+def model_consts(cfg, rope_cos: np.ndarray, rope_sin: np.ndarray, cache) -> ModelConsts:
+    """The step's constants: the model's shape, the rope table, and the KV cache's layout (a
+    kv_cache.KVCache: its storage type, block size and block tables, read by each step)."""
+    qtype = KV_TYPES[cache.dtype][0]
+    t = cache.blocks
     return ModelConsts(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                       rope_dim=cfg.rope_dim, rope_neox=int(cfg.rope_neox), kv_f16=int(kv_f16), max_ctx=max_ctx,
-                       attn_scale=float(np.float32(1.0 / np.sqrt(cfg.head_dim))),
-                       rope_cos=rope_cos.ctypes.data, rope_sin=rope_sin.ctypes.data)
+                       rope_dim=cfg.rope_dim, rope_neox=int(cfg.rope_neox), kv_type=int(qtype), max_ctx=cache.max_ctx,
+                       attn_scale=float(np.float32(1.0 / np.sqrt(cfg.head_dim))), kv_block=t.block_size,
+                       rope_cos=rope_cos.ctypes.data, rope_sin=rope_sin.ctypes.data,
+                       kv_tables=t.tables.ctypes.data, kv_max_blocks=t.max_blocks,
+                       kv_row_bytes=row_bytes(cache.dtype, cfg.head_dim))
 
 
 def header(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, out_rows: np.ndarray) -> Header:

@@ -1,0 +1,250 @@
+/* Attention over the paged KV cache (attention.h): storing rows, and causal GQA attention that
+ * reads the stored rows (F32, F16, Q8_0, Q4_0) through each sequence's block table.
+ *
+ * The attention of a group of rows (up to NTX_ATTN_ROWS consecutive rows of one sequence, for
+ * one KV head: R rows × g query heads = nq query vectors) walks the keys NTX_ATTN_KEYS at a time
+ * with an online softmax (running max m, sum l, output accumulator per query vector). Each key
+ * and value row is decoded once into a small float tile and used by every query vector of the
+ * group, so a prefill chunk reads the cache once per 16 rows, not once per row. The loops run
+ * across query vectors (scores) and head_dim (outputs), never reducing inside a vector, and
+ * each query vector's arithmetic is the same whatever group it is in: a row's result does not
+ * depend on the other rows of its step (a k-token verify step equals k one-token steps).
+ */
+#include <math.h>
+
+#include "attention.h"
+
+#define KT NTX_ATTN_KEYS
+
+/* ---- rows -------------------------------------------------------------------------------- */
+
+/* As gguf.quants.quantize, bit for bit: d = amax / 127, q = round(x / d) half away from zero. */
+static void store_q8_0(const float *x, int hd, uint8_t *row) {
+    for (int b = 0; b < hd / NTX_KV_QK; b++, x += NTX_KV_QK, row += NTX_KV_Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < NTX_KV_QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const _Float16 dh = (_Float16)d;
+        memcpy(row, &dh, 2);
+        int8_t *q = (int8_t *)(row + 2);
+        for (int i = 0; i < NTX_KV_QK; i++) q[i] = (int8_t)roundf(x[i] * id);
+    }
+}
+
+/* As gguf.quants.quantize: d = (value of largest magnitude) / -8, q = min(15, trunc(x / d + 8.5)).
+ * The product is kept apart from the addition (volatile) so no compiler fuses them into an FMA
+ * that would round differently. */
+static void store_q4_0(const float *x, int hd, uint8_t *row) {
+    for (int b = 0; b < hd / NTX_KV_QK; b++, x += NTX_KV_QK, row += NTX_KV_Q4_0_BYTES) {
+        float amax = 0.0f, max = 0.0f;
+        for (int i = 0; i < NTX_KV_QK; i++)
+            if (fabsf(x[i]) > amax) { /* the first of ties, its sign kept */
+                amax = fabsf(x[i]);
+                max = x[i];
+            }
+        const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const _Float16 dh = (_Float16)d;
+        memcpy(row, &dh, 2);
+        uint8_t *q = row + 2;
+        for (int i = 0; i < NTX_KV_QK / 2; i++) {
+            volatile float a = x[i] * id, c = x[i + NTX_KV_QK / 2] * id;
+            int lo = (int)(a + 8.5f), hi = (int)(c + 8.5f);
+            lo = lo < 15 ? lo : 15;
+            hi = hi < 15 ? hi : 15;
+            q[i] = (uint8_t)(lo | hi << 4);
+        }
+    }
+}
+
+void ntx_kv_store(int type, const float *x, int hd, uint8_t *row) {
+    switch (type) {
+    case NTX_F32: memcpy(row, x, (size_t)hd * sizeof(float)); return;
+    case NTX_F16: {
+        _Float16 *d = (_Float16 *)row;
+        for (int i = 0; i < hd; i++) d[i] = (_Float16)x[i];
+        return;
+    }
+    case NTX_Q8_0: store_q8_0(x, hd, row); return;
+    case NTX_Q4_0: store_q4_0(x, hd, row); return;
+    default: return;
+    }
+}
+
+/* Row → float32, as gguf.quants.dequantize: d × q. */
+static inline void kv_load(int type, const uint8_t *row, int hd, float *out) {
+    switch (type) {
+    case NTX_F32: memcpy(out, row, (size_t)hd * sizeof(float)); return;
+    case NTX_F16: {
+        const _Float16 *s = (const _Float16 *)row;
+#pragma omp simd
+        for (int i = 0; i < hd; i++) out[i] = (float)s[i];
+        return;
+    }
+    case NTX_Q8_0:
+        for (int b = 0; b < hd / NTX_KV_QK; b++, row += NTX_KV_Q8_0_BYTES, out += NTX_KV_QK) {
+            _Float16 dh;
+            memcpy(&dh, row, 2);
+            const float d = (float)dh;
+            const int8_t *q = (const int8_t *)(row + 2);
+#pragma omp simd
+            for (int i = 0; i < NTX_KV_QK; i++) out[i] = (float)q[i] * d;
+        }
+        return;
+    case NTX_Q4_0:
+        for (int b = 0; b < hd / NTX_KV_QK; b++, row += NTX_KV_Q4_0_BYTES, out += NTX_KV_QK) {
+            _Float16 dh;
+            memcpy(&dh, row, 2);
+            const float d = (float)dh;
+            const uint8_t *q = row + 2;
+#pragma omp simd
+            for (int i = 0; i < NTX_KV_QK / 2; i++) {
+                out[i] = (float)((int)(q[i] & 0x0F) - 8) * d;
+                out[i + NTX_KV_QK / 2] = (float)((int)(q[i] >> 4) - 8) * d;
+            }
+        }
+        return;
+    default: return;
+    }
+}
+
+/* n rows of hd values each, stored and loaded as the cache does (tests compare with gguf.quants). */
+void ntx_kv_store_rows(int type, const float *x, int64_t n, int hd, uint8_t *rows) {
+    int64_t rb = ntx_kv_row_bytes(type, hd);
+    for (int64_t r = 0; r < n; r++) ntx_kv_store(type, x + r * hd, hd, rows + r * rb);
+}
+
+void ntx_kv_load_rows(int type, const uint8_t *rows, int64_t n, int hd, float *out) {
+    int64_t rb = ntx_kv_row_bytes(type, hd);
+    for (int64_t r = 0; r < n; r++) kv_load(type, rows + r * rb, hd, out + r * hd);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+/* exp(x) for x ≤ 0 (a score minus its running max), within 2 ulp; exp(0) is exactly 1. Cephes'
+ * expf: x = n ln2 + r, |r| ≤ ln2 / 2, a degree-7 polynomial in r, times 2^n. Below -87 (where
+ * the weight is already under 2^-125 of the largest) it returns exp(-87). Branch-free, so the
+ * loops over query vectors vectorize. */
+static inline float exp_le0(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return y * scale.f;
+}
+
+static inline int64_t up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+int64_t ntx_attn_groups(const ntx_header *h, int64_t *starts) {
+    int64_t n = 0, first = 0;
+    for (int64_t r = 0; r < h->n_rows; r++) {
+        int joins = r > first && r - first < NTX_ATTN_ROWS && h->slots[r] == h->slots[r - 1] &&
+                    h->positions[r] == h->positions[r - 1] + 1;
+        if (!joins) {
+            if (starts) starts[n] = r;
+            n++;
+            first = r;
+        }
+    }
+    if (starts) starts[n] = h->n_rows;
+    return n;
+}
+
+int64_t ntx_attn_scratch(const ntx_model *md) {
+    int64_t hd = up16(md->head_dim), nq = up16((int64_t)NTX_ATTN_ROWS * (md->n_heads / md->n_kv_heads));
+    return 2 * hd * nq + KT * nq + 4 * nq + 2 * KT * hd + 16;
+}
+
+void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                    const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
+    const int hd = md->head_dim, H = md->n_heads, g = H / md->n_kv_heads, type = md->kv_type;
+    const int64_t nq = (r1 - r0) * g, NQ = up16(nq), HD = up16(hd), slot = h->slots[r0];
+    const int64_t end = h->positions[r1 - 1] + 1; /* keys [0, end): the last row sees them all */
+    const float scale = md->attn_scale;
+    /* scratch: q transposed (hd, NQ), scores (KT, NQ), m, l, corr, lim (NQ each), acc (NQ, HD),
+     * decoded keys and values (KT, HD) each */
+    float *qt = scratch, *s = qt + (int64_t)hd * NQ, *m = s + KT * NQ, *l = m + NQ, *corr = l + NQ,
+          *lim = corr + NQ, *acc = lim + NQ, *kt = acc + NQ * HD, *vt = kt + KT * HD;
+
+    for (int64_t v = 0; v < NQ; v++) { /* query vector v: row r0 + v / g, head kh * g + v % g */
+        const float *qv = v < nq ? q + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd : NULL;
+        for (int i = 0; i < hd; i++) qt[(int64_t)i * NQ + v] = qv ? qv[i] : 0.0f;
+        m[v] = -INFINITY;
+        l[v] = 0.0f;
+        lim[v] = v < nq ? (float)h->positions[r0 + v / g] : -1.0f; /* padding sees nothing */
+    }
+    memset(acc, 0, (size_t)(nq * HD) * sizeof(float));
+    if (HD != hd) /* the columns past hd stay zero */
+        for (int k = 0; k < 2 * KT; k++) memset(kt + k * HD + hd, 0, (size_t)(HD - hd) * sizeof(float));
+
+    for (int64_t k0 = 0; k0 < end; k0 += KT) {
+        const int nk = end - k0 < KT ? (int)(end - k0) : KT;
+        for (int k = 0; k < nk; k++) kv_load(type, ntx_kv_row(md, kv_k, slot, k0 + k, kh), hd, kt + k * HD);
+        for (int k = 0; k < nk; k++) { /* scores of key k0 + k against every query vector */
+            const float *kr = kt + k * HD, key = (float)(k0 + k);
+            for (int64_t c = 0; c < NQ; c += 16) {
+                float a[16] = {0};
+                for (int i = 0; i < hd; i++) {
+                    const float *qi = qt + (int64_t)i * NQ + c;
+#pragma omp simd
+                    for (int t = 0; t < 16; t++) a[t] += kr[i] * qi[t];
+                }
+                float *sk = s + k * NQ + c;
+#pragma omp simd
+                for (int t = 0; t < 16; t++) sk[t] = key > lim[c + t] ? -INFINITY : a[t] * scale;
+            }
+        }
+        /* online softmax: corr first holds the new running max, then the old one's correction */
+#pragma omp simd
+        for (int64_t v = 0; v < NQ; v++) corr[v] = m[v];
+        for (int k = 0; k < nk; k++) {
+            const float *sk = s + k * NQ;
+#pragma omp simd
+            for (int64_t v = 0; v < NQ; v++) corr[v] = sk[v] > corr[v] ? sk[v] : corr[v];
+        }
+        for (int k = 0; k < nk; k++) {
+            float *sk = s + k * NQ;
+#pragma omp simd
+            for (int64_t v = 0; v < NQ; v++) sk[v] = sk[v] == -INFINITY ? 0.0f : exp_le0(sk[v] - corr[v]);
+        }
+#pragma omp simd
+        for (int64_t v = 0; v < NQ; v++) {
+            const float mx = corr[v], c = m[v] == -INFINITY ? 0.0f : exp_le0(m[v] - mx);
+            m[v] = mx;
+            corr[v] = c;
+            l[v] *= c;
+        }
+        for (int k = 0; k < nk; k++) {
+            const float *sk = s + k * NQ;
+#pragma omp simd
+            for (int64_t v = 0; v < NQ; v++) l[v] += sk[v];
+        }
+        for (int k = 0; k < nk; k++) kv_load(type, ntx_kv_row(md, kv_v, slot, k0 + k, kh), hd, vt + k * HD);
+        for (int64_t v = 0; v < nq; v++) { /* acc = acc × corr + Σ_k p_k v_k, 16 values at a time */
+            float *av = acc + v * HD;
+            for (int i0 = 0; i0 < HD; i0 += 16) {
+                float a[16];
+#pragma omp simd
+                for (int t = 0; t < 16; t++) a[t] = av[i0 + t] * corr[v];
+                for (int k = 0; k < nk; k++) {
+                    const float p = s[k * NQ + v], *vr = vt + k * HD + i0;
+#pragma omp simd
+                    for (int t = 0; t < 16; t++) a[t] += p * vr[t];
+                }
+#pragma omp simd
+                for (int t = 0; t < 16; t++) av[i0 + t] = a[t];
+            }
+        }
+    }
+    for (int64_t v = 0; v < nq; v++) {
+        float *o = out + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd;
+        for (int i = 0; i < hd; i++) o[i] = acc[v * HD + i] / l[v];
+    }
+}
