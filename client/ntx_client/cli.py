@@ -201,7 +201,7 @@ CHAT_HELP = """\
 def _line_editing() -> None:
     """Arrow keys and history for input(): readline takes over the terminal once imported."""
     try:
-        import readline  # noqa: F401
+        import readline  # noqa: F401  # lazy: importing it takes over the terminal, for the chat only
     except ImportError:  # a Python built without it still chats, without editing
         pass
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ntx_client import channels, paths
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
@@ -277,14 +279,12 @@ class Client(_Channel):
 
     def health(self, timeout: float = 5.0) -> str:
         """The standard gRPC health status of the inference service: SERVING, NOT_SERVING, …"""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
         stub = health_pb2_grpc.HealthStub(self._channel)
         r = self._call(stub.Check, health_pb2.HealthCheckRequest(service=channels.INFERENCE_SERVICE), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the daemon answers SERVING (the model is loaded)."""
-        import time
         end, last = time.monotonic() + timeout, None
         while time.monotonic() < end:
             try:
@@ -352,7 +352,6 @@ class AsyncClient:
         return await self._call(self._stub.Status, pb.StatusRequest())
 
     async def health(self, timeout: float = 5.0) -> str:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:
             r = await stub.Check(health_pb2.HealthCheckRequest(service=channels.INFERENCE_SERVICE), timeout=timeout)

@@ -31,6 +31,8 @@ from ntx_system.config_file import ConfigError, boolean, kind as _kind, path, st
 
 from ntransformerd.engine import backends
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.layer_skip import parse_skip
+from ntransformerd.engine.speculative import parse_mode
 from ntransformerd.settings import SettingError, Spelling, parse_rate, parse_size
 
 DEFAULT_CONFIG_FILE = config_file.DEFAULT_PATH
@@ -125,7 +127,6 @@ def _bool_flag(text: str) -> bool:
 
 
 def speculative_mode(key: str, v: Any) -> str:
-    from ntransformerd.engine.speculative import parse_mode
     if not isinstance(v, str):
         raise ConfigError(f"{key} = {v!r}: must be a mode in quotes, not {_kind(v)}")
     try:
@@ -136,7 +137,6 @@ def speculative_mode(key: str, v: Any) -> str:
 
 
 def skip_spec(key: str, v: Any) -> str:
-    from ntransformerd.engine.layer_skip import parse_skip
     if not isinstance(v, str):
         raise ConfigError(f"{key} = {v!r}: must be \"auto\", \"auto:0.03\", a count or \"3,7,11\" in quotes")
     try:

@@ -12,6 +12,8 @@ import signal
 import sys
 
 from ntransformerd import config as config_mod
+from ntransformerd.server.daemon import Daemon
+from ntransformerd.server.sockets import SocketError
 from ntransformerd.server.systemd import Notifier, setup_logging
 
 log = logging.getLogger("ntransformerd")
@@ -24,12 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ntransformerd: {e}", file=sys.stderr)
         return 2
     where = setup_logging(cfg.log_level)
-    if cfg.cpu_threads:  # read by OpenBLAS when numpy loads, which is after this line
+    if cfg.cpu_threads:  # for the host kernels (OpenMP); numpy's BLAS is already loaded, limited per step
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, str(cfg.cpu_threads))
-    from ntransformerd.server.daemon import Daemon
-    from ntransformerd.server.sockets import SocketError
-
     daemon = Daemon(config=cfg, notifier=Notifier())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: daemon.request_shutdown())

@@ -28,11 +28,26 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 
 import numpy as np
 
+from ntx_client import AdminClient, Client, NtxError
+from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+
+from . import staging
+from .bind import BindError, bind_vfio, unbind_vfio
+from .check import run_checks
 from .config_file import DEFAULT_PATH as DEFAULT_CONFIG
+from .ctrlr import CtrlrError
+from .discovery import discover, find_device
+from .hostsetup import restore, setup
+from .policy import device_verdict
+from .service import RUN_DIR, DriveRecord, Refused, ServiceConfig, notify_status, prepare, release
+from .source import NvmeStagedSource
+from .staging import StagingError
+from .vfio import VfioError
 
 EXIT_OK, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
 CONFIRM_PREFIX = "--yes-i-mean-"
@@ -55,8 +70,6 @@ def _human(n: int | None) -> str:
 # --------------------------------------------------------------------------- devices
 
 def cmd_devices(args) -> int:
-    from .discovery import discover
-    from .policy import device_verdict
     devices = discover()
     rows = [(d, device_verdict(d)) for d in devices]
     if args.json:
@@ -76,7 +89,6 @@ def cmd_devices(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .check import run_checks
     lines = run_checks(args.root)
     for line in lines:
         print(line)
@@ -84,7 +96,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_setup(args) -> int:
-    from .hostsetup import setup
     if args.root == "/" and os.geteuid() != 0 and not args.dry_run:
         _err("setup changes /etc: run it as root (or --dry-run, or --root DIR)")
         return EXIT_REFUSED
@@ -93,9 +104,6 @@ def cmd_setup(args) -> int:
 
 
 def cmd_restore(args) -> int:
-    from .bind import BindError
-    from .hostsetup import restore
-    from .service import RUN_DIR, DriveRecord, Refused, release
     # A drive the service's start step bound and no stop step handed back (the unit removed
     # by hand mid-run, say) goes back to nvme first: `restore` leaves the host as it was.
     run_dir = os.path.join(args.root, RUN_DIR.lstrip("/"))
@@ -120,14 +128,11 @@ def cmd_restore(args) -> int:
 # --------------------------------------------------------------------------- stage
 
 def _lookup(ident: str):
-    from .discovery import discover, find_device
-    from .policy import device_verdict
     d = find_device(discover(), ident)
     return d, (device_verdict(d) if d else None)
 
 
 def cmd_stage(args) -> int:
-    from . import staging
     d, verdict = _lookup(args.device)
     if d is None or d.devnode is None:
         _err(f"{args.device} is not an NVMe namespace bound to the nvme driver "
@@ -180,14 +185,11 @@ def cmd_stage(args) -> int:
 
 def _service_say(text: str) -> None:
     """A start/stop step's progress: stderr (the unit's journal) and STATUS=."""
-    from .service import notify_status
     print(f"ntx-admin: {text}", file=sys.stderr, flush=True)
     notify_status(text)
 
 
 def cmd_bind_service(args) -> int:
-    from .bind import BindError
-    from .service import DriveRecord, Refused, ServiceConfig, prepare
     try:
         cfg = ServiceConfig.from_toml(args.config)
         record = prepare(cfg, status=_service_say, bound_by="ntx-admin")
@@ -204,8 +206,6 @@ def cmd_bind_service(args) -> int:
 
 
 def cmd_unbind_service(args) -> int:
-    from .bind import BindError
-    from .service import DriveRecord, Refused, release
     try:
         what = release(DriveRecord.load())
     except (Refused, BindError, OSError) as exc:
@@ -222,9 +222,6 @@ def cmd_bind(args) -> int:
     if not args.device:
         _err("bind needs a device (/dev/nvmeXnY or PCI address), or --service")
         return EXIT_REFUSED
-    from .bind import BindError, bind_vfio
-    from .discovery import discover
-    from .policy import device_verdict
     devices = discover()
     key = os.path.basename(args.device) if args.device.startswith("/dev/") else args.device
     mine = [d for d in devices if key in (d.pci_address, d.namespace, d.controller)]
@@ -254,7 +251,6 @@ def cmd_unbind(args) -> int:
     if not args.pci_address:
         _err("unbind needs a PCI address, or --service")
         return EXIT_REFUSED
-    from .bind import BindError, unbind_vfio
     try:
         unbind_vfio(args.pci_address)
     except BindError as exc:
@@ -272,10 +268,6 @@ def _pinned(n: int) -> tuple[mmap.mmap, np.ndarray]:
 
 
 def cmd_verify(args) -> int:
-    from .source import NvmeStagedSource
-    from .vfio import VfioError
-    from .ctrlr import CtrlrError
-    from .staging import StagingError
     try:
         src = NvmeStagedSource.open(args.pci_address, noiommu=args.noiommu,
                                     queue_depth=args.depth, queues=args.queues)
@@ -344,12 +336,10 @@ def _bench(src, nbytes: int, repeat: int = 2) -> dict:
 # --------------------------------------------------------------------------- the daemon's admin verbs
 
 def _admin(args):
-    from ntx_client import AdminClient
     return AdminClient(args.admin_socket, timeout=args.timeout)
 
 
 def _daemon_verb(run) -> int:
-    from ntx_client import NtxError
     try:
         return run()
     except NtxError as e:
@@ -358,8 +348,6 @@ def _daemon_verb(run) -> int:
 
 
 def cmd_model_load(args) -> int:
-    import threading
-
     path = os.path.abspath(args.path) if args.path else ""
     if path and not os.path.isfile(path):
         _err(f"no model file at {path}: give the path of a .gguf file")
@@ -380,8 +368,6 @@ def cmd_model_load(args) -> int:
 
 
 def _show_load_progress(socket: str, done) -> None:
-    from ntx_client import Client, NtxError
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
     width = 0
     with Client(socket, timeout=2) as c:
         while not done.wait(0.3):

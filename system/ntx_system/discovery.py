@@ -16,6 +16,9 @@ import glob
 import os
 from dataclasses import asdict, dataclass, field
 
+from .policy import namespace_in_use
+from .staging import HEADER_MAGIC
+
 NVME_PCI_CLASS = 0x010802
 SYSTEM_MOUNTS = ("/", "/boot", "/boot/efi", "/efi", "/usr", "/var")
 
@@ -133,7 +136,6 @@ def sniff_signature(devnode: str) -> str | None:
 
 
 def signature_of(head: bytes) -> str | None:
-    from .staging import HEADER_MAGIC   # local import: staging imports nothing from here
     if head[:len(HEADER_MAGIC)] == HEADER_MAGIC:
         return "ntx-staged"
     if head[512:520] == b"EFI PART":
@@ -168,7 +170,7 @@ def _nvme_pci_devices(sysfs: str) -> list[str]:
     """PCI addresses of every NVMe controller (class 01:08:02), whatever its driver."""
     if sysfs == "/sys":
         try:
-            import pyudev
+            import pyudev  # lazy: optional (the [daemon] extra); sysfs is read without it
             return sorted(d.sys_name for d in pyudev.Context().list_devices(subsystem="pci")
                           if _pci_class(d.sys_path) == NVME_PCI_CLASS)
         except ImportError:
@@ -229,7 +231,6 @@ def discover(sysfs: str = "/sys", dev: str = "/dev", sniff: bool = True) -> list
                                  signature=sniff_signature(devnode) if sniff else None,
                                  backs=[m for m in SYSTEM_MOUNTS if m in ns_mounts])
                 recs.append(rec)
-            from .policy import namespace_in_use
             for rec in recs:
                 rec.sibling_namespaces_in_use = [o.namespace for o in recs
                                                  if o is not rec and namespace_in_use(o)]

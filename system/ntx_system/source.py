@@ -36,6 +36,7 @@ from .ctrlr import Controller, IoQpair
 from .dma import DmaRegion, align_down, align_up
 from .spec import PAGE_SIZE
 from .staging import StageLayout, decode_header, header_size_from_preamble
+from .vfio import VfioTransport
 
 BOUNCE_BYTES = 4 << 20
 
@@ -97,7 +98,6 @@ class NvmeStagedSource:
         reset before it is used again."""
         owns = transport is None
         if transport is None:
-            from .vfio import VfioTransport
             if pci_address is None:
                 raise ValueError("open() needs a PCI address or a transport")
             transport = VfioTransport(pci_address, noiommu=noiommu)

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import gguf
 import numpy as np
 
 from .dma import align_up
@@ -100,7 +101,6 @@ class StageLayout:
 
 def gguf_tensors(path: str) -> list[tuple[str, int, int]]:
     """(name, absolute data offset, byte size) of every tensor, via gguf.GGUFReader."""
-    import gguf
     reader = gguf.GGUFReader(path)
     return [(t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
 

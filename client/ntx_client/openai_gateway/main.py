@@ -12,6 +12,8 @@ import argparse
 import logging
 import sys
 
+from ntx_client.channels import TLS, TargetError, grpc_target
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -54,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
-    from ntx_client.channels import TLS, grpc_target
-    from ntx_client.openai_gateway.app import LOOPBACK_HOSTS, GatewayConfig, read_api_keys
+    from ntx_client.openai_gateway.app import (  # lazy: starlette, the [openai] extra
+        LOOPBACK_HOSTS, GatewayConfig, read_api_keys)
 
     if args.socket and args.target:
         raise SystemExit("ntx-openai: give --socket or --target, not both")
@@ -89,13 +91,12 @@ def config_from_args(args):
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        from ntx_client.openai_gateway.app import create_app
-        from ntx_client.openai_gateway.serve import serve
+        from ntx_client.openai_gateway.app import create_app  # lazy: starlette, the [openai] extra
+        from ntx_client.openai_gateway.serve import serve  # lazy: uvicorn, the [openai] extra
     except ImportError as e:
         print(f"ntx-openai: {e.name} is missing: install the gateway's extra, pip install 'ntransformer[openai]'",
               file=sys.stderr)
         return 1
-    from ntx_client.channels import TargetError
     try:
         config = config_from_args(args)
     except TargetError as e:

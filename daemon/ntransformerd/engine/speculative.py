@@ -51,6 +51,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ntransformerd.engine import decode, layer_skip
+from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.sampler import draw_from
 
 log = logging.getLogger("ntransformerd")
@@ -564,9 +566,6 @@ def check_vocabulary(target_model, draft_model) -> None:
 
 def load_draft_engine(path: str, target, *, backend: str | None = None):
     """A small same-vocabulary model as its own engine, with as many slots as the target."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
-    from ntransformerd.engine.gguf_file import GGUFModel
-
     model = GGUFModel(path)
     check_vocabulary(target.model, model)
     tc = target.config

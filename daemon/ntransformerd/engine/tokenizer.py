@@ -25,6 +25,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Tokenizer", "Detokenizer", "TokenizerError", "PRE_TOKENIZER_NAMES"]
@@ -628,8 +630,6 @@ def _clean_spaces(text: bytes) -> bytes:
 
 
 def _build_hf_bpe(token_to_id: dict[str, int], merges: list, regexes: Sequence[str], ignore_merges: bool):
-    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
-
     pairs = []
     for k, m in enumerate(merges):
         if not isinstance(m, str):

@@ -28,7 +28,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ntransformerd.config import SPELLING, ConfigError
+from ntransformerd.engine import layer_skip, speculative
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, plan_for, resolved
+from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors, sockets, tcp
 from ntransformerd.server.callers import Identify, unix_caller
@@ -36,9 +38,11 @@ from ntransformerd.server.relay import Relay
 from ntransformerd.server.lifecycle import FAILED, SERVING, Lifecycle
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
+from ntransformerd.server.storage import Drive, StorageHandle, drive_errors
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.settings import SettingError
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from ntx_system.service import Refused, check_staged_model, file_sha256
 
 log = logging.getLogger("ntransformerd")
 LOAD_STOP_WAIT_S = 3.0  # how long shutdown waits for a load under way to notice it should stop
@@ -113,7 +117,6 @@ class Daemon:
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
 
     def _initial_load(self) -> None:
-        from ntx_system.service import Refused
         try:
             self._bring_up()
         except errors.ShuttingDown:
@@ -140,7 +143,6 @@ class Daemon:
     def _bring_up(self):
         """Open the drive (when configured) and load the model, retrying drive failures up to
         nvme_retries times with a growing pause; a refusal is never retried."""
-        from ntransformerd.server.storage import Drive, drive_errors
         c = self.config
         self._settled_backend()  # a setting the backend cannot honour is refused before the drive comes up
         if not c.storage.startswith("nvme:"):
@@ -310,10 +312,6 @@ class Daemon:
         """(engine, its storage handle) for `path` (None: the configured model, the drive's
         staged one, or the default model). `show` reports progress through the scheduler's
         loading state (only when nothing is serving)."""
-        from ntx_system.service import Refused, check_staged_model, file_sha256
-        from ntransformerd.engine.gguf_file import GGUFModel
-        from ntransformerd.server.storage import StorageHandle
-
         c = self.config
 
         def progress(text: str, fraction: float) -> None:
@@ -347,7 +345,6 @@ class Daemon:
             model = GGUFModel(path)
             source = StorageHandle.for_file(c.storage, path)
         n = model.config.n_layers
-        from ntransformerd.engine import layer_skip
         skip = layer_skip.skip_layers_for(model.path, c.skip_layers, n)  # auto / N read the cached calibration
         seen: set[int] = set()  # per load: a reload reports its progress again
 
@@ -392,8 +389,6 @@ class Daemon:
         """The draft engine (its vocabulary checked against the model) and the step cost table
         kept from an earlier start on this machine; without one, the scheduler measures it when
         speculation first needs it (Scheduler.ensure_costs), not here: loads stay fast."""
-        from ntransformerd.engine import speculative
-
         c = self.config
         if c.draft and show:
             self._progress(f"loading the draft model {os.path.basename(c.draft)}", 0.97)

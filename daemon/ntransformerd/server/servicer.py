@@ -346,7 +346,7 @@ def _engine_memory(engine) -> tuple[int, int]:
     pinned RAM; the cpu backend holds neither."""
     if engine is None or engine.backend_name != "cuda":
         return 0, 0
-    import cupy
+    import cupy  # lazy: optional (the [gpu] extra), here only on the cuda backend
 
     plan = getattr(engine, "plan", None)
     pinned = plan.bytes("pinned") if plan is not None else 0

@@ -34,8 +34,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.sources import PAGE, Source, open_source
 from ntransformerd.server.errors import StorageUnavailable
+from ntx_system import service, staging
+from ntx_system.ctrlr import CtrlrError
+from ntx_system.qpair import QpairError
+from ntx_system.source import NvmeStagedSource
+from ntx_system.vfio import VfioError
 
 log = logging.getLogger("ntransformerd")
 READ_CHUNK = 16 << 20
@@ -43,9 +49,6 @@ READ_CHUNK = 16 << 20
 
 def drive_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "the drive or its transport failed" (worth a new bring-up)."""
-    from ntx_system.ctrlr import CtrlrError
-    from ntx_system.qpair import QpairError
-    from ntx_system.vfio import VfioError
     return (CtrlrError, QpairError, VfioError, StorageUnavailable)
 
 
@@ -54,7 +57,6 @@ class Drive:
 
     def __init__(self, config, *, status: Callable[[str], None] = lambda text: None,
                  transport_factory=None, run_dir: str | None = None, state_dir: str | None = None):
-        from ntx_system import service
         self.config = config
         self.ident = service.storage_drive(config.storage)
         self._status = status
@@ -80,7 +82,6 @@ class Drive:
     def _find(self):
         """The drive's record: the unit's start step wrote it; without the unit, as root, that
         step runs here. Raises service.Refused."""
-        from ntx_system import service
         if self._transport_factory is not None:
             return service.DriveRecord(serial=self.ident, pci_address="fake", iommu_group=None,
                                        previous_driver=None, bound_by="test",
@@ -106,8 +107,6 @@ class Drive:
     def open(self) -> None:
         """Bring the drive up: VFIO, controller reset and start, queue pairs, header checks.
         Raises service.Refused (not worth a retry) or one of drive_errors()."""
-        from ntx_system import service, staging
-        from ntx_system.source import NvmeStagedSource
         if self.staged is not None:
             return
         c = self.config
@@ -155,7 +154,6 @@ class Drive:
 
     def release(self) -> None:
         """Hand the drive back when this process bound it (the unit's stop step does otherwise)."""
-        from ntx_system import service
         if self.record is not None and self.record.bound_by == "ntransformerd":
             service.release(self.record, status=self.say, run_dir=self.run_dir)
             self.record = None
@@ -182,7 +180,6 @@ class Drive:
         holding its metadata and non-layer tensors; fill(layers) reads those layers into it too
         (every layer the tier plan keeps in memory). The layers left out are holes that read
         as zeros, so the daemon checks the plan streams each of them from the drive."""
-        from ntransformerd.engine.gguf_file import GGUFModel
         staged = self.staged
         layout = staged.layout
         fd = os.memfd_create(f"ntx-staged-{layout.model_name}", os.MFD_CLOEXEC)

@@ -31,7 +31,7 @@ class Notifier:
         self._sd = None
         if environ is os.environ:  # systemd.daemon reads the process environment itself
             try:
-                from systemd import daemon as sd_daemon
+                from systemd import daemon as sd_daemon  # lazy: optional (the [daemon] extra)
                 self._sd = sd_daemon
             except ImportError:
                 pass
@@ -101,7 +101,7 @@ def setup_logging(level: str = "info", environ=os.environ) -> str:
     logging.getLogger("grpc").setLevel(logging.WARNING)
     if _stderr_is_journal(environ):
         try:
-            from systemd import journal
+            from systemd import journal  # lazy: optional (the [daemon] extra)
             root.addHandler(journal.JournalHandler(SYSLOG_IDENTIFIER="ntransformerd"))
             return "journal"
         except ImportError:

@@ -16,11 +16,22 @@ import time
 
 import numpy as np
 
-from ntransformerd.engine.backends import BACKENDS
-from ntransformerd.engine.gguf_file import GGUFError
+from ntransformerd.engine import layer_skip, tiers
+from ntransformerd.engine.backends import BACKENDS, device_free
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, resolved
+from ntransformerd.engine.gguf_file import GGUFError, GGUFModel
 from ntransformerd.engine.kv_cache import KV_DTYPES as STORED_KV
+from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.tiers.multi import parse_devices
+from ntransformerd.engine.tokenizer import Tokenizer
 from ntransformerd.settings import SettingError, Spelling
+from ntransformerd.tools import quality
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
+from ntransformerd.tools.quantize import quantize_file, requantized
+from ntransformerd.tools.synth import FTYPES, SHAPES, synthesize
+from ntx_client.cli import StatusLine
+from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
 
 EXAMPLES = """\
 examples:
@@ -41,13 +52,10 @@ FLAGS = Spelling({"backend": "--backend", "kv_dtype": "--kv-dtype", "max_ctx": "
 
 
 def _model_path(arg: str | None) -> str:
-    from ntransformerd.engine.engine import default_model_path
     return arg or default_model_path()
 
 
 def cmd_info(args) -> int:
-    from ntransformerd.engine.gguf_file import GGUFModel
-
     m = GGUFModel(_model_path(args.model))
     d = m.describe()
     if args.json:
@@ -69,9 +77,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.tokenizer import Tokenizer
-
     tok = Tokenizer.from_metadata(GGUFModel(_model_path(args.model)).metadata)
     ids = tok.encode(args.text, parse_special=not args.no_special, add_special=not args.no_add_special)
     print(json.dumps(ids))
@@ -79,9 +84,6 @@ def cmd_tokenize(args) -> int:
 
 
 def _sampling(args):
-    from ntransformerd.engine.sampler import SamplingParams
-    from ntx_client.client import CHAT_REPETITION_PENALTY
-
     kw = dict(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
               seed=args.seed)
     if args.repetition_penalty is None and args.chat:
@@ -95,9 +97,6 @@ def _sampling(args):
 
 
 def cmd_run(args) -> int:
-    from ntransformerd.engine.engine import Engine, EngineConfig, generate, resolved
-    from ntransformerd.engine.speculative import Mode
-
     params = _sampling(args).validate()
     try:
         mode = Mode.parse(args.speculative)
@@ -114,8 +113,6 @@ def cmd_run(args) -> int:
     if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
-        from ntransformerd.engine import tiers
-        from ntransformerd.engine.gguf_file import GGUFModel
         model = GGUFModel(_model_path(args.model))
         kind = "cpu" if backend.is_host else backend.name
         sizes = [backend.layer_bytes(model, i) for i in range(model.config.n_layers)]
@@ -139,8 +136,7 @@ def cmd_run(args) -> int:
     first_token_s = None
     spec = None
     if not mode.off:  # lossless: the same tokens, fewer target passes
-        from ntransformerd.tools.quality import speculator
-        spec = speculator(engine, mode, args.draft)
+        spec = quality.speculator(engine, mode, args.draft)
     for ev in generate(engine, prompt_ids, params, speculator=spec, dump_logits=dump):
         if first_token_s is None:
             first_token_s = time.perf_counter() - t1
@@ -171,18 +167,11 @@ def cmd_run(args) -> int:
 def _skip_layers(args) -> tuple[int, ...]:
     if not args.skip_layers:
         return ()
-    from ntransformerd.engine import layer_skip
-    from ntransformerd.engine.gguf_file import GGUFModel
     path = _model_path(args.model)
     return layer_skip.skip_layers_for(path, args.skip_layers, GGUFModel(path).config.n_layers)
 
 
 def _plan_devices(args, config) -> int:
-    from ntransformerd.engine import tiers
-    from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.backends import device_free
-    from ntransformerd.engine.tiers.multi import parse_devices
-
     ids = parse_devices(args.devices)
     model = GGUFModel(_model_path(args.model))
     backend, free = device_free(ids, config.backend)
@@ -197,8 +186,6 @@ class _Progress:
     (a log or a pipe gets the final line only)."""
 
     def __init__(self, prefix: str, quiet: bool):
-        from ntx_client.cli import StatusLine
-
         self.prefix, self.quiet, self.line = prefix, quiet, StatusLine()
         self.t0 = time.monotonic()
 
@@ -231,8 +218,6 @@ class RequantizeRefused(ValueError):
 
 
 def _check_requantize(src: str, ftype: str, allow: bool, n_layers: int | None = None) -> None:
-    from ntransformerd.tools.quantize import requantized
-
     again = requantized(src, ftype, n_layers=n_layers)
     if not again:
         return
@@ -245,8 +230,6 @@ def _check_requantize(src: str, ftype: str, allow: bool, n_layers: int | None = 
 
 
 def cmd_quantize(args) -> int:
-    from ntransformerd.tools.quantize import quantize_file
-
     check_output(args.output, args.input)
     _check_requantize(args.input, args.type, args.allow_requantize)
     with _writing(args.output, "quantize", quiet=args.quiet) as (tmp, progress):
@@ -255,8 +238,6 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_slice(args) -> int:
-    from ntransformerd.tools.quantize import quantize_file
-
     src = _model_path(args.input)
     check_output(args.output, src)
     _check_requantize(src, args.type, args.allow_requantize, args.layers)
@@ -266,8 +247,6 @@ def cmd_slice(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from ntransformerd.tools.synth import synthesize
-
     check_output(args.output)
     with _writing(args.output, "synth", quiet=args.quiet) as (tmp, progress):
         synthesize(tmp, shape=args.shape, ftype=args.type, seed=args.seed, progress=progress)
@@ -304,9 +283,6 @@ def _check_paths(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ntransformerd.tools.synth import FTYPES, SHAPES
-    from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
-
     p = argparse.ArgumentParser(prog="ntx-model", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_IntermixedParser)
@@ -404,7 +380,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_synth)
 
-    from ntransformerd.tools import quality
     quality.add_commands(sub)
     return p
 

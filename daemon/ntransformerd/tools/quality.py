@@ -12,7 +12,11 @@ import json
 import sys
 import time
 
+from ntransformerd.engine import layer_skip, speculative
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.perplexity import perplexity, text_tokens
 
 
 def progress_bar(label: str, *, stream=None):
@@ -43,17 +47,11 @@ def _read_text(path: str) -> tuple[str, str]:
 
 
 def _engine(args, skip=()):
-    from ntransformerd.engine.engine import Engine, EngineConfig
     return Engine.load(args.model, config=EngineConfig(backend=args.backend, max_batch=1, max_ctx=args.ctx,
                                                         prefill_chunk=min(args.ctx, 512), skip_layers=tuple(skip) or None))
 
 
 def cmd_perplexity(args) -> int:
-    from ntransformerd.engine import layer_skip
-    from ntransformerd.engine.engine import default_model_path
-    from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.perplexity import perplexity, text_tokens
-
     path = args.model or default_model_path()
     n_layers = GGUFModel(path).config.n_layers
     skip = layer_skip.skip_layers_for(path, args.skip_layers, n_layers)
@@ -75,10 +73,6 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_calibrate_skip(args) -> int:
-    from ntransformerd.engine import layer_skip
-    from ntransformerd.engine.engine import default_model_path
-    from ntransformerd.engine.perplexity import text_tokens
-
     path = args.model or default_model_path()
     sha = layer_skip.file_sha256(path)
     engine = _engine(args)
@@ -115,8 +109,6 @@ def cmd_calibrate_skip(args) -> int:
 
 def speculator(engine, mode: str, draft_path: str | None):
     """`ntx-model run --speculative MODE [--draft MODEL]`: the Speculator, its costs measured now."""
-    from ntransformerd.engine import speculative
-
     draft_engine = speculative.load_draft_engine(draft_path, engine) if draft_path else None
     spec = speculative.Speculator(engine, speculative.make_draft(mode, engine, draft_engine=draft_engine))
     spec.costs  # measured now, while a KV slot is free for it

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
@@ -523,8 +524,6 @@ def requantized(src: str, ftype: str, *, n_layers: int | None = None) -> dict[st
     already quantized tensor would get another quantized type. Each such round trip adds the
     new type's error to the old one's (llama.cpp refuses them without --allow-requantize);
     dequantizing to F32/F16/BF16 and copying a tensor of its own type lose nothing more."""
-    import gguf
-
     check_input(src)
     _, _, tensors, plan = _file_plan(gguf.GGUFReader(src), ftype, n_layers)
     return {t.name: (t.tensor_type, plan[t.name]) for t in tensors
@@ -545,8 +544,6 @@ def quantize_file(src: str, dst: str, ftype: str, *,
     to a test machine; the rest of the model is unchanged). `dst` is written in place: the
     ntx-model commands write into a temporary file and rename it (tools.atomic).
     """
-    import gguf
-
     if ftype not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
     check_input(src)

@@ -19,8 +19,11 @@ import dataclasses
 import mmap
 import os
 import threading
+import time
 
 import numpy as np
+
+from ntx_system.source import NvmeStagedSource
 
 PAGE = 4096
 ODIRECT_ALIGN = 4096  # offset, length and buffer address of an O_DIRECT read
@@ -180,7 +183,6 @@ class NvmeSource(Source):
 
     @classmethod
     def open(cls, pci_address: str, **kw) -> "NvmeSource":
-        from ntx_system.source import NvmeStagedSource
         return cls(NvmeStagedSource.open(pci_address, **kw))
 
     def register(self, dest: np.ndarray) -> None:
@@ -268,7 +270,6 @@ class SlowSource(Source):
             self.reads += 1
         d = self.delay() if callable(self.delay) else self.delay
         if d:
-            import time
             time.sleep(d)
         self.inner.read_into(offset, length, dest)
 

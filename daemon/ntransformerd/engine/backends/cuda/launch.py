@@ -15,7 +15,9 @@ tensor-core mma.sync on QAct. Prefill attention runs on tensor cores too (attn_c
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import multiprocessing
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -453,8 +455,6 @@ def _compile_one(key: tuple[str, str]) -> str:
 
 def precompile(jobs: int = 16) -> int:
     """Compile every kernel in parallel processes; CuPy's disk cache then serves later loads."""
-    import concurrent.futures
-    import multiprocessing
     names = kernel_names()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:

@@ -9,6 +9,7 @@ parallel). Inside a captured step they may be launched with programmatic depende
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import os
@@ -41,7 +42,6 @@ _modules: dict[tuple[str, str], "Kernel"] = {}
 @functools.cache
 def _libcuda():
     """The CUDA driver library, for what CuPy does not wrap (launch attributes, occupancy)."""
-    import ctypes
     return ctypes.CDLL("libcuda.so.1")
 
 
@@ -59,7 +59,6 @@ class Kernel:
         """How many blocks of `threads` one SM holds at once (registers, shared memory, limits)."""
         got = self._occupancy
         if threads not in got:
-            import ctypes
             lib = _libcuda()
             n = ctypes.c_int()
             func = getattr(self.fn, "kernel", self.fn)
@@ -109,7 +108,6 @@ class _PDL:
         self._lib = None
 
     def _setup(self):
-        import ctypes
         c = ctypes
 
         class Attr(c.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
