@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The end-of-round device calls, back to back (files in /tmp last while the machine stays warm):
 #   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
-#                 llama-batched-bench) built in the background; the first half of the default
-#                 model (.gpu-full-a/part) kept in /tmp for
+#                 llama-batched-bench) built in the background;
+#   PHASE=stash:  the first half of the default model (.gpu-full-a/part) kept in /tmp for
 #   PHASE=checks: the default model whole again (.gpu-full-b/part), bench/hybrid_quality.py on it,
 #                 bench/serving_gpu.py (8B shape at 1/16/64 clients, the default model against
 #                 llama-batched-bench).
-#   (device tool) PHASE=tests:  carry .whl .llama .gpu-data .gpu-full-a ; bash bench/session_round.sh
-#                 PHASE=checks: carry .whl .gpu-data .gpu-full-b
+#   (device tool) PHASE=tests:  carry .whl .llama .gpu-data ; bash bench/session_round.sh
+#                 PHASE=stash:  carry .whl .gpu-full-a (64 MiB a call: the model goes in halves)
+#                 PHASE=checks: carry .whl .gpu-full-b (with a copy of GPL-3)
 # Make the halves here: head -c N model > .gpu-full-a/part; tail -c +N+1 model > .gpu-full-b/part.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -16,8 +17,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
-if [ "${PHASE:-tests}" = tests ]; then
-  [ -f .gpu-full-a/part ] && cp .gpu-full-a/part /tmp/full.a
+if [ "$PHASE" = stash ]; then
+  cp .gpu-full-a/part /tmp/full.a && ls -la /tmp/full.a
+elif [ "${PHASE:-tests}" = tests ]; then
   [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
@@ -29,7 +31,7 @@ else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
   ls -la $model
-  text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-data/GPL-3
+  text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
   timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
     --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
   timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
