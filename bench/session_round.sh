@@ -7,19 +7,23 @@
 #                 bench/serving_gpu.py (8B shape at 1/16/64 clients, the default model against
 #                 llama-batched-bench).
 #   (device tool) PHASE=tests:  carry .whl .llama .gpu-data ; bash bench/session_round.sh
-#                 PHASE=stash:  carry .whl .gpu-full-a (64 MiB a call: the model goes in halves)
+#                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
+#                               .whl-extra: the llguidance cp312 wheel the daemon imports)
 #                 PHASE=checks: carry .whl .gpu-full-b (with a copy of GPL-3)
 # Make the halves here: head -c N model > .gpu-full-a/part; tail -c +N+1 model > .gpu-full-b/part.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L" /tmp/ntx
+if [ "$PHASE" = stash ]; then  # the model's first half and the daemon's llguidance wheel (.whl-extra), nothing else
+  cp .gpu-full-a/part /tmp/full.a && ls -la /tmp/full.a
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra .whl-extra/*.whl
+  exit $?
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system
+export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
-if [ "$PHASE" = stash ]; then
-  cp .gpu-full-a/part /tmp/full.a && ls -la /tmp/full.a
-elif [ "${PHASE:-tests}" = tests ]; then
+if [ "${PHASE:-tests}" = tests ]; then
   [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
@@ -31,6 +35,7 @@ else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
   ls -la $model
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_engine_cuda.py -k generate_samples 2>&1 | tail -2
   text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
   timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
     --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14

@@ -127,7 +127,8 @@ def test_generate_samples_on_device_as_on_host(tmp_path, params):
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 9)]
     got = [ev.token for ev in eng.generate(e, prompt, p)]
     full = e.step  # the same generation with whole rows of logits (top ignored)
-    e.step = lambda items, *, all_logits=False, top=None, layers=None: full(items, all_logits=all_logits)
+    e.step = lambda items, *, all_logits=False, top=None, layers=None, sample=None: full(
+        items, all_logits=all_logits, layers=layers, sample=sample)
     try:
         want = [ev.token for ev in eng.generate(e, prompt, p)]
     finally:
