@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=14)
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per reference prompt")
+    ap.add_argument("--daemon-budget", type=int, help="the hybrid daemon's --vram-budget in bytes (default: "
+                    "what keeps half the layers in the engine's plan)")
+    ap.add_argument("--daemon-only", action="store_true", help="part 3 alone")
     a = ap.parse_args(argv)
     common.require_gpu(__file__)
     if a.smoke:
@@ -140,24 +143,25 @@ def main(argv: list[str] | None = None) -> int:
             toks = text_tokens(engines["gpu"], f.read())
         with open(GOLDEN) as f:
             prompts = [(p["name"], p["prompt_ids"]) for p in json.load(f)["prompts"]]
-    ppl = {}
-    for name, e in engines.items():
-        t = time.perf_counter()
-        ppl[name] = perplexity(e, toks, ctx=a.ctx, max_chunks=a.chunks).perplexity
-        print(f"{name:7s} perplexity {ppl[name]:.4f} ({time.perf_counter() - t:.1f} s)", flush=True)
-    out["perplexity"] = ppl
-    out["perplexity_rel_diff"] = ppl["hybrid"] / ppl["gpu"] - 1
-    print(f"hybrid vs gpu: {100 * out['perplexity_rel_diff']:+.4f}%", flush=True)
+    if not a.daemon_only:
+        ppl = {}
+        for name, e in engines.items():
+            t = time.perf_counter()
+            ppl[name] = perplexity(e, toks, ctx=a.ctx, max_chunks=a.chunks).perplexity
+            print(f"{name:7s} perplexity {ppl[name]:.4f} ({time.perf_counter() - t:.1f} s)", flush=True)
+        out["perplexity"] = ppl
+        out["perplexity_rel_diff"] = ppl["hybrid"] / ppl["gpu"] - 1
+        print(f"hybrid vs gpu: {100 * out['perplexity_rel_diff']:+.4f}%", flush=True)
 
-    out["greedy"] = []
-    for name, ids in prompts:
-        g, h = greedy(engines["gpu"], ids, a.tokens), greedy(engines["hybrid"], ids, a.tokens)
-        n = common_prefix(g, h)
-        out["greedy"].append({"prompt": name, "tokens": len(g), "common_prefix": n})
-        print(f"  {name:16s} common prefix {n:3d} of {len(g)}", flush=True)
+        out["greedy"] = []
+        for name, ids in prompts:
+            g, h = greedy(engines["gpu"], ids, a.tokens), greedy(engines["hybrid"], ids, a.tokens)
+            n = common_prefix(g, h)
+            out["greedy"].append({"prompt": name, "tokens": len(g), "common_prefix": n})
+            print(f"  {name:16s} common prefix {n:3d} of {len(g)}", flush=True)
     stats = engines["hybrid"].kv.stats
     out["kv_syncs"], out["handoffs"] = stats["syncs"], engines["hybrid"].pipeline.handoff.stats["copies"]
-    budget = half_budget(engines["gpu"].plan, resident)
+    budget = a.daemon_budget or half_budget(engines["gpu"].plan, resident)
     for e in engines.values():
         e.unload()
     engines = None
