@@ -178,9 +178,11 @@ def check_gemm(lib, qtype: Q, w: np.ndarray, n: int, x: np.ndarray) -> np.ndarra
     assert (err <= b_fp).all(), "against the quantized activations: " + worst(err, b_fp, out, as_quantized)
     err = np.abs(out - exact)
     assert (err <= b_int8 + b_fp).all(), "against the float activations: " + worst(err, b_int8 + b_fp, out, exact)
-    # neither bound is vacuous: each is well under the size of the products it bounds
+    # neither bound is vacuous: each is well under the size of the products it bounds (the int8
+    # one over all outputs together: one output whose weights sit on an activation block's small
+    # values can come near its size, by the draw)
     size = np.abs(x.astype(np.float64)) @ np.abs(wf).T
-    assert (b_fp <= 1e-3 * size).all() and (b_int8 <= 0.5 * size).all()
+    assert (b_fp <= 1e-3 * size).all() and b_int8.sum() <= 0.5 * size.sum()
     return out
 
 
