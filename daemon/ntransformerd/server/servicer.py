@@ -353,26 +353,6 @@ def _engine_memory(engine) -> tuple[int, int]:
     return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
 
 
-    r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
-    sp = s.speculation
-    r.skip_layers.extend(s.skip_layers)
-    r.speculation.CopyFrom(pb.SpeculationStatus(
-        default_mode=sp.default_mode, draft_model=sp.draft_model, passes=sp.passes, proposed=sp.proposed,
-        accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
-        cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
-    if engine is not None:
-        r.placements.extend(placements(engine))
-        info = model_info(engine)
-        r.model, r.backend = info.name, info.backend
-        storage = daemon.storage_stats()
-        for t in info.plan.tiers:  # each step reads every layer once
-            tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
-                               bytes_per_second=t.bytes * s.steps_per_second)
-            if t.name == "storage" and storage is not None:
-                tier_counters(tier, storage)
-    return r
-
-
 def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
     """The daemon's state for `caller`, mapped from its typed figures in this one place. Counts
     and totals are the daemon's (the prefix counters too: no request hits another scope's cache,
