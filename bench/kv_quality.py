@@ -27,19 +27,9 @@ import time
 import common
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.kv_cache import bytes_per_token
-from ntransformerd.engine.perplexity import perplexity, text_tokens
+from ntransformerd.engine.perplexity import LICENSES, licenses_text, perplexity, text_tokens
 
-LICENSES = "/usr/share/common-licenses"
 TYPES = "f16,q8_0,q4_0"
-
-
-def licenses_text() -> str:
-    names = sorted(n for n in os.listdir(LICENSES) if not os.path.islink(os.path.join(LICENSES, n)))
-    parts = []
-    for n in names:
-        with open(os.path.join(LICENSES, n), encoding="utf-8") as f:
-            parts.append(f.read())
-    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

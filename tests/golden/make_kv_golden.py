@@ -23,24 +23,14 @@ import sys
 import numpy as np
 
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.perplexity import licenses_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "kv_layout_smollm2.json")
-LICENSES = "/usr/share/common-licenses"
 N_GENERATE = 32
 LONG = 900
 CHUNK = 7
 CONFIGS = (("cpu", "f32"), ("cpu", "f16"), ("cpu-ref", "f32"), ("cpu-ref", "f16"))
-
-
-def licenses_text() -> str:
-    """The licenses' regular files (symlinks are other names of them), sorted, concatenated."""
-    names = sorted(n for n in os.listdir(LICENSES) if not os.path.islink(os.path.join(LICENSES, n)))
-    parts = []
-    for n in names:
-        with open(os.path.join(LICENSES, n), encoding="utf-8") as f:
-            parts.append(f.read())
-    return "\n".join(parts)
 
 
 def pick(logits: np.ndarray) -> tuple[int, float]:

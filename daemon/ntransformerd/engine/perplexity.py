@@ -15,6 +15,7 @@ log-softmax is taken in float64 so the sum over thousands of tokens does not dri
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,19 @@ class Perplexity:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"chunk_perplexities": list(self.chunk_perplexities)}
+
+
+LICENSES = "/usr/share/common-licenses"  # Debian's license texts: the long text of the KV-cache figures
+
+
+def licenses_text(directory: str = LICENSES) -> str:
+    """The directory's regular files (symlinks are other names of them), sorted, concatenated."""
+    names = sorted(n for n in os.listdir(directory) if not os.path.islink(os.path.join(directory, n)))
+    parts = []
+    for n in names:
+        with open(os.path.join(directory, n), encoding="utf-8") as f:
+            parts.append(f.read())
+    return "\n".join(parts)
 
 
 def text_tokens(engine, text: str) -> list[int]:
