@@ -275,6 +275,20 @@ class KVLayer:
         k[:n], v[:n] = self.rows(slot, 0, n)
         return k, v
 
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Blocks src[i] → dst[i] (whole blocks, every head and position: sharing's copy on write)."""
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]
+
+    def save_blocks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks `ids` as host arrays (len(ids), Hkv, BLOCK_SIZE, row) in the storage type (a spill)."""
+        return self.k[ids].copy(), self.v[ids].copy()
+
+    def load_blocks(self, ids: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Blocks `ids` from host arrays save_blocks gave (a restore)."""
+        self.k[ids] = k
+        self.v[ids] = v
+
     def gather(self, slots: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Positions [0, end) of several slots as float32 (B, end, Hkv, hd); zeros where a slot
         holds no block (callers mask each slot's positions past its own length)."""
@@ -283,7 +297,12 @@ class KVLayer:
 
 
 class KVCache(SlotTable):
-    """All layers' caches in host memory, over one pool of blocks, plus the slot bookkeeping."""
+    """All layers' caches over one pool of blocks, plus the slot bookkeeping. The layers are
+    `layer_class` instances: KVLayer in host memory here; a device's cache subclasses this with
+    its own layer class of the same calls (write, write_rows, rows, read, copy_blocks,
+    save_blocks, load_blocks) over its own arrays of the same layout."""
+
+    layer_class: type = KVLayer
 
     def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f32",
                  n_blocks: int | None = None, block_size: int = BLOCK_SIZE):
@@ -295,7 +314,7 @@ class KVCache(SlotTable):
         self.max_ctx, self.dtype = max_ctx, dtype
         n_blocks = default_blocks(n_slots, max_ctx, block_size) if n_blocks is None else n_blocks
         self.blocks = BlockTable(n_slots, max_ctx, n_blocks, block_size)
-        self.layers = [KVLayer(self.blocks, dtype, cfg.n_kv_heads, cfg.head_dim) for _ in range(cfg.n_layers)]
+        self.layers = [self.layer_class(self.blocks, dtype, cfg.n_kv_heads, cfg.head_dim) for _ in range(cfg.n_layers)]
 
     def layer(self, i: int) -> KVLayer:
         return self.layers[i]
