@@ -32,7 +32,7 @@ from ntx_system.config_file import ConfigError, boolean, kind as _kind, path, st
 from ntransformerd.engine import backends
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.layer_skip import parse_skip
-from ntransformerd.engine.speculative import parse_mode
+from ntransformerd.engine.speculative import Mode
 from ntransformerd.settings import SettingError, Spelling, parse_rate, parse_size
 
 DEFAULT_CONFIG_FILE = config_file.DEFAULT_PATH
@@ -126,14 +126,16 @@ def _bool_flag(text: str) -> bool:
     return low in ("true", "yes", "1")
 
 
-def speculative_mode(key: str, v: Any) -> str:
+def speculative_mode(key: str, v: Any) -> Mode:
+    """The mode as a value (speculative.Mode), parsed once here; a Mode given stays itself."""
+    if isinstance(v, Mode):
+        return v
     if not isinstance(v, str):
         raise ConfigError(f"{key} = {v!r}: must be a mode in quotes, not {_kind(v)}")
     try:
-        parse_mode(v)
+        return Mode.parse(v)
     except ValueError as e:
         raise ConfigError(f"{key} = {v!r}: {e}") from None
-    return v.strip().lower()
 
 
 def skip_spec(key: str, v: Any) -> str:
@@ -261,7 +263,7 @@ class DaemonConfig:
     nvme_release: str = "nvme"  # on stop: hand the drive back to nvme, or "keep" it on vfio-pci
     noiommu: bool = False  # accept VFIO without an IOMMU (unsafe: the drive can DMA anywhere)
     # ---- end of storage keys ------------------------------------------------------------------
-    speculative: str = "off"  # engine/speculative.py: the mode of requests that do not say
+    speculative: Mode = Mode()  # engine/speculative.py: the mode of requests that do not say ("skip:3,7" given)
     draft: str = ""  # the draft model of speculative "draft"
     skip_layers: str = ""  # engine/layer_skip.py: resolved against the model's cached calibration
 

@@ -15,6 +15,7 @@ from ntransformerd import config, settings
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.engine import EngineConfig, resolved
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.speculative import Mode
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.tools import ntx_model
 from ntx_system.service import Refused, ServiceConfig
@@ -92,6 +93,18 @@ def test_config_keys_and_table_agree():
     assert list(config.KEYS) == list(config.FIELDS)
     assert config.DaemonConfig(vram_budget="2GiB", socket="rel.sock").vram_budget == 2 << 30
     assert os.path.isabs(config.DaemonConfig(socket="rel.sock").socket)
+
+
+def test_speculative_is_a_mode_value_parsed_once_at_the_config(tmp_path):
+    f = tmp_path / "d.toml"
+    f.write_text('speculative = " Skip:3,7 "\n')
+    cfg = config.load(["--config", str(f)])
+    assert cfg.speculative == Mode("skip", "3,7") and str(cfg.speculative) == "skip:3,7"
+    assert config.load(["--speculative", "prefix:8"]).speculative == Mode("prefix", "8")
+    assert config.DaemonConfig().speculative.off
+    assert config.DaemonConfig(speculative=Mode("ngram")).speculative == Mode("ngram")
+    with pytest.raises(config.ConfigError, match="speculative = 'fastest'"):
+        config.DaemonConfig(speculative="fastest")
 
 
 def test_missing_config_file_is_an_error():

@@ -191,7 +191,7 @@ class Scheduler:
         self.notifier = notifier
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
         self.on_fault = on_fault  # on_fault(reason), scheduler thread: the model was found broken
-        self.default_mode = Mode.parse(config.speculative)  # of requests that do not say
+        self.default_mode: Mode = config.speculative  # of requests that do not say (parsed by config.py)
         self.engine = None
         self.draft_engine = None  # --draft: a small same-vocabulary model for speculation
         self.costs = None  # speculative.StepCosts: kept from an earlier start, or measured when first needed
