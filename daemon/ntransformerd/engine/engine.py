@@ -324,23 +324,29 @@ class Engine:
             raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
         if top is not None and not 1 <= top <= self.cfg.vocab_size:
             raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
-        segments = []
-        for slot, tokens in items:
-            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-            if tokens.size == 0:
-                raise ValueError(f"slot {slot}: no tokens to run")
-            if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-                raise ValueError(f"slot {slot}: token id out of range [0, {self.cfg.vocab_size})")
-            start = self.length(slot)
-            if start + tokens.size > self.max_ctx:
-                raise ContextFull(f"slot {slot}: {start} + {tokens.size} tokens exceed the context of {self.max_ctx}")
-            segments.append(Segment(slot, start, tokens))
+        # the checks for all rows at once: a step's host cost must not grow by much per row
+        toks = [np.asarray(t, dtype=np.int64).reshape(-1) for _, t in items]
+        slots = np.fromiter((s for s, _ in items), np.int64, len(items))
+        sizes = np.fromiter(map(len, toks), np.int64, len(toks))
+        if len(items) and sizes.min() == 0:
+            raise ValueError(f"slot {int(slots[np.argmin(sizes)])}: no tokens to run")
+        flat = np.concatenate(toks) if toks else np.zeros(0, np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.cfg.vocab_size):
+            row = int(np.searchsorted(np.cumsum(sizes), np.flatnonzero((flat < 0) | (flat >= self.cfg.vocab_size))[0],
+                                      side="right"))
+            raise ValueError(f"slot {int(slots[row])}: token id out of range [0, {self.cfg.vocab_size})")
+        starts = np.asarray(self.kv.lengths)[slots]
+        over = np.flatnonzero(starts + sizes > self.max_ctx)
+        if over.size:
+            i = int(over[0])
+            raise ContextFull(f"slot {int(slots[i])}: {int(starts[i])} + {int(sizes[i])} tokens exceed the context "
+                              f"of {self.max_ctx}")
+        segments = [Segment(slot, start, t) for slot, start, t in zip(slots.tolist(), starts.tolist(), toks)]
         for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
             self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
         layers = self.layers if layers is None else layers
         logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
-        for seg in segments:
-            self.kv.lengths[seg.slot] = seg.start + len(seg.tokens)
+        self.kv.lengths[slots] = starts + sizes
         return logits if sample is None else sample_rows(logits, sample)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:

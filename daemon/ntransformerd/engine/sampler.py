@@ -596,9 +596,7 @@ def sample_rows(x: "np.ndarray | TopLogits", rows: SampleRows) -> Drawn:
     n = len(rows)
     ids, fault = np.full(n, -1, np.int64), np.zeros(n, np.int8)
     if isinstance(x, TopLogits):
-        for i in np.flatnonzero(rows.draws):
-            ids[i], fault[i] = _draw_top(x[int(i)], rows, int(i))
-        return Drawn(ids, fault)
+        return _draw_tops(x, rows)
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[0] != n:
         raise ValueError(f"logits must have shape ({n}, V), got {x.shape}")
@@ -624,27 +622,45 @@ def sample_rows(x: "np.ndarray | TopLogits", rows: SampleRows) -> Drawn:
     return Drawn(ids, fault)
 
 
-def _draw_top(top: TopRow, rows: SampleRows, i: int) -> tuple[int, int]:
-    """(id, fault) of row i from its most likely ids (Sampler.need of them)."""
-    need = int(rows.need[i])
-    if need == 0:
+def _draw_tops(top: TopLogits, rows: SampleRows) -> Drawn:
+    """Each drawing row's (id, fault) from its most likely ids (Sampler.need of them): the checks,
+    the ignore_eos bans and greedy rows for all rows at once; a filtered row's draw by
+    draw_filtered over its candidates."""
+    n = len(rows)
+    ids, fault = np.full(n, -1, np.int64), np.zeros(n, np.int8)
+    d = np.flatnonzero(rows.draws)
+    if d.size == 0:
+        return Drawn(ids, fault)
+    need = rows.need[d]
+    if (need == 0).any():
         raise ValueError("these sampling parameters need the whole row of logits")
-    if rows.masks[i] is not None:
+    if any(rows.masks[i] is not None for i in d):
         raise ValueError("a masked row needs the whole row of logits, not its top ids")
-    if top.nan:
-        return -1, FAULT_NAN
-    if top.ids.size < need:
-        raise ValueError(f"sampling needs the {need} most likely ids, got {top.ids.size}")
-    ids, v = top.ids, top.vals
-    if v.size and v[0] == np.inf:
-        return -1, FAULT_INF
-    banned = rows.banned[i]
-    if banned.size:
-        keep = ~np.isin(ids, banned)
-        ids, v = ids[keep], v[keep]
-    if v.size == 0 or v[0] == -np.inf:
-        return -1, FAULT_NO_FINITE
-    if rows.greedy[i]:
-        return int(ids[0]), 0
-    k = int(rows.top_k[i])  # need() is None without a top-k: k ≥ 1 here
-    return draw_filtered(ids[:k], v[:k], rows.top_p[i], rows.min_p[i], rows.temperature[i], rows.uniform[i]), 0
+    short = (top.nan[d] == 0) & (need > top.ids.shape[1])  # a row of NaNs faults whatever it got
+    if short.any():
+        raise ValueError(f"sampling needs the {int(need[short].max())} most likely ids, got {top.ids.shape[1]}")
+    cid, cv = top.ids[d], top.vals[d]
+    bans = [rows.banned[i] for i in d]
+    if any(b.size for b in bans):  # banned ids leave the candidates, the others keep their order
+        v = max(int(cid.max()), max(int(b.max()) for b in bans if b.size)) + 1
+        keys = np.concatenate([k * v + b for k, b in enumerate(bans) if b.size])
+        keep = ~np.isin(np.arange(d.size)[:, None] * v + cid, keys)
+        order = np.argsort(~keep, axis=1, kind="stable")
+        cid, cv = np.take_along_axis(cid, order, 1), np.take_along_axis(cv, order, 1)
+        kept = keep.sum(1)
+    else:
+        kept = np.full(d.size, cid.shape[1])
+    first = cv[:, 0] if cv.shape[1] else np.full(d.size, -np.inf, np.float32)
+    code = np.where(top.nan[d] > 0, FAULT_NAN,
+                    np.where(top.vals[d][:, 0] == np.inf, FAULT_INF,
+                             np.where((kept == 0) | (first == -np.inf), FAULT_NO_FINITE, 0)))
+    fault[d] = code
+    ok = code == 0
+    greedy = ok & rows.greedy[d]
+    ids[d[greedy]] = cid[greedy, 0]
+    for j in np.flatnonzero(ok & ~rows.greedy[d]):
+        i = int(d[j])
+        k = min(int(rows.top_k[i]), int(kept[j]))  # need() is None without a top-k: k ≥ 1 here
+        ids[i] = draw_filtered(cid[j, :k], cv[j, :k], rows.top_p[i], rows.min_p[i], rows.temperature[i],
+                               rows.uniform[i])
+    return Drawn(ids, fault)
