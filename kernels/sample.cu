@@ -162,3 +162,163 @@ __global__ void __launch_bounds__(1024) top_rows(const float* __restrict__ logit
     __syncthreads();
     if (threadIdx.x == 0) ids[2 * n] = s_nan;
 }
+
+// ---- a step's draws on the device (backends/cuda/sampling.py; sampler.sample_rows is the reference) ----
+// Each row of a step's logits (B, V) draws one id: greedy (the largest logit, lowest id on ties) or
+// filtered (top-k, top-p, min-p, temperature, then the running-sum search with the row's uniform,
+// drawn on the host from the request's generator). The host copies back 2 int32 a row: the id and
+// the fault code (sampler.FAULT_*; FAULT_REDO: the host draws this row from its logits itself).
+//
+// penalize_rows: on a copy of the rows, per row, the ignore_eos bans (-inf) and then the penalties
+// over the (id, count) pairs of its history window, in float32 as sampler.penalise does (each
+// product rounded on its own: no fused multiply-add). A row whose penalties or bans touch a
+// non-finite value, or turn a finite one non-finite, is flagged (the host redoes it: the rare
+// rows where the reference reduces the row to its unpenalised argmax, or whose ban hid a NaN).
+// draw_rows: each row's top-n from top_rows (n ids, n logits, the NaN count), sorted (logit
+// descending, id ascending), then the chain as sampler.draw_filtered in float64: numpy's sums
+// are pairwise (pairwise_sum below, its order), running sums sequential.
+
+#define FAULT_NAN 1
+#define FAULT_INF 2
+#define FAULT_NO_FINITE 3
+#define FAULT_REDO 9
+
+// ipack: offsets of the bans (B + 1) then of the penalties (B + 1), then the banned ids, then the
+// penalty ids, then their counts. fpack: (B, 3) repetition, frequency, presence (float32).
+__global__ void __launch_bounds__(256) penalize_rows(float* __restrict__ x, int V, int B,
+                                                     const int* __restrict__ ipack, const float* __restrict__ fpack,
+                                                     int* __restrict__ odd) {
+    PDL_ENTRY
+    const int r = blockIdx.x;
+    const int* boff = ipack;
+    const int* poff = ipack + B + 1;
+    const int nb = boff[B], np_ = poff[B];
+    const int* bids = ipack + 2 * (B + 1);
+    const int* pids = bids + nb;
+    const int* pcnt = pids + np_;
+    float* row = x + (long long)r * V;
+    int flag = 0;
+    for (int j = boff[r] + threadIdx.x; j < boff[r + 1]; j += blockDim.x) {
+        const float v = row[bids[j]];
+        if (!(v < INFINITY)) flag = 1;  // NaN or +inf behind a ban
+        row[bids[j]] = -INFINITY;
+    }
+    __syncthreads();  // the penalties read the banned row
+    const float rep = fpack[3 * r], freq = fpack[3 * r + 1], pres = fpack[3 * r + 2];
+    for (int j = poff[r] + threadIdx.x; j < poff[r + 1]; j += blockDim.x) {
+        const int id = pids[j];
+        const float v = row[id];
+        float y = v <= 0.f ? __fmul_rn(v, rep) : __fdiv_rn(v, rep);
+        y = __fsub_rn(y, __fadd_rn(__fmul_rn((float)pcnt[j], freq), pres));
+        if (v != v || v == INFINITY || (isfinite(v) && !isfinite(y))) flag = 1;
+        row[id] = y;
+    }
+    flag = __syncthreads_or(flag);
+    if (threadIdx.x == 0) odd[r] = flag;
+}
+
+// numpy's pairwise summation of a[0..n) (its pairwise_sum for doubles, blocks of 8 unrolled).
+__device__ double pairwise_sum(const double* a, int n) {
+    if (n < 8) {
+        double s = 0.;  // numpy starts from -0. only to keep a sign; sums of positive terms agree
+        for (int i = 0; i < n; ++i) s = __dadd_rn(s, a[i]);
+        return s;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; ++j) r[j] = a[j];
+        int i = 8;
+        for (; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; ++j) r[j] = __dadd_rn(r[j], a[i + j]);
+        double s = __dadd_rn(__dadd_rn(__dadd_rn(r[0], r[1]), __dadd_rn(r[2], r[3])),
+                             __dadd_rn(__dadd_rn(r[4], r[5]), __dadd_rn(r[6], r[7])));
+        for (; i < n; ++i) s = __dadd_rn(s, a[i]);
+        return s;
+    }
+    int n2 = n / 2;
+    n2 -= n2 % 8;
+    return __dadd_rn(pairwise_sum(a, n2), pairwise_sum(a + n2, n - n2));
+}
+
+#define DRAW_MAX 256
+
+// res: top_rows' (B, 2n + 1). prm: (B, 6) float64 per row: kind (0 none, 1 greedy, 2 filtered),
+// top_k, top_p, log(min_p) as float32 (NaN: off), temperature, uniform. odd: penalize_rows' flags
+// (nullptr: none). out: (2, B) int32: ids, then faults.
+__global__ void __launch_bounds__(DRAW_MAX) draw_rows(const int* __restrict__ res, int n, int B,
+                                                      const double* __restrict__ prm, const int* __restrict__ odd,
+                                                      int* __restrict__ out) {
+    PDL_ENTRY
+    const int r = blockIdx.x;
+    const int* ids = res + (long long)r * (2 * n + 1);
+    const float* vals = (const float*)(ids + n);
+    const double* p = prm + 6 * r;
+    const int kind = (int)p[0];
+    __shared__ int s_id[DRAW_MAX];
+    __shared__ float s_v[DRAW_MAX];
+    __shared__ double s_w[DRAW_MAX];
+    if (threadIdx.x < n) {  // rank by (logit descending, id ascending): the sorted position
+        const float v = vals[threadIdx.x];
+        const int id = ids[threadIdx.x];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) {
+            const float w = vals[j];
+            rank += w > v || (w == v && ids[j] < id);
+        }
+        s_id[rank] = id;
+        s_v[rank] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int id = -1, fault = 0;
+    if (kind == 0) {
+    } else if (ids[2 * n] > 0) {
+        fault = FAULT_NAN;
+    } else if (odd != nullptr && odd[r]) {
+        fault = FAULT_REDO;
+    } else if (s_v[0] == INFINITY) {
+        fault = FAULT_INF;
+    } else if (s_v[0] == -INFINITY) {
+        fault = FAULT_NO_FINITE;
+    } else if (kind == 1) {
+        id = s_id[0];
+    } else {
+        int L = min((int)p[1], n);
+        int f = 1;  // -inf leaves (never the first): the finite ones are a prefix
+        while (f < L && s_v[f] > -INFINITY) ++f;
+        L = f;
+        const double top_p = p[2];
+        if (top_p < 1.0 && L > 1) {
+            const double z0 = (double)s_v[0];
+            for (int j = 0; j < L; ++j) s_w[j] = exp((double)s_v[j] - z0);
+            const double sum = pairwise_sum(s_w, L);
+            double cum = 0.;
+            int last = L - 1;
+            for (int j = 0; j < L; ++j) {
+                cum = __dadd_rn(cum, s_w[j] / sum);
+                if (cum >= top_p) { last = j; break; }  // the first index where the sum reaches p
+            }
+            L = min(last, L - 1) + 1;
+        }
+        const double lmp = p[3];
+        if (lmp == lmp && L > 1) {
+            const float bound = __fadd_rn(s_v[0], (float)lmp);
+            int m = 0;
+            while (m < L && s_v[m] >= bound) ++m;
+            L = m;
+        }
+        const double t = p[4], u = p[5];
+        const double z0 = (double)s_v[0] / t;
+        double c = 0.;
+        for (int j = 0; j < L; ++j) {
+            c = __dadd_rn(c, exp((double)s_v[j] / t - z0));
+            s_w[j] = c;
+        }
+        const double target = __dmul_rn(u, c);
+        int k = 0;
+        while (k < L && s_w[k] <= target) ++k;  // searchsorted side="right"
+        id = s_id[min(k, L - 1)];
+    }
+    out[r] = id;
+    out[B + r] = fault;
+}

@@ -28,7 +28,7 @@ from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine import kv_cache
 from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import SampleRows, sample_rows
+from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
 from ntransformerd.engine.tiers.multi import parse_budgets
 from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.sources import Source
@@ -316,9 +316,10 @@ class Engine:
         sequences of T tokens each, R × T ≤ 32, T in 1, 2, 4, 8, 16.
 
         With sample (sampler.SampleRows, one row per item), the id each row draws (sampler.Drawn)
-        instead of its logits: the caller receives ids, not rows. The rows are drawn by
-        sampler.sample_rows on the host (from the TopLogits where `top` is given); a device
-        sampler answers the same call with the same ids.
+        instead of its logits: the caller receives ids, not rows. A captured CUDA step draws them
+        on the device (backends/cuda/sampling.py: greedy and filtered rows, bans, penalties);
+        elsewhere sampler.sample_rows draws them on the host (from the TopLogits where `top` is
+        given): the same ids.
         """
         if sample is not None and (all_logits or len(sample) != len(items)):
             raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
@@ -345,9 +346,9 @@ class Engine:
         for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
             self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
         layers = self.layers if layers is None else layers
-        logits = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top)
+        out = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top, sample=sample)
         self.kv.lengths[slots] = starts + sizes
-        return logits if sample is None else sample_rows(logits, sample)
+        return out if sample is None or isinstance(out, Drawn) else sample_rows(out, sample)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""

@@ -545,6 +545,12 @@ class SampleRows:
     def __len__(self) -> int:
         return self.draws.shape[0]
 
+    def take(self, rows: Sequence[int]) -> "SampleRows":
+        """These rows alone, in this order (their uniforms as drawn: nothing is drawn again)."""
+        idx = np.asarray(rows, np.int64)
+        return SampleRows(*(v[idx] if isinstance(v, np.ndarray) else tuple(v[int(i)] for i in idx)
+                            for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
 
 @dataclasses.dataclass(frozen=True)
 class Drawn:

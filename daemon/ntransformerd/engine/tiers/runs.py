@@ -446,10 +446,12 @@ class Pipeline:
         return st if st.graphs is not None and st.graphs.covers(segments, layers) else None
 
     def step(self, batch: Batch, *, layers: Sequence[int] | None = None, all_logits: bool = False,
-             top: int | None = None) -> np.ndarray | TopLogits:
+             top: int | None = None, sample=None):
         """One step: host logits, or with top a TopLogits (picked on the head device, only those
         rows come to the host). Replayed whole where one device's captured steps cover it, else
-        inside every device's step context over the runs."""
+        inside every device's step context over the runs. sample (sampler.SampleRows): where the
+        captured steps draw on their device (their `draw`), the ids (sampler.Drawn) instead;
+        elsewhere what top asks for, for the caller to draw from."""
         t0 = time.perf_counter()
         groups = self.groups(len(batch.tokens), layers)
         several = isinstance(self.kv, DeviceKV)
@@ -458,7 +460,11 @@ class Pipeline:
         st = self.whole(batch.segments, groups, layers)
         if st is not None:
             with st.context():
-                out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
+                out = None
+                if sample is not None and not all_logits and hasattr(st.graphs, "draw"):
+                    out = st.graphs.draw(batch.segments, sample, layers=layers)
+                if out is None:
+                    out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
         else:
             head = self.stages[self.layout.head]
             with contextlib.ExitStack() as stack:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ntransformerd.engine import model as llama
 from ntransformerd.engine.backends.cuda import launch as K
-from ntransformerd.engine.backends.cuda import nvrtc
+from ntransformerd.engine.backends.cuda import nvrtc, sampling
 from ntransformerd.engine.backends.cuda.kv import CudaKVCache
 from ntransformerd.engine.backends.cuda.nvrtc import cp
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
@@ -244,6 +244,18 @@ class StepGraphs:
         if top is not None:
             return self.top(slots, toks, top, layers=layers, last_only=not all_logits)
         return self.ops.to_host(self.logits(slots, toks, layers=layers, last_only=not all_logits))
+
+    def draw(self, segments, sample, *, layers=None):
+        """One step on covered segments; the id each row draws (sampler.Drawn), drawn on the
+        device (backends/cuda/sampling.py), or None, running nothing, where its rows need the
+        host (sampling.eligible)."""
+        if not sampling.eligible(sample):
+            return None
+        slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
+        b, m = self.launch(slots, toks, layers)
+        with self.stream:
+            rows = cp.ascontiguousarray(self._rows(b, m, b.arena.tokens, True))
+            return sampling.draw(rows, sample, stream=self.stream)
 
     def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True, advance: bool = False) -> TopLogits:
         """One step; each row's (or each sequence's last row's) n most likely ids and their
