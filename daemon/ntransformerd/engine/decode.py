@@ -65,6 +65,7 @@ class Sequence:
         self.logprobs = logprobs  # None: none; n: each token's and its n most likely alternatives'
         self.prompt_logprobs: list | None = [] if prompt_logprobs else None  # filled chunk by chunk
         self.history = list(prompt_ids)  # prompt + accepted tokens: what penalties and drafts read
+        self.inputs = self.prompt_ids  # what prefill runs: the prompt, or after a restart its history
         self.generated = 0  # accepted tokens
         self.slot = -1
         self.prefilled = 0  # prompt positions in the slot
@@ -73,8 +74,21 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        """The whole prompt is in the slot."""
-        return self.prefilled >= len(self.prompt_ids)
+        """The whole prompt (after a restart: the whole history) is in the slot."""
+        return self.prefilled >= len(self.inputs)
+
+    @property
+    def restarted(self) -> bool:
+        return self.inputs is not self.prompt_ids
+
+    def restart(self) -> None:
+        """Its slot was taken back (the scheduler preempted it; the caller frees the slot): from
+        its next row on it recomputes its prompt and the tokens it accepted as one prompt, then
+        draws on; what it accepted stays accepted, its sampler's generator goes on where it was."""
+        if self.spec is not None:
+            self.speculator.close(self.spec)
+            self.spec = None
+        self.inputs, self.prefilled, self.slot = list(self.history), 0, -1
 
     def free_positions(self) -> int:
         """Positions left after the last accepted token's (negative: it has none)."""
@@ -118,7 +132,7 @@ class Sequence:
         if self.finish is not None:
             return None
         if not self.decoding:
-            chunk = self.prompt_ids[self.prefilled:self.prefilled + budget]
+            chunk = self.inputs[self.prefilled:self.prefilled + budget]
             return Row(self, chunk) if chunk else None
         return Row(self, [self.history[-1]])
 
@@ -190,7 +204,7 @@ class Row:
     @property
     def draws(self) -> bool:
         """It draws a token: a decode row, or the chunk that ends its prompt."""
-        return self.seq.decoding or self.seq.prefilled + len(self.tokens) >= len(self.seq.prompt_ids)
+        return self.seq.decoding or self.seq.prefilled + len(self.tokens) >= len(self.seq.inputs)
 
     def fail(self, exc: BaseException, doing: str) -> None:
         self.error, self.doing = exc, doing
@@ -211,14 +225,20 @@ def step(engine, rows: Seq[Row]) -> None:
     needs = [r.seq.need() for r in drawing]
     top = max(needs) if needs and None not in needs else None
     drawn: Drawn | None = None
-    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding for r in live)
+    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding and not r.seq.restarted for r in live)
     if scoring or any(r.draft is not None and r.draft.tokens for r in live):  # every row of a draft or a scored prompt
         flat = engine.step(items, all_logits=True)
         ends = np.cumsum([len(t) for _, t in items])
         outs = [flat[e - len(t):e] for (_, t), e in zip(items, ends)]
     elif drawing and all(r.seq.draws_anywhere() for r in drawing):
         sample = SampleRows.of([r.seq.sampler if r.draws else None for r in live], [r.seq.history for r in live])
-        drawn = engine.step(items, top=top, sample=sample)
+        try:
+            drawn = engine.step(items, top=top, sample=sample)
+        except BaseException:  # nothing was drawn: the uniforms go back, so a retried step draws the same
+            for r, u in zip(live, sample.uniform):
+                if u == u:
+                    r.seq.sampler.give_back(u)
+            raise
         outs = [None] * len(live)
     else:
         if any(r.seq.speculator is not None for r in live):  # speculation verifies whole rows
@@ -259,7 +279,7 @@ def advance(r: Row, out, drawn: Drawn | None, i: int) -> None:
     logits ((V,), a TopRow, or (n, V) for its tokens) or None where the step drew its id."""
     seq = r.seq
     if not seq.decoding:
-        if seq.prompt_logprobs is not None:
+        if seq.prompt_logprobs is not None and not seq.restarted:  # a restart's prompt was scored before
             score_prompt(seq, r.tokens, out)
         seq.prefilled += len(r.tokens)
         if not seq.decoding:

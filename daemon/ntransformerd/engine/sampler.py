@@ -162,6 +162,7 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(params.seed)
+        self.held: float | None = None  # a uniform drawn for a step that did not run, given back (give_back)
         self._banned = np.array(sorted(eog_ids), dtype=np.int64) if params.ignore_eos else None
 
     def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
@@ -194,6 +195,18 @@ class Sampler:
         if isinstance(y, int):
             raise_fault(y)
         return y
+
+    def uniform(self) -> float:
+        """The next uniform of its draws: one given back first, else its generator's next."""
+        if self.held is not None:
+            u, self.held = self.held, None
+            return u
+        return self.rng.random()
+
+    def give_back(self, u: float) -> None:
+        """A uniform drawn for a step that failed before drawing (its KV blocks could not be
+        reserved): the next draw uses it, so a retried step draws what it would have."""
+        self.held = float(u)
 
     @property
     def banned(self) -> np.ndarray:
@@ -538,7 +551,7 @@ class SampleRows:
             penalty[i] = None if ids is None else (ids, counts)
             banned[i] = s.banned
             if not p.is_greedy:
-                uniform[i] = s.rng.random()
+                uniform[i] = s.uniform()
         return cls(draws, greedy, temperature, top_k, top_p, min_p, rep, freq, pres, need, uniform,
                    tuple(penalty), tuple(banned), masks)
 

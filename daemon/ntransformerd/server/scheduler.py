@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from ntransformerd.engine import decode, speculative
+from ntransformerd.engine import decode, kv_cache, speculative
 from ntransformerd.engine.decode import DraftFault, Row, Text
 from ntransformerd.engine.sampler import InvalidLogits
 from ntransformerd.engine.speculative import Mode, StepCosts
@@ -85,6 +85,7 @@ class Request:
         self.text = Text(seq.engine.tokenizer, seq.params.stop)  # the streaming thread's
         self.completion_tokens = 0  # streamed (the streaming thread's)
         self.text_done = False  # its last output is written (the streaming thread sets it)
+        self.resume_below: int | None = None  # preempted: readmitted once fewer than this many are live
         self.ended = False  # its stream is closed (the streaming thread sets it)
 
     @property
@@ -501,6 +502,9 @@ class Scheduler:
                 and self.engine.kv.free_slots:
             if self._queue[0].speculator is not None and self.costs is None and self.lifecycle.state == SERVING:
                 break  # the next iteration measures the cost table first (ensure_costs)
+            head = self._queue[0]
+            if head.resume_below is not None and len(self._live) >= head.resume_below:
+                break  # preempted: it waits (and those behind it) until a request leaves and frees blocks
             r = self._queue.popleft()
             try:
                 live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
@@ -513,9 +517,31 @@ class Scheduler:
                 self._cv.notify_all()
                 continue
             r.cached = r.prefilled
-            r.state, r.t_admitted = "prefill", time.monotonic()
-            self.prompt_tokens_total += len(r.prompt_ids)
+            if r.resume_below is not None:  # a preempted request back: its prompt was counted
+                r.resume_below, r.state = None, "prefill"
+            else:
+                r.state, r.t_admitted = "prefill", time.monotonic()
+                self.prompt_tokens_total += len(r.prompt_ids)
             self._live.append(r)
+
+    def preempt(self, cause: BaseException) -> bool:
+        """A step's KV blocks could not be reserved: the youngest live request gives its slot
+        back and goes to the head of the queue, to recompute its prompt and what it generated so
+        far once a request leaves (decode.Sequence.restart); its stream goes on, nothing is sent
+        twice. False where it is the only one (nothing to take blocks from)."""
+        if len(self._live) < 2:
+            return False
+        r = max(self._live, key=lambda q: q.t_admitted or 0.0)
+        log.info("KV pool full (%s): request %d yields its slot and recomputes %d tokens later", cause, r.id,
+                 len(r.seq.history))
+        with self._cv:
+            self._live.remove(r)
+            r.prefix_cache = False  # its blocks are what the others need; it recomputes from scratch
+            self._release(r)
+            r.seq.restart()
+            r.state, r.resume_below = "queued", len(self._live)
+            self._queue.appendleft(r)
+        return True
 
     def _kv_tokens(self, r: Request) -> list[int]:
         """The token ids whose keys and values r's slot holds."""
@@ -564,6 +590,13 @@ class Scheduler:
         rows = [row for _, row in batch]
         try:
             decode.step(self.engine, rows)
+        except kv_cache.KVPoolFull as e:  # the step's blocks cannot be reserved: the youngest yields its own
+            if self.preempt(e):
+                return
+            log.warning("KV pool full with one request live: %s", e)
+            for r, _ in batch:
+                self.fail_request(r, e, "reserving KV-cache blocks for its next step")
+            return
         except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
             log.exception("engine step failed for requests %s", [r.id for r, _ in batch])
             # a domain error (the drive under the stream failed) keeps its own status code
@@ -580,7 +613,7 @@ class Scheduler:
             if not row.accepted:
                 continue
             if r.state == "prefill":
-                r.state, r.t_first = "decode", now
+                r.state, r.t_first = "decode", r.t_first or now
             n_new += len(row.accepted)
             self.streamer.send(r, row.accepted, row.logprobs, r.seq.finish)
         with self._cv:
