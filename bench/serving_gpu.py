@@ -4,15 +4,18 @@ llama.cpp's batched bench on the default model (issue 24).
     python3 bench/serving_gpu.py --dir /tmp/ntx --clients 1 16 64 \
         --batched-bench /tmp/llama/llama.cpp/build/bin/llama-batched-bench
     python3 bench/serving_gpu.py --smoke --dir /tmp/ntx-smoke      # tiny model, a few tokens: does it run?
+                                                                   # (on the cpu backend where there is no GPU)
 
 1. The engine alone (in this process, no daemon): decode steps of B sequences (B = each client
-   count), every row's next id picked on the GPU (top=1), tok/s = B × steps / time: the rate the
-   daemon could reach if the host cost nothing beside the step.
+   count), every row's next id drawn as the daemon draws it (Engine.step's sample: on the GPU),
+   greedy and sampled, tok/s = B × steps / time: the rate the daemon could reach if the host cost
+   nothing beside the step.
 2. The daemon (`ntransformerd --backend cuda`, max_batch = the largest client count) on the same
    file: N clients at once, each one request of --max-tokens tokens (ignore_eos), greedy and then
    seeded sampling (temperature 0.8, top-k 40); aggregate tok/s = generated tokens / wall time of
-   the level (prefill included, a short prompt). The ratio to (1) is the share of the engine's
-   rate the serving loop keeps.
+   the level (prefill included, a short prompt), each level warmed first (its batch's captured
+   steps, the client processes). The ratio to (1) is the share of the engine's rate the serving
+   loop keeps; the rest is the host's share of a daemon step (host_share).
 3. The default model at 1 and 16 clients through the daemon against `llama-batched-bench`
    (the same file, -npp 16 -ntg --max-tokens -npl 1,16, all layers on the GPU), its TG rate.
 Clients run in several processes (threads of one Python process would share one interpreter).
@@ -39,21 +42,34 @@ import common  # noqa: E402
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-def engine_rate(path: str, batch: int, steps: int, max_batch: int) -> float:
+def engine_rates(path: str, batches: list[int], steps: int, backend: str) -> dict[tuple[int, bool], float]:
+    """The engine's own decode rate (tok/s) per (batch, sampled), in this process: one engine,
+    B sequences, each step drawing every row's next id as the daemon's steps do (Engine.step's
+    sample: on the device where the backend draws there), its SampleRows made once."""
     from ntransformerd.engine.engine import Engine, EngineConfig
-    e = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=max_batch, max_ctx=512))
+    from ntransformerd.engine.sampler import SampleRows, Sampler, SamplingParams
+    e = Engine.load(path, config=EngineConfig(backend=backend, max_batch=max(batches), max_ctx=512))
+    rates = {}
     try:
-        slots = [e.open() for _ in range(batch)]
-        e.step([(s, [1 + j, 2, 3, 4]) for j, s in enumerate(slots)])
-        for _ in range(3):
-            e.step([(s, [7]) for s in slots], top=1)
-        t = time.perf_counter()
-        for _ in range(steps):
-            e.step([(s, [11]) for s in slots], top=1)
-        return batch * steps / (time.perf_counter() - t)
+        for sampled in (False, True):
+            params = SamplingParams(temperature=0.8, top_k=40, seed=1, ignore_eos=True) if sampled else \
+                SamplingParams.greedy(ignore_eos=True)
+            for b in batches:
+                slots = [e.open() for _ in range(b)]
+                sample = SampleRows.of([Sampler(params, e.cfg.vocab_size, eog_ids=e.tokenizer.eog_ids)] * b, [[1]] * b)
+                e.step([(s, [1 + j, 2, 3, 4]) for j, s in enumerate(slots)])
+                for _ in range(3):
+                    e.step([(s, [7]) for s in slots], sample=sample)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    e.step([(s, [11]) for s in slots], sample=sample)
+                rates[(b, sampled)] = b * steps / (time.perf_counter() - t)
+                for s in slots:
+                    e.close(s)
     finally:
         e.unload()
         del e
+    return rates
 
 
 def _client_proc(args) -> int:
@@ -84,9 +100,9 @@ def serve_level(socket: str, clients: int, max_tokens: int, sampled: bool) -> fl
         return tokens / (time.perf_counter() - t)
 
 
-def start_daemon(path: str, max_batch: int, d: str):
+def start_daemon(path: str, max_batch: int, d: str, backend: str):
     socket = os.path.join(d, "d.sock")
-    cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", "cuda", "--config", os.devnull,
+    cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", backend, "--config", os.devnull,
            "--model", path, "--max-batch", str(max_batch), "--max-ctx", "512", "--socket-group", ""]
     proc = subprocess.Popen(cmd, stderr=open(os.path.join(d, "daemon.log"), "w"))
     while not os.path.exists(socket):
@@ -128,37 +144,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batched-bench", metavar="BIN", help="llama-batched-bench (CUDA build): part 3")
     ap.add_argument("--default-model", metavar="PATH", help="part 3's file (default: the embedded default model)")
+    ap.add_argument("--backend", choices=("cuda", "cpu"), help="default: cuda (cpu in --smoke without a GPU)")
     a = ap.parse_args(argv)
-    common.require_gpu(__file__)
+    if a.backend is None:
+        a.backend = "cpu" if a.smoke and common.gpu_missing() else "cuda"
+    if a.backend == "cuda":
+        common.require_gpu(__file__)
     if a.smoke:
         a.clients, a.max_tokens = [1, 2], 8
     path = a.model or common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", "q4_k_m")
-    out = {"smoke": a.smoke, "model": os.path.basename(path), "max_tokens": a.max_tokens, "levels": []}
+    out = {"smoke": a.smoke, "backend": a.backend, "model": os.path.basename(path), "max_tokens": a.max_tokens,
+           "levels": []}
     top = max(a.clients)
-    rates = {b: engine_rate(path, b, 8 if a.smoke else 40, top) for b in a.clients}
-    for b, r in rates.items():
-        print(f"engine alone, batch {b:3d}: {r:9.1f} tok/s", flush=True)
+    rates = engine_rates(path, a.clients, 8 if a.smoke else 40, a.backend)
+    for (b, sampled), r in rates.items():
+        print(f"engine alone, batch {b:3d}, {'sampled' if sampled else 'greedy '}: {r:9.1f} tok/s", flush=True)
     d = tempfile.mkdtemp(prefix="ntx-serve-")
     try:
-        proc, socket = start_daemon(path, top, d)
+        proc, socket = start_daemon(path, top, d, a.backend)
         try:
             for sampled in (False, True):
                 for n in a.clients:
+                    serve_level(socket, n, 4, sampled)  # warm: this batch's captured steps, the clients' paths
                     r = serve_level(socket, n, a.max_tokens, sampled)
-                    row = {"clients": n, "sampled": sampled, "daemon_tok_s": r, "engine_tok_s": rates[n],
-                           "vs_engine": r / rates[n]}
+                    e = rates[(n, sampled)]
+                    # a daemon step of n rows takes n / r s, the engine's n / e s: the rest is the host's
+                    row = {"clients": n, "sampled": sampled, "daemon_tok_s": r, "engine_tok_s": e,
+                           "vs_engine": r / e, "host_share": max(0.0, 1.0 - r / e)}
                     out["levels"].append(row)
                     print(f"daemon, {n:3d} clients, {'sampled' if sampled else 'greedy ':7s}: {r:9.1f} tok/s = "
-                          f"{100 * r / rates[n]:.0f}% of the engine's step rate", flush=True)
+                          f"{100 * r / e:.0f}% of the engine's step rate (host share of a step "
+                          f"{100 * row['host_share']:.0f}%)", flush=True)
         finally:
             stop_daemon(proc)
         if a.batched_bench or a.smoke:
             from ntransformerd.engine.engine import default_model_path
             small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
             npl = [1, 2] if a.smoke else [1, 16]
-            proc, socket = start_daemon(small, max(npl), d)
+            proc, socket = start_daemon(small, max(npl), d, a.backend)
             try:
-                ours = {n: serve_level(socket, n, a.max_tokens, False) for n in npl}
+                ours = {}
+                for n in npl:
+                    serve_level(socket, n, 4, False)  # warm
+                    ours[n] = serve_level(socket, n, a.max_tokens, False)
             finally:
                 stop_daemon(proc)
             peer = batched_bench(a.batched_bench, small, a.max_tokens, npl) if a.batched_bench else {}

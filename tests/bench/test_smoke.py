@@ -184,8 +184,16 @@ def check_hybrid_quality(d: dict) -> None:
 def check_serving_gpu(d: dict) -> None:
     levels = {(r["clients"], r["sampled"]) for r in d["levels"]}
     assert levels == {(n, s) for n in (1, 2) for s in (False, True)}, levels
-    assert all(r["daemon_tok_s"] > 0 and r["engine_tok_s"] > 0 for r in d["levels"]), d["levels"]
+    assert all(r["daemon_tok_s"] > 0 and r["engine_tok_s"] > 0 and 0 <= r["host_share"] < 1 for r in d["levels"]), \
+        d["levels"]
     assert set(d["default_model"]["ours"]) == {"1", "2"} or set(d["default_model"]["ours"]) == {1, 2}, d
+
+
+def check_host_share(d: dict) -> None:
+    levels = {(r["clients"], r["sampled"]): r for r in d["levels"]}
+    assert set(levels) == {(n, s) for n in (1, 4) for s in (False, True)}, levels
+    # every level reached its full batch for several steps, and the host's time per step is real
+    assert all(r["steps"] >= 3 and 0 < r["host_ms_per_step"] < 1e3 for r in levels.values()), levels
 
 
 def check_nvme_read(d: dict) -> None:
@@ -215,11 +223,13 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "kv_quality.py": check_kv_quality,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
-       "constraint_libraries.py": check_constraint_libraries}
+       "constraint_libraries.py": check_constraint_libraries,
+       "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
+       "host_share.py": check_host_share}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
-       "hybrid_quality.py": check_hybrid_quality, "serving_gpu.py": check_serving_gpu}
+       "hybrid_quality.py": check_hybrid_quality}
 VM = {"nvme_read.py": check_nvme_read}
 
 
@@ -230,7 +240,8 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py", "kv_quality.py") else []  # their models' place
+    own_models = ("quality.py", "speculative.py", "kv_quality.py", "serving_gpu.py")
+    args = ["--dir", str(tmp_path)] if script in own_models else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 
 

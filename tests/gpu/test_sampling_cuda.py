@@ -8,8 +8,10 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine.backends.cuda import sampling  # noqa: E402
+from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.sampler import (FAULT_INF, FAULT_NAN, FAULT_NO_FINITE, SampleRows, Sampler,  # noqa: E402
                                           SamplingParams, sample_rows)
+from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 V = 4096
 EOG = (2, 5)
@@ -97,8 +99,6 @@ def test_rows_that_do_not_draw_and_masked_rows():
 
 
 def test_engine_step_draws_on_the_device_what_the_host_draws(tmp_path, monkeypatch):
-    from ntransformerd.engine.engine import Engine, EngineConfig
-    from ntransformerd.tools.synth import synthesize
     path = str(tmp_path / "tiny.gguf")
     synthesize(path, shape="tiny", ftype="q8_0", seed=0)
     e = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=8, max_ctx=128))

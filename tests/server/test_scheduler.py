@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.config import DaemonConfig
+from ntransformerd.engine.decode import generate
+from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
@@ -438,8 +440,6 @@ def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_run
     """kv_blocks too small for every request at full length: the youngest request yields its
     blocks and recomputes later (Scheduler.preempt); every output is the one it gets alone, and
     none fails."""
-    from ntransformerd.engine.decode import generate
-    from ntransformerd.engine.engine import Engine, EngineConfig
     engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=128, kv_blocks=9))
     prompts = [engine.tokenizer.encode(t) for t in ("The quick brown fox", "Once upon a time", "def main():",
                                                     "The capital of France is")]
