@@ -82,7 +82,8 @@ def test_faults_and_the_rows_the_host_redoes():
     want = sample_rows(x, sample)
     assert got.fault[:4].tolist() == [FAULT_NAN, FAULT_INF, FAULT_NO_FINITE, FAULT_NAN]
     np.testing.assert_array_equal(got.fault, want.fault)
-    np.testing.assert_array_equal(got.ids, want.ids)
+    ok = want.fault == 0  # a faulted row's id means nothing (Drawn.id raises)
+    np.testing.assert_array_equal(got.ids[ok], want.ids[ok])
     assert got.ids[4] == 17 and got.ids[5] not in EOG
 
 
