@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from ntransformerd.config import DaemonConfig
+from ntransformerd.engine import decode
 from ntransformerd.engine.decode import generate
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.engine import Engine, EngineConfig, Launch, Ran
 from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
@@ -40,6 +41,13 @@ class FakeEngine:
     @property
     def kv(self):
         return types.SimpleNamespace(free_slots=len(self.free))
+
+    def launch(self, items, *, sample, after=None, rows=None):
+        """Engine.launch as a host backend runs it: at once, after's draws as the tokens."""
+        if after is not None:
+            ids = after.result().ids
+            items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
+        return Launch(Ran(self.step(items, sample=sample)))
 
     def open(self):
         slot = self.free.pop(0)
@@ -434,9 +442,10 @@ def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
     assert ([i for o in outs for i in o.token_ids], [o.text for o in outs]) == want
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_k=40, seed=11, ignore_eos=True)],
                          ids=["greedy", "sampled"])
-def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_runs(default_model, params):
+def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_runs(default_model, params, overlap):
     """kv_blocks too small for every request at full length: the youngest request yields its
     blocks and recomputes later (Scheduler.preempt); every output is the one it gets alone, and
     none fails."""
@@ -448,7 +457,7 @@ def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_run
     s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=4, prefix_cache=False),
                   notifier=Notifier(environ={}))
     s.attach(engine)
-    s.streamer.inline = False
+    s.streamer.inline, s.overlap = False, overlap
     s.lifecycle.serving()
     preempted = []
     real = s.preempt
@@ -462,3 +471,46 @@ def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_run
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert preempted, "the pool never ran short: the test proves nothing"
     assert got == solo
+
+
+def test_steps_launched_ahead_give_the_outputs_of_solo_runs(default_model, monkeypatch):
+    """The overlapped loop (Scheduler.run launching step n+1 before step n's draws are taken; on
+    a host backend each launch runs at once, the order of the bookkeeping is the device's):
+    greedy and seeded requests, ends by EOS and by length found a step late, a stop string,
+    requests joining mid-way: every output is the one it gets alone."""
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=256))
+    texts = ["The capital of France is", "Once upon a time", "def main():", "2 + 2 =", "My favourite colour is"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    params = [SamplingParams.greedy(max_tokens=24), SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=30),
+              SamplingParams.greedy(max_tokens=7), SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=9,
+                                                                  max_tokens=40, stop=("\n\n",)),
+              SamplingParams.greedy(max_tokens=16, stop=(" the",))]
+    solo = ["".join(ev.text for ev in generate(engine, p, q)) for p, q in zip(prompts, params)]
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=4, prefix_cache=False),
+                  notifier=Notifier(environ={}))
+    s.attach(engine)
+    s.streamer.inline, s.overlap = False, True
+    s.lifecycle.serving()
+    launched, ended = [], []
+    real = decode.launch
+    monkeypatch.setattr(decode, "launch", lambda *a, **k: launched.append(1) or real(*a, **k))
+    release = s._release
+
+    def check(r):  # an ended sequence's slot holds its tokens but the last: no position run past its end
+        if r.seq.finish is not None:
+            ended.append(r.seq.finish)
+            assert engine.length(r.slot) == len(r.seq.history) - 1, r.seq.finish
+        release(r)
+    s._release = check
+    try:
+        reqs = [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
+        for _ in range(3000):
+            if all(r.state == "done" for r in reqs):
+                break
+            s.iterate()
+    finally:
+        s.stop()
+    got = ["".join(o.text for o in r.stream()) for r in reqs]
+    assert len(launched) > 20, "no step was launched ahead: the test proves nothing"
+    assert got == solo
+    assert len(ended) >= 3 and engine.kv.free_slots == 4

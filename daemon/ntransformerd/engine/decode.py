@@ -110,6 +110,15 @@ class Sequence:
         """Its draws need nothing on the host but an id: where the logits are, they can be drawn."""
         return self.constraint is None and self.logprobs is None and self.speculator is None and not self.keep_rows
 
+    def runs_ahead(self) -> bool:
+        """Its next decode step may be launched before the last one's draw is on the host (the
+        token it runs is that draw, where it is): it decodes, draws anywhere, and its draws read
+        no history (no penalties: their window would lack the token still in flight)."""
+        p = self.params
+        return self.decoding and self.finish is None and self.draws_anywhere() and (
+            p.penalty_last_n == 0 or (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                                      and p.presence_penalty == 0.0))
+
     def sample(self, row) -> int:
         """The next id from a row of logits (V,) or, where need() allows, its TopRow."""
         return self.sampler.sample(row, self.history, self.mask())
@@ -156,10 +165,12 @@ class Sequence:
                 break
         return taken
 
-    def settle(self) -> None:
+    def settle(self, ahead: int = 0) -> None:
         """Cut the slot back to the accepted tokens but the last (rejected drafts, a self-draft's
-        scratch positions): the one place a sequence's KV is truncated."""
-        keep = len(self.history) - 1
+        scratch positions, the position a step launched ahead ran after the sequence had ended):
+        the one place a sequence's KV is truncated. ahead: positions of steps launched since, still
+        in flight, that the sequence keeps (none once it has ended)."""
+        keep = len(self.history) - 1 + (ahead if self.finish is None else 0)
         if self.slot >= 0 and self.decoding and self.engine.length(self.slot) > keep:
             self.engine.truncate(self.slot, keep)
 
@@ -250,6 +261,54 @@ def step(engine, rows: Seq[Row]) -> None:
             advance(r, out, drawn, i)
         except Exception as e:  # noqa: BLE001 - this row fails, the others go on
             r.fail(e, "sampling its next token")
+
+
+class Launched:
+    """A step of decode rows launched ahead (launch): its draws come to the host at finish()."""
+
+    def __init__(self, rows: Seq[Row], handle):
+        self.rows, self.handle = list(rows), handle
+
+    def finish(self, ahead: "Launched | None" = None) -> None:
+        """Each row's sequence after the step (Row.accepted), as step() leaves it. A sequence that
+        ended before this step ran (its end was found a step late) accepts nothing, and the
+        position the step ran for it is discarded; one gone from its slot (retired) is left
+        alone. ahead: the step launched since, still in flight: its sequences keep its
+        position. What the engine raises is every row's and is raised."""
+        drawn = self.handle.result()
+        later = {id(r.seq) for r in ahead.rows} if ahead is not None else set()
+        for i, r in enumerate(self.rows):
+            seq = r.seq
+            if seq.slot < 0:
+                continue
+            if seq.finish is None:
+                try:
+                    r.accepted = seq.accept([drawn.id(i)])
+                except Exception as e:  # noqa: BLE001 - this row fails, the others go on
+                    r.fail(e, "sampling its next token")
+            seq.settle(1 if id(seq) in later else 0)
+
+
+def launch(engine, rows: Seq[Row], after: Launched | None = None) -> Launched:
+    """One decode step for `rows` (every sequence runs_ahead()) launched without waiting
+    (Engine.launch): with `after`, a step still in flight holding every row's sequence, each
+    row's token is after's draw for it, taken where it is (on the device); without, its last
+    accepted token. Its draws' uniforms are drawn now, in each sequence's order, and given back
+    if the launch fails."""
+    items = [(r.seq.slot, r.tokens) for r in rows]
+    sample = SampleRows.of([r.seq.sampler for r in rows], [r.seq.history for r in rows])
+    idx = None
+    if after is not None:
+        where = {id(r.seq): i for i, r in enumerate(after.rows)}
+        idx = [where[id(r.seq)] for r in rows]
+    try:
+        handle = engine.launch(items, sample=sample, after=None if after is None else after.handle, rows=idx)
+    except BaseException:
+        for r, u in zip(rows, sample.uniform):
+            if u == u:
+                r.seq.sampler.give_back(u)
+        raise
+    return Launched(rows, handle)
 
 
 def draft(rows: Seq[Row]) -> None:

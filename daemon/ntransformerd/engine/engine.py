@@ -325,6 +325,15 @@ class Engine:
             raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
         if top is not None and not 1 <= top <= self.cfg.vocab_size:
             raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
+        slots, starts, sizes, segments = self._segments(items)
+        layers = self.layers if layers is None else layers
+        out = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top, sample=sample)
+        self.kv.lengths[slots] = starts + sizes
+        return out if sample is None or isinstance(out, Drawn) else sample_rows(out, sample)
+
+    def _segments(self, items):
+        """(slots, starts, sizes, Segments) of a step's items, checked, every block they write
+        reserved (kv_cache.KVPoolFull)."""
         # the checks for all rows at once: a step's host cost must not grow by much per row
         toks = [np.asarray(t, dtype=np.int64).reshape(-1) for _, t in items]
         slots = np.fromiter((s for s, _ in items), np.int64, len(items))
@@ -345,10 +354,39 @@ class Engine:
         segments = [Segment(slot, start, t) for slot, start, t in zip(slots.tolist(), starts.tolist(), toks)]
         for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
             self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
-        layers = self.layers if layers is None else layers
-        out = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top, sample=sample)
-        self.kv.lengths[slots] = starts + sizes
-        return out if sample is None or isinstance(out, Drawn) else sample_rows(out, sample)
+        return slots, starts, sizes, segments
+
+    def overlaps(self, n_rows: int) -> bool:
+        """Whether a decode step of n_rows sequences launched by `launch` runs on a device while
+        the caller goes on (a captured step of one device); elsewhere launch runs it at once."""
+        g = self.steps
+        return (not self.backend.is_host and len(self.pipeline.stages) == 1 and g is not None
+                and hasattr(g, "draw_async") and g.bucket(n_rows, 1) is not None)
+
+    def launch(self, items: Sequence[tuple[int, Sequence[int]]], *, sample: SampleRows, after=None, rows=None):
+        """step(items, sample=sample) without waiting for it where the device runs it (overlaps):
+        a handle whose result() is the sampler.Drawn and whose ids_at(rows) are its draws where
+        they are (a next launch's tokens). With `after` (such a handle) each item's one token is
+        after's draw of row rows[i] (the items' own tokens are then placeholders); the step is
+        queued behind `after` on the device. Elsewhere it runs now, after waiting for `after`."""
+        if len(sample) != len(items) or any(len(t) != 1 for _, t in items):
+            raise ValueError("launch: one token per item and one sampling row per item")
+        if after is not None and len(rows) != len(items):
+            raise ValueError(f"launch: {len(rows)} rows of the earlier step for {len(items)} items")
+        if after is not None and after.device is None:  # it ran at once: its ids are on the host
+            ids = after.result().ids
+            items, after = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)], None
+        if self.overlaps(len(items)):
+            slots, starts, sizes, segments = self._segments(items)
+            handle = self.pipeline.launch(Batch.of(segments), sample=sample, layers=self.layers,
+                                          after=None if after is None else after.device, rows=rows)
+            if handle is not None:
+                self.kv.lengths[slots] = starts + sizes
+                return Launch(handle, device=handle)
+        if after is not None:
+            ids = after.result().ids
+            items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
+        return Launch(Ran(self.step(items, sample=sample)))
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
@@ -363,6 +401,30 @@ class Engine:
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One new token for each of several sequences; logits (B, V)."""
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
+
+
+class Ran:
+    """A step already run: its Drawn."""
+
+    def __init__(self, drawn: Drawn):
+        self.drawn = drawn
+
+    def result(self) -> Drawn:
+        return self.drawn
+
+
+class Launch:
+    """A launched step (Engine.launch): result() waits for its draws; `device` is the device's
+    handle where its draws stay on the device for a next launch (None where it ran at once)."""
+
+    def __init__(self, handle, *, device=None):
+        self.handle, self.device = handle, device
+        self._drawn: Drawn | None = None
+
+    def result(self) -> Drawn:
+        if self._drawn is None:
+            self._drawn = self.handle.result()
+        return self._drawn
 
 
 def plan_for(model: GGUFModel, config: EngineConfig):

@@ -208,6 +208,8 @@ class Scheduler:
         self.prompt_tokens_total = self.prefill_tokens_total = 0
         self.prefix = None  # PrefixCache of the attached engine
         self.last_batch = 0
+        self.overlap = False  # steps launched ahead (run): on a device, set where the engine is attached
+        self._pending = None  # (decode.Launched, its batch): the step in flight
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self.t_start = time.monotonic()
 
@@ -230,6 +232,8 @@ class Scheduler:
             self.engine = engine
             # a host backend's step takes every core: its text runs after the step, on this thread
             self.streamer.inline = engine.backend.is_host
+            # a device's steps run while the host composes the next (a host backend's use every core)
+            self.overlap = not engine.backend.is_host
             self.draft_engine, self.costs, self._speculators = draft_engine, costs, {}
             self.prefix = PrefixCache(engine, enabled=self.config.prefix_cache, share=self.config.prefix_cache_share)
             self._cv.notify_all()
@@ -361,6 +365,10 @@ class Scheduler:
                         self._cv.wait(0.5)
             elif outcome == "failed":
                 time.sleep(0.05)  # a fault that repeats must not spin the loop hot
+        try:
+            self.finish_pending()
+        except Exception:  # noqa: BLE001 - stopping: its requests are cancelled below
+            log.exception("finishing the step in flight")
         with self._cv:
             for r in list(self._queue) + list(self._live):
                 r.cancel(ShuttingDown("ntransformerd stopped"))
@@ -376,14 +384,18 @@ class Scheduler:
             with self._cv:
                 self.retire()
                 self.admit()
-                if not self._live:
-                    return "idle"
-                batch = self.compose()
+                idle = not self._live
+                batch = [] if idle else self.compose()
             if batch:
                 self.run(batch)
+            elif self._pending is not None:
+                self.finish_pending()
+            elif idle:
+                return "idle"
             return "stepped"
         except Exception as e:  # noqa: BLE001 - the loop outlives any bug in one iteration
             log.exception("scheduler iteration failed")
+            self._pending = None  # its requests fail below with the others
             with self._cv:
                 for r in [r for r, _ in batch] or list(self._live):
                     self.fail_request(r, e, "scheduling it")
@@ -586,23 +598,76 @@ class Scheduler:
 
     def run(self, batch: list[tuple[Request, Row]]) -> None:
         """One step of the decode loop for the whole batch; each request's accepted tokens go to
-        the streaming thread."""
-        rows = [row for _, row in batch]
+        the streaming thread. On a device (overlap), a batch of decode rows that can run ahead
+        is launched behind the step in flight, and that step's draws are taken after: the host
+        composes and launches step n+1 and streams step n while the device runs them."""
+        if self.overlap and self._runs_ahead(batch):
+            self._launch(batch)
+            return
+        if self._pending is not None:  # the batch changed: the step in flight ends first, the next recomposes
+            self.finish_pending()
+            return
         try:
-            decode.step(self.engine, rows)
-        except kv_cache.KVPoolFull as e:  # the step's blocks cannot be reserved: the youngest yields its own
+            decode.step(self.engine, [row for _, row in batch])
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
+            self._failed_step(batch, e)
+            return
+        self._account(batch)
+
+    def _runs_ahead(self, batch) -> bool:
+        """Every row decodes and may run ahead (decode.Sequence.runs_ahead) with room for one
+        more position, and, with a step in flight, its request is in it."""
+        held = {id(r) for r, _ in self._pending[1]} if self._pending is not None else None
+        limit = self.engine.max_ctx
+        return bool(batch) and all(
+            r.state == "decode" and r.seq.runs_ahead() and self.engine.length(r.slot) < limit
+            and (held is None or id(r) in held) for r, _ in batch)
+
+    def _launch(self, batch) -> None:
+        prev = self._pending
+        try:
+            launched = decode.launch(self.engine, [row for _, row in batch], None if prev is None else prev[0])
+        except Exception as e:  # noqa: BLE001 - as a step that raised
+            if prev is not None:
+                self.finish_pending()
+            self._failed_step(batch, e)
+            return
+        self._pending = (launched, batch)
+        if prev is not None:
+            self._finish(prev, launched)
+
+    def finish_pending(self) -> None:
+        """The step in flight, if any: its draws taken, its requests advanced and streamed."""
+        if self._pending is not None:
+            prev, self._pending = self._pending, None
+            self._finish(prev, None)
+
+    def _finish(self, pending, ahead) -> None:
+        launched, batch = pending
+        try:
+            launched.finish(ahead)
+        except Exception as e:  # noqa: BLE001
+            self._failed_step(batch, e)
+            return
+        self._account([(r, row) for r, row in batch if r.state != "done"])
+
+    def _failed_step(self, batch, e: BaseException) -> None:
+        """A step that raised: its blocks could not be reserved (the youngest request yields its
+        own, Scheduler.preempt), or it fails its requests."""
+        if isinstance(e, kv_cache.KVPoolFull):
             if self.preempt(e):
                 return
             log.warning("KV pool full with one request live: %s", e)
             for r, _ in batch:
                 self.fail_request(r, e, "reserving KV-cache blocks for its next step")
             return
-        except Exception as e:  # noqa: BLE001 - one bad step must not take the daemon down
-            log.exception("engine step failed for requests %s", [r.id for r, _ in batch])
-            # a domain error (the drive under the stream failed) keeps its own status code
-            for r, _ in batch:
-                self.fail_request(r, e, "running the model on its batch")
-            return
+        log.error("engine step failed for requests %s", [r.id for r, _ in batch], exc_info=e)
+        # a domain error (the drive under the stream failed) keeps its own status code
+        for r, _ in batch:
+            self.fail_request(r, e, "running the model on its batch")
+
+    def _account(self, batch) -> None:
+        """A step's accepted tokens to the streaming thread; the counters."""
         n_new, now = 0, time.monotonic()
         for r, row in batch:
             if row.error is not None:

@@ -480,6 +480,19 @@ class Pipeline:
         timing[1] += time.perf_counter() - t0
         return out
 
+    def launch(self, batch: Batch, *, sample, layers: Sequence[int] | None = None, after=None, rows=None):
+        """A step drawn on its device and not waited for (the captured steps' draw_async: a
+        handle whose result() is the sampler.Drawn), with `after`'s draws at `rows` as tokens;
+        None, running nothing, where no device's captured steps run it whole or its rows need
+        the host."""
+        if isinstance(self.kv, DeviceKV):
+            return None
+        st = self.whole(batch.segments, self.groups(len(batch.tokens), layers), layers)
+        if st is None or not hasattr(st.graphs, "draw_async") or not st.graphs.draws(sample):
+            return None
+        with st.context():
+            return st.graphs.draw_async(batch.segments, sample, layers=layers, after=after, rows=rows)
+
     def close(self) -> None:
         """Stop each device's streams and close its storage source."""
         for st in self.stages:

@@ -175,12 +175,14 @@ class StepGraphs:
     # ---- steps ------------------------------------------------------------------------------------
 
     def launch(self, slots, tokens, layers=None, *, eager: bool = False, advance: bool = False,
-               x=None) -> tuple[_Bucket, int]:
+               x=None, tokens_dev=None) -> tuple[_Bucket, int]:
         """Queue one step (no wait): sequence slots[i] adds tokens[i] (T ids) at its current
         length. Returns the bucket and the live row count (len(slots) × T). The caller moves
         the cache lengths on (Engine.step), or advance=True does (benchmarks driving the steps
         alone). eager: run the bucket's pass kernel by kernel even if it has a graph (profiling).
-        x: the hidden states (len(slots) × T, D) of a piece through `layers` (resident only)."""
+        x: the hidden states (len(slots) × T, D) of a piece through `layers` (resident only).
+        tokens_dev: the rows' tokens as a device int32 array (a previous step's draws, still on
+        the device), in place of `tokens`' values."""
         tokens = np.asarray(tokens, np.int64)
         if tokens.ndim == 1:
             tokens = tokens[:, None]
@@ -210,6 +212,8 @@ class StepGraphs:
             else:
                 self.w.settle(self.stream)
             b.arena.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
+            if tokens_dev is not None:
+                b.arena.io[0, :m] = tokens_dev
             if b.graph is not None and not eager:
                 b.graph.launch(self.stream)
             else:
@@ -245,17 +249,30 @@ class StepGraphs:
             return self.top(slots, toks, top, layers=layers, last_only=not all_logits)
         return self.ops.to_host(self.logits(slots, toks, layers=layers, last_only=not all_logits))
 
+    @staticmethod
+    def draws(sample) -> bool:
+        """Whether the device draws these rows (sampling.eligible)."""
+        return sampling.eligible(sample)
+
     def draw(self, segments, sample, *, layers=None):
         """One step on covered segments; the id each row draws (sampler.Drawn), drawn on the
         device (backends/cuda/sampling.py), or None, running nothing, where its rows need the
         host (sampling.eligible)."""
         if not sampling.eligible(sample):
             return None
+        return self.draw_async(segments, sample, layers=layers).result()
+
+    def draw_async(self, segments, sample, *, layers=None, after=None, rows=None) -> "sampling.Drawing":
+        """draw() queued, nothing waited for (sampling.Drawing); with `after` (a Drawing still in
+        flight) and `rows`, each segment's token is that step's draw of row rows[i], taken on the
+        device (the segments' own token values are placeholders)."""
         slots, toks = [s.slot for s in segments], np.stack([s.tokens for s in segments])
-        b, m = self.launch(slots, toks, layers)
         with self.stream:
-            rows = cp.ascontiguousarray(self._rows(b, m, b.arena.tokens, True))
-            return sampling.draw(rows, sample, stream=self.stream)
+            tokens_dev = None if after is None else after.ids_at(rows)
+        b, m = self.launch(slots, toks, layers, tokens_dev=tokens_dev)
+        with self.stream:
+            logits = cp.ascontiguousarray(self._rows(b, m, b.arena.tokens, True))
+            return sampling.draw_async(logits, sample, stream=self.stream)
 
     def top(self, slots, tokens, n: int, *, layers=None, last_only: bool = True, advance: bool = False) -> TopLogits:
         """One step; each row's (or each sequence's last row's) n most likely ids and their

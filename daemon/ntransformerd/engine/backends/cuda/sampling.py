@@ -5,13 +5,14 @@
 What crosses to the device: one int32 buffer (the ignore_eos bans and each row's penalty window
 as (id, count) pairs, packed by offsets) and one float64 buffer (each row's chain: kind, top-k,
 top-p, log min-p, temperature and the uniform the host drew from the request's generator); what
-comes back: 2 int32 a row (id, fault). Where a row has bans or penalties they are applied to a
-copy of the logits (penalize_rows), so the step's own rows stay as they were; top_rows then picks
+comes back: 2 int32 a row (id, fault). Where rows have bans or penalties they are applied to the
+step's rows in place (penalize_rows; the rows copied first); top_rows then picks
 each row's n most likely ids (n: the largest top-k of the step, 1 when all are greedy) and
 draw_rows draws from them as sampler.sample_rows does (greedy: exactly; filtered: the same ids
 wherever float64 rounding of exp does not move a boundary). A row the device cannot settle
 exactly (a ban hiding a non-finite logit, penalties overflowing: FAULT_REDO) is drawn on the host
-from its own row of logits, by sample_rows.
+from the copy of its row, by sample_rows. draw_async queues all of it and returns a Drawing: its
+ids stay on the device for the next step's tokens (the scheduler's overlap), its result() waits.
 
 `eligible` says which steps the device draws: every drawing row greedy, or filtered with a top-k
 of at most DRAW_MAX, and none masked (a constraint's mask stays on the host path, as do
@@ -23,6 +24,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+try:
+    import cupyx  # pinned host memory (CuPy's, the gpu extra)
+except ImportError:  # no CuPy: nothing here runs
+    cupyx = None
 
 from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, kernel
 from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
@@ -71,6 +77,37 @@ def pack(sample: SampleRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 def draw(rows, sample: SampleRows, *, stream=None) -> Drawn:
     """Each row's draw from its logits `rows` (B, V) float32 on the device (eligible(sample)):
     kernels on the current stream, one copy of 8 bytes a row to the host."""
+    return draw_async(rows, sample, stream=stream).result()
+
+
+class Drawing:
+    """A step's draws queued on the device: `ids` stay there for a next step's tokens
+    (ids_at), `result` waits for their copy to the host."""
+
+    def __init__(self, out, host, event, orig, sample: SampleRows):
+        self.out, self.host, self.event, self.orig, self.sample = out, host, event, orig, sample
+
+    def ids_at(self, rows):
+        """The drawn ids of `rows` (indices), int32 on the device, in the current stream's order."""
+        return self.out[0][cp.asarray(np.asarray(rows, np.int64))]
+
+    def result(self) -> Drawn:
+        """The ids and faults (waits for the copy); the rows the device could not settle drawn
+        on the host from their own logits (a copy kept for them)."""
+        self.event.synchronize()
+        ids, fault = self.host[0].astype(np.int64), self.host[1].astype(np.int8)
+        redo = np.flatnonzero(fault == FAULT_REDO)
+        if redo.size:
+            again = sample_rows(cp.asnumpy(self.orig[cp.asarray(redo)]), self.sample.take(redo))
+            ids[redo], fault[redo] = again.ids, again.fault
+        return Drawn(ids, fault)
+
+
+def draw_async(rows, sample: SampleRows, *, stream=None) -> Drawing:
+    """draw() without waiting: the kernels and the copy to pinned host memory are queued on the
+    current stream (`stream`: that stream, for the event), and nothing here waits for the device.
+    Bans and penalties are applied to `rows` in place (a step's own buffer, read by nothing
+    after); a copy of the rows they touch is kept for a row the host redoes."""
     check_array(rows, cp.float32, 2, "draw rows")
     b, v = rows.shape
     if len(sample) != b:
@@ -79,24 +116,21 @@ def draw(rows, sample: SampleRows, *, stream=None) -> Drawn:
         raise ValueError("draw: a row is masked or filtered without a top-k of 1..256: draw it on the host")
     ipack, fpack, prm, n = pack(sample)
     n = min(n, v)
-    x, odd = rows, None
-    if ipack.size > 2 * (b + 1):  # bans or penalties: on a copy, so a row redone on the host reads its own
-        x = cp.array(rows)
+    orig = odd = None
+    if ipack.size > 2 * (b + 1):  # bans or penalties
+        orig = cp.array(rows)
         odd = cp.empty((b,), cp.int32)
-        kernel("sample", "penalize_rows")((b,), (256,), (x, np.int32(v), np.int32(b), cp.asarray(ipack),
+        kernel("sample", "penalize_rows")((b,), (256,), (rows, np.int32(v), np.int32(b), cp.asarray(ipack),
                                                          cp.asarray(fpack), odd))
     res = cp.empty((b, 2 * n + 1), cp.int32)
-    kernel("sample", "top_rows")((b,), (1024,), (x, np.int32(v), np.int32(n), res))
+    kernel("sample", "top_rows")((b,), (1024,), (rows, np.int32(v), np.int32(n), res))
     out = cp.empty((2, b), cp.int32)
     kernel("sample", "draw_rows")((b,), (DRAW_MAX,), (res, np.int32(n), np.int32(b), cp.asarray(prm),
                                                       odd if odd is not None else np.uintp(0), out))
-    h = out.get(stream=stream)
-    ids, fault = h[0].astype(np.int64), h[1].astype(np.int8)
-    redo = np.flatnonzero(fault == FAULT_REDO)
-    if redo.size:
-        again = sample_rows(cp.asnumpy(rows[cp.asarray(redo)]), sample.take(redo))
-        ids[redo], fault[redo] = again.ids, again.fault
-    return Drawn(ids, fault)
+    host = cupyx.empty_pinned((2, b), np.int32)
+    out.get(stream=stream, out=host, blocking=False)
+    event = (stream or cp.cuda.get_current_stream()).record()
+    return Drawing(out, host, event, orig, sample)
 
 
 def reference_mismatches(rows_host: np.ndarray, sample: SampleRows, drawn: Drawn) -> np.ndarray:
