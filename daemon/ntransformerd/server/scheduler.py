@@ -19,6 +19,19 @@ The request path, in the order it runs:
                                  detokenize, stop strings and the writes to the client's stream
                                  happen there, off the next step's critical path
 
+On a device (Scheduler.overlap), a batch of decode rows that can run ahead (no prefill chunk,
+speculation, log-probabilities, constraint or penalties: decode.Sequence.runs_ahead) is not run
+and waited for: decode.launch queues step n+1 behind step n still in flight, its tokens step n's
+draws where they are (on the device), and only then are step n's ids taken, its requests
+advanced and streamed (decode.Launched.finish). The host composes, launches and streams while
+the device computes; a request that ended in step n (EOS, length) had a position run in step
+n+1, which its sequence discards (Sequence.settle). A batch that changes otherwise (a request
+admitted, a prefill chunk, a row that needs the host) waits for the step in flight first.
+
+When a step's KV blocks cannot be reserved (kv_cache.KVPoolFull), the youngest live request
+gives its slot back and waits at the head of the queue to recompute its prompt and what it has
+generated (Scheduler.preempt); its stream goes on where it was.
+
 Each Request is a decode.Sequence (engine/decode.py, the loop `ntx-model run` drives too), so a
 request's output is the one it would get alone (up to the engine's batch-invariance; see
 tests/engine/test_decode_identity.py). The daemon's serving state is its own
