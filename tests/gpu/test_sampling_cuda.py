@@ -112,8 +112,8 @@ def test_engine_step_draws_on_the_device_what_the_host_draws(tmp_path, monkeypat
                   SamplingParams.greedy(repetition_penalty=1.5), SamplingParams(top_k=20, top_p=0.8, seed=2),
                   SamplingParams.greedy(ignore_eos=True), SamplingParams(top_k=5, temperature=2.0, seed=3)]
         calls = []
-        real = sampling.draw
-        monkeypatch.setattr(sampling, "draw", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real = sampling.draw_async
+        monkeypatch.setattr(sampling, "draw_async", lambda *a, **k: calls.append(1) or real(*a, **k))
         for step in range(4):
             samplers = [Sampler(p, vocab, eog_ids=e.tokenizer.eog_ids) for p in params]
             items = [(s, [7 + step]) for s in slots]
