@@ -5,6 +5,7 @@ streaming thread."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
 import types
 
@@ -19,7 +20,7 @@ from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.lifecycle import FAILED, SERVING
-from ntransformerd.server.scheduler import Scheduler
+from ntransformerd.server.scheduler import Output, Request, Scheduler
 from ntransformerd.server.systemd import Notifier
 
 
@@ -371,12 +372,14 @@ def test_the_speculation_cost_table_is_measured_when_first_needed(tokenizer, mon
 # ---- text off the loop: the streaming thread ---------------------------------------------------
 
 def _pieces(tokenizer, n: int) -> tuple[list[int], list[str]]:
-    """The fake engine's first n tokens after [5, 6] and the text each adds."""
+    """The fake engine's first n tokens after [5, 6] and the text each adds (each step's Output as
+    queued: Request.stream would join them)."""
     s, _ = make(tokenizer, max_batch=1)
     r = s.schedule([5, 6], GREEDY, max_tokens=n)
     while r.state != "done":
         iterate(s)
-    outs = list(r.stream())
+    s.stop()
+    outs = list(iter(r.outputs.get_nowait, None))
     return [i for o in outs for i in o.token_ids], [o.text for o in outs]
 
 
@@ -438,7 +441,7 @@ def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
     while r.state != "done":
         iterate(s)
     assert r.outputs.qsize() == 8 + 1  # written by the loop itself: every output and the end are there
-    outs = list(r.stream())
+    outs = list(iter(r.outputs.get_nowait, None))
     assert ([i for o in outs for i in o.token_ids], [o.text for o in outs]) == want
 
 
@@ -514,3 +517,21 @@ def test_steps_launched_ahead_give_the_outputs_of_solo_runs(default_model, monke
     assert len(launched) > 20, "no step was launched ahead: the test proves nothing"
     assert got == solo
     assert len(ended) >= 3 and engine.kv.free_slots == 4
+
+
+def test_outputs_queued_behind_a_busy_reader_come_as_one_with_the_same_text():
+    r = types.SimpleNamespace(outputs=queue.Queue())
+    for k in range(3):
+        r.outputs.put(Output([k], f"t{k}", prompt_ids=[9] if k == 0 else None, logprobs=[(k, -1.0, [], [])]))
+    r.outputs.put(Output([3], "!", finish_reason="length", usage={"n": 4}, logprobs=[(3, -2.0, [], [])]))
+    r.outputs.put(None)
+    (one,) = list(Request.stream(r))
+    assert one.token_ids == [0, 1, 2, 3] and one.text == "t0t1t2!" and one.prompt_ids == [9]
+    assert [lp[0] for lp in one.logprobs] == [0, 1, 2, 3] and one.finish_reason == "length" and one.usage == {"n": 4}
+    r.outputs.put(Output([5], "a"))
+    r.outputs.put(errors.Cancelled("gone"))
+    got = []
+    with pytest.raises(errors.Cancelled):
+        for o in Request.stream(r):
+            got.append(o.text)
+    assert got == ["a"]  # what came before the error, then the error

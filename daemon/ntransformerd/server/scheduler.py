@@ -74,6 +74,7 @@ RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the 
 MAX_DETAIL_CHARS = 300  # of an unexpected exception's text in a client's error message
 
 _ids = itertools.count(1)
+_WAIT = object()  # Request.stream: nothing taken from the queue yet
 
 __all__ = ["Output", "Request", "Scheduler", "SchedulerStatus", "encode_chat", "model_name"]
 
@@ -132,14 +133,27 @@ class Request:
             self.error = error or Cancelled("request cancelled by the client")
 
     def stream(self) -> Iterator[Output]:
-        """The outputs, in order; raises the ServiceError that ended the request, if any."""
+        """The outputs, in order; raises the ServiceError that ended the request, if any. What
+        queued up while the reader was busy (its writes behind the steps) comes as one Output
+        (Output.then): fewer, larger messages, the same text."""
+        item = self.outputs.get()
         while True:
-            item = self.outputs.get()
             if item is None:
                 return
             if isinstance(item, ServiceError):
                 raise item
+            after = _WAIT
+            while True:  # join the outputs already waiting behind it
+                try:
+                    after = self.outputs.get_nowait()
+                except queue.Empty:
+                    after = _WAIT
+                    break
+                if not isinstance(after, Output):
+                    break  # the end, or an error: after this output
+                item, after = item.then(after), _WAIT
             yield item
+            item = self.outputs.get() if after is _WAIT else after
 
     def usage(self) -> dict:
         now = self.t_done or time.monotonic()

@@ -37,6 +37,15 @@ class Output:
     logprobs: list | None = None  # one per token_ids entry
     prompt_logprobs: list | None = None  # on the first output: prompt_ids[1:]
 
+    def then(self, later: "Output") -> "Output":
+        """This output and the one after it as one (a writer that fell behind sends them in one
+        message): the tokens, text and log-probabilities of both in order, the first's prompt,
+        the last's end."""
+        return Output(self.token_ids + later.token_ids, self.text + later.text, prompt_ids=self.prompt_ids,
+                      finish_reason=later.finish_reason, usage=later.usage,
+                      logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+                      prompt_logprobs=self.prompt_logprobs)
+
 
 class Streamer:
     def __init__(self, *, on_error, inline: bool = False):
