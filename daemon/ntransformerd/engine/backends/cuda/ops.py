@@ -144,6 +144,8 @@ class CudaOps:
             return self.arena.slots_dev, self.arena.pos_dev, None, self.arena.n_splits
         done = self._refreshed
         if done is None or done[0] is not batch or done[1] is not kv_layer.tables:
+            for seg in batch.segments:  # held already where the engine reserved the step (a no-op then)
+                kv_layer.table.reserve(seg.slot, seg.start + len(seg.tokens))
             kv_layer.tables.refresh([s.slot for s in batch.segments])
             self._refreshed = (batch, kv_layer.tables)
         if self._batch is None or self._batch[0] is not batch:
