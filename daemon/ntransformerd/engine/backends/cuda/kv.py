@@ -22,6 +22,7 @@ from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.kv_cache import BLOCK_SIZE, BlockTable, KVCache, default_blocks, row_bytes, row_width
 
 CUDA_KV_DTYPES = ("f16", "q8_0")  # what the kernels read; the first is the default
+Q8_HEAD_DIMS = (32, 64, 128, 256)  # q8_0 rows: head_dim / 32 values per lane (launch.ATTN_ND) within one block
 
 
 def check_dtype(dtype: str) -> None:
@@ -70,6 +71,9 @@ class CudaKVLayer:
         check_dtype(dtype)
         self.table, self.dtype, self.n_kv, self.head_dim = table, dtype, n_kv_heads, head_dim
         self.q8 = dtype == "q8_0"
+        if self.q8 and head_dim not in Q8_HEAD_DIMS:  # a warp lane's values must lie in one Q8_0 block
+            raise ValueError(f"kv_dtype q8_0 on the cuda backend takes head_dim {', '.join(map(str, Q8_HEAD_DIMS))}; "
+                             f"this model's is {head_dim}: use kv_dtype f16")
         self.row = row_width(dtype, head_dim)
         shape = (table.n_blocks + 1, n_kv_heads, table.block_size, self.row)  # the last block: scratch
         elem = cp.uint8 if self.q8 else cp.float16
