@@ -4,7 +4,7 @@ step as it ran before (eager, its matmuls dequantized to f16 and multiplied by c
 f16 and q8_0 KV, on a Llama-3-8B-shaped synthetic file cut to a few layers (the per-layer work
 of the 8B; tok/s scale by the layer count).
 
-    python bench/wide_decode.py --dir /tmp/ntx [--layers 8] [--ftype q4_k_m] [--json out.json]
+    python bench/wide_decode.py --dir /tmp/ntx [--layers 8] [--ftype q4_k_m] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ftype", default="q4_k_m")
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if (why := common.gpu_missing()) is not None:
         print(f"skipped: {why}")
         return 0
-    model = GGUFModel(common.synthetic(a.dir, "llama3-8b", a.ftype, n_layers=a.layers))
+    if a.smoke:
+        a.steps = 4
+    model = GGUFModel(common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", a.ftype,
+                                       n_layers=None if a.smoke else a.layers))
     ops, w = cuda.load(model)
     out = {}
     for dtype in ("f16", "q8_0"):
@@ -71,8 +73,7 @@ def main() -> int:
         del dec, kv
     for k, v in out.items():
         print(f"{k:28s} {v:8.0f} tok/s  ({a.layers} layers of llama3-8b, {a.ftype})")
-    if a.json:
-        common.write_json(a.json, out)
+    common.write_json(a.json, out)
     return 0
 
 
