@@ -47,31 +47,29 @@ def main() -> int:
     ap.add_argument("--ftype", default="q4_k_m")
     ap.add_argument("--steps", type=int, default=48)
     a = ap.parse_args()
-    if (why := common.gpu_missing()) is not None:
-        print(f"skipped: {why}")
-        return 0
+    common.require_gpu(__file__)
     if a.smoke:
         a.steps = 4
     model = GGUFModel(common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", a.ftype,
                                        n_layers=None if a.smoke else a.layers))
     ops, w = cuda.load(model)
-    out = {}
+    out = {"smoke": a.smoke, "layers": a.layers, "ftype": a.ftype, "tok_s": {}}
     for dtype in ("f16", "q8_0"):
         kv = cuda.kv_cache(model.config, n_slots=64, max_ctx=1024, dtype=dtype)
         for _ in range(64):
             kv.alloc()
         dec = cuda.StepGraphs(ops, w, kv)
         for rows in (16, 32, 64):
-            out[f"{dtype} captured {rows} rows"] = tok_s(dec, rows, a.steps)
+            out["tok_s"][f"{dtype} captured {rows} rows"] = tok_s(dec, rows, a.steps)
         kv.lengths[:] = 0
         saved = K.CHUNKED_MAX_ROWS
         K.CHUNKED_MAX_ROWS = K.MATVEC_MAX_ROWS  # the earlier path: > 32 rows through cuBLAS, eager
         try:
-            out[f"{dtype} eager cuBLAS 64 rows"] = tok_s(dec, 64, a.steps // 2, eager=True)
+            out["tok_s"][f"{dtype} eager cuBLAS 64 rows"] = tok_s(dec, 64, a.steps // 2, eager=True)
         finally:
             K.CHUNKED_MAX_ROWS = saved
         del dec, kv
-    for k, v in out.items():
+    for k, v in out["tok_s"].items():
         print(f"{k:28s} {v:8.0f} tok/s  ({a.layers} layers of llama3-8b, {a.ftype})")
     common.write_json(a.json, out)
     return 0

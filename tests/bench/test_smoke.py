@@ -195,6 +195,12 @@ def check_long_context(d: dict) -> None:
     assert d["long_vs_short"] > 0
 
 
+def check_wide_decode(d: dict) -> None:
+    want = {f"{t} captured {r} rows" for t in ("f16", "q8_0") for r in (16, 32, 64)} | {
+        f"{t} eager cuBLAS 64 rows" for t in ("f16", "q8_0")}
+    assert set(d["tok_s"]) == want and all(v > 0 for v in d["tok_s"].values()), d
+
+
 def check_nvme_read(d: dict) -> None:
     assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
     assert d["dmar_faults"] == 0
@@ -227,7 +233,7 @@ GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality, "serving_gpu.py": check_serving_gpu,
-       "long_context.py": check_long_context}
+       "long_context.py": check_long_context, "wide_decode.py": check_wide_decode}
 VM = {"nvme_read.py": check_nvme_read}
 
 
