@@ -298,3 +298,26 @@ def test_wide_decode_matmul_chunks_equal_each_chunk(tmp_path):
         cp.testing.assert_allclose(out, chunks + res, rtol=0, atol=tol)
         cp.testing.assert_allclose(cuda.matmul(x, w), chunks, rtol=0, atol=tol)
         assert n <= cuda.CHUNKED_MAX_ROWS
+
+
+@pytest.mark.parametrize("dtype", ("f16", "q8_0"))
+def test_whole_block_moves(dtype):
+    """copy_blocks, save_blocks and load_blocks (sharing's copy on write, spilling): whole blocks
+    in the storage type, bit for bit, every head and position; the blocks not named untouched."""
+    rng = np.random.default_rng(3)
+    cfg = config()
+    kv = cuda.CudaKVCache(cfg, n_slots=2, max_ctx=64, dtype=dtype, n_blocks=8)
+    layer = kv.layer(0)
+    k = rng.standard_normal((64, 2, 64)).astype(np.float32)
+    layer.write(0, 0, k, -k)  # blocks 0..3
+    before = cp.asnumpy(layer.k), cp.asnumpy(layer.v)
+    layer.copy_blocks(np.array([0, 2]), np.array([5, 6]))
+    after = cp.asnumpy(layer.k), cp.asnumpy(layer.v)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a[[5, 6]], b[[0, 2]])
+        np.testing.assert_array_equal(np.delete(a, [5, 6], 0), np.delete(b, [5, 6], 0))
+    sk, sv = layer.save_blocks(np.array([1, 3]))
+    assert isinstance(sk, np.ndarray) and sk.shape == (2,) + layer.k.shape[1:] and sk.dtype == layer.k.dtype
+    layer.load_blocks(np.array([4, 7]), sk, sv)
+    np.testing.assert_array_equal(cp.asnumpy(layer.k[cp.asarray([4, 7])]), before[0][[1, 3]])
+    np.testing.assert_array_equal(cp.asnumpy(layer.v[cp.asarray([4, 7])]), before[1][[1, 3]])
