@@ -236,7 +236,7 @@ def test_backend_auto_is_resolved_once_and_refused_with_the_key(tmp_path, monkey
     with pytest.raises(config.ConfigError) as e:
         d._bring_up()
     assert str(e.value).startswith("kv_dtype = 'f32': the cuda backend (what backend auto chose on this "
-                                   "machine) stores its KV cache as f16 only"), e.value
+                                   "machine) stores its KV cache as f16 or q8_0 only"), e.value
     monkeypatch.setattr(backends, "_optional", optional)
     calls.clear()
     cpu = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "c.sock"), model=small, backend="auto",
