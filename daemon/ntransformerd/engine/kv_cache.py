@@ -182,6 +182,7 @@ class BlockTable:
         self.block_bytes = 0  # host bytes one spilled block takes (the owner sets it)
         # slot → (blocks, what owner.save_blocks gave), least recently spilled first
         self.spilled: collections.OrderedDict[int, tuple[int, object]] = collections.OrderedDict()
+        self._spilled_n = 0  # blocks in the host pool (a counter: status reads it from another thread)
         self.stats = {"shared": 0, "cow": 0, "spilled": 0, "restored": 0, "dropped": 0}  # blocks, in all
 
     @property
@@ -201,7 +202,7 @@ class BlockTable:
     @property
     def spill_bytes(self) -> int:
         """Host bytes the spilled blocks take."""
-        return sum(n for n, _ in self.spilled.values()) * self.block_bytes
+        return self._spilled_n * self.block_bytes
 
     def available(self, keep: tuple[int, ...] = ()) -> int:
         """Blocks a growing sequence could get now: the free ones, and those closed slots (not
@@ -242,11 +243,13 @@ class BlockTable:
         if self.owner is not None and h and 0 < size <= self.spill_limit:
             while self.spilled and self.spill_bytes + size > self.spill_limit:
                 _, (n, _) = self.spilled.popitem(last=False)  # the least recently spilled goes
+                self._spilled_n -= n
                 self.stats["dropped"] += n
             saved = self.owner.save_blocks(self.tables[slot, :h].copy())
         self._let_go(slot, 0)
         if saved is not None:
             self.spilled[slot] = (h, saved)
+            self._spilled_n += h
             self.stats["spilled"] += h
         else:
             self.stats["dropped"] += h
@@ -261,11 +264,13 @@ class BlockTable:
     def _restore(self, slot: int, blocks: int, keep: tuple[int, ...] = ()) -> None:
         """The first `blocks` of `slot`'s spilled blocks into fresh ones (the rest forgotten)."""
         n, saved = self.spilled.pop(slot)
+        self._spilled_n -= n
         blocks = min(blocks, n)
         if blocks:
             self._grab(blocks, keep + (slot,))
             if len(self._pool) < blocks:
                 self.spilled[slot] = (n, saved)
+                self._spilled_n += n
                 self.spilled.move_to_end(slot, last=False)
                 raise self._full(slot, blocks, blocks * self.block_size)
             ids = np.array([self._take() for _ in range(blocks)], np.int32)
@@ -344,7 +349,9 @@ class BlockTable:
         if n > self.kept(src):
             raise ValueError(f"KV slot {src} holds {self.kept(src)} positions, not the {n} to share")
         if dst in self.spilled:
-            self.stats["dropped"] += self.spilled.pop(dst)[0]
+            n, _ = self.spilled.pop(dst)
+            self._spilled_n -= n
+            self.stats["dropped"] += n
         first, (full, part) = -(-start // bs), divmod(n, bs)  # first: the first block wholly past start
         if self.held[dst] < first:
             raise ValueError(f"KV slot {dst} holds {self.kept(dst)} positions, not the {start} it keeps")
