@@ -105,3 +105,7 @@ def test_ntx_model_plan_shows_the_pool(synth_model, capsys):
     assert ntx_model.main(args + ["--json", "--kv-dtype", "q8_0"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["kv"]["blocks"] == 4 * 256 // 16 and d["kv"]["dtype"] == "q8_0" and "f16" in d["kv"]["resident"]
+
+
+def test_the_engine_gets_the_pool_the_plan_counted():
+    assert tiers.kv_blocks_of(plan(M70, L70)) == 2048 and tiers.kv_blocks_of(None) is None

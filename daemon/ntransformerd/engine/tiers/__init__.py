@@ -26,7 +26,7 @@ from ntransformerd.engine.tiers.sources import open_source
 
 __all__ = ["HOST", "PINNED", "SKIP", "STORAGE", "TIERS", "VRAM", "Figures", "KVPool", "MultiPlan", "Plan", "PlanError",
            "fmt_bytes", "mem_available", "parse_devices", "plan_devices", "plan_tiers", "resident_plan",
-           "cuda_plan", "host_compute", "kv_pool", "model_plan", "with_schedule", "STEP_ROWS", "model_plan_devices",
+           "cuda_plan", "host_compute", "kv_blocks_of", "kv_pool", "model_plan", "with_schedule", "STEP_ROWS", "model_plan_devices",
            "open_storage", "wanted"]
 
 WORKSPACE_MIN = 256 << 20
@@ -183,6 +183,13 @@ def model_plan_devices(model, config, *, backend: str, vram_free: list[int | Non
                       pinned_budget=config.pinned_budget, max_vram_layers=config.max_vram_layers,
                       stream_depth=config.stream_depth)
     return dataclasses.replace(mp, kv=pool)
+
+
+def kv_blocks_of(plan) -> int | None:
+    """The KV pool in blocks the plan counted (each device's cache is made with it), or None
+    where there is no plan (every layer on the host: the cache's own default)."""
+    pool = getattr(plan, "kv", None)
+    return None if pool is None else pool.blocks
 
 
 TRADE = ("f16", "q8_0", "q4_0")  # the KV types a plan shows the resident layers of
