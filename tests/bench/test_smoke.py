@@ -188,6 +188,13 @@ def check_serving_gpu(d: dict) -> None:
     assert set(d["default_model"]["ours"]) == {"1", "2"} or set(d["default_model"]["ours"]) == {1, 2}, d
 
 
+def check_long_context(d: dict) -> None:
+    plans = d["plans"]
+    assert len(plans) == 3 and all(0 <= p["resident_layers"] <= p["n_layers"] for p in plans), plans
+    assert [c["context"] for c in d["contexts"]] == [32, 160] and all(c["tok_s"] > 0 for c in d["contexts"]), d
+    assert d["long_vs_short"] > 0
+
+
 def check_nvme_read(d: dict) -> None:
     assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
     assert d["dmar_faults"] == 0
@@ -233,7 +240,8 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
-       "hybrid_quality.py": check_hybrid_quality, "serving_gpu.py": check_serving_gpu}
+       "hybrid_quality.py": check_hybrid_quality, "serving_gpu.py": check_serving_gpu,
+       "long_context.py": check_long_context}
 VM = {"nvme_read.py": check_nvme_read}
 
 
