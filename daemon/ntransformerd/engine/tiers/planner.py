@@ -156,6 +156,11 @@ class Plan:
         return all(t in (VRAM, SKIP) for t in self.tiers)
 
     @property
+    def kv_tokens(self) -> int:
+        """Positions the KV pool holds, all sequences together (0 where the plan does not know)."""
+        return self.kv.tokens if self.kv is not None else 0
+
+    @property
     def streamed_bytes_per_step(self) -> int:
         """Bytes that cross PCIe each step (one decode step, or one prefill chunk), any batch."""
         return self.bytes(PINNED) + self.bytes(STORAGE)
