@@ -94,7 +94,11 @@ def kv_pool(cfg, config, backend: str, *, layer_bytes: list[int], room: float, d
     if room >= layers + least * block:
         return pool((room - layers) // block, "every layer resident, the rest of the budget")
     share = int(KV_SHARE * max(room, 0) // block)
-    return pool(min(full, max(least, share)), f"{KV_SHARE:.0%} of the budget, at least one max_ctx")
+    if share < least:
+        return pool(least, f"one sequence's max_ctx (more than {KV_SHARE:.0%} of the room: layers stream)")
+    if share > full:
+        return pool(full, f"every sequence's max_ctx (less than {KV_SHARE:.0%} of the room: layers stream)")
+    return pool(share, f"{KV_SHARE:.0%} of the room for layers and KV (layers stream)")
 
 
 def _kv_work(model, config, backend: str) -> tuple[int, int]:
