@@ -33,12 +33,12 @@ def plan_row(model, config, label: str) -> dict:
     config, _ = resolved(config)
     plan = plan_for(model, config)
     row = {"plan": label, "kv_dtype": config.kv_dtype, "max_ctx": config.max_ctx, "max_batch": config.max_batch,
-           "kv_blocks": config.kv_blocks, "resident_layers": len(plan.layers("vram")),
+           "kv_blocks": plan.kv.blocks if plan.kv is not None else None, "kv_tokens": plan.kv_tokens,
+           "kv_why": plan.kv.why if plan.kv is not None else "",
+           "resident_layers": len(plan.layers("vram")),
            "streamed_layers": len(plan.streamed), "n_layers": model.config.n_layers}
-    for key in ("kv_bytes", "kv_tokens"):  # what the plan says of its KV pool, where it says it
-        if hasattr(plan, key):
-            row[key] = getattr(plan, key)
-    log(f"{label}: {row['resident_layers']} of {row['n_layers']} layers resident")
+    log(f"{label}: {row['resident_layers']} of {row['n_layers']} layers resident, KV pool "
+        f"{row['kv_blocks']} blocks = {row['kv_tokens']} positions")
     return row
 
 

@@ -224,8 +224,22 @@ def check_relay(d: dict) -> None:
         assert all(x["ttft_median_ms"] > 0 and x["token_interval_median_ms"] > 0 for x in d["daemon"][path].values())
 
 
+def check_kv_capacity(d: dict) -> None:
+    c = d["capacity"]
+    paged, slots = c["paged"], c["slots"]
+    assert paged["peak"] == c["requests"] and paged["queued"] == 0, paged  # the pool holds every request at once
+    assert slots["peak"] == slots["max_batch"] < c["requests"] and slots["queued"] > 0, slots
+    for run in (paged, slots):
+        assert run["solo_compared"] == c["requests"] and run["solo_equal"] == run["solo_compared"], run
+        assert run["tokens_per_second"] > 0
+    s = d["spill"]
+    assert s["spilled_blocks"] > 0 and s["restored_blocks"] > 0, s
+    assert s["chat_tokens"] <= s["reused_positions"] < s["turn2_tokens"] and s["ids_equal"] is True, s
+    assert 0 < s["ratio"] and s["ttft_prefill_seconds"] > 0, s
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
-       "kv_quality.py": check_kv_quality,
+       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries}
@@ -244,7 +258,8 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py", "kv_quality.py") else []  # their models' place
+    args = ["--dir", str(tmp_path)] if script in ("quality.py", "speculative.py", "kv_quality.py",
+                                                  "kv_capacity.py") else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 
 
