@@ -141,9 +141,10 @@ def test_device_tables_follow_the_host():
 
 @pytest.mark.parametrize("dtype", ("f16", "q8_0"))
 def test_copy_prefix_and_trim_exact(dtype):
-    """copy_prefix copies positions exactly, into blocks of the destination's own (a later write
-    there leaves the source alone), from a start inside a block too; trim gives back the blocks past
-    n and the kept positions stay."""
+    """copy_prefix gives the destination the source's whole blocks by reference and a copy of
+    the partial last one; a later write into a shared block copies it first (the source stays as
+    it was); a start inside a block copies the rest row by row; every position exact. trim gives
+    back the blocks past n and the kept positions stay."""
     rng = np.random.default_rng(1)
     cfg = config()
     kv = cuda.CudaKVCache(cfg, n_slots=3, max_ctx=128, dtype=dtype, n_blocks=20)
@@ -155,13 +156,15 @@ def test_copy_prefix_and_trim_exact(dtype):
         layer.write(a, 0, k, v)
     src = [layer.read(a, 50) for layer in kv.layers]
     kv.copy_prefix(a, b, 37)
-    assert set(kv.blocks.tables[b, :3]).isdisjoint(kv.blocks.tables[a, :4])
+    ta, tb = kv.blocks.tables[a], kv.blocks.tables[b]
+    assert (tb[:2] == ta[:2]).all() and tb[2] != ta[2] and tb[2] >= 0  # 0..31 shared, 32..36 copied
     for layer, (sk, sv) in zip(kv.layers, src):
         gk, gv = layer.read(b, 37)
         np.testing.assert_array_equal(gk, sk[:37])
         np.testing.assert_array_equal(gv, sv[:37])
     for layer in kv.layers:
-        layer.write(b, 30, k[:7] * 2, v[:7] * 2)  # overwrite inside the copied block
+        layer.write(b, 30, k[:7] * 2, v[:7] * 2)  # into the shared block 1 (and the copied block 2)
+    assert tb[1] != ta[1] and kv.blocks.stats["cow"] >= 1  # copied on write
     for layer, (sk, sv) in zip(kv.layers, src):
         np.testing.assert_array_equal(layer.read(a, 50)[0], sk)  # the source is untouched
     kv.copy_prefix(a, b, 45, start=37)  # the rest, from inside a block
@@ -321,3 +324,30 @@ def test_whole_block_moves(dtype):
     layer.load_blocks(np.array([4, 7]), sk, sv)
     np.testing.assert_array_equal(cp.asnumpy(layer.k[cp.asarray([4, 7])]), before[0][[1, 3]])
     np.testing.assert_array_equal(cp.asnumpy(layer.v[cp.asarray([4, 7])]), before[1][[1, 3]])
+
+
+def test_real_slice_shared_prefix_greedy(real_slice):
+    """The prefix cache's path on the GPU: a second sequence given the first's prompt by
+    Engine.copy_prefix (whole blocks by reference, the partial one copied) then decoding, alone
+    and beside the first, gives the ids of a sequence prefilled from scratch."""
+    m = GGUFModel(real_slice)
+    e = Engine(m, config=EngineConfig(backend="cuda", max_batch=3, max_ctx=256))
+    prompt = e.tokenizer.encode("Once upon a time, in a land far away, there lived a king who " * 3)[:40]
+    want = greedy(e, prompt, 24)
+    a = e.open()
+    b = e.open()
+    try:
+        la = e.prefill(a, prompt)
+        e.copy_prefix(a, b, len(prompt) - 1)  # b runs the prompt's last token itself
+        assert e.kv.blocks.shared_blocks >= 2
+        lb = e.prefill(b, prompt[-1:])
+        ids_a, ids_b = [], []
+        for _ in range(24):
+            ta, tb = int(np.argmax(la)), int(np.argmax(lb))
+            ids_a.append(ta)
+            ids_b.append(tb)
+            la, lb = e.step([(a, [ta]), (b, [tb])])
+    finally:
+        e.close(a)
+        e.close(b)
+    assert ids_a == want and ids_b == want

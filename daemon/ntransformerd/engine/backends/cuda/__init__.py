@@ -52,10 +52,11 @@ def vram_free() -> int:
 
 
 def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16",
-             n_blocks: int | None = None) -> CudaKVCache:
+             n_blocks: int | None = None, spill: int = 0) -> CudaKVCache:
     """The paged KV cache (kv.py): n_blocks blocks of 16 positions (default: n_slots × max_ctx
-    worth), f16 or q8_0; another kv_dtype is refused, never substituted."""
-    return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
+    worth), f16 or q8_0, closed slots' blocks saved to `spill` bytes of host RAM when the pool
+    needs them; another kv_dtype is refused, never substituted."""
+    return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks, spill=spill)
 
 
 def graphs(ops: CudaOps, weights: CudaWeights, kv: CudaKVCache) -> StepGraphs:

@@ -209,8 +209,8 @@ class StepGraphs:
         io[0, :m] = tokens.reshape(-1)
         io[1, :m] = np.repeat(slots, t)
         io[2, :m] = (start[:, None] + np.arange(t)).reshape(-1)
-        for slot, p in zip(slots, start + t):  # the engine reserved them already (then a no-op)
-            self.kv.reserve(int(slot), int(p))
+        for slot, p in zip(slots, start):  # the engine reserved them already (then a no-op)
+            self.kv.blocks.reserve(int(slot), int(p) + t, start=int(p))
         with self.stream:
             if piece:  # resident layers only: no slot to wait for
                 if x.shape != (m, self.cfg.d_model):

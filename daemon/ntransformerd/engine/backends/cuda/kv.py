@@ -118,7 +118,7 @@ class CudaKVLayer:
         n = len(k)
         if n == 0:
             return
-        self.table.reserve(slot, start + n)
+        self.table.reserve(slot, start + n, start=start)  # a block shared there is copied first
         self.tables.refresh([slot])
         self._append(k, v, np.full(n, slot), np.arange(start, start + n))
 
@@ -126,7 +126,7 @@ class CudaKVLayer:
         """One position for each of several slots: k, v (B, Hkv, hd)."""
         slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
         for slot, p in zip(slots, positions):
-            self.table.reserve(int(slot), int(p) + 1)
+            self.table.reserve(int(slot), int(p) + 1, start=int(p))
         self.tables.refresh(slots)
         self._append(k, v, slots, positions)
 
@@ -185,7 +185,7 @@ class CudaKVCache(KVCache):
     layer_class = CudaKVLayer
 
     def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16",
-                 n_blocks: int | None = None, block_size: int = BLOCK_SIZE):
+                 n_blocks: int | None = None, block_size: int = BLOCK_SIZE, spill: int = 0):
         check_dtype(dtype)
         if block_size != BLOCK_SIZE:
             raise ValueError(f"the cuda KV cache has blocks of {BLOCK_SIZE} positions (the kernels' KV_BLOCK), "
@@ -199,7 +199,8 @@ class CudaKVCache(KVCache):
             raise MemoryError(f"KV cache of {blocks} blocks of {block_size} positions ({dtype}) needs "
                               f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on the GPU; lower kv_blocks, "
                               "max_seqs or max_ctx, or use kv_dtype q8_0")
-        super().__init__(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks, block_size=block_size)
+        super().__init__(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks, block_size=block_size,
+                         spill=spill)
         self.scratch_slot, self.scratch_block = n_slots, self.blocks.n_blocks
         self.tables = DeviceTables(self.blocks, self.scratch_block)
         for layer in self.layers:
@@ -209,14 +210,27 @@ class CudaKVCache(KVCache):
         return self.layers[i]
 
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
-        """Positions [start, n) of slot `src` into slot `dst`, every layer (the prefix cache);
-        `src` may be closed if it still holds them. Called between steps; the synchronize orders
-        it before the next step whatever stream that runs on."""
-        if n > self.kept(src):
-            raise ValueError(f"KV slot {src} holds {self.kept(src)} positions, not the {n} to copy")
-        self.blocks.reserve(dst, n, keep=(src,))
-        s, d = self.blocks.locate(src, start, n), self.blocks.locate(dst, start, n)
-        if n > start:
+        """Positions [start, n) of slot `src` into slot `dst`, every layer (the prefix cache): by
+        block reference where blocks lie whole in the range (BlockTable.share, as the host cache);
+        a block dst already holds part of gets the rest copied row by row. `src` may be closed
+        (or spilled) if it still holds them. Called between steps; the synchronize orders the
+        copies before the next step whatever stream that runs on."""
+        rest = self.blocks.share(src, dst, n, start)
+        if rest is not None:
+            p0, p1 = rest
+            self.blocks.reserve(dst, p1, keep=(src,), start=p0)
+            s, d = self.blocks.locate(src, p0, p1), self.blocks.locate(dst, p0, p1)
             for layer in self.layers:
                 layer.copy_rows(s, d)
-        cp.cuda.Device().synchronize()
+        cp.cuda.get_current_stream().synchronize()
+
+    # ---- what the block table asks of the layers (BlockTable.owner): between steps, so each
+    # ends with a synchronize (a captured step runs on its own stream, unordered with this one) --
+
+    def copy_blocks(self, src, dst) -> None:
+        super().copy_blocks(src, dst)
+        cp.cuda.get_current_stream().synchronize()
+
+    def load_blocks(self, ids, saved) -> None:
+        super().load_blocks(ids, saved)
+        cp.cuda.get_current_stream().synchronize()

@@ -145,7 +145,7 @@ class CudaOps:
         done = self._refreshed
         if done is None or done[0] is not batch or done[1] is not kv_layer.tables:
             for seg in batch.segments:  # held already where the engine reserved the step (a no-op then)
-                kv_layer.table.reserve(seg.slot, seg.start + len(seg.tokens))
+                kv_layer.table.reserve(seg.slot, seg.start + len(seg.tokens), start=seg.start)
             kv_layer.tables.refresh([s.slot for s in batch.segments])
             self._refreshed = (batch, kv_layer.tables)
         if self._batch is None or self._batch[0] is not batch:
