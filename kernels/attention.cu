@@ -1,10 +1,17 @@
-// Attention over the F16 KV cache (slots, max_ctx, n_kv, head_dim) of one layer.
+// Attention over one layer's paged KV cache (engine/kv_cache.py's layout): k and v each
+// (n_blocks, n_kv, KV_BLOCK, row), a row one position of one head: head_dim f16 values, or (Q8)
+// head_dim / 32 GGUF Q8_0 blocks of 34 bytes (an f16 scale d, 32 int8 quants; value = q * d).
+// A sequence slot's blocks are its row of the block table (tables, n_slots × max_blocks int32):
+// position p of slot s, head h is row [tables[s * max_blocks + p / KV_BLOCK], h, p % KV_BLOCK].
+// Every kernel here takes the table and the storage type (template Q8), and reads rows through
+// it; q8 rows are read as they are stored (q * d per value), never copied out dequantized.
+// Writes round as the host cache does: f16 round-to-nearest, Q8_0 as gguf.quants.quantize.
 //
-// kv_append: row r's k and v (f32, row strides ldk, ldv) go to the cache at [slot[r], pos[r]].
-// attn_decode<ND> (the captured decode step's): RoPE, cache append, attn_partial and attn_combine
+// kv_append<Q8>: row r's k and v (f32, row strides ldk, ldv) go to the cache at (slot[r], pos[r]).
+// attn_decode<ND, Q8> (the captured decode step's): RoPE, cache append, attn_partial and attn_combine
 //   in one launch (below). The separate kernels serve eager steps and NTX_ATTN_ONE_LAUNCH=0:
-// rope_kv: RoPE of q and k in place, and k, v appended to the cache, in one launch.
-// attn_partial<ND>: one warp per (row, head, split). Row r's positions 0..pos[r] are cut into
+// rope_kv: RoPE of q and k in place, and (f16 caches) k, v appended to the cache, in one launch.
+// attn_partial<ND, Q8>: one warp per (row, head, split). Row r's positions 0..pos[r] are cut into
 //   n_splits splits of ceil((pos[r] + 1) / n_splits) positions, so a short context spreads over
 //   many warps as well as a long one; each warp runs an online softmax over its split, 8 positions
 //   per step, and writes the split's max m, sum l and unnormalised output o. Empty splits write
@@ -13,17 +20,89 @@
 //   and, with has_q, writes out quantized for the int8 matvecs (quant_act.cuh, prepended).
 // head_dim is a multiple of 32, at most 256.
 
+#define KV_BLOCK 16  // positions per block (kv_cache.BLOCK_SIZE)
+#define Q8_BYTES 34  // one Q8_0 block: f16 scale, 32 int8
 
+// Bytes of one (position, head) row.
+template <int Q8> __device__ __forceinline__ int kv_row_bytes(int head_dim) {
+    return Q8 ? head_dim / 32 * Q8_BYTES : head_dim * 2;
+}
+
+// Byte offset of position p, kv head kvh of the slot whose table row is tab.
+__device__ __forceinline__ long long kv_row(const int* __restrict__ tab, int p, int n_kv, int kvh, int row_bytes) {
+    const long long b = tab[p / KV_BLOCK];
+    return ((b * n_kv + kvh) * KV_BLOCK + p % KV_BLOCK) * row_bytes;
+}
+
+// GGUF Q8_0's arithmetic (gguf.quants, ggml's reference), bit for bit: d = amax / 127 in f32,
+// stored as f16; each quant is round-half-away-from-zero of x * (1 / d) (0 where d is 0).
+__device__ __forceinline__ float q8_inv(float amax, u16& dh) {
+    const float d = amax / 127.f;
+    dh = f2h(d);
+    return d == 0.f ? 0.f : 1.f / d;
+}
+
+__device__ __forceinline__ signed char q8_round(float x) {
+    const float a = fabsf(x), f = floorf(a);
+    const float b = f + floorf(2.f * (a - f));
+    return (signed char)(int)(x < 0.f ? -b : b);
+}
+
+// One Q8_0 block of the 32 values at x, written at blk (thread-wise).
+__device__ __forceinline__ void q8_store_group(const float* __restrict__ x, u8* blk) {
+    float amax = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    u16 dh;
+    const float id = q8_inv(amax, dh);
+    *(u16*)blk = dh;
+    signed char* qs = (signed char*)(blk + 2);
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) qs[i] = q8_round(x[i] * id);
+}
+
+// A warp's head row held ND values per lane (lane l: dims l*ND ..): each 32 / ND lanes make one
+// Q8_0 block. x becomes the values as the cache holds them (q * d); with write, the row goes to
+// row (its byte address). Every lane of the warp calls it.
+template <int ND> __device__ __forceinline__ void q8_store_warp(float (&x)[ND], int lane, u8* row, bool write) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) amax = fmaxf(amax, fabsf(x[i]));
+#pragma unroll
+    for (int off = 16 / ND; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    u16 dh;
+    const float id = q8_inv(amax, dh), d = h2f(dh);
+    const int e0 = lane * ND;
+    u8* blk = row + (e0 >> 5) * Q8_BYTES;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const signed char q = q8_round(x[i] * id);
+        if (write) ((signed char*)blk)[2 + (e0 & 31) + i] = q;
+        x[i] = (float)q * d;
+    }
+    if (write && (e0 & 31) == 0) *(u16*)blk = dh;
+}
+
+// Threads: one per value (f16) or per 32-value block (Q8) of each row's n_kv heads.
+template <int Q8>
 __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __restrict__ v, int ldv,
-                          u16* kc, u16* vc, const int* __restrict__ slot, const int* __restrict__ pos,
-                          int N, int kv_dim, int max_ctx) {
+                          u8* kc, u8* vc, const int* __restrict__ tables, int max_blocks,
+                          const int* __restrict__ slot, const int* __restrict__ pos, int N, int n_kv, int head_dim) {
     PDL_ENTRY
-    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= (long long)N * kv_dim) return;
-    int r = (int)(t / kv_dim), c = (int)(t % kv_dim);
-    long long dst = ((long long)slot[r] * max_ctx + pos[r]) * kv_dim + c;
-    kc[dst] = f2h(k[(long long)r * ldk + c]);
-    vc[dst] = f2h(v[(long long)r * ldv + c]);
+    const int per = Q8 ? head_dim / 32 : head_dim, per_row = n_kv * per;
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)N * per_row) return;
+    const int r = (int)(t / per_row), j = (int)(t % per_row), h = j / per, c = j % per;
+    const long long off = kv_row(tables + (long long)slot[r] * max_blocks, pos[r], n_kv, h,
+                                 kv_row_bytes<Q8>(head_dim));
+    const long long col = (long long)h * head_dim + (Q8 ? 32 * c : c);
+    if constexpr (Q8) {
+        q8_store_group(k + (long long)r * ldk + col, kc + off + (long long)c * Q8_BYTES);
+        q8_store_group(v + (long long)r * ldv + col, vc + off + (long long)c * Q8_BYTES);
+    } else {
+        ((u16*)(kc + off))[c] = f2h(k[(long long)r * ldk + col]);
+        ((u16*)(vc + off))[c] = f2h(v[(long long)r * ldv + col]);
+    }
 }
 
 #define MAXD 8
@@ -35,26 +114,28 @@ __device__ __forceinline__ int split_len(int len, int n_splits, int pairs) {
     return max(pairs >= 256 ? 8 : 1, (len + n_splits - 1) / n_splits);
 }
 
-// RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then k
-// and v to the cache at [slot[r], pos[r]]. Threads: rows × (q pairs + k pairs + v pairs).
-// Angles as in rope.cu (double, like the CPU reference).
-__global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, u16* kc, u16* vc,
-                        const int* __restrict__ slot, const int* __restrict__ pos, const double* __restrict__ freqs,
-                        int N, int n_heads, int n_kv, int head_dim, int rope_dim, int neox, int max_ctx) {
+// RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then
+// (with write: f16 caches; a Q8 cache takes kv_append<1> after it) k and v to the cache at
+// (slot[r], pos[r]). Threads: rows × (q pairs + k pairs + v pairs). Angles as in rope.cu
+// (double, like the CPU reference).
+__global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, u8* kc, u8* vc,
+                        const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot,
+                        const int* __restrict__ pos, const double* __restrict__ freqs,
+                        int N, int n_heads, int n_kv, int head_dim, int rope_dim, int neox, int write) {
     PDL_ENTRY
     const int half = rope_dim / 2, hp = head_dim / 2;
     const int qk_pairs = (n_heads + n_kv) * hp, per_row = qk_pairs + n_kv * hp;
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)N * per_row) return;
     const int r = (int)(t / per_row), j = (int)(t % per_row);
-    const int kv_dim = n_kv * head_dim;
-    u16* kcr = kc + ((long long)slot[r] * max_ctx + pos[r]) * kv_dim;
+    const int* tab = tables + (long long)slot[r] * max_blocks;
     if (j >= qk_pairs) {  // v: two elements
-        int e = 2 * (j - qk_pairs);
+        if (!write) return;
+        const int e = 2 * (j - qk_pairs), vh = e / head_dim, c = e % head_dim;
         const float* vr = v + (long long)r * ldv;
-        u16* vcr = vc + ((long long)slot[r] * max_ctx + pos[r]) * kv_dim;
-        vcr[e] = f2h(vr[e]);
-        vcr[e + 1] = f2h(vr[e + 1]);
+        u16* vcr = (u16*)(vc + kv_row(tab, pos[r], n_kv, vh, 2 * head_dim));
+        vcr[c] = f2h(vr[e]);
+        vcr[c + 1] = f2h(vr[e + 1]);
         return;
     }
     const int h = j / hp, p = j % hp;  // head (q heads, then k heads), pair within the head
@@ -78,8 +159,8 @@ __global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, 
         a = x[ia];
         b = x[ib];
     }
-    if (h >= n_heads) {
-        u16* kh = kcr + (h - n_heads) * head_dim;
+    if (write && h >= n_heads) {
+        u16* kh = (u16*)(kc + kv_row(tab, pos[r], n_kv, h - n_heads, 2 * head_dim));
         kh[ia] = f2h(a);
         kh[ib] = f2h(b);
     }
@@ -107,6 +188,21 @@ template <int ND> __device__ __forceinline__ void load_h(const u16* p, float* ou
     }
 }
 
+// Lane `lane`'s ND values (dims lane*ND ..) of the row at `row` (its byte address) as float:
+// one vector load of f16, or (Q8) the quants times their block's scale, as gguf dequantizes.
+template <int ND, int Q8> __device__ __forceinline__ void load_row(const u8* row, int lane, float* out) {
+    if constexpr (Q8) {
+        const int e0 = lane * ND;
+        const u8* blk = row + (e0 >> 5) * Q8_BYTES;
+        const float d = h2f(*(const u16*)blk);
+        const signed char* qs = (const signed char*)(blk + 2 + (e0 & 31));
+#pragma unroll
+        for (int i = 0; i < ND; ++i) out[i] = (float)qs[i] * d;
+    } else {
+        load_h<ND>((const u16*)row + lane * ND, out);
+    }
+}
+
 // One step of the online softmax over positions t .. t+CH-1, those before t_end real: the lanes' partial scores
 // summed across the warp (every lane gets them), then l and o rescaled from the running max m
 // to the new one, which is returned (m itself is left for the caller to update).
@@ -126,11 +222,11 @@ __device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end
     return mn;
 }
 
-template <int ND>
+template <int ND, int Q8>
 __global__ void __launch_bounds__(128) attn_partial(
-        const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
-        const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ pm,
-        float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv, int max_ctx,
+        const float* __restrict__ q, int ldq, const u8* __restrict__ kc, const u8* __restrict__ vc,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
+        float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv,
         int n_splits, float scale) {
     PDL_ENTRY
     constexpr int HD = 32 * ND;
@@ -151,10 +247,8 @@ __global__ void __launch_bounds__(128) attn_partial(
 #pragma unroll
     for (int i = 0; i < ND; ++i) { qv[i] = qr[i] * scale; o[i] = 0.f; }
     float m = -INFINITY, l = 0.f;
-    const long long kv_dim = (long long)n_kv * HD;
-    const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
-    const u16* kb = kc + base;
-    const u16* vb = vc + base;
+    const int* tab = tables + (long long)slot[r] * max_blocks;
+    const int rb = kv_row_bytes<Q8>(HD);
     // CH positions per step: their K loads (then V loads) are independent and issued together.
     constexpr int CH = 8;
     for (int t = t0; t < t1; t += CH) {
@@ -164,7 +258,7 @@ __global__ void __launch_bounds__(128) attn_partial(
             s[j] = 0.f;
             if (t + j < t1) {
                 float kv[ND];
-                load_h<ND>(kb + (long long)(t + j) * kv_dim, kv);
+                load_row<ND, Q8>(kc + kv_row(tab, t + j, n_kv, kvh, rb), lane, kv);
 #pragma unroll
                 for (int i = 0; i < ND; ++i) s[j] = fmaf(qv[i], kv[i], s[j]);
             }
@@ -176,7 +270,7 @@ __global__ void __launch_bounds__(128) attn_partial(
                 const float p = __expf(s[j] - mn);
                 l += p;
                 float vv[ND];
-                load_h<ND>(vb + (long long)(t + j) * kv_dim, vv);
+                load_row<ND, Q8>(vc + kv_row(tab, t + j, n_kv, kvh, rb), lane, vv);
 #pragma unroll
                 for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[i], o[i]);
             }
@@ -282,12 +376,12 @@ __device__ __forceinline__ float rope_elem(const float* s, const float2* cs, int
     return d == ia ? x0 * cf - x1 * sf : x0 * sf + x1 * cf;
 }
 
-template <int ND>
+template <int ND, int Q8>
 __global__ void __launch_bounds__(128) attn_decode(
-        const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u16* kc, u16* vc,
-        const int* __restrict__ slot, const int* __restrict__ pos, const double* __restrict__ freqs,
-        float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
-        int N, int n_heads, int n_kv, int max_ctx, int n_splits, float scale, int rope_dim, int neox,
+        const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u8* kc, u8* vc,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
+        const double* __restrict__ freqs, float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
+        int N, int n_heads, int n_kv, int n_splits, float scale, int rope_dim, int neox,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
     // Before pdl_wait, only what no kernel of this step writes: slot and pos (set before the
     // step), the angles, and the cached positions (earlier steps); q, k, v, the scratch and the
@@ -319,17 +413,15 @@ __global__ void __launch_bounds__(128) attn_decode(
     const int t0 = split * sl, t1 = min(len, t0 + sl);
     const bool has_new = t1 == len;  // this split ends at the new position
     const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
-    const long long kv_dim = (long long)n_kv * HD;
-    const long long base = (long long)slot[r] * max_ctx * kv_dim + kvh * HD + lane * ND;
-    const u16* kb = kc + base;
-    const u16* vb = vc + base;
+    const int* tab = tables + (long long)slot[r] * max_blocks;
+    const int rb = kv_row_bytes<Q8>(HD);
     float kv[CH][ND], vv[CH][ND];
     auto load_chunk = [&](int t) {
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
-            const long long tj = min(t + j, tc - 1);  // past tc: a valid row, never used
-            load_h<ND>(kb + tj * kv_dim, kv[j]);
-            load_h<ND>(vb + tj * kv_dim, vv[j]);
+            const long long o_ = kv_row(tab, min(t + j, tc - 1), n_kv, kvh, rb);  // past tc: a valid row, never used
+            load_row<ND, Q8>(kc + o_, lane, kv[j]);
+            load_row<ND, Q8>(vc + o_, lane, vv[j]);
         }
     };
     float2* cs = scs[wib];
@@ -363,14 +455,24 @@ __global__ void __launch_bounds__(128) attn_decode(
             float qv[ND], o[ND], kn[ND];
 #pragma unroll
             for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(sq[wib], cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
-            if (has_new) {
-                const long long dst = ((long long)slot[r] * max_ctx + p_now) * kv_dim + kvh * HD + lane * ND;
+            if (has_new) {  // the new k, v as the cache holds them; the group's first head writes them
+                const long long dst = kv_row(tab, p_now, n_kv, kvh, rb);
+                const bool write = h % group == 0;
 #pragma unroll
-                for (int i = 0; i < ND; ++i) {
-                    const u16 kh = f2h(rope_elem(sk[wib], cs, lane * ND + i, rope_dim, neox)), vh = f2h(vn[i]);
-                    kn[i] = h2f(kh);
-                    vn[i] = h2f(vh);
-                    if (h % group == 0) { kc[dst + i] = kh; vc[dst + i] = vh; }
+                for (int i = 0; i < ND; ++i) kn[i] = rope_elem(sk[wib], cs, lane * ND + i, rope_dim, neox);
+                if constexpr (Q8) {
+                    q8_store_warp<ND>(kn, lane, kc + dst, write);
+                    q8_store_warp<ND>(vn, lane, vc + dst, write);
+                } else {
+                    u16* kd = (u16*)(kc + dst) + lane * ND;
+                    u16* vd = (u16*)(vc + dst) + lane * ND;
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) {
+                        const u16 kh = f2h(kn[i]), vh = f2h(vn[i]);
+                        kn[i] = h2f(kh);
+                        vn[i] = h2f(vh);
+                        if (write) { kd[i] = kh; vd[i] = vh; }
+                    }
                 }
             }
             float m = -INFINITY, l = 0.f;
@@ -464,12 +566,27 @@ __global__ void __launch_bounds__(128) attn_decode(
 // P's A registers for the next multiply, so P never leaves the registers.
 // pack_h2 and mma_f16 are in common.cuh.
 
-template <int HD>
+// Values c .. c+7 (c a multiple of 8) of a Q8_0 row as 8 f16 (q * d rounded to f16, as the
+// prefill multiplies round): the staging of a tile, in shared memory only.
+__device__ __forceinline__ uint4 q8_tile8(const u8* row, int c) {
+    const u8* blk = row + (c >> 5) * Q8_BYTES;
+    const float d = h2f(*(const u16*)blk);
+    const u16* qs = (const u16*)(blk + 2 + (c & 31));  // 2-byte aligned: 34 b + 2 + 8 i
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u16 pair = qs[i];
+        w[i] = pack_h2((float)(signed char)(pair & 0xFF) * d, (float)(signed char)(pair >> 8) * d);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int HD, int Q8>
 __global__ void __launch_bounds__(256) attn_chunk(
-        const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
-        const int* __restrict__ slot, const int* __restrict__ pos, const int* __restrict__ tile_row0,
-        const int* __restrict__ tile_n, float* __restrict__ out, int ldo, int n_heads, int n_kv, int max_ctx,
-        float scale_log2) {
+        const float* __restrict__ q, int ldq, const u8* __restrict__ kc, const u8* __restrict__ vc,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
+        const int* __restrict__ tile_row0, const int* __restrict__ tile_n, float* __restrict__ out, int ldo,
+        int n_heads, int n_kv, float scale_log2) {
     PDL_ENTRY
     constexpr int KT = 64;          // positions per staged tile
     constexpr int KS = HD + 8;      // Ks row stride (halves): rows 4 banks apart, conflict-free fragment reads
@@ -479,8 +596,8 @@ __global__ void __launch_bounds__(256) attn_chunk(
     const int HB = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = tile_row0[blockIdx.x], nr = tile_n[blockIdx.x];
     const int h = blockIdx.y * HB + warp, kvh = h / (n_heads / n_kv);
-    const long long kv_dim = (long long)n_kv * HD;
-    const long long cache0 = (long long)slot[r0] * max_ctx * kv_dim + (long long)kvh * HD;
+    const int* tab = tables + (long long)slot[r0] * max_blocks;
+    const int row_bytes = kv_row_bytes<Q8>(HD);
     const int ra = r0 + min(g, nr - 1), rb = r0 + min(g + 8, nr - 1);  // rows past nr repeat the last, unwritten
     const int pa = pos[ra], pb = pos[rb];
     int pmax = 0;
@@ -512,9 +629,14 @@ __global__ void __launch_bounds__(256) attn_chunk(
             const int p = idx % KT, c = (idx / KT) * 8, pp = kt0 + p;
             uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
             if (pp <= pmax) {  // past the tile's last position: zeros, never the cache's stale (maybe NaN) halves
-                const long long o_ = cache0 + (long long)pp * kv_dim + c;
-                kv4 = *(const uint4*)(kc + o_);
-                vv4 = *(const uint4*)(vc + o_);
+                const long long o_ = kv_row(tab, pp, n_kv, kvh, row_bytes);
+                if constexpr (Q8) {
+                    kv4 = q8_tile8(kc + o_, c);
+                    vv4 = q8_tile8(vc + o_, c);
+                } else {
+                    kv4 = *(const uint4*)(kc + o_ + 2 * c);
+                    vv4 = *(const uint4*)(vc + o_ + 2 * c);
+                }
             }
             *(uint4*)&Ks[p * KS + c] = kv4;
             const u32 vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};

@@ -311,6 +311,8 @@ def cmd_status(client: Client, args) -> int:
         measured = f"{p.measured_step_seconds * 1e3:.2f} ms over {p.steps} steps" if p.steps else "no steps yet"
         print(f"  steps of ≤ {p.rows} rows: host {len(p.host_layers)} layers [{_span(p.host_layers)}], link "
               f"{p.link_layers}; predicted {p.predicted_step_seconds * 1e3:.2f} ms (layers only), measured {measured}")
+    if s.HasField("kv") and s.kv.dtype:
+        print(_kv_line(s.kv))
     if s.skip_layers:
         print(f"  skipped layers: {','.join(map(str, s.skip_layers))}")
     sp = s.speculation
@@ -320,6 +322,23 @@ def cmd_status(client: Client, args) -> int:
     if s.error:
         print(f"error: {s.error}")
     return 0
+
+
+def _kv_line(kv) -> str:
+    """The KV pool and what the plan weighed: bytes per token, the pool's blocks and tokens, how
+    full it is, the layers resident with it and with the other KV types at the same pool."""
+    line = f"  KV: {kv.dtype}, {kv.bytes_per_token / 1024:.1f} KiB per token"
+    if kv.blocks:
+        line += (f"; pool {kv.blocks} blocks x {kv.block_size} = {kv.pool_tokens} tokens ({_human(kv.pool_bytes)}), "
+                 f"{kv.used_blocks} in use ({kv.shared_blocks} shared); max_ctx {kv.max_ctx} per sequence")
+    line += f"; {kv.resident_layers} layers resident"
+    others = [f"{t} {n}" for t, n in sorted(kv.resident_by_dtype.items()) if t != kv.dtype]
+    if others:
+        line += f" (with {', '.join(others)} at this pool)"
+    if kv.spill_limit_bytes:
+        line += (f"; spill {_human(kv.spilled_bytes)} of {_human(kv.spill_limit_bytes)}, "
+                 f"{kv.spilled_blocks_total} blocks out, {kv.restored_blocks_total} restored")
+    return line
 
 
 def _span(ids) -> str:

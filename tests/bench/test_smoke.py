@@ -196,6 +196,19 @@ def check_host_share(d: dict) -> None:
     assert all(r["steps"] >= 3 and 0 < r["host_ms_per_step"] < 1e3 for r in levels.values()), levels
 
 
+def check_long_context(d: dict) -> None:
+    plans = d["plans"]
+    assert len(plans) == 3 and all(0 <= p["resident_layers"] <= p["n_layers"] for p in plans), plans
+    assert [c["context"] for c in d["contexts"]] == [32, 160] and all(c["tok_s"] > 0 for c in d["contexts"]), d
+    assert d["long_vs_short"] > 0
+
+
+def check_wide_decode(d: dict) -> None:
+    want = {f"{t} captured {r} rows" for t in ("f16", "q8_0") for r in (16, 32, 64)} | {
+        f"{t} eager cuBLAS 64 rows" for t in ("f16", "q8_0")}
+    assert set(d["tok_s"]) == want and all(v > 0 for v in d["tok_s"].values()), d
+
+
 def check_nvme_read(d: dict) -> None:
     assert len(d["dd_runs"]) == 1 and len(d["ntx_runs"]) == 1 and d["ntx_gbps"] > 0, d
     assert d["dmar_faults"] == 0
@@ -219,8 +232,22 @@ def check_relay(d: dict) -> None:
         assert all(x["ttft_median_ms"] > 0 and x["token_interval_median_ms"] > 0 for x in d["daemon"][path].values())
 
 
+def check_kv_capacity(d: dict) -> None:
+    c = d["capacity"]
+    paged, slots = c["paged"], c["slots"]
+    assert paged["peak"] == c["requests"] and paged["queued"] == 0, paged  # the pool holds every request at once
+    assert slots["peak"] == slots["max_batch"] < c["requests"] and slots["queued"] > 0, slots
+    for run in (paged, slots):
+        assert run["solo_compared"] == c["requests"] and run["solo_equal"] == run["solo_compared"], run
+        assert run["tokens_per_second"] > 0
+    s = d["spill"]
+    assert s["spilled_blocks"] > 0 and s["restored_blocks"] > 0, s
+    assert s["chat_tokens"] <= s["reused_positions"] < s["turn2_tokens"] and s["ids_equal"] is True, s
+    assert 0 < s["ratio"] and s["ttft_prefill_seconds"] > 0, s
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
-       "kv_quality.py": check_kv_quality,
+       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
@@ -229,7 +256,8 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
-       "hybrid_quality.py": check_hybrid_quality}
+       "hybrid_quality.py": check_hybrid_quality,
+       "long_context.py": check_long_context, "wide_decode.py": check_wide_decode}
 VM = {"nvme_read.py": check_nvme_read}
 
 
@@ -240,7 +268,7 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    own_models = ("quality.py", "speculative.py", "kv_quality.py", "serving_gpu.py")
+    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "serving_gpu.py")
     args = ["--dir", str(tmp_path)] if script in own_models else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 

@@ -436,3 +436,167 @@ def test_q8_0_perplexity_close_to_f16(default_model):
         e = Engine(default_model, config=EngineConfig(backend="cpu-ref", kv_dtype=dtype, max_batch=1, max_ctx=512))
         figures[dtype] = perplexity(e, text_tokens(e, _licenses_text()[:20000]), ctx=512, max_chunks=1).perplexity
     assert figures["q8_0"] != figures["f16"] and abs(figures["q8_0"] / figures["f16"] - 1) < 0.003, figures
+
+
+# ---- sharing by block reference, copy on write, spilling to the host pool --------------------
+
+class _Owner:
+    """A block table's owner that records what it is asked to move."""
+
+    def __init__(self):
+        self.copies, self.saved, self.loaded = [], [], []
+
+    def copy_blocks(self, src, dst):
+        self.copies.append((list(src), list(dst)))
+
+    def save_blocks(self, ids):
+        self.saved.append(list(ids))
+        return list(ids)
+
+    def load_blocks(self, ids, saved):
+        self.loaded.append((list(ids), saved))
+
+
+def test_shared_blocks_are_counted_once_and_copied_before_a_write():
+    t = BlockTable(n_slots=3, max_ctx=128, n_blocks=12, block_size=16)
+    t.owner = _Owner()
+    t.reserve(0, 37)  # blocks 0, 1, 2 (the last partial)
+    assert t.share(0, 1, 37) is None
+    assert list(t.tables[1, :3]) == [0, 1, 3] and list(t.refs[:4]) == [2, 2, 1, 1]
+    assert t.owner.copies == [([2], [3])]  # the partial block copied, the full ones shared
+    assert t.used_blocks == 4 and t.shared_blocks == 2  # 6 for two copies
+    t.reserve(1, 40, start=37)  # writes in its own block 3: nothing to copy
+    assert t.owner.copies == [([2], [3])]
+    t.release(1, 20)  # truncated into shared block 1
+    assert t.held[1] == 2 and t.refs[3] == 0 and t.used_blocks == 3
+    t.reserve(1, 21, start=20)  # the write lands in block 1, which slot 0 holds too: a copy first
+    assert t.owner.copies[-1] == ([1], [2 + 1]) and list(t.tables[1, :2]) == [0, 3] and t.refs[1] == 1
+    assert list(t.tables[0, :3]) == [0, 1, 2]  # the source's table unchanged
+    t.release(0, 0)
+    assert t.refs[0] == 1 and t.used_blocks == 2  # block 0 stays for slot 1, the rest back
+    assert t.share(1, 2, 20, start=0) is None and t.owner.copies[-1] == ([3], [1])
+    with pytest.raises(ValueError, match="holds 32 positions, not the 40"):
+        t.share(1, 2, 40)
+
+
+def test_a_closed_slot_spills_to_the_host_pool_and_comes_back():
+    t = BlockTable(n_slots=3, max_ctx=64, n_blocks=4, block_size=16)
+    t.owner, t.block_bytes, t.spill_limit = _Owner(), 100, 250  # room for two blocks
+    t.reserve(0, 32)
+    t.closed(0)
+    t.reserve(1, 48)  # needs one of slot 0's: both are saved, then let go
+    assert t.owner.saved == [[0, 1]] and t.held[0] == 0 and t.kept(0) == 32 and t.spill_bytes == 200
+    assert t.available() == 1
+    t.opened(0)
+    with pytest.raises(KVPoolFull):
+        t.release(0, 32)  # both back: one block free, slot 1 live
+    assert t.kept(0) == 32  # still spilled
+    t.release(0, 10)  # the first block back, the second forgotten
+    assert t.owner.loaded == [([3], [0, 1])] and t.kept(0) == 16 and not t.spilled
+    t.closed(0)
+    t.closed(1)
+    t.reserve(2, 64)  # slot 0's block and slot 1's three: slot 1's do not fit the host pool
+    assert t.kept(0) == 16 and t.kept(1) == 0 and t.stats["dropped"] == 1 + 3
+
+
+@pytest.fixture(scope="module")
+def f32_engine_path(synth_model):
+    return synth_model("tiny", "f32")
+
+
+def _backend_ok(backend):
+    if backend == "cpu" and not host.available():
+        pytest.skip("no C compiler for the CPU kernels")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-ref"])
+def test_shared_prefixes_continue_as_copies_do(tiny_engine_path, backend):
+    """Two slots share a prompt's blocks with the slot that computed it: each continues with
+    the logits (bit for bit) and greedy ids of the source, or of a slot given the same positions
+    by copying their rows, while the pool holds the shared blocks once; a sharer truncated into a shared block and writing there copies it
+    first, and the source reads its own keys and values unchanged."""
+    _backend_ok(backend)
+    e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, max_batch=5, max_ctx=128))
+    prompt, more = list(range(3, 40)), [5, 9, 11, 2, 7, 1, 1, 4, 8, 6, 3, 12]
+
+    def greedy(slot, logits, n=6):
+        ids = []
+        for _ in range(n):
+            ids.append(int(np.argmax(logits)))
+            logits = e.step([(slot, [ids[-1]])])[0]
+        return ids
+
+    s = e.open()
+    e.prefill(s, prompt)
+    want = e.step([(s, more)])
+    want_ids = greedy(s, want[0])
+    e.truncate(s, len(prompt))
+    before = [e.kv.layer(i).read(s, len(prompt)) for i in range(e.cfg.n_layers)]
+    used = e.kv.blocks.used_blocks
+    t, u = e.open(), e.open()
+    e.copy_prefix(s, t, len(prompt))  # two whole blocks shared, the partial third copied
+    e.copy_prefix(s, u, 32)  # two whole blocks shared
+    assert e.kv.blocks.used_blocks == used + 1 and e.kv.blocks.shared_blocks == 2
+    assert list(e.kv.blocks.tables[t, :2]) == list(e.kv.blocks.tables[s, :2]) == list(e.kv.blocks.tables[u, :2])
+    w = e.open()  # the copied one: rows read and written
+    for i in range(e.cfg.n_layers):
+        e.kv.layer(i).write(w, 0, *e.kv.layer(i).rows(s, 0, 32))
+    e.kv.lengths[w] = 32
+    assert e.kv.blocks.shared_blocks == 2
+    got_t = e.step([(t, more)])
+    e.step([(u, prompt[32:]), (w, prompt[32:])])
+    got_u, got_w = e.step([(u, more)]), e.step([(w, more)])
+    assert np.array_equal(got_t, want) and np.array_equal(got_u, got_w)
+    assert greedy(t, got_t[0]) == want_ids and greedy(u, got_u[0]) == greedy(w, got_w[0])
+    cow = e.kv.blocks.stats["cow"]
+    e.truncate(u, 20)  # into the second shared block
+    e.step([(u, [17, 18, 19])])  # writes positions 20..22 there: u's own copy first
+    assert e.kv.blocks.stats["cow"] == cow + 1
+    assert e.kv.blocks.tables[u, 1] != e.kv.blocks.tables[s, 1]
+    for i, (k, v) in enumerate(before):
+        k2, v2 = e.kv.layer(i).read(s, len(prompt))
+        assert np.array_equal(k, k2) and np.array_equal(v, v2), i
+    assert np.array_equal(e.step([(s, more)]), want)
+
+
+@pytest.mark.parametrize("spill", [1 << 20, 0])
+def test_a_spilled_prompt_is_restored_not_prefilled(f32_engine_path, spill):
+    """A finished chat's blocks spill to the host pool when another sequence needs the pool;
+    its next turn, through the prefix cache, restores them and runs only the prompt's last
+    token: the same greedy ids as the first run. Without a host pool they are dropped and the
+    whole prompt runs again."""
+    from ntransformerd.server.prefix_cache import PrefixCache
+
+    e = Engine(GGUFModel(f32_engine_path), config=EngineConfig(backend="cpu-ref", max_batch=2, max_ctx=96,
+                                                                kv_blocks=6))
+    e.kv.spill_limit = spill
+    pc = PrefixCache(e, enabled=True)
+    ran = []
+    step = e.step
+    e.step = lambda items, **kw: (ran.extend(len(t) for _, t in items), step(items, **kw))[1]
+    prompt = [int(x) for x in np.random.default_rng(2).integers(1, e.cfg.vocab_size, 40)]
+
+    def turn(p):
+        slot, n = pc.open(p, [], use=True)
+        logits, ids = e.prefill(slot, p[n:]), []
+        for _ in range(5):
+            ids.append(int(np.argmax(logits)))
+            logits = e.step([(slot, [ids[-1]])])[0]
+        pc.close(slot, p, keep=True)
+        return n, ids
+
+    n0, first = turn(prompt)
+    assert n0 == 0
+    (chat,) = pc.held
+    other = e.open(1 - chat)
+    e.prefill(other, list(range(1, 70)))  # 5 of the 6 blocks: the closed chat's 3 must go
+    e.close(other)
+    assert e.kv.blocks.held[chat] == 0 and e.kv.kept(chat) == (48 if spill else 0)
+    ran.clear()
+    n1, again = turn(prompt)
+    assert again == first
+    if spill:
+        assert n1 == len(prompt) - 1 and sum(ran) == 1 + 5  # the last prompt token, then 5 decode steps
+        assert e.kv.blocks.stats["restored"] == 3 and e.kv.blocks.stats["spilled"] >= 3
+    else:
+        assert n1 == 0 and sum(ran) == len(prompt) + 5 and e.kv.blocks.stats["restored"] == 0

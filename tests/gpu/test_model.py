@@ -64,8 +64,8 @@ def test_forward_matches_cpu(model):
 
 
 def test_decode_of_more_rows_than_the_fused_kernels(model):
-    """A decode step of 40 sequences (one token each, past the 32 rows of the fused kernels): the
-    prefill kernels on one-token rows, against the CPU."""
+    """A decode step of 40 sequences (one token each, past the 32 rows of one fused matvec): its
+    matmuls as fused matvecs of ≤ 32 rows (launch.matvec_rows), against the CPU."""
     cfg = model.config
     rng = np.random.default_rng(7)
     c_ops, c_w = cpu.load(model)

@@ -36,7 +36,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     ('backend = "tpu"\n', "backend = 'tpu'"),
     ('vram_budget = "lots"\n', "not a size"),
     ('vram_budget = "24G"\n', "vram_budget = '24G': G is ambiguous: write 24GiB"),
-    ('backend = "cuda"\nkv_dtype = "f32"\n', "kv_dtype = 'f32': the cuda backend stores its KV cache as f16 only"),
+    ('backend = "cuda"\nkv_dtype = "f32"\n', "kv_dtype = 'f32': the cuda backend stores its KV cache as f16 or q8_0 only"),
     ('backend = "cpu"\nstorage = "nvme:S1"\n', "storage = 'nvme:S1': the cpu backend computes every layer"),
     ("max_batch = \n", "not valid TOML"),
     ('max_batch = "8"\n', "max_batch = '8'"),
@@ -210,7 +210,7 @@ def test_kv_dtype_the_backend_cannot_store_is_refused_with_the_key(tmp_path, cap
     f.write_text(f'socket = "{tmp_path}/d.sock"\nbackend = "cuda"\nkv_dtype = "f32"\n')
     assert main(["--config", str(f)]) == 2  # refused at start: no GPU library needed to know it
     err = capsys.readouterr().err
-    assert err.startswith("ntransformerd: kv_dtype = 'f32': the cuda backend stores its KV cache as f16 only") \
+    assert err.startswith("ntransformerd: kv_dtype = 'f32': the cuda backend stores its KV cache as f16 or q8_0 only") \
         and 'set kv_dtype to "auto" or "f16"' in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == [f]  # nothing bound
     # ntx-model's flags: the same check, the flag named
@@ -249,7 +249,7 @@ def test_backend_auto_is_resolved_once_and_refused_with_the_key(tmp_path, monkey
     with pytest.raises(config.ConfigError) as e:
         d._bring_up()
     assert str(e.value).startswith("kv_dtype = 'f32': the cuda backend (what backend auto chose on this "
-                                   "machine) stores its KV cache as f16 only"), e.value
+                                   "machine) stores its KV cache as f16 or q8_0 only"), e.value
     monkeypatch.setattr(backends, "_optional", optional)
     calls.clear()
     cpu = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "c.sock"), model=small, backend="auto",

@@ -53,10 +53,12 @@ class Weights(Protocol):
 
 
 class KVLayer(Protocol):
-    """One layer's keys and values, the device's arrays (the attention op writes and reads them
-    where the layout puts them: engine/kv_cache.py; a cuda cache still holds whole slots,
-    (slots, positions, Hkv, hd)). Rows come and go as float (n, Hkv, hd): the layer converts to
-    and from its storage type."""
+    """One layer's keys and values, the device's arrays in the paged layout of engine/kv_cache.py
+    (n_blocks, Hkv, BLOCK_SIZE, row), read through the cache's block tables by every attention
+    path (a cuda layer: CuPy arrays with one scratch block more, the kernels reading a device
+    copy of the tables). Rows come and go as float (n, Hkv, hd): the layer converts to and from
+    its storage type. copy_blocks, save_blocks and load_blocks move whole blocks in the storage
+    type (sharing's copy on write, spilling to host RAM and back)."""
 
     k: Array
     v: Array

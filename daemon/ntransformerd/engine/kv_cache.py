@@ -25,10 +25,18 @@ kernel never meets a -1 it must read or write); a device with its own copy of th
 them as they stand then. Writes round as gguf.quants.quantize does, bit for bit; reads decode
 each row where it is used (d × q), never into a second cache.
 
+Slots share blocks: a prompt prefix one slot computed is given to another by reference (its
+whole blocks counted once in the pool; the last, partial block copied), and a slot about to
+write into a block it shares gets its own copy first (copy on write, in `reserve`, which the
+engine calls before every step with the slot's length at the segment's start).
+
 A closed slot keeps its blocks, and so its keys and values (the prefix cache reopens a slot and
 keeps the positions it still holds), until the pool runs short: then the least recently closed
-slots give theirs back, and `kept` says how many positions a slot still holds. Memory comes from
-np.zeros, so blocks that are never written cost no RAM.
+slots give theirs back, first saving them to a host pool where one is configured (`spill`
+bytes; a device's cache, where host RAM is the larger memory), and `kept` says how many
+positions a slot still holds, in blocks or in the host pool; reopening or sharing from a
+spilled slot restores its blocks instead of prefilling them. Memory comes from np.zeros, so
+blocks that are never written cost no RAM.
 
 Thread rule: one owner (the engine's scheduler thread) calls a cache; a step reads the tables
 the owner set before it started.
@@ -143,7 +151,20 @@ class SlotTable:
 
 class BlockTable:
     """The blocks of one pool and which slot holds which, in position order. Shared by every
-    layer of a cache (one block id covers all layers)."""
+    layer of a cache (one block id covers all layers).
+
+    A block may be held by several slots at once (a shared prompt prefix: `share`); `refs`
+    counts its holders and it goes back to the pool when the last lets go, so the pool counts a
+    shared block once. A slot about to write positions in a block it shares first gets its own
+    copy (`reserve(..., start=)`: copy on write), so a sharer never sees another's writes.
+
+    When the pool runs short, closed slots (least recently closed first) give their blocks
+    back; with a host pool (`spill_limit` bytes, 0: none) their contents are saved there first
+    (`spilled`), and the slot still counts as holding its positions (`kept`): reopening it, or
+    sharing from it, restores them into fresh blocks instead of having them prefilled again.
+
+    The table moves no data itself: its `owner` (KVCache) copies, saves and restores blocks
+    over every layer (copy_blocks, save_blocks, load_blocks)."""
 
     def __init__(self, n_slots: int, max_ctx: int, n_blocks: int, block_size: int = BLOCK_SIZE):
         if n_blocks < 1 or block_size < 1:
@@ -152,63 +173,219 @@ class BlockTable:
         self.max_blocks = -(-max_ctx // block_size)
         self.tables = np.full((n_slots, self.max_blocks), -1, np.int32)  # never reallocated: kernels hold it
         self.held = np.zeros(n_slots, np.int64)  # blocks each slot holds
+        self.refs = np.zeros(n_blocks, np.int32)  # slots holding each block (0: in the pool)
         self._pool = list(range(n_blocks))  # a heap: the lowest free id first keeps the touched memory compact
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # closed slots, oldest first
+        self._closed = np.zeros(n_slots, bool)
+        self.owner = None  # copies, saves and restores blocks (KVCache); None: a table without data
+        self.spill_limit = 0  # bytes of the host pool for closed slots' blocks (0: they are dropped)
+        self.block_bytes = 0  # host bytes one spilled block takes (the owner sets it)
+        # slot → (blocks, what owner.save_blocks gave), least recently spilled first
+        self.spilled: collections.OrderedDict[int, tuple[int, object]] = collections.OrderedDict()
+        self._spilled_n = 0  # blocks in the host pool (a counter: status reads it from another thread)
+        self.stats = {"shared": 0, "cow": 0, "spilled": 0, "restored": 0, "dropped": 0}  # blocks, in all
 
     @property
     def free_blocks(self) -> int:
         return len(self._pool)
 
+    @property
+    def used_blocks(self) -> int:
+        """Blocks some slot holds (a shared block once)."""
+        return self.n_blocks - len(self._pool)
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks more than one slot holds."""
+        return int((self.refs > 1).sum())
+
+    @property
+    def spill_bytes(self) -> int:
+        """Host bytes the spilled blocks take."""
+        return self._spilled_n * self.block_bytes
+
+    def available(self, keep: tuple[int, ...] = ()) -> int:
+        """Blocks a growing sequence could get now: the free ones, and those closed slots (not
+        in `keep`) hold alone."""
+        mine = collections.Counter(int(b) for s in self._idle if s not in keep
+                                   for b in self.tables[s, :self.held[s]])
+        return len(self._pool) + sum(1 for b, n in mine.items() if self.refs[b] == n)
+
     def _check(self, slot: int) -> None:
         if not 0 <= slot < len(self.held):
             raise ValueError(f"KV slot {slot} is out of range 0..{len(self.held) - 1}")
 
-    def reserve(self, slot: int, n: int, *, keep: tuple[int, ...] = ()) -> None:
+    def _take(self) -> int:
+        b = heapq.heappop(self._pool)
+        self.refs[b] = 1
+        return b
+
+    def _drop(self, b: int) -> None:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            heapq.heappush(self._pool, b)
+
+    def _grab(self, need: int, keep: tuple[int, ...]) -> None:
+        """At least `need` free blocks if closed slots (least recently closed first, never those
+        in `keep`) can give them; fewer otherwise (the caller raises)."""
+        for other in list(self._idle):
+            if len(self._pool) >= need:
+                return
+            if other not in keep:
+                del self._idle[other]
+                self._evict(other)
+
+    def _evict(self, slot: int) -> None:
+        """A closed slot's blocks back to the pool: saved to the host pool first where it has room."""
+        h = int(self.held[slot])
+        size = h * self.block_bytes
+        saved = None
+        if self.owner is not None and h and 0 < size <= self.spill_limit:
+            while self.spilled and self.spill_bytes + size > self.spill_limit:
+                _, (n, _) = self.spilled.popitem(last=False)  # the least recently spilled goes
+                self._spilled_n -= n
+                self.stats["dropped"] += n
+            saved = self.owner.save_blocks(self.tables[slot, :h].copy())
+        self._let_go(slot, 0)
+        if saved is not None:
+            self.spilled[slot] = (h, saved)
+            self._spilled_n += h
+            self.stats["spilled"] += h
+        else:
+            self.stats["dropped"] += h
+
+    def _let_go(self, slot: int, keep: int) -> None:
+        """Blocks `keep` onwards of `slot` back (a shared one only once its last holder lets go)."""
+        for j in range(keep, int(self.held[slot])):
+            self._drop(int(self.tables[slot, j]))
+            self.tables[slot, j] = -1
+        self.held[slot] = min(int(self.held[slot]), keep)
+
+    def _restore(self, slot: int, blocks: int, keep: tuple[int, ...] = ()) -> None:
+        """The first `blocks` of `slot`'s spilled blocks into fresh ones (the rest forgotten)."""
+        n, saved = self.spilled.pop(slot)
+        self._spilled_n -= n
+        blocks = min(blocks, n)
+        if blocks:
+            self._grab(blocks, keep + (slot,))
+            if len(self._pool) < blocks:
+                self.spilled[slot] = (n, saved)
+                self._spilled_n += n
+                self.spilled.move_to_end(slot, last=False)
+                raise self._full(slot, blocks, blocks * self.block_size)
+            ids = np.array([self._take() for _ in range(blocks)], np.int32)
+            self.tables[slot, :blocks] = ids
+            self.held[slot] = blocks
+            self.owner.load_blocks(ids, saved)
+            self.stats["restored"] += blocks
+            if self._closed[slot]:
+                self._idle[slot] = None
+        self.stats["dropped"] += n - blocks
+
+    def _full(self, slot: int, need: int, n: int) -> KVPoolFull:
+        live = {int(b) for s in np.nonzero(~self._closed)[0] for b in self.tables[s, :self.held[s]]}
+        return KVPoolFull(f"KV pool full: slot {slot} needs {need} more blocks of {self.block_size} positions "
+                          f"for {n} positions, {len(self._pool)} of {self.n_blocks} are free ({len(live)} held by "
+                          f"live sequences); give the pool more blocks (kv_blocks) or run fewer sequences at once")
+
+    def reserve(self, slot: int, n: int, *, keep: tuple[int, ...] = (), start: int | None = None) -> None:
         """Blocks for positions [0, n) of `slot`, taken from the pool as needed; when it runs
-        short, closed slots (least recently closed first, never those in `keep`) give theirs back."""
+        short, closed slots (least recently closed first, never those in `keep`) give theirs back.
+        With `start`, positions [start, n) are about to be written: a block among them that
+        `slot` shares with another is replaced by a copy of its own first (copy on write)."""
         self._check(slot)
         if n > self.max_ctx:
             raise ValueError(f"KV slot {slot}: {n} positions exceed the context of {self.max_ctx}")
-        need = -(-n // self.block_size) - int(self.held[slot])
+        if slot in self.spilled:
+            self._restore(slot, self.max_blocks, keep)
+        want = -(-n // self.block_size)
+
+        def shared():
+            if start is None:
+                return []
+            return [j for j in range(start // self.block_size, min(int(self.held[slot]), want))
+                    if self.refs[self.tables[slot, j]] > 1]
+
+        need = max(0, want - int(self.held[slot])) + len(shared())
         if need <= 0:
             return
-        for other in list(self._idle):
-            if len(self._pool) >= need:
-                break
-            if other != slot and other not in keep:
-                self.release(other, 0)
-                del self._idle[other]
+        self._grab(need, keep + (slot,))
+        cow = shared()  # closed sharers may have let go meanwhile
+        need = max(0, want - int(self.held[slot])) + len(cow)
         if len(self._pool) < need:
-            live = self.n_blocks - len(self._pool) - sum(int(self.held[s]) for s in self._idle)
-            raise KVPoolFull(f"KV pool full: slot {slot} needs {need} more blocks of {self.block_size} positions "
-                             f"for {n} positions, {len(self._pool)} of {self.n_blocks} are free ({live} held by "
-                             f"live sequences); give the pool more blocks (kv_blocks) or run fewer sequences at once")
+            raise self._full(slot, need, n)
+        if cow:
+            src = self.tables[slot, cow].copy()
+            dst = np.array([self._take() for _ in cow], np.int32)
+            self.owner.copy_blocks(src, dst)
+            self.tables[slot, cow] = dst
+            for b in src:
+                self._drop(int(b))
+            self.stats["cow"] += len(cow)
         h = int(self.held[slot])
-        for j in range(h, h + need):
-            self.tables[slot, j] = heapq.heappop(self._pool)
-        self.held[slot] = h + need
+        for j in range(h, want):
+            self.tables[slot, j] = self._take()
+        self.held[slot] = max(h, want)
 
     def release(self, slot: int, n: int) -> None:
-        """The blocks of `slot` past position n back to the pool."""
+        """The blocks of `slot` past position n back to the pool; a spilled slot's first
+        positions up to n restored from the host pool (the rest forgotten)."""
         self._check(slot)
         keep = -(-n // self.block_size)
-        for j in range(keep, int(self.held[slot])):
-            heapq.heappush(self._pool, int(self.tables[slot, j]))
-            self.tables[slot, j] = -1
-        self.held[slot] = min(int(self.held[slot]), keep)
+        if slot in self.spilled:
+            self._restore(slot, keep)
+        self._let_go(slot, keep)
+
+    def share(self, src: int, dst: int, n: int, start: int = 0) -> tuple[int, int] | None:
+        """Slot `dst`, which holds positions [0, start) of its own, takes [start, n) of slot
+        `src`: src's blocks themselves where a block lies whole in [start, n), a copy of the
+        last, partial one (dst writes there next). Returns the positions left to copy one by
+        one, (start, end of its block), when start falls inside a block dst holds; else None."""
+        self._check(src)
+        self._check(dst)
+        bs = self.block_size
+        if src in self.spilled:
+            self._restore(src, -(-n // bs), keep=(dst,))
+        if n > self.kept(src):
+            raise ValueError(f"KV slot {src} holds {self.kept(src)} positions, not the {n} to share")
+        if dst in self.spilled:
+            n, _ = self.spilled.pop(dst)
+            self._spilled_n -= n
+            self.stats["dropped"] += n
+        first, (full, part) = -(-start // bs), divmod(n, bs)  # first: the first block wholly past start
+        if self.held[dst] < first:
+            raise ValueError(f"KV slot {dst} holds {self.kept(dst)} positions, not the {start} it keeps")
+        self._let_go(dst, first)  # what dst held from there on is past its length
+        for j in range(first, full):
+            self.refs[self.tables[src, j]] += 1
+            self.tables[dst, j] = self.tables[src, j]
+            self.stats["shared"] += 1
+        if part and full >= first:
+            self._grab(1, (src, dst))
+            if not self._pool:
+                raise self._full(dst, 1, n)
+            d = self._take()
+            self.tables[dst, full] = d
+            self.owner.copy_blocks(self.tables[src, full:full + 1].copy(), np.array([d], np.int32))
+        self.held[dst] = max(int(self.held[dst]), -(-n // bs))
+        return (start, min(n, first * bs)) if start % bs and start < n else None
 
     def closed(self, slot: int) -> None:
         """`slot`'s sequence ended: its blocks stay until the pool needs them."""
         self._idle.pop(slot, None)
+        self._closed[slot] = True
         if self.held[slot]:
             self._idle[slot] = None
 
     def opened(self, slot: int) -> None:
         self._idle.pop(slot, None)
+        self._closed[slot] = False
 
     def kept(self, slot: int) -> int:
+        """Positions `slot` holds: in its blocks, or spilled to the host pool."""
         self._check(slot)
-        return min(int(self.held[slot]) * self.block_size, self.max_ctx)
+        blocks = self.spilled[slot][0] if slot in self.spilled else int(self.held[slot])
+        return min(blocks * self.block_size, self.max_ctx)
 
     def locate(self, slot: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
         """(block ids, offsets in the block) of positions [p0, p1) of `slot`, which must hold them."""
@@ -248,7 +425,7 @@ class KVLayer:
     def write(self, slot: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Positions start … start + n of `slot` (blocks reserved as needed): k, v (n, Hkv, hd)."""
         n = len(k)
-        self.table.reserve(slot, start + n)
+        self.table.reserve(slot, start + n, start=start)
         b, o = self.table.locate(slot, start, start + n)
         self.k[b, :, o] = self._encode(k)
         self.v[b, :, o] = self._encode(v)
@@ -256,7 +433,7 @@ class KVLayer:
     def write_rows(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """One position for each of several slots: k, v (B, Hkv, hd)."""
         for slot, p in zip(slots, positions):
-            self.table.reserve(int(slot), int(p) + 1)
+            self.table.reserve(int(slot), int(p) + 1, start=int(p))
         bs = self.table.block_size
         b = self.table.tables[slots, positions // bs]
         self.k[b, :, positions % bs] = self._encode(k)
@@ -300,21 +477,38 @@ class KVCache(SlotTable):
     """All layers' caches over one pool of blocks, plus the slot bookkeeping. The layers are
     `layer_class` instances: KVLayer in host memory here; a device's cache subclasses this with
     its own layer class of the same calls (write, write_rows, rows, read, copy_blocks,
-    save_blocks, load_blocks) over its own arrays of the same layout."""
+    save_blocks, load_blocks) over its own arrays of the same layout.
+
+    spill: bytes of host memory for closed slots' blocks when the pool needs them (BlockTable;
+    0: dropped). Where the pool itself is host memory (the cpu backends) spilling only copies
+    RAM to RAM, so they leave it 0; `spill_limit` may be set after construction."""
 
     layer_class: type = KVLayer
 
     def __init__(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f32",
-                 n_blocks: int | None = None, block_size: int = BLOCK_SIZE):
+                 n_blocks: int | None = None, block_size: int = BLOCK_SIZE, spill: int = 0):
         if dtype not in KV_TYPES:
             raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if n_slots < 1 or max_ctx < 1:
             raise ValueError("the KV cache needs at least one slot and one position")
+        if spill < 0:
+            raise ValueError(f"kv_spill {spill} is negative: give bytes of host RAM, or 0 for none")
         super().__init__(n_slots)
         self.max_ctx, self.dtype = max_ctx, dtype
         n_blocks = default_blocks(n_slots, max_ctx, block_size) if n_blocks is None else n_blocks
         self.blocks = BlockTable(n_slots, max_ctx, n_blocks, block_size)
+        self.blocks.owner = self
+        self.blocks.block_bytes = bytes_per_token(cfg, dtype) * block_size
+        self.blocks.spill_limit = spill
         self.layers = [self.layer_class(self.blocks, dtype, cfg.n_kv_heads, cfg.head_dim) for _ in range(cfg.n_layers)]
+
+    @property
+    def spill_limit(self) -> int:
+        return self.blocks.spill_limit
+
+    @spill_limit.setter
+    def spill_limit(self, n: int) -> None:
+        self.blocks.spill_limit = int(n)
 
     def layer(self, i: int) -> KVLayer:
         return self.layers[i]
@@ -329,7 +523,10 @@ class KVCache(SlotTable):
         self.blocks.closed(slot)
 
     def reserve(self, slot: int, n: int) -> None:
-        self.blocks.reserve(slot, n)
+        """Room for positions [0, n) of `slot`, whose positions from its length on are written
+        next: a block it shares there is copied first (the engine reserves a step's positions
+        with lengths[slot] at the segment's start)."""
+        self.blocks.reserve(slot, n, start=min(int(self.lengths[slot]), n))
 
     def trim(self, slot: int, n: int) -> None:
         self.blocks.release(slot, n)
@@ -337,14 +534,41 @@ class KVCache(SlotTable):
     def kept(self, slot: int) -> int:
         return self.blocks.kept(slot)
 
+    def available(self) -> int:
+        """Blocks a sequence could get now (free, or held by closed slots alone): admission
+        admits a prompt of n positions when blocks_for(n) ≤ available()."""
+        return self.blocks.available()
+
+    def blocks_for(self, n: int) -> int:
+        return -(-n // self.blocks.block_size)
+
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
         """Positions [start, n) of slot `src` into slot `dst`, every layer (a shared prompt
-        prefix); `src` may be closed if it still holds them."""
-        if n > self.kept(src):
-            raise ValueError(f"KV slot {src} holds {self.kept(src)} positions, not the {n} to copy")
-        self.blocks.reserve(dst, n, keep=(src,))
-        sb, so = self.blocks.locate(src, start, n)
-        db, do = self.blocks.locate(dst, start, n)
+        prefix): by block reference where blocks lie whole in the range (BlockTable.share); a
+        block dst already holds part of gets the rest copied row by row. `src` may be closed
+        (or spilled) if it still holds them."""
+        rest = self.blocks.share(src, dst, n, start)
+        if rest is None:
+            return
+        p0, p1 = rest
+        self.blocks.reserve(dst, p1, keep=(src,), start=p0)
+        sb, so = self.blocks.locate(src, p0, p1)
+        db, do = self.blocks.locate(dst, p0, p1)
         for layer in self.layers:
             layer.k[db, :, do] = layer.k[sb, :, so]
             layer.v[db, :, do] = layer.v[sb, :, so]
+
+    # ---- what the block table asks of the layers (BlockTable.owner) ----------------------------
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        for layer in self.layers:
+            layer.copy_blocks(src, dst)
+
+    def save_blocks(self, ids: np.ndarray) -> list:
+        return [layer.save_blocks(ids) for layer in self.layers]
+
+    def load_blocks(self, ids: np.ndarray, saved: list) -> None:
+        """The first len(ids) blocks of what save_blocks gave into blocks `ids`."""
+        n = len(ids)
+        for layer, (k, v) in zip(self.layers, saved):
+            layer.load_blocks(ids, k[:n], v[:n])

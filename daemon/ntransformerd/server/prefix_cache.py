@@ -3,12 +3,15 @@
 A finished sequence's slot goes back to the free list with its keys and values in place; this
 table remembers which token ids they are for, least recently freed first. A new request takes
 the slot whose tokens share the longest prefix with its prompt and keeps those positions (or,
-when that cached sequence goes on past the shared part and an empty slot is free, a copy of
-them, so the cached one stays for others), or, when a live sequence shares more, gets a slot
-and a copy of them. Either way only the rest of the prompt is prefilled; at least its last token always is, so
+when that cached sequence goes on past the shared part and an empty slot is free, shares their
+blocks, so the cached one stays for others), or, when a live sequence shares more, gets a slot
+sharing its blocks (engine.copy_prefix: by block reference, the last partial block copied).
+Either way only the rest of the prompt is prefilled; at least its last token always is, so
 there are logits to sample from. A request with no hit takes a slot that holds nothing, else the
 least recently freed one (an eviction). Slots are allocated with the cache, so keeping finished
-sequences costs no memory.
+sequences costs no memory. A paged pool takes a closed slot's blocks back when it runs short,
+or spills them to host RAM (kv_cache.py); `engine.kept` counts spilled positions as held, and
+reopening the slot restores them.
 
 Concurrent requests sharing a prefix both benefit: while an older request is still prefilling
 positions a younger one shares, the younger waits and then copies them (`catch_up`).

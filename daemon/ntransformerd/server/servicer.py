@@ -15,7 +15,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from ntransformerd.engine import constraints
+from ntransformerd.engine import constraints, kv_cache
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
 from ntransformerd.engine.speculative import Mode
@@ -384,6 +384,7 @@ def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) 
         accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
         cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
     if engine is not None:
+        r.kv.CopyFrom(kv_status(engine))
         r.placements.extend(placements(engine))
         info = model_info(engine)
         r.model, r.backend = info.name, info.backend
@@ -400,6 +401,33 @@ def _same_sender(owner: Caller | None, caller: Caller) -> bool:
     """A request of `owner` is shown to `caller`: the same connection identity (a gateway sees
     the requests of all its keys; on_behalf_of does not hide them from their sender)."""
     return owner is not None and owner.principal == caller.principal
+
+
+def kv_status(engine) -> pb.KVStatus:
+    """The KV pool of the engine's (first) device and what its plan weighed: the layers resident
+    with each KV type at that pool. Counters only: read from this thread while the scheduler's
+    owns the cache."""
+    kv = getattr(engine, "kv", None)
+    stages = getattr(getattr(engine, "pipeline", None), "stages", None)
+    cache = kv
+    if getattr(kv, "blocks", None) is None and stages:  # several devices (tiers/runs.py: DeviceKV): the first's
+        cache = stages[0].kv.cache
+    table = getattr(cache, "blocks", None)
+    dtype = engine.config.kv_dtype
+    per_token = kv_cache.bytes_per_token(engine.cfg, dtype)
+    plan = getattr(engine, "plan", None)
+    pool = getattr(plan, "kv", None)
+    out = pb.KVStatus(dtype=dtype, bytes_per_token=per_token, max_ctx=engine.max_ctx,
+                      resident_layers=len(plan.layers("vram")) if plan is not None else engine.cfg.n_layers,
+                      resident_by_dtype=dict(pool.resident) if pool is not None else {})
+    if table is not None:  # a paged cache (kv_cache.BlockTable)
+        out.block_size, out.blocks = table.block_size, table.n_blocks
+        out.pool_tokens = table.n_blocks * table.block_size
+        out.pool_bytes = out.pool_tokens * per_token
+        out.used_blocks, out.shared_blocks = table.used_blocks, table.shared_blocks
+        out.spill_limit_bytes, out.spilled_bytes = table.spill_limit, table.spill_bytes
+        out.spilled_blocks_total, out.restored_blocks_total = table.stats["spilled"], table.stats["restored"]
+    return out
 
 
 def placements(engine) -> list[pb.Placement]:

@@ -45,6 +45,7 @@ examples:
 
 # EngineConfig's settings as `ntx-model run` spells them: an error names the flag the user typed.
 FLAGS = Spelling({"backend": "--backend", "kv_dtype": "--kv-dtype", "max_ctx": "--ctx", "max_batch": "--max-batch",
+                  "kv_blocks": "--kv-blocks",
                   "vram_budget": "--vram-budget", "pinned_budget": "--pinned-budget",
                   "max_vram_layers": "--max-vram-layers", "stream_depth": "--stream-depth", "storage": "--storage",
                   "devices": "--devices", "skip_layers": "--skip-layers", "host_compute": "--host-compute",
@@ -106,6 +107,7 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     config, backend = resolved(EngineConfig(  # sizes parsed, "auto" decided, kv_dtype and storage checked: once
         backend=args.backend, max_batch=args.max_batch, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
+        kv_blocks=args.kv_blocks,
         vram_budget=args.vram_budget, pinned_budget=args.pinned_budget, max_vram_layers=args.max_vram_layers,
         stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
         skip_layers=_skip_layers(args) or None, host_compute=args.host_compute, link_cap=args.link_cap,
@@ -328,7 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
     s.add_argument("--max-batch", type=int, default=1, help="KV-cache slots: sequences decoded together, as the "
                    "daemon's max_batch (the plan reserves their cache; default 1)")
-    s.add_argument("--plan", action="store_true", help="print the tier plan (VRAM / pinned RAM / storage) and exit")
+    s.add_argument("--kv-blocks", type=int, metavar="N", help="the KV pool in blocks of 16 positions, shared by the "
+                   "sequences (as the daemon's kv_blocks; default: the plan's choice, --plan says which)")
+    s.add_argument("--plan", action="store_true", help="print the tier plan (VRAM / pinned RAM / storage, the KV "
+                   "pool and the layers each KV type keeps resident) and exit")
     s.add_argument("--vram-budget", metavar="SIZE", help="device memory to use in all: 24GiB (binary) or 24GB "
                    "(decimal), as in the daemon's config; a bare 24G is refused as ambiguous (emulates a smaller GPU)")
     s.add_argument("--pinned-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")

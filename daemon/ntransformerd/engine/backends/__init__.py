@@ -30,7 +30,6 @@ from ntransformerd.engine.backends import cpu
 from ntransformerd.engine.devices import Backend
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
 from ntransformerd.engine.kv_cache import KV_DTYPES as HOST_KV_DTYPES
-from ntransformerd.engine.kv_cache import default_blocks
 from ntransformerd.engine.tiers.planner import HOST, VRAM
 from ntransformerd.settings import SettingError
 
@@ -100,7 +99,7 @@ class Cuda:
     """backends/cuda as a Backend: each GPU by its ordinal."""
 
     name, is_host = "cuda", False
-    kv_dtypes = ("f16",)  # backends/cuda/kv.py
+    kv_dtypes = ("f16", "q8_0")  # backends/cuda/kv.py (CUDA_KV_DTYPES; the module needs CuPy to import)
     reads_storage = True
 
     def __init__(self, module):
@@ -121,11 +120,8 @@ class Cuda:
             return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap)
 
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0, n_blocks=None):
-        if n_blocks is not None and n_blocks != default_blocks(n_slots, max_ctx):
-            raise SettingError("the cuda backend's KV cache holds whole slots ({max_batch} × {max_ctx}) until its "
-                               "paged form lands: leave {kv_blocks} unset", setting="kv_blocks", value=n_blocks)
         with self.context(device):
-            return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+            return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
 
     def capture(self, ops, weights, kv, *, threads: int | None = None):
         return self.module.graphs(ops, weights, kv)

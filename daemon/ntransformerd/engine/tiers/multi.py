@@ -95,6 +95,7 @@ class MultiPlan:
     h2d_bps: tuple[float, ...]
     ram_limit: int
     reasons: tuple[str, ...] = ()
+    kv: object | None = None  # planner.KVPool: the pool in blocks every device holds its layers' share of
 
     @property
     def n_devices(self) -> int:
@@ -178,11 +179,13 @@ class MultiPlan:
             "devices": [{"range": list(r), **p.to_dict(), "layers": {t: self.layers(t, d) for t in TIERS}}
                         for d, (r, p) in enumerate(zip(self.ranges, self.devices))],
             "reasons": list(self.reasons),
+            **({"kv": self.kv.to_dict()} if self.kv is not None else {}),
         }
 
     def explain(self, disk_bps: float = ASSUMED_DISK_BPS) -> str:
         if self.n_devices == 1:
-            return self.devices[0].explain(self.h2d_bps[0], disk_bps)
+            one = self.devices[0] if self.kv is None else dataclasses.replace(self.devices[0], kv=self.kv)
+            return one.explain(self.h2d_bps[0], disk_bps)
         lb = self.layer_bytes
         lines = [f"plan for {len(lb)} layers ({fmt_bytes(sum(lb))} of layer weights) over {self.n_devices} devices, "
                  "pipeline order:"]
@@ -200,6 +203,8 @@ class MultiPlan:
                          + (f", {sec * 1e3:.1f} ms at {self.h2d_bps[d] / 1e9:.0f} GB/s" if sec else ""))
         lines.append(f"  handoff        {self.n_devices - 1} device-to-device activation copies per step "
                      "(rows x d_model floats)")
+        if self.kv is not None:
+            lines += self.kv.explain()
         lines.append(f"  RAM pinned     {fmt_bytes(self.ram_bytes)} of {fmt_bytes(self.ram_limit)}")
         total = self.streamed_bytes_per_step
         lines.append(f"  streamed/step  {fmt_bytes(total)} in all (pinned {fmt_bytes(self.bytes(PINNED))}, storage "

@@ -57,7 +57,7 @@ class PlanError(SettingError):
     its `fix` which settings would help (SettingError.worded spells them for the program)."""
 
 
-SHRINK_KV = ("max_batch", "max_ctx")  # the settings that make the KV cache smaller
+SHRINK_KV = ("kv_blocks", "max_batch", "max_ctx")  # the settings that make the KV cache smaller
 
 
 def fmt_bytes(n: float) -> str:
@@ -78,6 +78,47 @@ def mem_available(path: str = "/proc/meminfo") -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVPool:
+    """The KV cache a plan sets aside on a device: `blocks` of `block_size` positions, each
+    position `token_bytes` over the device's layers (kv_cache.bytes_per_token). max_ctx limits
+    one sequence; the pool is shared by all of them (admission and growth count blocks).
+    `resident`: layers the plan keeps resident at this pool with each KV type, (type, layers),
+    the pool's own type first: what a smaller type buys."""
+
+    dtype: str
+    token_bytes: int
+    blocks: int
+    block_size: int
+    max_ctx: int
+    max_batch: int
+    why: str = ""  # how the size was chosen
+    resident: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.token_bytes
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "token_bytes": self.token_bytes, "blocks": self.blocks,
+                "block_size": self.block_size, "tokens": self.tokens, "bytes": self.bytes, "max_ctx": self.max_ctx,
+                "max_batch": self.max_batch, "why": self.why, "resident": dict(self.resident)}
+
+    def explain(self, indent: str = "  ") -> list[str]:
+        full = self.tokens / max(1, self.max_ctx)
+        lines = [f"{indent}KV cache       {self.dtype}, {self.token_bytes / 1024:.1f} KiB per token; pool {self.blocks} "
+                 f"blocks x {self.block_size} = {self.tokens} tokens, {fmt_bytes(self.bytes)} ({full:.2f} x max_ctx "
+                 f"{self.max_ctx}; {self.max_batch} sequences at once)" + (f": {self.why}" if self.why else "")]
+        if self.resident:
+            lines.append(f"{indent}KV trade       layers resident at this pool: "
+                         + ", ".join(f"{t} KV {n}" for t, n in self.resident))
+        return lines
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The tier of every layer and what it costs; `explain()` is what `ntx-model run --plan` prints."""
 
@@ -94,6 +135,7 @@ class Plan:
     skipped_streamed_bytes: int = 0  # bytes per step the skipped layers would have streamed
     # Which streamed layers the host computes at each step shape (placement.Schedule); None: none.
     schedule: object | None = None
+    kv: KVPool | None = None  # the KV pool kv_bytes holds, where the plan knows it (tiers.model_plan)
 
     def layers(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -112,6 +154,11 @@ class Plan:
     @property
     def all_resident(self) -> bool:
         return all(t in (VRAM, SKIP) for t in self.tiers)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions the KV pool holds, all sequences together (0 where the plan does not know)."""
+        return self.kv.tokens if self.kv is not None else 0
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -148,6 +195,7 @@ class Plan:
             "skipped_streamed_bytes": self.skipped_streamed_bytes,
             "reasons": list(self.reasons),
             **({"host_compute": self.schedule.to_dict()} if self.schedule is not None else {}),
+            **({"kv": self.kv.to_dict()} if self.kv is not None else {}),
         }
 
     def explain(self, h2d_bps: float = ASSUMED_H2D_BPS, disk_bps: float = ASSUMED_DISK_BPS) -> str:
@@ -159,6 +207,8 @@ class Plan:
         lines.append(f"  VRAM use       {fmt_bytes(self.vram_bytes)} of {fmt_bytes(self.vram_limit)}: fixed "
                      f"{fmt_bytes(self.fixed_bytes)}, KV {fmt_bytes(self.kv_bytes)}, workspace "
                      f"{fmt_bytes(self.workspace_bytes)}, {self.depth} slots x {fmt_bytes(self.slot_bytes)}")
+        if self.kv is not None:
+            lines += self.kv.explain()
         lines.append(f"  RAM pinned     {fmt_bytes(self.ram_bytes)} of {fmt_bytes(self.ram_limit)}"
                      + (f" (incl. {self.depth} staging buffers)" if self.staging_bytes else ""))
         s = self.streamed_bytes_per_step

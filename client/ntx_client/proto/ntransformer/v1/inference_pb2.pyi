@@ -367,8 +367,49 @@ class Placement(_message.Message):
     steps: int
     def __init__(self, rows: _Optional[int] = ..., host_layers: _Optional[_Iterable[int]] = ..., link_layers: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
+class KVStatus(_message.Message):
+    __slots__ = ("dtype", "bytes_per_token", "block_size", "blocks", "pool_bytes", "pool_tokens", "max_ctx", "used_blocks", "shared_blocks", "resident_layers", "resident_by_dtype", "spill_limit_bytes", "spilled_bytes", "spilled_blocks_total", "restored_blocks_total")
+    class ResidentByDtypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CTX_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPILL_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    bytes_per_token: int
+    block_size: int
+    blocks: int
+    pool_bytes: int
+    pool_tokens: int
+    max_ctx: int
+    used_blocks: int
+    shared_blocks: int
+    resident_layers: int
+    resident_by_dtype: _containers.ScalarMap[str, int]
+    spill_limit_bytes: int
+    spilled_bytes: int
+    spilled_blocks_total: int
+    restored_blocks_total: int
+    def __init__(self, dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., max_ctx: _Optional[int] = ..., used_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., resident_layers: _Optional[int] = ..., resident_by_dtype: _Optional[_Mapping[str, int]] = ..., spill_limit_bytes: _Optional[int] = ..., spilled_bytes: _Optional[int] = ..., spilled_blocks_total: _Optional[int] = ..., restored_blocks_total: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache", "prefix_cache_share", "placements")
+    __slots__ = ("state", "load_progress", "load_fraction", "model", "backend", "live_requests", "queued_requests", "batch_size", "max_batch", "max_queue", "free_slots", "tokens_per_second", "tiers", "steps", "requests_total", "tokens_generated_total", "uptime_seconds", "memory_bytes", "requests", "error", "pid", "speculation", "skip_layers", "vram_bytes", "pinned_bytes", "prompt_tokens_total", "prefill_tokens_total", "prefix_hit_tokens_total", "prefix_evictions_total", "prefix_cached_slots", "prefix_cache", "prefix_cache_share", "placements", "kv")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +443,7 @@ class StatusResponse(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_SHARE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     load_progress: str
     load_fraction: float
@@ -435,4 +477,5 @@ class StatusResponse(_message.Message):
     prefix_cache: bool
     prefix_cache_share: str
     placements: _containers.RepeatedCompositeFieldContainer[Placement]
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_share: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+    kv: KVStatus
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., load_progress: _Optional[str] = ..., load_fraction: _Optional[float] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., live_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., free_slots: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., steps: _Optional[int] = ..., requests_total: _Optional[int] = ..., tokens_generated_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., skip_layers: _Optional[_Iterable[int]] = ..., vram_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., prefix_evictions_total: _Optional[int] = ..., prefix_cached_slots: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_share: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., kv: _Optional[_Union[KVStatus, _Mapping]] = ...) -> None: ...

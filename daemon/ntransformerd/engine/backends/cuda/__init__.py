@@ -3,7 +3,7 @@
 One module per concern: nvrtc (compiling and launching, programmatic dependent launch),
 settings (the tuning knobs, read once), launch (one checked launcher per kernel, and which
 kernel serves each matrix and batch width), weights (the device layout of a layer and the one
-weights object every plan uses), kv (the F16 KV cache), ops (the op set model.forward calls,
+weights object every plan uses), kv (the paged KV cache, f16 or q8_0), ops (the op set model.forward calls,
 with the arena that makes a pass capturable), graphs (model.forward captured per bucket).
 `backends/cpu.py` is the reference every op is tested against (tests/gpu).
 
@@ -14,12 +14,12 @@ benchmarks use.
 from __future__ import annotations
 
 from ntransformerd.engine.backends.cuda.graphs import StepGraphs
-from ntransformerd.engine.backends.cuda.kv import CudaKVCache, CudaKVLayer
+from ntransformerd.engine.backends.cuda.kv import CUDA_KV_DTYPES, CudaKVCache, CudaKVLayer, DeviceTables
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
-    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC,
+    ATTN_ND, CHUNKED_MAX_ROWS, CHUNK_HEAD_DIMS, CHUNK_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC,
     MMA_MIN_BUCKET, MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, QAct, argmax, attention_,
     attention_chunk_, attention_decode_, attention_scratch, attention_splits, bucket_of, chunk_heads, chunk_tiles,
-    dequantize_rows, kernel_names, kv_append_, matmul, matvec, mmh_grid, precompile, quantize, reads_f16,
+    dequantize_rows, kernel_names, kv_append_, kv_args, matmul, matvec, matvec_rows, mmh_grid, precompile, quantize, reads_f16,
     reads_qact, rms_norm, rope_, rope_kv_, step_splits, swiglu, top_rows)
 from ntransformerd.engine.backends.cuda.nvrtc import available, cp, kernel, kernel_source, pdl  # noqa: F401
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
@@ -51,10 +51,12 @@ def vram_free() -> int:
     return cp.cuda.runtime.memGetInfo()[0]
 
 
-def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16") -> CudaKVCache:
-    if dtype != "f16":  # the cache is F16 (kv.py): another type asked for is refused, never substituted
-        raise ValueError(f"kv_dtype {dtype!r}: the cuda backend stores its KV cache as f16 only")
-    return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype)
+def kv_cache(cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str = "f16",
+             n_blocks: int | None = None, spill: int = 0) -> CudaKVCache:
+    """The paged KV cache (kv.py): n_blocks blocks of 16 positions (default: n_slots × max_ctx
+    worth), f16 or q8_0, closed slots' blocks saved to `spill` bytes of host RAM when the pool
+    needs them; another kv_dtype is refused, never substituted."""
+    return CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks, spill=spill)
 
 
 def graphs(ops: CudaOps, weights: CudaWeights, kv: CudaKVCache) -> StepGraphs:
@@ -62,6 +64,6 @@ def graphs(ops: CudaOps, weights: CudaWeights, kv: CudaKVCache) -> StepGraphs:
     return StepGraphs(ops, weights, kv)
 
 
-__all__ = ["Arena", "CudaKVCache", "CudaKVLayer", "CudaOps", "CudaSettings", "CudaTensor", "CudaWeights",
+__all__ = ["Arena", "CUDA_KV_DTYPES", "CudaKVCache", "CudaKVLayer", "CudaOps", "CudaSettings", "CudaTensor", "CudaWeights", "DeviceTables",
            "LayerLayout", "Stacked", "StepGraphs", "available", "graphs", "kv_cache", "layer_nbytes", "load",
            "resident_plan", "vram_free"]

@@ -1,13 +1,16 @@
 """model.forward captured as a CUDA graph, one per bucket of rows × tokens per row (× layers).
 
 A bucket is (R rows, T tokens per row, the layers to run): R sequences each adding T tokens at
-consecutive positions, R × T ≤ 32, T in 1 (decode), 2, 4, 8, 16 (verifying drafts). Its
+consecutive positions, R × T ≤ 32, T in 1 (decode), 2, 4, 8, 16 (verifying drafts), or up to
+64 rows of one token (a wide decode step: its matmuls run as fused matvecs of 32 rows each). Its
 graph is model.forward itself, run once eagerly with the ops drawing every output from the
 bucket's Arena (this compiles the kernels, and teaches the arena which producers quantize for
 an int8 matvec), then once under stream capture with the same buffers. A step then costs one
 small host→device copy (token, slot, position of each row), one replay, and one copy of what
 the caller wants back (greedy ids, each row's top ids, or the logits). Rows of a bucket beyond
-the live batch run on the KV cache's scratch slot.
+the live batch run on the KV cache's scratch slot (its table row points at the scratch block).
+The graphs read the cache's device block tables (kv.DeviceTables: one fixed buffer); a step
+brings the rows of its slots up to date on the step's stream before the replay.
 
 Streamed layers from pinned RAM are copied inside the graph (weights.CudaWeights: prefetch,
 acquire and release are capturable); a plan with storage layers runs every pass eagerly.
@@ -34,8 +37,10 @@ from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import TopLogits
 
-ROWS = (1, 2, 4, 8, 16, 32)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
 TOKENS = (1, 2, 4, 8, 16)
+MAX_ROWS = K.MATVEC_MAX_ROWS  # rows × tokens of a bucket, except…
+MAX_DECODE_ROWS = 64  # …one token per row: up to this many rows
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +94,9 @@ class StepGraphs:
         if tokens not in TOKENS or tokens > self.kv.max_ctx:
             return None
         r = next((r for r in ROWS if r >= n_rows), None)
-        return (r, tokens) if r is not None and r * tokens <= K.MATVEC_MAX_ROWS else None
+        if r is None or r * tokens > (MAX_DECODE_ROWS if tokens == 1 else MAX_ROWS):
+            return None
+        return r, tokens
 
     def covers(self, segments, layers=None) -> bool:
         """Whether a captured step serves these segments (all of one length; see bucket)."""
@@ -204,6 +211,8 @@ class StepGraphs:
         io[0, :m] = tokens.reshape(-1)
         io[1, :m] = np.repeat(slots, t)
         io[2, :m] = (start[:, None] + np.arange(t)).reshape(-1)
+        for slot, p in zip(slots, start):  # the engine reserved them already (then a no-op)
+            self.kv.blocks.reserve(int(slot), int(p) + t, start=int(p))
         with self.stream:
             if piece:  # resident layers only: no slot to wait for
                 if x.shape != (m, self.cfg.d_model):
@@ -211,6 +220,7 @@ class StepGraphs:
                 b.x[:m] = x
             else:
                 self.w.settle(self.stream)
+            self.kv.tables.refresh(slots, stream=self.stream)  # the blocks the engine reserved for this step
             b.arena.io.set(io, stream=self.stream)  # ordered after the previous step on this stream
             if tokens_dev is not None:
                 b.arena.io[0, :m] = tokens_dev

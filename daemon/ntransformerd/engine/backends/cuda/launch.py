@@ -26,7 +26,8 @@ from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, device_all
 from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 from ntransformerd.engine.gguf_file import LlamaConfig
 
-MATVEC_MAX_ROWS = 32  # up to this many rows a matmul is the fused dequant-multiply
+MATVEC_MAX_ROWS = 32  # up to this many rows a matvec launch is the fused dequant-multiply
+CHUNKED_MAX_ROWS = 128  # up to this many rows a matmul runs as fused matvecs of ≤ 32 rows each (decode)
 MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kernels
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
@@ -80,6 +81,17 @@ class QAct:
 
     def args(self) -> tuple:
         return (self.hi, self.lo, self.d, self.s)
+
+    def part(self, a: int, b: int) -> QAct:
+        """Rows [a, b) as a QAct of their own (views of this one's buffer)."""
+        if not 0 <= a < b <= self.rows:
+            raise ValueError(f"QAct.part: rows [{a}, {b}) of {self.rows}")
+        q = QAct.__new__(QAct)
+        k, g = self.k, self.k // 32
+        q.rows, q.k, q.buf = b - a, k, self.buf
+        q.hi, q.lo = self.hi[a * k:b * k], self.lo[a * k:b * k]
+        q.d, q.s = self.d[a * g:b * g], self.s[a * g:b * g]
+        return q
 
 
 _qscratch: dict[tuple, QAct] = {}
@@ -198,11 +210,31 @@ def mmh_scratch() -> tuple:
     return _mmh[key]
 
 
+def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSettings = DEFAULT):
+    """matvec for any number of rows up to CHUNKED_MAX_ROWS: chunks of ≤ MATVEC_MAX_ROWS rows,
+    each the fused kernel at its bucket, into the rows of one out (+ res)."""
+    n = x.shape[0]
+    if n <= MATVEC_MAX_ROWS:
+        return matvec(x, w, out=out, res=res, xq=xq, s=s)
+    if n > CHUNKED_MAX_ROWS:
+        raise ValueError(f"matvec_rows: {n} rows, at most {CHUNKED_MAX_ROWS}")
+    if out is None:
+        out = cp.empty((n, w.shape[0]), cp.float32)
+    if xq is not None and (xq.k != w.shape[1] or xq.rows < n):
+        raise ValueError(f"matvec_rows: xq ({xq.rows}, {xq.k}) for {n} rows of K {w.shape[1]}")
+    for a in range(0, n, MATVEC_MAX_ROWS):
+        b = min(n, a + MATVEC_MAX_ROWS)
+        matvec(x[a:b], w, out=out[a:b], res=None if res is None else res[a:b],
+               xq=None if xq is None else xq.part(a, b), s=s)
+    return out
+
+
 def matmul(x, w, s: CudaSettings = DEFAULT):
-    """x @ W.T: fused for ≤ 32 rows, else f16 dequantization and cuBLAS (f32 accumulation)."""
+    """x @ W.T: fused for ≤ CHUNKED_MAX_ROWS rows (chunks of ≤ 32), else f16 dequantization and
+    cuBLAS (f32 accumulation)."""
     check_array(x, cp.float32, 2, "matmul x")
-    if x.shape[0] <= MATVEC_MAX_ROWS:
-        return matvec(x, w, s=s)
+    if x.shape[0] <= CHUNKED_MAX_ROWS:
+        return matvec_rows(x, w, s=s)
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul: x {x.shape} against W {w.shape}")
     w16 = dequantize_rows(w, half=True)  # (N, K) f16 scratch from the pool
@@ -310,12 +342,23 @@ def step_splits(n_rows: int, max_ctx: int, cfg: LlamaConfig, s: CudaSettings = D
                attention_splits(n_rows, cfg.n_heads, max_ctx - 1, cfg.head_dim))
 
 
-def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldk: int, ldv: int):
-    """Rows of k and v (row strides ldk, ldv) to the cache at (slot, pos)."""
-    kc = kv_layer.k
-    kernel("attention", "kv_append")((n_blocks(n * cfg.kv_dim, 256),), (256,), (
-        k, np.int32(ldk), v, np.int32(ldv), kc, kv_layer.v, slots, pos, np.int32(n), np.int32(cfg.kv_dim),
-        np.int32(kc.shape[1])))
+def kv_args(kv_layer) -> tuple:
+    """The cache arguments every attention kernel takes: k, v, the device block tables and
+    their row length (backends/cuda/kv.py)."""
+    return (kv_layer.k, kv_layer.v, kv_layer.tables.dev, np.int32(kv_layer.table.max_blocks))
+
+
+def _q8(kv_layer) -> int:
+    return int(kv_layer.q8)
+
+
+def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig | None = None, *, n: int, ldk: int, ldv: int):
+    """Rows of k and v (row strides ldk, ldv) to the cache at (slot, pos), through the block
+    tables, rounded to the cache's type (f16, or Q8_0 as gguf.quants rounds)."""
+    per = kv_layer.n_kv * (kv_layer.head_dim // 32 if kv_layer.q8 else kv_layer.head_dim)
+    kernel("attention", f"kv_append<{_q8(kv_layer)}>")((n_blocks(n * per, 256),), (256,), (
+        k, np.int32(ldk), v, np.int32(ldv), *kv_args(kv_layer), slots, pos, np.int32(n), np.int32(kv_layer.n_kv),
+        np.int32(kv_layer.head_dim)))
 
 
 def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
@@ -326,15 +369,13 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
         raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
     if not 1 <= n_splits <= 64:
         raise ValueError(f"attention: {n_splits} splits, expected 1 to 64")
-    kc, vc = kv_layer.k, kv_layer.v
-    max_ctx = kc.shape[1]
     if append:
         kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ldk, ldv=ldv)
     pm, pl, po = scratch[:3]
     warps = n * cfg.n_heads
-    kernel("attention", f"attn_partial<{cfg.head_dim // 32}>")((n_blocks(warps, 4), n_splits), (128,), (
-        q, np.int32(ldq), kc, vc, slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
-        np.int32(cfg.n_kv_heads), np.int32(max_ctx), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
+    kernel("attention", f"attn_partial<{cfg.head_dim // 32},{_q8(kv_layer)}>")((n_blocks(warps, 4), n_splits), (128,), (
+        q, np.int32(ldq), *kv_args(kv_layer), slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
+        np.int32(cfg.n_kv_heads), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
     kernel("attention", "attn_combine")((warps,), (128,), (  # a block per (row, head)
         pm, pl, po, out, pos, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits),
         *qact_args(q_out, n, cfg.q_dim, "attention")))
@@ -342,15 +383,18 @@ def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_spl
 
 
 def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, ld: int, ldv: int):
-    """The decode step's RoPE + cache append in one launch: rows of qkv (row stride ld) hold q
-    then k; both are rotated in place, and k and v (rows of v, stride ldv) go to the cache."""
-    kc, vc = kv_layer.k, kv_layer.v
+    """The decode step's RoPE + cache append: rows of qkv (row stride ld) hold q then k; both
+    are rotated in place, and k and v (rows of v, stride ldv) go to the cache (an f16 cache in
+    the same launch, a Q8_0 one by kv_append after it: a block's scale needs its 32 values)."""
     check_array(pos, cp.int32, 1, "rope_kv positions")
     per_row = (cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.head_dim // 2)
     kernel("attention", "rope_kv")((n_blocks(n * per_row, 256),), (256,), (
-        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, np.int32(n), np.int32(cfg.n_heads),
-        np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
-        np.int32(kc.shape[1])))
+        qkv, np.int32(ld), v, np.int32(ldv), *kv_args(kv_layer), slots, pos, freqs, np.int32(n),
+        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_dim),
+        np.int32(cfg.rope_neox), np.int32(not kv_layer.q8)))
+    if kv_layer.q8:
+        k = np.intp(qkv.data.ptr + 4 * cfg.q_dim)  # the rotated k heads, right after q in each row
+        kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ld, ldv=ldv)
 
 
 def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int, n_splits: int, ld: int,
@@ -370,10 +414,9 @@ def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, 
     warps = n * cfg.n_heads
     if cnt.size < n_blocks(warps, 4) or pm.size < warps * n_splits:
         raise ValueError(f"attention_decode: scratch too small for {n} rows, {n_splits} splits")
-    kc, vc = kv_layer.k, kv_layer.v
-    kernel("attention", f"attn_decode<{cfg.head_dim // 32}>")((n_blocks(warps, 4), n_splits), (128,), (
-        qkv, np.int32(ld), v, np.int32(ldv), kc, vc, slots, pos, freqs, pm, pl, po, cnt, out, np.int32(n),
-        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.int32(n_splits),
+    kernel("attention", f"attn_decode<{cfg.head_dim // 32},{_q8(kv_layer)}>")((n_blocks(warps, 4), n_splits), (128,), (
+        qkv, np.int32(ld), v, np.int32(ldv), *kv_args(kv_layer), slots, pos, freqs, pm, pl, po, cnt, out, np.int32(n),
+        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(n_splits),
         np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
         *qact_args(q_out, n, cfg.q_dim, "attention")))
     return out
@@ -410,10 +453,9 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
         raise ValueError(f"attention_chunk: head_dim {cfg.head_dim} not in {CHUNK_HEAD_DIMS}")
     hb = chunk_heads(cfg)
     t = cp.asarray(tiles)  # (2, T) int32 (already on the device from CudaOps)
-    kc, vc = kv_layer.k, kv_layer.v
-    kernel("attention", f"attn_chunk<{cfg.head_dim}>")((tiles.shape[1], cfg.n_heads // hb), (32 * hb,), (
-        q, np.int32(ldq), kc, vc, slots, pos, t[0], t[1], out, np.int32(out.shape[1]), np.int32(cfg.n_heads),
-        np.int32(cfg.n_kv_heads), np.int32(kc.shape[1]), np.float32(math.log2(math.e) / math.sqrt(cfg.head_dim))))
+    kernel("attention", f"attn_chunk<{cfg.head_dim},{_q8(kv_layer)}>")((tiles.shape[1], cfg.n_heads // hb), (32 * hb,), (
+        q, np.int32(ldq), *kv_args(kv_layer), slots, pos, t[0], t[1], out, np.int32(out.shape[1]),
+        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.float32(math.log2(math.e) / math.sqrt(cfg.head_dim))))
     return out
 
 
@@ -441,10 +483,11 @@ def kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
                       for t, n in FAST_MATVEC.items() for ks in (1, 4) for r in rows]
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"),
-              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append"),
-              ("attention", "rope_kv"), ("attention", "attn_combine")]
-    names += [("attention", f"{k}<{nd}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")]
-    names += [("attention", f"attn_chunk<{hd}>") for hd in CHUNK_HEAD_DIMS]
+              ("sample", "argmax_rows"), ("sample", "top_rows"), ("attention", "kv_append<0>"),
+              ("attention", "kv_append<1>"), ("attention", "rope_kv"), ("attention", "attn_combine")]
+    names += [("attention", f"{k}<{nd},{q8}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")
+              for q8 in (0, 1)]
+    names += [("attention", f"attn_chunk<{hd},{q8}>") for hd in CHUNK_HEAD_DIMS for q8 in (0, 1)]
     return names
 
 

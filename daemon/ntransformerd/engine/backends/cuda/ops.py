@@ -118,6 +118,7 @@ class CudaOps:
         self.freqs = cp.asarray(rope_frequencies(cfg, freq_factors))  # (rope_dim/2,) float64
         self.arena: Arena | None = None
         self._batch = None  # (batch, slots, positions, tiles, splits) of the eager step in flight
+        self._refreshed = None  # (batch, device tables) last brought up to date
 
     # ---- outputs ------------------------------------------------------------------------------
 
@@ -134,11 +135,19 @@ class CudaOps:
 
     # ---- the step's rows ----------------------------------------------------------------------
 
-    def _rows(self, batch: Batch):
+    def _rows(self, batch: Batch, kv_layer):
         """Slots, positions, prefill-attention tiles (or None) and attention splits of the step's
-        rows on the device: the arena's io, or made once per eager step."""
+        rows on the device: the arena's io (graphs.py brings the block tables up to date before
+        a replay), or made once per eager step, the device block tables of its slots refreshed
+        once per step and cache."""
         if self.arena is not None:
             return self.arena.slots_dev, self.arena.pos_dev, None, self.arena.n_splits
+        done = self._refreshed
+        if done is None or done[0] is not batch or done[1] is not kv_layer.tables:
+            for seg in batch.segments:  # held already where the engine reserved the step (a no-op then)
+                kv_layer.table.reserve(seg.slot, seg.start + len(seg.tokens), start=seg.start)
+            kv_layer.tables.refresh([s.slot for s in batch.segments])
+            self._refreshed = (batch, kv_layer.tables)
         if self._batch is None or self._batch[0] is not batch:
             c = self.cfg
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
@@ -209,7 +218,7 @@ class CudaOps:
 
     def _matmul(self, x, w, key, *, residual=None):
         n = x.shape[0]
-        if n > K.MATVEC_MAX_ROWS:  # prefill: f16 dequantization and cuBLAS (never in an arena)
+        if n > K.CHUNKED_MAX_ROWS:  # prefill: f16 dequantization and cuBLAS (never in an arena)
             y = K.matmul(cp.ascontiguousarray(x), w, self.settings)
             if residual is None:
                 return y
@@ -219,22 +228,24 @@ class CudaOps:
             self.arena.written(residual)
         out = residual if residual is not None else self._out(key, (n, w.shape[0]), x)
         xq = None
-        if self.arena is not None and K.reads_qact([w], K.bucket_of(n), self.settings):
+        if self.arena is not None and K.reads_qact([w], K.bucket_of(min(n, K.MATVEC_MAX_ROWS)), self.settings):
             xq = self.arena.q_of(x, w.shape[1])
-        return K.matvec(x, w, out=out, res=residual, xq=xq, s=self.settings)
+        if n > K.MATVEC_MAX_ROWS:  # a wide decode step: fused matvecs of ≤ 32 rows
+            x = cp.ascontiguousarray(x)
+        return K.matvec_rows(x, w, out=out, res=residual, xq=xq, s=self.settings)
 
     def attention(self, q, k, v, kv_layer, batch: Batch, rope=None):
         """RoPE on q and k (unless rope is None: already rotated), k and v to the cache at each
         row's (slot, position), then causal GQA attention over the cache; q, k, v may be column
         views of one matmul output. (N, H * hd)."""
         c, s = self.cfg, self.settings
-        slots, pos, tiles, n_splits = self._rows(batch)
+        slots, pos, tiles, n_splits = self._rows(batch, kv_layer)
         n = q.shape[0]
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
         if n_splits is None:  # by the row count alone, as a captured step (launch.step_splits)
-            n_splits = K.step_splits(n, kv_layer.k.shape[1], c, s)
+            n_splits = K.step_splits(n, kv_layer.table.max_ctx, c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if (fused and one_token and tiles is None and n <= K.MATVEC_MAX_ROWS
