@@ -659,27 +659,30 @@ def _draw_tops(top: TopLogits, rows: SampleRows) -> Drawn:
     if short.any():
         raise ValueError(f"sampling needs the {int(need[short].max())} most likely ids, got {top.ids.shape[1]}")
     cid, cv = top.ids[d], top.vals[d]
-    bans = [rows.banned[i] for i in d]
-    if any(b.size for b in bans):  # banned ids leave the candidates, the others keep their order
-        v = max(int(cid.max()), max(int(b.max()) for b in bans if b.size)) + 1
-        keys = np.concatenate([k * v + b for k, b in enumerate(bans) if b.size])
-        keep = ~np.isin(np.arange(d.size)[:, None] * v + cid, keys)
-        order = np.argsort(~keep, axis=1, kind="stable")
-        cid, cv = np.take_along_axis(cid, order, 1), np.take_along_axis(cv, order, 1)
-        kept = keep.sum(1)
+    keep = None
+    groups: dict[bytes, tuple[np.ndarray, list[int]]] = {}  # rows sharing one ban list (the model's EOG ids)
+    for j, i in enumerate(d):
+        b = rows.banned[i]
+        if b.size:
+            groups.setdefault(b.tobytes(), (b, []))[1].append(j)
+    if groups:  # banned ids leave the candidates, the others keep their order
+        keep = np.ones(cid.shape, bool)
+        for b, js in groups.values():
+            keep[js] = ~(cid[js, :, None] == b).any(-1) if b.size <= 16 else ~np.isin(cid[js], b)
+        kept, at = keep.sum(1), keep.argmax(1)
     else:
-        kept = np.full(d.size, cid.shape[1])
-    first = cv[:, 0] if cv.shape[1] else np.full(d.size, -np.inf, np.float32)
+        kept, at = np.full(d.size, cid.shape[1]), np.zeros(d.size, np.int64)
+    first = cv[np.arange(d.size), at]
     code = np.where(top.nan[d] > 0, FAULT_NAN,
-                    np.where(top.vals[d][:, 0] == np.inf, FAULT_INF,
+                    np.where(cv[:, 0] == np.inf, FAULT_INF,
                              np.where((kept == 0) | (first == -np.inf), FAULT_NO_FINITE, 0)))
     fault[d] = code
     ok = code == 0
     greedy = ok & rows.greedy[d]
-    ids[d[greedy]] = cid[greedy, 0]
+    ids[d[greedy]] = cid[greedy, at[greedy]]
     for j in np.flatnonzero(ok & ~rows.greedy[d]):
         i = int(d[j])
-        k = min(int(rows.top_k[i]), int(kept[j]))  # need() is None without a top-k: k ≥ 1 here
-        ids[i] = draw_filtered(cid[j, :k], cv[j, :k], rows.top_p[i], rows.min_p[i], rows.temperature[i],
-                               rows.uniform[i])
+        k = int(rows.top_k[i])  # need() is None without a top-k: k ≥ 1 here
+        c, v = (cid[j], cv[j]) if keep is None else (cid[j][keep[j]], cv[j][keep[j]])
+        ids[i] = draw_filtered(c[:k], v[:k], rows.top_p[i], rows.min_p[i], rows.temperature[i], rows.uniform[i])
     return Drawn(ids, fault)
