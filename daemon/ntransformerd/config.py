@@ -179,9 +179,12 @@ KEYS: dict[str, Key] = {
     "kv_dtype": Key(choice("auto", "f32", "f16", "q8_0", "q4_0"), "KV-cache storage: auto (the backend's own: f32 "
                     "on the CPU, f16 on the GPU), f32, f16, q8_0 (half of f16's bytes, nearly lossless: bench/RESULTS.md) "
                     "or q4_0 (lossy); one the backend cannot store is refused", "TYPE"),
-    "kv_blocks": Key(integer(0, 1 << 30), "KV-cache pool per device in blocks of 16 positions (0: max_batch × "
-                     "max_ctx worth); max_ctx is then a limit per sequence, not a reservation", "N", int,
-                     shown="0, max_batch × max_ctx worth"),
+    "kv_blocks": Key(integer(0, 1 << 30), "KV-cache pool per device in blocks of 16 positions (0: the plan's "
+                     "choice, `ntx-model --plan` shows it); max_ctx is a limit per sequence, not a reservation", "N", int,
+                     shown="0, the plan's choice"),
+    "kv_spill": Key(size(0), "host RAM for finished sequences' KV blocks when a GPU's pool needs their blocks: a "
+                    "later prompt that repeats them restores them instead of prefilling; 0: dropped (the cpu "
+                    "backend keeps its pool in RAM and ignores it)", "SIZE", shown="0, off"),
     "prefill_chunk": Key(integer(1, 1 << 20), "prompt tokens per scheduler step", "N", int),
     "prefix_cache": Key(boolean, "start prompts from the cached KV of earlier sequences sharing their prefix "
                         "(--no-prefix-cache: off)", shown="on"),
@@ -239,7 +242,8 @@ class DaemonConfig:
     max_queue: int = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
     max_ctx: int = 4096  # positions per sequence (capped by the model)
     kv_dtype: str = "auto"  # auto: the backend's own (backends.settle); one it cannot store is refused
-    kv_blocks: int = 0  # KV pool in blocks (engine/kv_cache.py); 0: max_batch × max_ctx worth
+    kv_blocks: int = 0  # KV pool in blocks (engine/kv_cache.py); 0: the plan's choice
+    kv_spill: int | None = None  # bytes of host RAM for spilled KV blocks (None or 0: off)
     prefill_chunk: int = 256  # prompt tokens per step across all prefilling requests
     # keep finished sequences' KV in free slots and start prompts from the longest shared prefix
     prefix_cache: bool = True

@@ -66,7 +66,8 @@ class EngineConfig:
     max_batch: int = 8  # KV-cache slots: sequences decoded together
     max_ctx: int = 4096  # positions per sequence (capped at the model's context length); a limit, not a reservation
     kv_dtype: str = "auto"  # auto (the backend's first: f32 on the host, f16 on a GPU) | f32 | f16 | q8_0 | q4_0
-    kv_blocks: int | None = None  # KV pool per device, in blocks of kv_cache.BLOCK_SIZE positions (None: max_batch × max_ctx worth)
+    kv_blocks: int | None = None  # KV pool per device, in blocks of kv_cache.BLOCK_SIZE positions (None: the plan's)
+    kv_spill: int | None = None  # bytes of host RAM a GPU's pool spills closed slots' blocks to (None: dropped)
     prefill_chunk: int = 512  # prompt tokens per step
     cpu_threads: int | None = None  # threads of the cpu backend's steps (None or 0: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable.
@@ -99,6 +100,8 @@ class EngineConfig:
             put("vram_budget", budgets[0] if len(set(budgets)) == 1 else tuple(budgets))
         if self.pinned_budget is not None:
             put("pinned_budget", parse_size(self.pinned_budget, setting="pinned_budget"))
+        if self.kv_spill is not None:
+            put("kv_spill", parse_size(self.kv_spill, setting="kv_spill"))
         put("link_cap", parse_rate(self.link_cap))
         if self.cpu_threads == 0:
             put("cpu_threads", None)
@@ -121,7 +124,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise bad("must be positive", name)
         if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise bad("must be at least 1 (or unset: max_batch × max_ctx worth)", "kv_blocks")
+            raise bad("must be at least 1 (or unset: the plan's choice)", "kv_blocks")
         if not 1 <= self.stream_depth <= 16:
             raise bad("out of range 1..16", "stream_depth")
         if self.host_compute not in HOST_COMPUTE:
@@ -208,7 +211,9 @@ class Engine:
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_batch, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,
-                            device=ordinal, n_blocks=self.config.kv_blocks)
+                            device=ordinal, n_blocks=self.config.kv_blocks or tiers.kv_blocks_of(self.plan))
+            if self.config.kv_spill and not b.is_host:
+                kv.spill_limit = self.config.kv_spill  # closed slots' blocks go to host RAM, not away
             kv = kv if one else HomeKV(kv, mine)
             # a host device beside others runs its pieces of each step as recorded steps
             steps = None if one or not b.is_host else b.capture(ops, weights, kv, threads=self.config.cpu_threads)
@@ -264,7 +269,11 @@ class Engine:
             raise ValueError(f"cannot keep {keep} positions of slot {slot}: it holds {held} (the KV pool took back "
                              "its blocks); open it with keep=0 and prefill")
         slot = self.kv.alloc(slot)
-        self.kv.trim(slot, keep)
+        try:
+            self.kv.trim(slot, keep)  # restoring spilled blocks may find the pool full (kv_cache.KVPoolFull)
+        except BaseException:
+            self.kv.free(slot)
+            raise
         self.kv.lengths[slot] = keep
         return slot
 

@@ -359,7 +359,7 @@ class Daemon:
             # fills what the plan keeps in memory, the engine loads by the same plan.
             ecfg, _ = resolved(EngineConfig(
                 backend=backend or self._settled_backend(), max_batch=c.max_batch, max_ctx=c.max_ctx, kv_dtype=c.kv_dtype,
-                kv_blocks=c.kv_blocks or None, prefill_chunk=c.prefill_chunk, vram_budget=c.vram_budget, pinned_budget=c.pinned_budget,
+                kv_blocks=c.kv_blocks or None, kv_spill=c.kv_spill or None, prefill_chunk=c.prefill_chunk, vram_budget=c.vram_budget, pinned_budget=c.pinned_budget,
                 storage=source, skip_layers=skip or None, cpu_threads=c.cpu_threads, host_compute=c.host_compute,
                 link_cap=c.link_cap))
             plan = plan_for(model, ecfg)

@@ -544,6 +544,9 @@ class Scheduler:
             head = self._queue[0]
             if head.resume_below is not None and len(self._live) >= head.resume_below:
                 break  # preempted: it waits (and those behind it) until a request leaves and frees blocks
+            kv = self.engine.kv
+            if self._live and hasattr(kv, "available") and kv.blocks_for(len(head.seq.history)) > kv.available():
+                break  # its prompt's blocks are not free: it waits for a request to leave (alone, it runs or fails)
             r = self._queue.popleft()
             try:
                 live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
