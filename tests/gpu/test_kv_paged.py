@@ -351,3 +351,38 @@ def test_real_slice_shared_prefix_greedy(real_slice):
         e.close(a)
         e.close(b)
     assert ids_a == want and ids_b == want
+
+
+FULL_MODEL = os.environ.get("NTX_FULL_MODEL")  # the whole default model where it was carried (64 MiB a call)
+
+
+@pytest.mark.skipif(not (FULL_MODEL and os.path.exists(FULL_MODEL)), reason="NTX_FULL_MODEL names no file")
+@pytest.mark.parametrize("kv_dtype", ("f16", "q8_0"))
+def test_six_reference_prompts_paged_on_the_full_model(kv_dtype):
+    """The real model on the GPU, the six reference prompts (tests/golden/forward_smollm2.json),
+    32 greedy tokens each: a small pool (two sequences' worth of blocks) handed out shuffled, with
+    a second sequence growing beside each prompt so that its table interleaves, gives the ids of
+    the pool as it fills in order; and f16 KV keeps llama.cpp's Q4_1 continuation wherever that
+    one's top-2 margin is decisive (> 1.0), as the host backend does."""
+    import json
+    with open(os.path.join(os.path.dirname(__file__), "..", "golden", "forward_smollm2.json")) as f:
+        golden = json.load(f)["prompts"]
+    m = GGUFModel(FULL_MODEL)
+    plain = Engine(m, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=512, kv_dtype=kv_dtype))
+    paged = Engine(m, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=512, kv_dtype=kv_dtype, kv_blocks=64))
+    scramble(paged.kv, 5)
+    compared = []
+    for p in golden:
+        want = greedy(plain, p["prompt_ids"], 32)
+        other = paged.open()
+        try:
+            paged.prefill(other, golden[0]["prompt_ids"])  # takes blocks between this prompt's
+            got = greedy(paged, p["prompt_ids"], 32)
+        finally:
+            paged.close(other)
+        assert got == want, (p["name"], got, want)
+        if kv_dtype == "f16":
+            n = next((i for i, x in enumerate(p["q4_1_margins"]) if x <= 1.0), len(p["q4_1_margins"]))
+            assert want[:n] == p["q4_1_continuation"][:n], (p["name"], want, p["q4_1_continuation"][:n])
+            compared.append(n)
+    assert kv_dtype != "f16" or max(compared) >= 16, compared
