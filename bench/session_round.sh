@@ -3,9 +3,13 @@
 #   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
 #                 llama-batched-bench) built in the background;
 #   PHASE=stash:  the first half of the default model (.gpu-full-a/part) kept in /tmp for
-#   PHASE=checks: the default model whole again (.gpu-full-b/part), bench/hybrid_quality.py on it,
-#                 bench/serving_gpu.py (8B shape at 1/16/64 clients, the default model against
-#                 llama-batched-bench).
+#   PHASE=checks: the default model whole again (.gpu-full-b/part): the six reference prompts
+#                 paged on the GPU (tests/gpu/test_kv_paged.py), bench/hybrid_quality.py on it
+#                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
+#                 model against llama-batched-bench);
+#   PHASE=long:   bench/kv_capacity.py (8B shape: 32 requests in 8 slots' worth of KV, a spilled
+#                 chat's turn 2) and bench/long_context.py (70B shape at 24 GiB, max_ctx 32768):
+#                 the 8B and 70B files are made in the background during PHASE=tests.
 #   (device tool) PHASE=tests:  carry .whl .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
@@ -26,19 +30,32 @@ llama=/tmp/llama/llama.cpp/build/bin
 if [ "${PHASE:-tests}" = tests ]; then
   [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
+  [ -n "$NO_SYNTH" ] || ( setsid nohup python3 -c "
+import sys; sys.path.insert(0, 'bench'); import common
+for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
     ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
   echo "tests done at $(( $(date +%s) - t0 )) s"
   for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
   tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
+elif [ "$PHASE" = long ]; then
+  for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done
+  tail -3 /tmp/synth.log
+  timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx --json "$L/kv_capacity.json" 2>&1 \
+    | tee "$L/kv_capacity.log" | tail -16
+  timeout ${LONG_TIMEOUT:-300} python3 bench/long_context.py --dir /tmp/ntx --json "$L/long_context.json" 2>&1 \
+    | tee "$L/long_context.log" | tail -16
 else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
   ls -la $model
-  timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_engine_cuda.py -k generate_samples 2>&1 | tail -2
-  text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
-  timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
-    --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
+  NTX_FULL_MODEL=$model timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_kv_paged.py -k six_reference 2>&1 | tee "$L/six_prompts.log" | tail -4
+  if [ -n "$QUALITY" ]; then
+    text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
+    timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
+      --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
+  fi
   timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
     $( [ -x $llama/llama-batched-bench ] && echo --batched-bench $llama/llama-batched-bench ) \
     --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -16
