@@ -58,7 +58,8 @@ def timed_decode(engine, slot: int, first: int, steps: int) -> float:
 def main() -> None:
     p = common.parser(__file__, __doc__)
     p.add_argument("--dir", default="/tmp/ntx", help="where synthetic models are made (default /tmp/ntx)")
-    p.add_argument("--contexts", type=int, nargs=2, default=(512, 8192), metavar=("SHORT", "LONG"))
+    p.add_argument("--contexts", type=int, nargs=2, default=(512, 8000), metavar=("SHORT", "LONG"),
+                   help="the two contexts (default 512 8000: the 70B shape holds 8192 positions, the steps need room)")
     p.add_argument("--budget", default="24GiB", help="vram_budget of the plan (default 24GiB)")
     p.add_argument("--max-ctx", type=int, default=32768)
     p.add_argument("--max-batch", type=int, default=4)

@@ -363,13 +363,15 @@ def test_six_reference_prompts_paged_on_the_full_model(kv_dtype):
     32 greedy tokens each: a small pool (two sequences' worth of blocks) handed out shuffled, with
     a second sequence growing beside each prompt so that its table interleaves, gives the ids of
     the pool as it fills in order; and f16 KV keeps llama.cpp's Q4_1 continuation wherever that
-    one's top-2 margin is decisive (> 1.0), as the host backend does."""
+    one's top-2 margin is decisive (> 1.0), as the host backend does; both equal the exact
+    float32 reference's ids (cpu-ref)."""
     import json
     with open(os.path.join(os.path.dirname(__file__), "..", "golden", "forward_smollm2.json")) as f:
         golden = json.load(f)["prompts"]
     m = GGUFModel(FULL_MODEL)
     plain = Engine(m, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=512, kv_dtype=kv_dtype))
     paged = Engine(m, config=EngineConfig(backend="cuda", max_batch=2, max_ctx=512, kv_dtype=kv_dtype, kv_blocks=64))
+    exact = Engine(m, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=512))
     scramble(paged.kv, 5)
     compared = []
     for p in golden:
@@ -382,7 +384,8 @@ def test_six_reference_prompts_paged_on_the_full_model(kv_dtype):
             paged.close(other)
         assert got == want, (p["name"], got, want)
         if kv_dtype == "f16":
-            n = next((i for i, x in enumerate(p["q4_1_margins"]) if x <= 1.0), len(p["q4_1_margins"]))
+            assert want == greedy(exact, p["prompt_ids"], 32), p["name"]
+            n = next((i for i, x in enumerate(p["q4_1_margins"]) if x <= 1.0), len(want))
             assert want[:n] == p["q4_1_continuation"][:n], (p["name"], want, p["q4_1_continuation"][:n])
             compared.append(n)
     assert kv_dtype != "f16" or max(compared) >= 16, compared
