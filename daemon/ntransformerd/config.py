@@ -243,7 +243,7 @@ class DaemonConfig:
     max_ctx: int = 4096  # positions per sequence (capped by the model)
     kv_dtype: str = "auto"  # auto: the backend's own (backends.settle); one it cannot store is refused
     kv_blocks: int = 0  # KV pool in blocks (engine/kv_cache.py); 0: the plan's choice
-    kv_spill: int | None = None  # bytes of host RAM for spilled KV blocks (None or 0: off)
+    kv_spill: int = 0  # bytes of host RAM for spilled KV blocks (0: off)
     prefill_chunk: int = 256  # prompt tokens per step across all prefilling requests
     # keep finished sequences' KV in free slots and start prompts from the longest shared prefix
     prefix_cache: bool = True
