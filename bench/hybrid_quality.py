@@ -97,7 +97,8 @@ def half_budget(plan, n_resident: int) -> int:
     """A VRAM budget whose plan keeps the first n_resident layers and streams the rest."""
     lb = plan.layer_bytes
     slots = 2 * max(lb[n_resident:], default=0)
-    return plan.fixed_bytes + plan.kv_bytes + plan.workspace_bytes + sum(lb[:n_resident]) + slots + (1 << 20)
+    slack = min(1 << 20, min(lb) // 2)  # rounding room, less than a layer (a smoke's layers are < 1 MiB)
+    return plan.fixed_bytes + plan.kv_bytes + plan.workspace_bytes + sum(lb[:n_resident]) + slots + slack
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -121,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     common.require_gpu(__file__)
     if a.smoke:
-        path, a.ctx, a.chunks, a.tokens = common.synthetic(a.dir, "tiny", "q4_k_m"), 64, 1, 4
+        # four layers: with two, the streaming slots' room holds both, so a budget cannot make them stream
+        path, a.ctx, a.chunks, a.tokens = common.synthetic(a.dir, "tiny", "q4_k_m", n_layers=4), 64, 1, 4
     else:
         path = a.model or default_model_path()
     model = GGUFModel(path)
     config = EngineConfig(backend="cuda", max_batch=2, max_ctx=max(a.ctx, 1024), kv_dtype="f16")
-    # half the layers streamed (the smoke's 2-layer model: both, so that the host takes one)
+    # half the layers streamed (the smoke's model: all of them, so that the host takes some)
     resident = 0 if a.smoke else model.config.n_layers // 2
     engines = {"gpu": Engine(model, config=config), "hybrid": hybrid_engine(model, config, resident)}
     sched = engines["hybrid"].plan.schedule
@@ -162,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     stats = engines["hybrid"].kv.stats
     out["kv_syncs"], out["handoffs"] = stats["syncs"], engines["hybrid"].pipeline.handoff.stats["copies"]
     budget = a.daemon_budget or half_budget(engines["gpu"].plan, resident)
+    # the budget counts the GPU plan's KV pool: the daemon keeps that pool, or its planner would
+    # give the layers the room a smaller pool leaves (tiers.kv_pool) and stream none
+    blocks = tiers.kv_blocks_of(engines["gpu"].plan)
     for e in engines.values():
         e.unload()
     engines = None
     gpu_ids, _ = daemon_greedy(path, prompts, a.tokens, [])
-    hyb_ids, placed = daemon_greedy(path, prompts, a.tokens, ["--host-compute", "auto", "--vram-budget", str(budget)])
+    hyb_ids, placed = daemon_greedy(path, prompts, a.tokens, ["--host-compute", "auto", "--vram-budget", str(budget)]
+                                     + (["--kv-blocks", str(blocks)] if blocks else []))
     out["daemon"] = {"vram_budget": budget, "placements": placed,
                      "common_prefix": [{"prompt": name, "tokens": len(g), "common_prefix": common_prefix(g, h)}
                                        for (name, _), g, h in zip(prompts, gpu_ids, hyb_ids)]}
