@@ -242,7 +242,7 @@ def check_kv_capacity(d: dict) -> None:
         assert run["tokens_per_second"] > 0
     s = d["spill"]
     assert s["spilled_blocks"] > 0 and s["restored_blocks"] > 0, s
-    assert s["chat_tokens"] <= s["reused_positions"] < s["turn2_tokens"] and s["ids_equal"] is True, s
+    assert s["chat_tokens"] <= s["reused_positions"] < s["turn2_tokens"] and s["ids_equal_kept"] is True, s
     assert 0 < s["ratio"] and s["ttft_prefill_seconds"] > 0, s
 
 
