@@ -259,3 +259,31 @@ def test_a_layer_outside_every_run_is_refused(tiny):
     _, e, _ = tiny
     with pytest.raises(ValueError, match=r"layers \[5\] are in no run"):
         e.pipeline.groups(1, [0, 5])
+
+
+def test_a_shared_prefix_stays_shared_on_every_device(small):
+    """copy_prefix shares whole blocks by reference on each device's cache; the next step writes
+    past the shared positions, so no device copies a shared block (each cache reserves from the
+    slot's length the engine keeps), and the logits equal one device's."""
+    model, one, _ = small
+    e = _host_engine(model)
+    outs = {}
+    for name, eng in (("one", one), ("two", e)):
+        a = eng.open()
+        eng.prefill(a, list(range(1, 41)))  # 40 positions: two whole blocks and a part
+        b = eng.open()
+        eng.copy_prefix(a, b, 40)
+        eng.kv.lengths[b] = 40
+        caches = [st.kv.cache for st in eng.pipeline.stages] if name == "two" else [eng.kv]
+        free = [c.blocks.free_blocks for c in caches]
+        outs[name] = eng.step([(b, [7])])
+        if name == "two":
+            # the step wrote position 40, in the third block, which b holds alone (copied by
+            # copy_prefix as a partial block): the two whole blocks stay shared
+            assert [c.blocks.free_blocks for c in caches] == free, (free, [c.blocks.free_blocks for c in caches])
+            for c in caches:
+                assert (c.blocks.tables[b, :2] == c.blocks.tables[a, :2]).all()
+        eng.close(a)
+        eng.close(b)
+    e.unload()
+    assert np.array_equal(outs["one"], outs["two"])

@@ -261,6 +261,9 @@ class DeviceKV(SlotTable):
 
     def reserve(self, slot: int, n: int) -> None:
         for st in self.stages:
+            # each device's cache copies a shared block before a write from the slot's length on
+            # (kv_cache.KVCache.reserve): that length is this table's
+            st.kv.cache.lengths[slot] = self.lengths[slot]
             st.kv.cache.reserve(slot, n)
 
     def trim(self, slot: int, n: int) -> None:
