@@ -4,8 +4,6 @@ cache's and the CPU reference's; captured steps through the block tables equal e
 (64-row decode buckets too); copy_prefix and truncation exact; q8_0 KV against the CPU
 backend's q8_0 attention."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,55 +15,13 @@ from gguf import quants as gguf_quants  # noqa: E402
 
 from ntransformerd.engine import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path  # noqa: E402
+from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig  # noqa: E402
 from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
 from ntransformerd.engine.model import Batch, Segment  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
-CARRIED = (os.environ.get("NTX_REAL_SLICE"),
-           os.path.join(os.path.dirname(__file__), "..", "..", ".gpu-data", "smollm2-4l.gguf"))
-
-
-@pytest.fixture(scope="module")
-def real_slice(tmp_path_factory) -> str:
-    """The first 4 layers of the default model, real weights (as test_engine_cuda finds them)."""
-    for path in CARRIED:
-        if path and os.path.exists(path):
-            return path
-    try:
-        src = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"no real-weights slice carried and none can be made: {e}")
-    out = str(tmp_path_factory.mktemp("slice") / "smollm2-4l.gguf")
-    r = subprocess.run([sys.executable, "-m", "ntransformerd.tools.ntx_model", "slice", src, out, "--layers", "4",
-                        "--quiet"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return out
-
-
-def greedy(engine: Engine, prompt, n):
-    s = engine.open()
-    try:
-        logits, out = engine.prefill(s, prompt), []
-        for _ in range(n):
-            out.append(int(np.argmax(logits)))
-            logits = engine.step([(s, [out[-1]])])[0]
-        return out
-    finally:
-        engine.close(s)
-
-
-def teacher_forced(engine: Engine, tokens):
-    """Logits after each token, feeding the given tokens (one decode step each)."""
-    s = engine.open()
-    try:
-        rows = [engine.prefill(s, tokens[:4])]
-        for t in tokens[4:]:
-            rows.append(engine.step([(s, [t])])[0])
-        return np.stack(rows)
-    finally:
-        engine.close(s)
+from .real_weights import greedy, real_slice, teacher_forced  # noqa: E402,F401 (real_slice: a fixture)
 
 
 def config(**kw):
