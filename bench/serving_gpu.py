@@ -116,6 +116,21 @@ def start_daemon(path: str, max_batch: int, d: str, backend: str):
     return proc, socket
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_level(proc, socket: str, clients: int, max_tokens: int, sampled: bool) -> tuple[float, float]:
+    """(aggregate tok/s, the daemon's CPU µs per generated token) of one level."""
+    c0 = cpu_seconds(proc.pid)
+    r = serve_level(socket, clients, max_tokens, sampled)
+    # every request makes max_tokens (ignore_eos); the daemon is idle while the client workers start
+    return r, 1e6 * (cpu_seconds(proc.pid) - c0) / (clients * max_tokens)
+
+
 def stop_daemon(proc) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
@@ -166,34 +181,37 @@ def main(argv: list[str] | None = None) -> int:
             for sampled in (False, True):
                 for n in a.clients:
                     serve_level(socket, n, 4, sampled)  # warm: this batch's captured steps, the clients' paths
-                    r = serve_level(socket, n, a.max_tokens, sampled)
+                    r, cpu_us = timed_level(proc, socket, n, a.max_tokens, sampled)
                     e = rates[(n, sampled)]
                     # a daemon step of n rows takes n / r s, the engine's n / e s: the rest is the host's
                     row = {"clients": n, "sampled": sampled, "daemon_tok_s": r, "engine_tok_s": e,
-                           "vs_engine": r / e, "host_share": max(0.0, 1.0 - r / e)}
+                           "vs_engine": r / e, "host_share": max(0.0, 1.0 - r / e), "daemon_cpu_us_per_token": cpu_us}
                     out["levels"].append(row)
                     print(f"daemon, {n:3d} clients, {'sampled' if sampled else 'greedy ':7s}: {r:9.1f} tok/s = "
                           f"{100 * r / e:.0f}% of the engine's step rate (host share of a step "
-                          f"{100 * row['host_share']:.0f}%)", flush=True)
+                          f"{100 * row['host_share']:.0f}%; daemon CPU {cpu_us:.0f} µs a token)", flush=True)
         finally:
             stop_daemon(proc)
         if a.batched_bench or a.smoke:
             from ntransformerd.engine.engine import default_model_path
             small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
             npl = [1, 2] if a.smoke else [1, 16]
+            alone = engine_rates(small, npl, 8 if a.smoke else 40, a.backend)  # the engine's own bound on it
             proc, socket = start_daemon(small, max(npl), d, a.backend)
             try:
-                ours = {}
+                ours, cpu = {}, {}
                 for n in npl:
                     serve_level(socket, n, 4, False)  # warm
-                    ours[n] = serve_level(socket, n, a.max_tokens, False)
+                    ours[n], cpu[n] = timed_level(proc, socket, n, a.max_tokens, False)
             finally:
                 stop_daemon(proc)
             peer = batched_bench(a.batched_bench, small, a.max_tokens, npl) if a.batched_bench else {}
-            out["default_model"] = {"ours": ours, "llama_batched_bench": peer}
+            out["default_model"] = {"ours": ours, "llama_batched_bench": peer,
+                                    "engine_alone": {n: alone[(n, False)] for n in npl}, "daemon_cpu_us_per_token": cpu}
             for n in npl:
                 vs = f", llama-batched-bench {peer[n]:.1f} tok/s: {ours[n] / peer[n]:.2f}x" if n in peer else ""
-                print(f"default model, {n:2d} clients: daemon {ours[n]:.1f} tok/s{vs}", flush=True)
+                print(f"default model, {n:2d} clients: daemon {ours[n]:.1f} tok/s (the engine alone "
+                      f"{alone[(n, False)]:.1f}, daemon CPU {cpu[n]:.0f} µs a token){vs}", flush=True)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     common.write_json(a.json, out)
