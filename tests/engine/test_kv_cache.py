@@ -600,3 +600,24 @@ def test_a_spilled_prompt_is_restored_not_prefilled(f32_engine_path, spill):
         assert e.kv.blocks.stats["restored"] == 3 and e.kv.blocks.stats["spilled"] >= 3
     else:
         assert n1 == 0 and sum(ran) == len(prompt) + 5 and e.kv.blocks.stats["restored"] == 0
+
+
+def test_read_of_a_spilled_slot_gives_zeros_not_a_hole():
+    """A closed slot whose blocks went to the host pool still counts its positions as kept (the
+    prefix cache may restore them), but reading it gives zeros, as for positions it holds no
+    block of, instead of meeting a table entry of -1."""
+    cfg = LlamaConfig(n_layers=1, d_model=96, d_ff=64, n_heads=2, n_kv_heads=1, head_dim=48, vocab_size=10,
+                      context_length=64, rms_eps=1e-5, rope_base=10000.0, rope_dim=48, rope_neox=False,
+                      rope_scale=1.0, tied_output=True)
+    c = KVCache(cfg, n_slots=2, max_ctx=64, n_blocks=2, spill=1 << 20)
+    rng = np.random.default_rng(0)
+    s = c.alloc()
+    k, v = rng.standard_normal((2, 20, 1, 48)).astype(np.float32)
+    c.layer(0).write(s, 0, k, v)
+    c.lengths[s] = 20
+    c.free(s)
+    o = c.alloc(1 - s)
+    c.reserve(o, 32)  # both blocks: slot s's go to the host pool
+    assert c.kept(s) == 32 and s in c.blocks.spilled
+    rk, rv = c.layer(0).read(s, 20)
+    assert not rk.any() and not rv.any()

@@ -448,7 +448,7 @@ class KVLayer:
         """Positions [0, end) of `slot` as float32 (end, Hkv, hd) each; zeros where it holds no block."""
         k = np.zeros((end,) + self.k.shape[1:2] + (self.head_dim,), np.float32)
         v = np.zeros_like(k)
-        n = min(end, self.table.kept(slot))
+        n = min(end, int(self.table.held[slot]) * self.table.block_size)  # in its blocks (not spilled ones)
         k[:n], v[:n] = self.rows(slot, 0, n)
         return k, v
 

@@ -139,7 +139,7 @@ class CudaKVLayer:
         """Positions [0, end) of `slot` as host float32 (end, Hkv, hd); zeros where it holds no block."""
         k = np.zeros((end, self.n_kv, self.head_dim), np.float32)
         v = np.zeros_like(k)
-        n = min(end, self.table.kept(slot))
+        n = min(end, int(self.table.held[slot]) * self.table.block_size)  # in its blocks (not spilled ones)
         if n:
             dk, dv = self.rows(slot, 0, n)
             k[:n], v[:n] = cp.asnumpy(dk), cp.asnumpy(dv)
