@@ -109,11 +109,22 @@ def micro(calls: int, stream: int, busy: bool) -> dict:
 
 
 def generation(c: Client, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, the interval of each later token). A message that carries
+    several tokens (the daemon joins those a slow reader left queued) spreads its interval
+    over them, so the mean interval stays the stream's."""
     t0 = time.perf_counter()
-    times = []
+    first, last, gaps = None, None, []
     for chunk in c.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, prefix_cache=False):
-        times.append(time.perf_counter())
-    return times[0] - t0, [b - a for a, b in zip(times, times[1:])]
+        now, n = time.perf_counter(), len(chunk.ids)
+        if not n:
+            continue
+        if first is None:
+            first = now - t0
+            gaps += [0.0] * (n - 1)  # the rest of the first message came with it
+        else:
+            gaps += [(now - last) / n] * n
+        last = now
+    return first, gaps
 
 
 def daemon_run(model: str | None, backend: str, runs: int, max_tokens: int, streams: int) -> dict:
