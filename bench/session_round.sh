@@ -8,8 +8,9 @@
 #                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench);
 #   PHASE=long:   bench/kv_capacity.py (8B shape: 32 requests in 8 slots' worth of KV, a spilled
-#                 chat's turn 2) and bench/long_context.py (70B shape at 24 GiB, max_ctx 32768):
-#                 the 8B and 70B files are made in the background during PHASE=tests.
+#                 chat's turn 2; again on the default model where PHASE=checks left it) and
+#                 bench/long_context.py (70B shape at 24 GiB, max_ctx 32768): the 8B and 70B files
+#                 are made in the background at the end of PHASE=tests.
 #   (device tool) PHASE=tests:  carry .whl .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
@@ -30,12 +31,13 @@ llama=/tmp/llama/llama.cpp/build/bin
 if [ "${PHASE:-tests}" = tests ]; then
   [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
+    ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
+  echo "tests done at $(( $(date +%s) - t0 )) s"
+  # the 8B and 70B files for PHASE=long, made after the tests (beside them they slowed the tests by half)
   [ -n "$NO_SYNTH" ] || ( setsid nohup python3 -c "
 import sys; sys.path.insert(0, 'bench'); import common
 for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
-    ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
-  echo "tests done at $(( $(date +%s) - t0 )) s"
   for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
   tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
 elif [ "$PHASE" = long ]; then
@@ -43,6 +45,9 @@ elif [ "$PHASE" = long ]; then
   tail -3 /tmp/synth.log
   timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx --json "$L/kv_capacity.json" 2>&1 \
     | tee "$L/kv_capacity.log" | tail -16
+  # the same on the real model where PHASE=checks left it: greedy ids against solo runs mean something there
+  [ -f /tmp/smollm2.gguf ] && timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --model /tmp/smollm2.gguf \
+    --json "$L/kv_capacity_real.json" 2>&1 | tee "$L/kv_capacity_real.log" | tail -6
   timeout ${LONG_TIMEOUT:-300} python3 bench/long_context.py --dir /tmp/ntx --json "$L/long_context.json" 2>&1 \
     | tee "$L/long_context.log" | tail -16
 else
