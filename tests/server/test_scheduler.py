@@ -41,7 +41,9 @@ class FakeEngine:
 
     @property
     def kv(self):
-        return types.SimpleNamespace(free_slots=len(self.free))
+        # whole slots: no blocks to count (kv_cache.SlotTable's answers)
+        return types.SimpleNamespace(free_slots=len(self.free), blocks_for=lambda n: 0, available=lambda: 0,
+                                     kept=lambda slot: self.max_ctx)
 
     def launch(self, items, *, sample, after=None, rows=None):
         """Engine.launch as a host backend runs it: at once, after's draws as the tokens."""
@@ -535,3 +537,33 @@ def test_outputs_queued_behind_a_busy_reader_come_as_one_with_the_same_text():
         for o in Request.stream(r):
             got.append(o.text)
     assert got == ["a"]  # what came before the error, then the error
+
+
+def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(default_model):
+    """A pool of 6 blocks and three prompts of 3 blocks each: two run, the third waits in the
+    queue (not admitted, so nothing is preempted) until one leaves, then runs; every output is
+    the one it gets alone."""
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=128, kv_blocks=6))
+    text = "The history of the city begins with a small village by the river, where fishermen and traders met"
+    ids = engine.tokenizer.encode(text * 3)
+    prompts = [ids[k:k + 40] for k in (0, 3, 7)]  # 40 positions: 3 blocks of 16 each
+    params = SamplingParams.greedy(max_tokens=4)
+    solo = [[ev.token for ev in generate(engine, p, params)] for p in prompts]
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=4, prefix_cache=False),
+                  notifier=Notifier(environ={}))
+    s.attach(engine)
+    s.streamer.inline = False
+    s.lifecycle.serving()
+    preempted, queued_behind = [], []
+    real = s.preempt
+    s.preempt = lambda cause: preempted.append(cause) or real(cause)
+    reqs = [s.schedule(p, params, max_tokens=4) for p in prompts]
+    for _ in range(500):
+        if all(r.state == "done" for r in reqs):
+            break
+        s.iterate()
+        queued_behind.append(sum(1 for r in reqs if r.state == "queued"))
+    s.stop()
+    got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
+    assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks
+    assert not preempted and got == solo

@@ -140,6 +140,15 @@ class SlotTable:
         """Positions whose keys and values `slot` may still hold (a whole slot: all of them)."""
         return self.max_ctx
 
+    def blocks_for(self, n: int) -> int:
+        """Blocks a sequence of n positions needs (a whole slot has its room: none to count)."""
+        return 0
+
+    def available(self) -> int:
+        """Blocks a sequence could get now; admission takes a prompt of n positions while
+        blocks_for(n) ≤ available()."""
+        return 0
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

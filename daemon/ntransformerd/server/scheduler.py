@@ -545,7 +545,7 @@ class Scheduler:
             if head.resume_below is not None and len(self._live) >= head.resume_below:
                 break  # preempted: it waits (and those behind it) until a request leaves and frees blocks
             kv = self.engine.kv
-            if self._live and hasattr(kv, "available") and kv.blocks_for(len(head.seq.history)) > kv.available():
+            if self._live and kv.blocks_for(len(head.seq.history)) + self._blocks_owed() > kv.available():
                 break  # its prompt's blocks are not free: it waits for a request to leave (alone, it runs or fails)
             r = self._queue.popleft()
             try:
@@ -565,6 +565,13 @@ class Scheduler:
                 r.state, r.t_admitted = "prefill", time.monotonic()
                 self.prompt_tokens_total += len(r.prompt_ids)
             self._live.append(r)
+
+    def _blocks_owed(self) -> int:
+        """Blocks the live requests' positions so far still need (a prompt admitted but not yet
+        run holds none): admission leaves them free."""
+        kv = self.engine.kv
+        return sum(max(0, kv.blocks_for(len(q.seq.history)) - kv.blocks_for(min(kv.kept(q.slot), len(q.seq.history))))
+                   for q in self._live if q.slot >= 0)
 
     def preempt(self, cause: BaseException) -> bool:
         """A step's KV blocks could not be reserved: the youngest live request gives its slot

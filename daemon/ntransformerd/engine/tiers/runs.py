@@ -274,6 +274,13 @@ class DeviceKV(SlotTable):
     def kept(self, slot: int) -> int:
         return min(st.kv.cache.kept(slot) for st in self.stages)
 
+    def blocks_for(self, n: int) -> int:
+        return max(st.kv.cache.blocks_for(n) for st in self.stages)
+
+    def available(self) -> int:
+        """What the device with the fewest blocks to give could give (each holds its layers' share)."""
+        return min(st.kv.cache.available() for st in self.stages)
+
     def copy_prefix(self, src: int, dst: int, n: int, start: int = 0) -> None:
         """Positions [start, n) of `src` into `dst` on every device; each device then holds of
         `dst` what it held of both."""
