@@ -25,6 +25,9 @@ class Terminal:
     def __init__(self, *argv: str):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the terminal is its stdin, stdout and stderr
+            # as a login shell starts it: Ctrl-C interrupts. A test run started in the background
+            # of a non-interactive shell inherits SIGINT ignored, and Python keeps it ignored.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(PY, [PY, *argv], {**os.environ, "TERM": "xterm", "INPUTRC": "/dev/null"})
         self.seen = ""
 
