@@ -11,7 +11,7 @@
 #                 chat's turn 2; again on the default model where PHASE=checks left it) and
 #                 bench/long_context.py (70B shape at 24 GiB, max_ctx 32768): the 8B and 70B files
 #                 are made in the background at the end of PHASE=tests.
-#   (device tool) PHASE=tests:  carry .whl .llama .gpu-data ; bash bench/session_round.sh
+#   (device tool) PHASE=tests:  carry .whl .whl-extra .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
 #                 PHASE=checks: carry .whl .gpu-full-b (with a copy of GPL-3)
@@ -25,6 +25,9 @@ if [ "$PHASE" = stash ]; then  # the model's first half and the daemon's llguida
   exit $?
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# the daemon imports llguidance: the GPU tests and smokes that start one need it (carry .whl-extra in PHASE=tests too)
+[ -d .whl-extra ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site-extra .whl-extra/*.whl
 export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
