@@ -19,6 +19,8 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -89,3 +91,28 @@ def require_gpu(script: str) -> None:
     if why:
         print(f"bench/{os.path.basename(script)}: skipped: it needs a CUDA GPU and {why}", file=sys.stderr)
         raise SystemExit(SKIP)
+
+
+def start_daemon(directory: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """An unprivileged ntransformerd (`--config /dev/null`, no socket group) with its socket and
+    log (daemon.log) in directory, given `flags`, serving: (process, socket). Exits with the log's
+    tail if the daemon does."""
+    from ntx_client import Client  # imported here: scripts choose the checkout they import first
+
+    sock, log = os.path.join(directory, "d.sock"), os.path.join(directory, "daemon.log")
+    proc = subprocess.Popen([sys.executable, "-m", "ntransformerd.main", "--socket", sock, "--socket-group", "",
+                             "--config", os.devnull, *flags], stderr=open(log, "w"))
+    while not os.path.exists(sock):
+        if proc.poll() is not None:
+            with open(log) as f:
+                raise SystemExit(f"ntransformerd exited {proc.returncode}: {f.read()[-2000:]}")
+        time.sleep(0.05)
+    with Client(sock) as c:
+        c.wait_ready(600)
+    return proc, sock
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+

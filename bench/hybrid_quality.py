@@ -65,31 +65,20 @@ def daemon_greedy(path: str, prompts, n: int, extra: list[str]) -> tuple[list[li
     """Greedy ids of each prompt through a daemon started with `extra` flags, and its Status's
     placements."""
     import shutil
-    import signal
-    import subprocess
     import tempfile
 
     from ntx_client import Client
     d = tempfile.mkdtemp(prefix="ntx-hq-")
-    sock = os.path.join(d, "d.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "ntransformerd.main", "--socket", sock, "--socket-group", "",
-                             "--config", os.devnull, "--backend", "cuda", "--model", path, "--max-batch", "2",
-                             "--max-ctx", "1024", "--kv-dtype", "f16", *extra],
-                            stderr=open(os.path.join(d, "log"), "w"))
+    proc, sock = common.start_daemon(d, ["--backend", "cuda", "--model", path, "--max-batch", "2", "--max-ctx", "1024",
+                                         "--kv-dtype", "f16", *extra])
     try:
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise SystemExit(f"ntransformerd exited {proc.returncode}: {open(os.path.join(d, 'log')).read()[-2000:]}")
-            time.sleep(0.05)
         with Client(sock) as c:
-            c.wait_ready(600)
             ids = [c.complete(prompt_ids=p, max_tokens=n, temperature=0, ignore_eos=True).ids for _, p in prompts]
             placements = [{"rows": p.rows, "host_layers": list(p.host_layers), "steps": p.steps,
                            "measured_step_seconds": p.measured_step_seconds} for p in c.status().placements]
         return ids, placements
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        common.stop_daemon(proc)
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -101,17 +100,8 @@ def serve_level(socket: str, clients: int, max_tokens: int, sampled: bool) -> fl
 
 
 def start_daemon(path: str, max_batch: int, d: str, backend: str):
-    socket = os.path.join(d, "d.sock")
-    cmd = [sys.executable, "-m", "ntransformerd.main", "--socket", socket, "--backend", backend, "--config", os.devnull,
-           "--model", path, "--max-batch", str(max_batch), "--max-ctx", "512", "--socket-group", ""]
-    proc = subprocess.Popen(cmd, stderr=open(os.path.join(d, "daemon.log"), "w"))
-    while not os.path.exists(socket):
-        if proc.poll() is not None:
-            raise SystemExit(f"ntransformerd exited {proc.returncode}: {open(os.path.join(d, 'daemon.log')).read()[-2000:]}")
-        time.sleep(0.05)
-    from ntx_client import Client
-    with Client(socket) as c:
-        c.wait_ready(600)
+    proc, socket = common.start_daemon(d, ["--backend", backend, "--model", path, "--max-batch", str(max_batch),
+                                           "--max-ctx", "512"])
     serve_level(socket, 1, 4, False)  # warm: kernels, graphs
     return proc, socket
 
@@ -129,11 +119,6 @@ def timed_level(proc, socket: str, clients: int, max_tokens: int, sampled: bool)
     r = serve_level(socket, clients, max_tokens, sampled)
     # every request makes max_tokens (ignore_eos); the daemon is idle while the client workers start
     return r, 1e6 * (cpu_seconds(proc.pid) - c0) / (clients * max_tokens)
-
-
-def stop_daemon(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
 
 
 def batched_bench(binary: str, path: str, ntg: int, npl: list[int]) -> dict[int, float]:
@@ -191,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{100 * r / e:.0f}% of the engine's step rate (host share of a step "
                           f"{100 * row['host_share']:.0f}%; daemon CPU {cpu_us:.0f} µs a token)", flush=True)
         finally:
-            stop_daemon(proc)
+            common.stop_daemon(proc)
         if a.batched_bench or a.smoke:
             from ntransformerd.engine.engine import default_model_path
             small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
@@ -204,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     serve_level(socket, n, 4, False)  # warm
                     ours[n], cpu[n] = timed_level(proc, socket, n, a.max_tokens, False)
             finally:
-                stop_daemon(proc)
+                common.stop_daemon(proc)
             peer = batched_bench(a.batched_bench, small, a.max_tokens, npl) if a.batched_bench else {}
             out["default_model"] = {"ours": ours, "llama_batched_bench": peer,
                                     "engine_alone": {n: alone[(n, False)] for n in npl}, "daemon_cpu_us_per_token": cpu}
