@@ -3,6 +3,7 @@ the default model) and GatewayProcess (`ntx-openai`). Each test module starts it
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.util
 import json
@@ -101,3 +102,25 @@ class GatewayProcess:
 def processes():
     """(DaemonProcess, GatewayProcess): start them with flags; the caller stops them."""
     return DaemonProcess, GatewayProcess
+
+
+@contextlib.contextmanager
+def _stack(api_key: str, *daemon_flags: str):
+    d = DaemonProcess(*daemon_flags)
+    g = None
+    try:
+        d.wait_ready()
+        g = GatewayProcess("--socket", d.socket, api_key=api_key).wait_ready()
+        yield d, g
+    finally:
+        if g is not None:
+            g.stop()
+        d.cleanup()
+
+
+@pytest.fixture(scope="session")
+def stack_with():
+    """stack_with(api_key, *daemon_flags): a context giving (daemon, gateway) that takes api_key, both
+    stopped at its end; a module's `stack` fixture holds one for the module."""
+    return _stack
+

@@ -22,19 +22,10 @@ N = 16  # short generations keep the module fast on CI's two cores
 
 
 @pytest.fixture(scope="module")
-def stack(processes):
+def stack(stack_with):
     """(daemon, gateway): one of each for the whole module."""
-    DaemonProcess, GatewayProcess = processes
-    d = DaemonProcess("--max-queue", "64", "--max-ctx", "1024", "--prefill-chunk", "128")
-    g = None
-    try:
-        d.wait_ready()
-        g = GatewayProcess("--socket", d.socket, api_key=API_KEY).wait_ready()
-        yield d, g
-    finally:
-        if g is not None:
-            g.stop()
-        d.cleanup()
+    with stack_with(API_KEY, "--max-queue", "64", "--max-ctx", "1024", "--prefill-chunk", "128") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -312,19 +303,10 @@ def test_health_and_metrics(stack, oai, model):
 
 
 @pytest.fixture(scope="module")
-def small_stack(processes):
+def small_stack(stack_with):
     """A daemon with one slot and no queue, for 429 and 503."""
-    DaemonProcess, GatewayProcess = processes
-    d = DaemonProcess("--max-batch", "1", "--max-queue", "0", "--max-ctx", "256")
-    g = None
-    try:
-        d.wait_ready()
-        g = GatewayProcess("--socket", d.socket, api_key=API_KEY).wait_ready()
-        yield d, g
-    finally:
-        if g is not None:
-            g.stop()
-        d.cleanup()
+    with stack_with(API_KEY, "--max-batch", "1", "--max-queue", "0", "--max-ctx", "256") as s:
+        yield s
 
 
 def test_queue_full_is_429_and_draining_is_503(small_stack):

@@ -23,18 +23,9 @@ API_KEY = "sk-test-structured"
 
 
 @pytest.fixture(scope="module")
-def stack(processes):
-    DaemonProcess, GatewayProcess = processes
-    d = DaemonProcess("--max-queue", "64", "--max-ctx", "2048", "--prefill-chunk", "128", "--speculative", "off")
-    g = None
-    try:
-        d.wait_ready()
-        g = GatewayProcess("--socket", d.socket, api_key=API_KEY).wait_ready()
-        yield d, g
-    finally:
-        if g is not None:
-            g.stop()
-        d.cleanup()
+def stack(stack_with):
+    with stack_with(API_KEY, "--max-queue", "64", "--max-ctx", "2048", "--prefill-chunk", "128", "--speculative", "off") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -85,18 +85,9 @@ def model_path(synth_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(processes, model_path):
-    DaemonProcess, GatewayProcess = processes
-    d = DaemonProcess("--model", model_path, "--max-ctx", "1024", "--prefill-chunk", "128", "--speculative", "off")
-    g = None
-    try:
-        d.wait_ready()
-        g = GatewayProcess("--socket", d.socket, api_key=API_KEY).wait_ready()
-        yield d, g
-    finally:
-        if g is not None:
-            g.stop()
-        d.cleanup()
+def stack(stack_with, model_path):
+    with stack_with(API_KEY, "--model", model_path, "--max-ctx", "1024", "--prefill-chunk", "128", "--speculative", "off") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
