@@ -196,6 +196,14 @@ def check_host_share(d: dict) -> None:
     assert all(r["steps"] >= 3 and 0 < r["host_ms_per_step"] < 1e3 for r in levels.values()), levels
 
 
+def check_host_ceiling(d: dict) -> None:
+    levels = {(r["clients"], r["sampled"]): r for r in d["levels"]}
+    assert set(levels) == {(n, s) for n in (1, 2) for s in (False, True)}, levels
+    assert d["device_ms"] == {"base": 0.5, "per_row": 0.05}, d  # the smoke runs beside the stand-in device
+    for r in levels.values():  # tokens came, the daemon burnt CPU for them, no faster than the device allows
+        assert r["tok_s"] > 0 and r["daemon_cpu_us_per_token"] >= 0 and 0 < r["vs_device"] <= 1.05, r
+
+
 def check_long_context(d: dict) -> None:
     plans = d["plans"]
     assert len(plans) == 3 and all(0 <= p["resident_layers"] <= p["n_layers"] for p in plans), plans
@@ -252,7 +260,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
-       "host_share.py": check_host_share}
+       "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,

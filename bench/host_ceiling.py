@@ -1,0 +1,217 @@
+"""The daemon's ceiling: what it streams when the device's step costs nothing (issue 24).
+
+    python3 bench/host_ceiling.py                          # default model, 1 16 64 clients, 64 tokens each
+    python3 bench/host_ceiling.py --clients 16 --py-spy 5  # and where the daemon's time goes (py-spy top)
+    python3 bench/host_ceiling.py --device-ms 2.24,0.16    # beside a stand-in device: the 8B on the H200
+    python3 bench/host_ceiling.py --smoke                  # tiny synthetic model: does it run?
+
+The whole daemon runs (the relay, the gRPC server, the scheduler loop, the streaming thread, as
+beside a GPU) on the served file, except that its pipeline's step is host_share.InstantStep:
+each row's top ids handed back at once, ids drawn as a device sampler draws them. N clients (in
+several processes) each send one request of --max-tokens tokens (ignore_eos) at once; aggregate
+tok/s = generated tokens / wall time, and the daemon's CPU µs per token (all its threads, from
+/proc). No device step can make the daemon stream faster than this: a GPU whose step of B rows
+takes S ms reaches B / S tok/s only where this ceiling stands above it (bench/serving_gpu.py
+compares the daemon with the engine alone on the device; this one needs no device).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "client"))
+
+import common  # noqa: E402
+
+
+class SimDevice:
+    """A stand-in device whose step of n rows takes base + per_row × n ms, in order, one at a
+    time: a synchronous step sleeps until its end; a launched one returns at once, and its
+    result() sleeps until its end (time.sleep lets the GIL go, as waiting on a CUDA event does)."""
+
+    def __init__(self, base_ms: float, per_row_ms: float):
+        self.base, self.per_row = base_ms / 1e3, per_row_ms / 1e3
+        self.free_at = 0.0  # when the last queued step ends
+
+    def queue(self, rows: int) -> float:
+        """The end of a step of `rows` queued now behind the ones before it."""
+        self.free_at = max(time.perf_counter(), self.free_at) + self.base + self.per_row * rows
+        return self.free_at
+
+    @staticmethod
+    def wait(until: float) -> None:
+        left = until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class SimLaunch:
+    """A launched step's handle (as sampling.Drawing): result() waits for its end."""
+
+    def __init__(self, drawn, end: float):
+        self.drawn, self.end = drawn, end
+
+    def ids_at(self, rows):
+        return self.drawn.ids[np.asarray(rows, np.int64)]
+
+    def result(self):
+        SimDevice.wait(self.end)
+        return self.drawn
+
+
+def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
+    """The daemon (ntransformerd.main with argv) whose engines' steps cost nothing, or take
+    device_ms = (base, per row) ms on a stand-in device with launched steps (the overlapped
+    loop as on a GPU), streaming on its own thread as beside a device."""
+    from host_share import InstantStep
+    from ntransformerd import main as daemon_main
+    from ntransformerd.engine.engine import Engine
+    from ntransformerd.engine.tiers.runs import Pipeline
+    from ntransformerd.server.scheduler import Scheduler
+
+    attach = Scheduler.attach
+    device = None if device_ms is None else SimDevice(*device_ms)
+
+    def instant(pipeline):
+        step = pipeline.__dict__.get("_instant")
+        if step is None:
+            step = pipeline.__dict__["_instant"] = InstantStep(pipeline.cfg.vocab_size)
+        return step
+
+    def step(self, batch, **kw):
+        out = instant(self)(batch, **kw)
+        if device is not None:
+            device.wait(device.queue(len(batch.segments)))
+        return out
+
+    def launch(self, batch, *, sample, layers=None, after=None, rows=None):
+        drawn = instant(self)(batch, sample=sample, layers=layers)
+        return None if drawn is None else SimLaunch(drawn, device.queue(len(batch.segments)))
+
+    def threaded_attach(self, engine, **kw):
+        attach(self, engine, **kw)
+        self.streamer.inline = False  # as beside a device: text and writes on the streaming thread
+        self.overlap = device is not None
+
+    Pipeline.step = step
+    Scheduler.attach = threaded_attach
+    if device is not None:
+        Pipeline.launch = launch
+        Engine.overlaps = lambda self, n_rows: True
+    return daemon_main.main(argv)
+
+
+def py_spy(pid: int, seconds: int) -> str:
+    """py-spy's view of the daemon for `seconds` (its top functions by own time), or why not."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return "py-spy is not installed (pip install py-spy)"
+    r = subprocess.run([exe, "record", "--pid", str(pid), "--duration", str(seconds), "--format", "raw",
+                        "--output", "/dev/stdout", "--nonblocking"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"py-spy failed: {r.stderr[-500:]}"
+    own: dict[str, int] = {}
+    total = 0
+    for line in r.stdout.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        own[leaf] = own.get(leaf, 0) + int(n)
+        total += int(n)
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:25]
+    return "\n".join(f"{100 * n / max(total, 1):5.1f}%  {name}" for name, n in top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # --serve [--device-ms B,R] DAEMON-FLAGS: the daemon process
+        rest, device_ms = argv[1:], None
+        if rest[:1] == ["--device-ms"]:
+            device_ms, rest = tuple(float(x) for x in rest[1].split(",")), rest[2:]
+        return serve(rest, device_ms)
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--model", help="the served file (default: the embedded default model)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per level (default 2; the best is kept)")
+    ap.add_argument("--device-ms", metavar="BASE,PER_ROW",
+                    help="a stand-in device: a step of n rows takes BASE + PER_ROW × n ms, launched steps "
+                         "overlap the host as on a GPU (e.g. 2.24,0.16: the 8B Q4_K_M on the H200); the "
+                         "figure is then the share of the device's rate n / step the daemon keeps")
+    ap.add_argument("--py-spy", type=int, metavar="S", default=0,
+                    help="sample the daemon with py-spy for S seconds during the largest level's run")
+    a = ap.parse_args(argv)
+    from serving_gpu import serve_level, timed_level
+
+    from ntransformerd.engine.engine import default_model_path
+    path = a.model or default_model_path()
+    if a.smoke:
+        a.clients, a.max_tokens, a.repeats = [1, 2], 8, 1
+        a.device_ms = a.device_ms or "0.5,0.05"  # the stand-in device's launched steps: the overlapped loop
+        path = common.synthetic(os.path.join(common.OUT, "smoke"), "tiny")
+    top = max(a.clients)
+    out = {"smoke": a.smoke, "model": os.path.basename(path), "max_tokens": a.max_tokens,
+           "host": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "levels": []}
+    d = tempfile.mkdtemp(prefix="ntx-ceiling-")
+    sock, log = os.path.join(d, "d.sock"), os.path.join(d, "daemon.log")
+    device = [] if a.device_ms is None else ["--device-ms", a.device_ms]
+    if device:
+        base, per_row = (float(x) for x in a.device_ms.split(","))
+        out["device_ms"] = {"base": base, "per_row": per_row}
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *device, "--socket", sock,
+                             "--socket-group", "", "--config", os.devnull, "--backend", "cpu", "--model", path,
+                             "--max-batch", str(top), "--max-queue", str(max(64, top)), "--max-ctx", "512"],
+                            stderr=open(log, "w"))
+    try:
+        while not os.path.exists(sock):
+            if proc.poll() is not None:
+                with open(log) as f:
+                    raise SystemExit(f"the daemon exited {proc.returncode}: {f.read()[-2000:]}")
+            time.sleep(0.05)
+        from ntx_client import Client
+        with Client(sock) as c:
+            c.wait_ready(600)
+        for sampled in (False, True):
+            for n in a.clients:
+                serve_level(sock, n, 4, sampled)  # warm the clients' paths
+                spy = None
+                if a.py_spy and n == top and not sampled:
+                    spy = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {common.HERE!r});"
+                                            f"import host_ceiling as h; print(h.py_spy({proc.pid}, {a.py_spy}))"],
+                                           stdout=subprocess.PIPE, text=True)
+                    time.sleep(0.5)
+                runs = [timed_level(proc, sock, n, a.max_tokens, sampled) for _ in range(a.repeats)]
+                rate, cpu_us = max(runs)
+                row = {"clients": n, "sampled": sampled, "tok_s": rate, "tok_s_runs": [r for r, _ in runs],
+                       "daemon_cpu_us_per_token": cpu_us}
+                vs = ""
+                if device:
+                    row["device_tok_s"] = 1e3 * n / (base + per_row * n)
+                    row["vs_device"] = rate / row["device_tok_s"]
+                    vs = f" = {100 * row['vs_device']:.0f}% of the device's {row['device_tok_s']:.0f}"
+                out["levels"].append(row)
+                print(f"{n:3d} clients, {'sampled' if sampled else 'greedy ':7s}: {rate:8.1f} tok/s{vs} "
+                      f"(runs {', '.join(f'{r:.0f}' for r, _ in runs)}); daemon CPU {cpu_us:.0f} µs a token",
+                      flush=True)
+                if spy is not None:
+                    text = spy.communicate()[0]
+                    out["py_spy"] = text
+                    print(text, flush=True)
+    finally:
+        common.stop_daemon(proc)
+        shutil.rmtree(d, ignore_errors=True)
+    common.write_json(a.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
