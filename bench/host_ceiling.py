@@ -7,7 +7,9 @@
 
 The whole daemon runs (the relay, the gRPC server, the scheduler loop, the streaming thread, as
 beside a GPU) on the served file, except that its pipeline's step is host_share.InstantStep:
-each row's top ids handed back at once, ids drawn as a device sampler draws them. N clients (in
+each row's top ids handed back at once, and where the step draws, ids handed back as a device's
+draws come (the top candidate of each row, greedy or sampled: the draw itself is the device's
+work, not the host's). N clients (in
 several processes) each send one request of --max-tokens tokens (ignore_eos) at once; aggregate
 tok/s = generated tokens / wall time, and the daemon's CPU µs per token (all its threads, from
 /proc). No device step can make the daemon stream faster than this: a GPU whose step of B rows
@@ -73,6 +75,7 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
     loop as on a GPU), streaming on its own thread as beside a device."""
     from host_share import InstantStep
     from ntransformerd import main as daemon_main
+    from ntransformerd.engine.sampler import Drawn
     from ntransformerd.engine.engine import Engine
     from ntransformerd.engine.tiers.runs import Pipeline
     from ntransformerd.server.scheduler import Scheduler
@@ -80,10 +83,20 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
     attach = Scheduler.attach
     device = None if device_ms is None else SimDevice(*device_ms)
 
+    class DeviceDraws(InstantStep):
+        """Draws as a device hands them over: ids at once (each row's top candidate), none of
+        the host's sampling work (on a GPU the kernels draw; sampled rows cost the host nothing)."""
+
+        def __call__(self, batch, *, sample=None, **kw):
+            if sample is not None:
+                ids = self._top(batch, 1).ids[:, 0].astype(np.int64)
+                return Drawn(np.where(sample.draws, ids, -1), np.zeros(len(ids), np.int8))
+            return super().__call__(batch, **kw)
+
     def instant(pipeline):
         step = pipeline.__dict__.get("_instant")
         if step is None:
-            step = pipeline.__dict__["_instant"] = InstantStep(pipeline.cfg.vocab_size)
+            step = pipeline.__dict__["_instant"] = DeviceDraws(pipeline.cfg.vocab_size)
         return step
 
     def step(self, batch, **kw):

@@ -11,20 +11,33 @@ the server sees is one the relay connected and vouched for. The addresses name n
 abstract names of a process show in /proc/net/unix (in the daemon's network namespace, which
 the unit makes private), and who uses the daemon is nobody else's business.
 
-Cost: each message passes through one recv and one send here (bench/relay.py measures it).
+The relay runs in a process of its own (this file run as a program, started by Relay.start with
+the user socket's listener): every message of every stream passes through one recv and one send
+here, and in the daemon's process that work would hold the interpreter the scheduler needs
+between device steps (bench/relay.py, bench/host_ceiling.py measure it). It reports each
+connection it opens to the daemon on a pipe, `+ADDRESS UID` before the connection to the gRPC
+listener exists and `-ADDRESS` once it is closed, so the daemon knows a peer's uid before the
+peer's first byte reaches its server. It outlives SIGINT and SIGTERM (the daemon drains first,
+and its last words to the clients pass here), and ends when the daemon closes its control pipe:
+on stop(), or when the daemon dies.
 
-Thread rule: one thread (`relay`) owns every socket of the relay in one selector loop; start()
-and stop() are called from the daemon's thread, uid_of() from any.
+Thread rule: in the daemon, start() and stop() are called from the daemon's thread, uid_of() and
+`connections` from any; the reports are read under one lock, by whichever thread asks first.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import logging
+import os
+import select
 import selectors
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -35,10 +48,7 @@ CHUNK = 256 << 10  # bytes read per recv: a whole gRPC frame of a long prompt in
 MAX_PER_UID = 256  # open connections per uid; past it a new one is closed (one user cannot take them all)
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long, not spin
 STOP_FLUSH_S = 1.0  # on stop, how long what the server said last may take to reach its clients
-# The relay's thread needs the interpreter after every recv/select; a thread busy in Python (the
-# scheduler between steps) keeps it for the switch interval (5 ms by default) first. The relay
-# sets the process's interval to this at start (bench/relay.py measures both).
-SWITCH_INTERVAL_S = 0.0005
+EXIT_WAIT_S = STOP_FLUSH_S + 5.0  # stop(): how long the relay process may take to end before it is killed
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -51,6 +61,120 @@ def peer_uid(conn: socket.socket) -> int:
 def peer_address(name: bytes) -> str:
     """How gRPC writes the peer of a connection from abstract address `name` (context.peer())."""
     return "unix-abstract:" + name[1:].decode("ascii", "backslashreplace")
+
+
+class Relay:
+    """The daemon's side: starts the relay process on the user socket and knows, from its
+    reports, the uid behind each peer it connected."""
+
+    def __init__(self):
+        self._uids: dict[str, int] = {}  # peer address → uid (under _lock)
+        self._lock = threading.Lock()
+        self._partial = b""  # a report line read in part
+        self._proc: subprocess.Popen | None = None
+        self._reports = -1  # the reports pipe's read end (non-blocking)
+        self._control = -1  # the control pipe's write end: closing it ends the relay
+        self._watcher: threading.Thread | None = None
+        self._stopping = False
+
+    def uid_of(self, peer: str) -> int | None:
+        """The uid of the client behind gRPC peer `peer`; None for a peer the relay did not connect.
+        The relay reported the peer before connecting it, so its line is read by now or here."""
+        with self._lock:
+            self._read_reports()
+            return self._uids.get(peer)
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            self._read_reports()
+            return len(self._uids)
+
+    def start(self, listener: socket.socket, target: str) -> None:
+        """Serve `listener` (bound and listening: sockets.listen) in the relay process, relaying to
+        the unix socket at `target` (sockets.bind_private). The listener is the process's from
+        here on (closed in this one)."""
+        rep_r, rep_w = os.pipe()
+        ctl_r, ctl_w = os.pipe()
+        try:
+            # -I: the relay imports the standard library only, from no path a caller could set
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", os.path.abspath(__file__), "--listener", str(listener.fileno()),
+                 "--target", target, "--reports", str(rep_w), "--control", str(ctl_r),
+                 "--max-per-uid", str(MAX_PER_UID)],
+                pass_fds=(listener.fileno(), rep_w, ctl_r), stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (rep_r, ctl_w):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (rep_w, ctl_r):
+                os.close(fd)
+            listener.close()
+        os.set_blocking(rep_r, False)
+        self._reports, self._control = rep_r, ctl_w
+        self._watcher = threading.Thread(target=self._watch, name="relay-reports", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Close the user socket, then every connection once what the gRPC server sent on it has
+        been passed on (call it after the server has stopped), STOP_FLUSH_S at most."""
+        if self._proc is None:
+            return
+        self._stopping = True
+        if self._control >= 0:
+            os.close(self._control)  # the relay stops accepting, flushes, ends
+            self._control = -1
+        try:
+            self._proc.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the relay process did not end in %.0f s: killing it", EXIT_WAIT_S)
+            self._proc.kill()
+            self._proc.wait()
+        if self._watcher is not None:
+            self._watcher.join(5.0)
+        with self._lock:
+            if self._reports >= 0:
+                os.close(self._reports)
+                self._reports = -1
+
+    def _watch(self) -> None:
+        """Read the reports as they come (thread `relay-reports`), so that the pipe never fills;
+        log the relay's end unless stop() asked for it."""
+        while True:
+            try:
+                select.select([self._reports], [], [])
+            except (OSError, ValueError):  # closed by stop()
+                return
+            with self._lock:
+                if self._reports < 0:
+                    return
+                alive = self._read_reports()
+            if not alive:
+                break
+        code = self._proc.wait()
+        if not self._stopping:
+            log.error("the user socket's relay ended (exit status %s): no new connections are served", code)
+
+    def _read_reports(self) -> bool:
+        """Apply the reports waiting in the pipe (_lock held); False once the relay has closed it."""
+        if self._reports < 0:
+            return False
+        while True:
+            try:
+                data = os.read(self._reports, 65536)
+            except BlockingIOError:
+                return True
+            if not data:
+                return False
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for line in lines:
+                text = line.decode("ascii", "backslashreplace")
+                if text.startswith("+"):
+                    address, _, uid = text[1:].rpartition(" ")
+                    self._uids[address] = int(uid)
+                elif text.startswith("-"):
+                    self._uids.pop(text[1:], None)
 
 
 class _Link:
@@ -76,54 +200,29 @@ class _Link:
         return len(self.shut) == 2
 
 
-class Relay:
-    """Accepts on the user socket and relays each connection to the gRPC server's listener."""
+class _Loop:
+    """The relay process: accepts on the user socket and relays each connection to the gRPC
+    server's listener, in one selector loop."""
 
-    def __init__(self):
-        self.listener: socket.socket | None = None
-        self.target = ""
-        self._uids: dict[str, int] = {}  # peer address → uid, for the servicer (dict reads are atomic)
+    def __init__(self, listener: socket.socket, target: str, reports: int, control: int, max_per_uid: int):
+        self.listener, self.target = listener, target
+        self.reports, self.control, self.max_per_uid = reports, control, max_per_uid
         self._per_uid: dict[int, int] = {}
         self._links: dict[socket.socket, _Link] = {}
+        self._addresses: set[str] = set()  # the open links' (reported) addresses
         self._registered: dict[socket.socket, int] = {}
         self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._stop_at: float | None = None  # stop() was called: flush until every link is closed, or this
+        self._stop_at: float | None = None  # the daemon closed the control pipe: flush until every link is closed, or this
         self._paused_until = 0.0
-        self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
 
-    def uid_of(self, peer: str) -> int | None:
-        """The uid of the client behind gRPC peer `peer`; None for a peer the relay did not connect."""
-        return self._uids.get(peer)
+    def _report(self, line: str) -> None:
+        """One line to the daemon (a pipe write of under PIPE_BUF bytes: whole or not at all)."""
+        os.write(self.reports, (line + "\n").encode("ascii", "backslashreplace"))
 
-    @property
-    def connections(self) -> int:
-        return len(self._links) // 2
-
-    def start(self, listener: socket.socket, target: str) -> None:
-        """Serve `listener` (bound and listening: sockets.listen), relaying to the unix socket
-        at `target` (sockets.bind_private)."""
-        self.listener, self.target = listener, target
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
+    def run(self) -> None:
         self.listener.setblocking(False)
         self._sel.register(self.listener, selectors.EVENT_READ)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Close the user socket, then every connection once what the gRPC server sent on it has
-        been passed on (call it after the server has stopped), STOP_FLUSH_S at most."""
-        self._stop_at = time.monotonic() + STOP_FLUSH_S
-        if not self._thread.is_alive():
-            return
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        self._thread.join(STOP_FLUSH_S + 5.0)
-
-    # ---- the loop (thread `relay`) ----------------------------------------------------------
-
-    def _run(self) -> None:
+        self._sel.register(self.control, selectors.EVENT_READ)
         try:
             while True:
                 timeout = None
@@ -141,22 +240,22 @@ class Relay:
                     s = key.fileobj
                     if s is self.listener:
                         self._accept()
-                    elif s is self._wake_r:  # stop(): no new connections
-                        self._sel.unregister(self._wake_r)
+                    elif s == self.control:  # closed (stop(), or the daemon is gone): no new connections
+                        self._sel.unregister(self.control)
                         if not self._paused_until:
                             self._sel.unregister(self.listener)
                         self._paused_until = 0.0
+                        self.listener.close()
+                        self._stop_at = time.monotonic() + STOP_FLUSH_S
                     elif s in self._links:
                         self._serve(self._links[s], s, ev)
-        except Exception:  # noqa: BLE001 - a bug here must be seen; the user socket is deaf after it
-            log.exception("the user socket's relay stopped: no new connections are served")
+        except BrokenPipeError:  # the daemon is gone: nobody to vouch for the clients to
+            return
         finally:
             for link in list({id(x): x for x in self._links.values()}.values()):
-                self._close(link)
+                self._close(link, report=False)
             self._sel.close()
             self.listener.close()
-            self._wake_r.close()
-            self._wake_w.close()
 
     def _accept(self) -> None:
         while True:
@@ -178,28 +277,37 @@ class Relay:
         inner = None
         try:
             uid = peer_uid(outer)
-            if self._per_uid.get(uid, 0) >= MAX_PER_UID:
-                log.warning("uid %d has %d connections open: closing its new one", uid, MAX_PER_UID)
+            if self._per_uid.get(uid, 0) >= self.max_per_uid:
+                log.warning("uid %d has %d connections open: closing its new one", uid, self.max_per_uid)
                 outer.close()
                 return
             inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             inner.bind("")  # autobind: a unique abstract address, which the servicer sees as the peer
             inner.setblocking(False)
+            address = peer_address(inner.getsockname())
+            self._report(f"+{address} {uid}")  # before the first byte can reach the server
+            self._addresses.add(address)
             inner.connect(self.target)  # a unix connect completes at once, or fails (backlog full: EAGAIN)
             outer.setblocking(False)
         except OSError as e:
+            if isinstance(e, BrokenPipeError):
+                raise
             log.warning("cannot relay a client connection to the gRPC server: %s", e)
             outer.close()
             if inner is not None:
+                self._forget(peer_address(inner.getsockname()))
                 inner.close()
             return
-        address = peer_address(inner.getsockname())
         link = _Link(outer, inner, uid, address)
-        self._uids[address] = uid  # before the first byte reaches the server
         self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
         self._links[outer] = self._links[inner] = link
         for s in (outer, inner):
             self._update(link, s)
+
+    def _forget(self, address: str) -> None:
+        if address in self._addresses:
+            self._addresses.discard(address)
+            self._report(f"-{address}")
 
     def _serve(self, link: _Link, s: socket.socket, ev: int) -> None:
         other = link.other(s)
@@ -251,13 +359,44 @@ class Relay:
             self._sel.modify(s, ev)
         self._registered[s] = ev
 
-    def _close(self, link: _Link) -> None:
+    def _close(self, link: _Link, *, report: bool = True) -> None:
         for s in (link.outer, link.inner):
             if self._registered.pop(s, 0):
                 self._sel.unregister(s)
             self._links.pop(s, None)
             s.close()
-        if self._uids.pop(link.address, None) is not None:
+        if link.address in self._addresses:
             self._per_uid[link.uid] -= 1
             if not self._per_uid[link.uid]:
                 del self._per_uid[link.uid]
+            if report:
+                self._forget(link.address)
+            else:
+                self._addresses.discard(link.address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The relay process (Relay.start runs this file with the listener and the pipes passed)."""
+    ap = argparse.ArgumentParser(prog="relay", description="ntransformerd's user-socket relay (started by the daemon)")
+    ap.add_argument("--listener", type=int, required=True, help="the user socket's listening fd")
+    ap.add_argument("--target", required=True, help="the gRPC server's own unix socket")
+    ap.add_argument("--reports", type=int, required=True, help="the pipe fd the connections are reported on")
+    ap.add_argument("--control", type=int, required=True, help="the pipe fd whose end stops the relay")
+    ap.add_argument("--max-per-uid", type=int, default=MAX_PER_UID)
+    a = ap.parse_args(argv)
+    # the daemon drains first on SIGTERM (its last words to the clients pass here), and a terminal's
+    # Ctrl-C reaches the whole process group: the daemon ends the relay by closing the control pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="ntransformerd relay: %(levelname)s %(message)s")
+    listener = socket.socket(fileno=a.listener)
+    try:
+        _Loop(listener, a.target, a.reports, a.control, a.max_per_uid).run()
+    except Exception:  # noqa: BLE001 - a bug here must be seen; the user socket is deaf after it
+        log.exception("the user socket's relay stopped: no new connections are served")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
