@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -93,6 +94,35 @@ def test_bytes_pass_unchanged_both_ways_and_eof_is_passed_on(sock_dir):
     finally:
         r.stop()
     assert not os.path.exists(path) or not _connects(path)
+
+
+def _echoes(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as c:
+        c.settimeout(5)
+        c.connect(path)
+        c.sendall(b"ping")
+        return c.recv(4) == b"ping"
+
+
+def test_the_relay_process_outlives_signals_and_ends_with_the_daemon(sock_dir):
+    """SIGINT and SIGTERM (a terminal's Ctrl-C reaches the process group; the daemon drains
+    first) leave it relaying; the daemon's end (its control pipe closed, as by SIGKILL) ends it."""
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
+    try:
+        assert r.pid is not None and r.pid != os.getpid()
+        assert _echoes(path)  # serving: its handlers are set
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(r.pid, sig)
+            time.sleep(0.2)
+            assert _echoes(path)
+        os.close(r._control)  # what the daemon's death does to the pipe
+        r._control = -1
+        r._proc.wait(relay_mod.EXIT_WAIT_S)
+        assert r._proc.returncode == 0
+        assert not _connects(path)
+    finally:
+        r.stop()
 
 
 def _connects(path: str) -> bool:

@@ -85,6 +85,11 @@ class Relay:
             return self._uids.get(peer)
 
     @property
+    def pid(self) -> int | None:
+        """The relay process's pid (None before start)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def connections(self) -> int:
         with self._lock:
             self._read_reports()
@@ -102,7 +107,8 @@ class Relay:
                 [sys.executable, "-I", os.path.abspath(__file__), "--listener", str(listener.fileno()),
                  "--target", target, "--reports", str(rep_w), "--control", str(ctl_r),
                  "--max-per-uid", str(MAX_PER_UID)],
-                pass_fds=(listener.fileno(), rep_w, ctl_r), stdin=subprocess.DEVNULL)
+                pass_fds=(listener.fileno(), rep_w, ctl_r), stdin=subprocess.DEVNULL,
+                start_new_session=True)  # a terminal's Ctrl-C is the daemon's to act on, not the relay's
         except BaseException:
             for fd in (rep_r, ctl_w):
                 os.close(fd)
