@@ -7,10 +7,11 @@ The daemon accepts on the user socket itself to learn each client's uid, and pas
 to its gRPC server; every message crosses one more recv and send. Measured two ways, each
 through the relay and straight to the server's own listener (which only the daemon's user may
 open):
-  - a gRPC server process of its own (the relay in it, as in the daemon): the round trip of a
-    small unary call, and a stream of small messages, the size of a one-token GenerateResponse,
-    read as fast as they come; again with a thread of that process busy in Python (as the
-    scheduler's is between steps), which the relay's thread must share the interpreter with;
+  - a gRPC server process of its own behind a relay (the relay's own process, as the daemon
+    starts it): the round trip of a small unary call, and a stream of small messages, the size
+    of a one-token GenerateResponse, read as fast as they come; again with a thread of the
+    server's process busy in Python (as the scheduler's is between steps), which the gRPC
+    server's threads share the interpreter with (the relay no longer does);
   - the daemon: time to first token and the interval between tokens of greedy generations,
     one at a time and --streams at once.
 Prints a table and writes JSON (bench/out/relay.json by default).
