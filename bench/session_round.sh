@@ -6,7 +6,8 @@
 #   PHASE=checks: the default model whole again (.gpu-full-b/part): the six reference prompts
 #                 paged on the GPU (tests/gpu/test_kv_paged.py), bench/hybrid_quality.py on it
 #                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
-#                 model against llama-batched-bench);
+#                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
+#                 this host's CPU);
 #   PHASE=long:   bench/kv_capacity.py (8B shape: 32 requests in 8 slots' worth of KV, a spilled
 #                 chat's turn 2; again on the default model where PHASE=checks left it) and
 #                 bench/long_context.py (70B shape at 24 GiB, max_ctx 32768): the 8B and 70B files
@@ -67,6 +68,10 @@ else
   timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
     $( [ -x $llama/llama-batched-bench ] && echo --batched-bench $llama/llama-batched-bench ) \
     --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -16
+  # the serving path's ceiling on this host's CPU (no GPU work): steps that cost nothing, and a
+  # stand-in device of the default model's step, to set beside the daemon's figures above
+  timeout ${CEILING_TIMEOUT:-120} python3 bench/host_ceiling.py --model $model --clients 1 16 64 --repeats 2 \
+    --max-tokens 128 --json "$L/host_ceiling.json" 2>&1 | tee "$L/host_ceiling.log" | tail -8
 fi
 echo "phase ${PHASE:-tests} done at $(( $(date +%s) - t0 )) s"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs
