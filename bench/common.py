@@ -93,15 +93,17 @@ def require_gpu(script: str) -> None:
         raise SystemExit(SKIP)
 
 
-def start_daemon(directory: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_daemon(directory: str, flags: list[str], program: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """An unprivileged ntransformerd (`--config /dev/null`, no socket group) with its socket and
     log (daemon.log) in directory, given `flags`, serving: (process, socket). Exits with the log's
-    tail if the daemon does."""
+    tail if the daemon does. program: what runs it (default: python -m ntransformerd.main), given
+    the daemon's flags."""
     from ntx_client import Client  # imported here: scripts choose the checkout they import first
 
     sock, log = os.path.join(directory, "d.sock"), os.path.join(directory, "daemon.log")
-    proc = subprocess.Popen([sys.executable, "-m", "ntransformerd.main", "--socket", sock, "--socket-group", "",
-                             "--config", os.devnull, *flags], stderr=open(log, "w"))
+    program = program or [sys.executable, "-m", "ntransformerd.main"]
+    proc = subprocess.Popen([*program, "--socket", sock, "--socket-group", "", "--config", os.devnull, *flags],
+                            stderr=open(log, "w"))
     while not os.path.exists(sock):
         if proc.poll() is not None:
             with open(log) as f:

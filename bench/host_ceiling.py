@@ -175,24 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     out = {"smoke": a.smoke, "model": os.path.basename(path), "max_tokens": a.max_tokens,
            "host": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "levels": []}
     d = tempfile.mkdtemp(prefix="ntx-ceiling-")
-    sock, log = os.path.join(d, "d.sock"), os.path.join(d, "daemon.log")
     device = [] if a.device_ms is None else ["--device-ms", a.device_ms]
     if device:
         base, per_row = (float(x) for x in a.device_ms.split(","))
         out["device_ms"] = {"base": base, "per_row": per_row}
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *device, "--socket", sock,
-                             "--socket-group", "", "--config", os.devnull, "--backend", "cpu", "--model", path,
-                             "--max-batch", str(top), "--max-queue", str(max(64, top)), "--max-ctx", "512"],
-                            stderr=open(log, "w"))
     try:
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                with open(log) as f:
-                    raise SystemExit(f"the daemon exited {proc.returncode}: {f.read()[-2000:]}")
-            time.sleep(0.05)
-        from ntx_client import Client
-        with Client(sock) as c:
-            c.wait_ready(600)
+        proc, sock = common.start_daemon(d, ["--backend", "cpu", "--model", path, "--max-batch", str(top),
+                                             "--max-queue", str(max(64, top)), "--max-ctx", "512"],
+                                         program=[sys.executable, os.path.abspath(__file__), "--serve", *device])
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    try:
         for sampled in (False, True):
             for n in a.clients:
                 serve_level(sock, n, 4, sampled)  # warm the clients' paths
