@@ -104,25 +104,56 @@ def _echoes(path: str) -> bool:
         return c.recv(4) == b"ping"
 
 
-def test_the_relay_process_outlives_signals_and_ends_with_the_daemon(sock_dir):
+def test_the_relay_process_outlives_signals_and_is_started_again_after_a_crash(sock_dir, caplog):
     """SIGINT and SIGTERM (a terminal's Ctrl-C reaches the process group; the daemon drains
-    first) leave it relaying; the daemon's end (its control pipe closed, as by SIGKILL) ends it."""
+    first) leave it relaying; a relay killed outright is started again on the same socket."""
     Echo(os.path.join(sock_dir, "echo.sock"))
     r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
     try:
-        assert r.pid is not None and r.pid != os.getpid()
+        first = r.pid
+        assert first is not None and first != os.getpid()
         assert _echoes(path)  # serving: its handlers are set
         for sig in (signal.SIGINT, signal.SIGTERM):
-            os.kill(r.pid, sig)
+            os.kill(first, sig)
             time.sleep(0.2)
-            assert _echoes(path)
-        os.close(r._control)  # what the daemon's death does to the pipe
-        r._control = -1
-        r._proc.wait(relay_mod.EXIT_WAIT_S)
-        assert r._proc.returncode == 0
-        assert not _connects(path)
+            assert _echoes(path) and r.pid == first
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: r.pid != first)
+        assert _echoes(path)  # a new process on the same listener
+        assert "starting it again" in caplog.text
     finally:
         r.stop()
+    assert not _connects(path)
+
+
+def test_the_relay_process_ends_when_the_daemon_dies(sock_dir):
+    """A daemon killed outright (no stop()) leaves no relay behind: its control pipe closes."""
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    path = os.path.join(sock_dir, "user.sock")
+    code = ("import sys, time\n"
+            "from ntransformerd.server import sockets\n"
+            "from ntransformerd.server.relay import Relay\n"
+            "r = Relay(); r.start(sockets.listen(sys.argv[1], mode=sockets.USER_MODE), sys.argv[2])\n"
+            "print(r.pid, flush=True); time.sleep(600)\n")
+    daemon = subprocess.Popen([sys.executable, "-c", code, path, os.path.join(sock_dir, "echo.sock")],
+                              stdout=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        pid = int(daemon.stdout.readline())
+        _wait(lambda: _echoes(path))
+        daemon.kill()
+        daemon.wait()
+        _wait(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), relay_mod.EXIT_WAIT_S)
+        assert not _connects(path)
+    finally:
+        daemon.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _connects(path: str) -> bool:

@@ -19,7 +19,9 @@ connection it opens to the daemon on a pipe, `+ADDRESS UID` before the connectio
 listener exists and `-ADDRESS` once it is closed, so the daemon knows a peer's uid before the
 peer's first byte reaches its server. It outlives SIGINT and SIGTERM (the daemon drains first,
 and its last words to the clients pass here), and ends when the daemon closes its control pipe:
-on stop(), or when the daemon dies.
+on stop(), or when the daemon dies. Should it end otherwise (a crash, a kill), the daemon starts
+it again on the same listening socket, which it keeps open for that (RESTARTS in
+RESTART_WINDOW_S at most).
 
 Thread rule: in the daemon, start() and stop() are called from the daemon's thread, uid_of() and
 `connections` from any; the reports are read under one lock, by whichever thread asks first.
@@ -49,6 +51,8 @@ MAX_PER_UID = 256  # open connections per uid; past it a new one is closed (one 
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long, not spin
 STOP_FLUSH_S = 1.0  # on stop, how long what the server said last may take to reach its clients
 EXIT_WAIT_S = STOP_FLUSH_S + 5.0  # stop(): how long the relay process may take to end before it is killed
+RESTARTS = 5  # an unexpected end of the relay process starts it again, at most this often…
+RESTART_WINDOW_S = 60.0  # …within this long; past that the user socket stays deaf (and says so)
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -64,18 +68,21 @@ def peer_address(name: bytes) -> str:
 
 
 class Relay:
-    """The daemon's side: starts the relay process on the user socket and knows, from its
-    reports, the uid behind each peer it connected."""
+    """The daemon's side: starts the relay process on the user socket, knows from its reports the
+    uid behind each peer it connected, and starts it again after an unexpected end."""
 
     def __init__(self):
         self._uids: dict[str, int] = {}  # peer address → uid (under _lock)
         self._lock = threading.Lock()
         self._partial = b""  # a report line read in part
+        self._listener: socket.socket | None = None
+        self._target = ""
         self._proc: subprocess.Popen | None = None
         self._reports = -1  # the reports pipe's read end (non-blocking)
         self._control = -1  # the control pipe's write end: closing it ends the relay
         self._watcher: threading.Thread | None = None
         self._stopping = False
+        self._restarts: list[float] = []  # when the relay process was started again
 
     def uid_of(self, peer: str) -> int | None:
         """The uid of the client behind gRPC peer `peer`; None for a peer the relay did not connect.
@@ -97,46 +104,32 @@ class Relay:
 
     def start(self, listener: socket.socket, target: str) -> None:
         """Serve `listener` (bound and listening: sockets.listen) in the relay process, relaying to
-        the unix socket at `target` (sockets.bind_private). The listener is the process's from
-        here on (closed in this one)."""
-        rep_r, rep_w = os.pipe()
-        ctl_r, ctl_w = os.pipe()
-        try:
-            # -I: the relay imports the standard library only, from no path a caller could set
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__), "--listener", str(listener.fileno()),
-                 "--target", target, "--reports", str(rep_w), "--control", str(ctl_r),
-                 "--max-per-uid", str(MAX_PER_UID)],
-                pass_fds=(listener.fileno(), rep_w, ctl_r), stdin=subprocess.DEVNULL,
-                start_new_session=True)  # a terminal's Ctrl-C is the daemon's to act on, not the relay's
-        except BaseException:
-            for fd in (rep_r, ctl_w):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (rep_w, ctl_r):
-                os.close(fd)
-            listener.close()
-        os.set_blocking(rep_r, False)
-        self._reports, self._control = rep_r, ctl_w
+        the unix socket at `target` (sockets.bind_private). The listener stays open here too: a
+        relay process started again after an unexpected end takes the same socket over (clients
+        that connect meanwhile wait in its backlog). stop() closes it."""
+        self._listener, self._target = listener, target
+        with self._lock:
+            self._spawn()
         self._watcher = threading.Thread(target=self._watch, name="relay-reports", daemon=True)
         self._watcher.start()
 
     def stop(self) -> None:
         """Close the user socket, then every connection once what the gRPC server sent on it has
         been passed on (call it after the server has stopped), STOP_FLUSH_S at most."""
-        if self._proc is None:
+        with self._lock:  # the watcher starts no relay process after this
+            self._stopping = True
+            proc, control, self._control = self._proc, self._control, -1
+        if proc is None:
             return
-        self._stopping = True
-        if self._control >= 0:
-            os.close(self._control)  # the relay stops accepting, flushes, ends
-            self._control = -1
+        if control >= 0:
+            os.close(control)  # the relay stops accepting, flushes, ends
+        self._listener.close()
         try:
-            self._proc.wait(EXIT_WAIT_S)
+            proc.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             log.warning("the relay process did not end in %.0f s: killing it", EXIT_WAIT_S)
-            self._proc.kill()
-            self._proc.wait()
+            proc.kill()
+            proc.wait()
         if self._watcher is not None:
             self._watcher.join(5.0)
         with self._lock:
@@ -144,23 +137,66 @@ class Relay:
                 os.close(self._reports)
                 self._reports = -1
 
+    def _spawn(self) -> None:
+        """Start the relay process on the listener, with fresh pipes (_lock held)."""
+        rep_r, rep_w = os.pipe()
+        ctl_r, ctl_w = os.pipe()
+        fd = self._listener.fileno()
+        try:
+            # -I: the relay imports the standard library only, from no path a caller could set
+            proc = subprocess.Popen(
+                [sys.executable, "-I", os.path.abspath(__file__), "--listener", str(fd), "--target", self._target,
+                 "--reports", str(rep_w), "--control", str(ctl_r), "--max-per-uid", str(MAX_PER_UID)],
+                pass_fds=(fd, rep_w, ctl_r), stdin=subprocess.DEVNULL,
+                start_new_session=True)  # a terminal's Ctrl-C is the daemon's to act on, not the relay's
+        except BaseException:
+            for x in (rep_r, ctl_w):
+                os.close(x)
+            raise
+        finally:
+            for x in (rep_w, ctl_r):
+                os.close(x)
+        os.set_blocking(rep_r, False)
+        for x in (self._reports, self._control):  # an earlier process's (it has ended)
+            if x >= 0:
+                os.close(x)
+        self._uids.clear()  # its connections ended with it
+        self._partial = b""
+        self._proc, self._reports, self._control = proc, rep_r, ctl_w
+
     def _watch(self) -> None:
         """Read the reports as they come (thread `relay-reports`), so that the pipe never fills;
-        log the relay's end unless stop() asked for it."""
+        start the relay again when it ends unasked (RESTARTS times in RESTART_WINDOW_S at most)."""
         while True:
+            fd = self._reports
             try:
-                select.select([self._reports], [], [])
+                select.select([fd], [], [])
             except (OSError, ValueError):  # closed by stop()
                 return
             with self._lock:
-                if self._reports < 0:
+                if self._reports != fd:
                     return
-                alive = self._read_reports()
-            if not alive:
-                break
-        code = self._proc.wait()
-        if not self._stopping:
-            log.error("the user socket's relay ended (exit status %s): no new connections are served", code)
+                if self._read_reports():
+                    continue
+            code = self._proc.wait()
+            with self._lock:
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+                if len(self._restarts) >= RESTARTS:
+                    log.error("the user socket's relay ended (exit status %s), the %s time in %.0f s: no new "
+                              "connections are served", code, _nth(len(self._restarts) + 1), RESTART_WINDOW_S)
+                    return
+                self._restarts.append(now)
+                log.error("the user socket's relay ended (exit status %s): starting it again (the connections "
+                          "it held are lost; their clients see UNAVAILABLE)", code)
+                try:
+                    self._spawn()
+                except OSError as e:
+                    log.error("cannot start the user socket's relay again: %s; no new connections are served", e)
+                    return
+
 
     def _read_reports(self) -> bool:
         """Apply the reports waiting in the pipe (_lock held); False once the relay has closed it."""
@@ -181,6 +217,10 @@ class Relay:
                     self._uids[address] = int(uid)
                 elif text.startswith("-"):
                     self._uids.pop(text[1:], None)
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 class _Link:
