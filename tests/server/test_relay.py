@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
+import resource
 import shutil
 import signal
 import socket
@@ -120,10 +122,53 @@ def test_the_relay_process_outlives_signals_and_is_started_again_after_a_crash(s
         os.kill(first, signal.SIGKILL)
         _wait(lambda: r.pid != first)
         assert _echoes(path)  # a new process on the same listener
-        assert "starting it again" in caplog.text
+        assert "started it again" in caplog.text
     finally:
         r.stop()
     assert not _connects(path)
+
+
+def test_its_pipes_past_fd_1024_are_watched_too(sock_dir):
+    """A daemon with many connections open hands the relay pipes numbered past FD_SETSIZE: the
+    reports are still drained and a crashed relay still comes back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the fd limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        Echo(os.path.join(sock_dir, "echo.sock"))
+        r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
+        try:
+            assert r._reports >= 1024
+            pid = r.pid
+            assert _echoes(path)
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda: r.pid != pid)
+            assert _echoes(path)
+        finally:
+            r.stop()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_relay_that_keeps_dying_closes_the_user_socket(sock_dir, monkeypatch, caplog):
+    """Past RESTARTS ends in a window the socket is closed: clients are refused, not left waiting."""
+    monkeypatch.setattr(relay_mod, "RESTARTS", 1)
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
+    try:
+        for _ in range(2):
+            pid = r.pid
+            assert _echoes(path)
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda: r.pid != pid or not _connects(path))
+        _wait(lambda: not _connects(path))
+        assert "closing the user socket" in caplog.text
+    finally:
+        r.stop()
 
 
 def test_the_relay_process_ends_when_the_daemon_dies(sock_dir):
@@ -226,7 +271,8 @@ def test_a_grpc_servicer_learns_the_clients_uid_from_its_peer(grpc_behind_relay)
     with grpc.insecure_channel(f"unix:{inner}") as ch:  # past the relay (only this user can)
         health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
     (peer, uid), (peer2, uid2) = servicer.seen
-    assert peer.startswith("unix-abstract:") and uid == os.geteuid()
+    # a name of the relay's own (never reused, unlike the kernel's 2^20 autobind names)
+    assert re.fullmatch(r"unix-abstract:ntx-[0-9a-f]{24}", peer) and uid == os.geteuid(), peer
     assert uid2 is None  # a peer the relay did not connect is nobody
 
 

@@ -4,8 +4,8 @@ gRPC Python gives a servicer the peer's address (context.peer()), never its cred
 unbound unix client's address is empty. So the daemon accepts on the user socket itself, asks
 the kernel who connected (SO_PEERCRED: the uid at connect time, which the client cannot choose),
 and passes the connection's bytes both ways to the gRPC server's own listener from a socket of
-its own, bound to an address the kernel picks (Linux autobind: a unique abstract name). The
-relay remembers which uid each such address carries; the servicer looks its context.peer() up
+its own, bound to an abstract address of 96 random bits that is never used twice. The relay
+remembers which uid each such address carries; the servicer looks its context.peer() up
 (`uid_of`). The gRPC listener sits in a directory only the daemon can enter, so every unix peer
 the server sees is one the relay connected and vouched for. The addresses name no uid: the
 abstract names of a process show in /proc/net/unix (in the daemon's network namespace, which
@@ -34,6 +34,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import select
 import selectors
 import signal
@@ -139,10 +140,13 @@ class Relay:
 
     def _spawn(self) -> None:
         """Start the relay process on the listener, with fresh pipes (_lock held)."""
-        rep_r, rep_w = os.pipe()
-        ctl_r, ctl_w = os.pipe()
-        fd = self._listener.fileno()
+        fds: list[int] = []
         try:
+            rep_r, rep_w = os.pipe()
+            fds += (rep_r, rep_w)
+            ctl_r, ctl_w = os.pipe()
+            fds += (ctl_r, ctl_w)
+            fd = self._listener.fileno()
             # -I: the relay imports the standard library only, from no path a caller could set
             proc = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), "--listener", str(fd), "--target", self._target,
@@ -150,12 +154,11 @@ class Relay:
                 pass_fds=(fd, rep_w, ctl_r), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C is the daemon's to act on, not the relay's
         except BaseException:
-            for x in (rep_r, ctl_w):
+            for x in fds:
                 os.close(x)
             raise
-        finally:
-            for x in (rep_w, ctl_r):
-                os.close(x)
+        for x in (rep_w, ctl_r):  # the child's ends
+            os.close(x)
         os.set_blocking(rep_r, False)
         for x in (self._reports, self._control):  # an earlier process's (it has ended)
             if x >= 0:
@@ -166,36 +169,59 @@ class Relay:
 
     def _watch(self) -> None:
         """Read the reports as they come (thread `relay-reports`), so that the pipe never fills;
-        start the relay again when it ends unasked (RESTARTS times in RESTART_WINDOW_S at most)."""
+        start the relay again when it ends unasked (RESTARTS times in RESTART_WINDOW_S at most,
+        then the user socket is closed: clients are refused rather than left waiting)."""
+        try:
+            while self._watch_one():
+                pass
+        except Exception:  # noqa: BLE001 - a bug here must be seen: nothing else drains the reports
+            log.exception("the relay's watcher stopped")
+            self._give_up()
+
+    def _watch_one(self) -> bool:
+        """One relay process, to its end; True where another was started in its place."""
+        fd = self._reports
+        poller = select.poll()  # not select(): the pipe's fd may be past FD_SETSIZE
+        poller.register(fd, select.POLLIN)
         while True:
-            fd = self._reports
-            try:
-                select.select([fd], [], [])
-            except (OSError, ValueError):  # closed by stop()
-                return
+            poller.poll()
             with self._lock:
-                if self._reports != fd:
-                    return
-                if self._read_reports():
-                    continue
-            code = self._proc.wait()
+                if self._reports != fd:  # stop() closed it
+                    return False
+                if not self._read_reports():
+                    break
+        code = self._proc.wait()
+        delay = 0.0
+        while True:
+            if delay:
+                time.sleep(delay)
             with self._lock:
                 if self._stopping:
-                    return
+                    return False
                 now = time.monotonic()
                 self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
                 if len(self._restarts) >= RESTARTS:
-                    log.error("the user socket's relay ended (exit status %s), the %s time in %.0f s: no new "
-                              "connections are served", code, _nth(len(self._restarts) + 1), RESTART_WINDOW_S)
-                    return
+                    log.error("the user socket's relay ended (exit status %s) %d times in %.0f s: closing the user "
+                              "socket (restart ntransformerd)", code, len(self._restarts) + 1, RESTART_WINDOW_S)
+                    break
                 self._restarts.append(now)
-                log.error("the user socket's relay ended (exit status %s): starting it again (the connections "
-                          "it held are lost; their clients see UNAVAILABLE)", code)
                 try:
                     self._spawn()
-                except OSError as e:
-                    log.error("cannot start the user socket's relay again: %s; no new connections are served", e)
-                    return
+                except OSError as e:  # out of file descriptors, say: again, a while later
+                    log.error("cannot start the user socket's relay again: %s", e)
+                    delay = min(2 * delay or 0.5, 8.0)
+                    continue
+                log.error("the user socket's relay ended (exit status %s): started it again (the connections "
+                          "it held are lost; their clients see UNAVAILABLE)", code)
+                return True
+        self._give_up()
+        return False
+
+    def _give_up(self) -> None:
+        """No relay will serve the user socket: close it, so that clients are refused at once."""
+        with self._lock:
+            if not self._stopping and self._listener is not None:
+                self._listener.close()
 
 
     def _read_reports(self) -> bool:
@@ -219,8 +245,19 @@ class Relay:
                     self._uids.pop(text[1:], None)
 
 
-def _nth(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+def _bind_unique(sock: socket.socket) -> bytes:
+    """Bind `sock` to an abstract address of its own: 96 random bits, so that no address is ever
+    used twice (the kernel's autobind reuses its 2^20 names: a request queued in the gRPC server
+    while its connection closed and another took the same name would pass for the other's
+    caller). The name says nothing of whose connection it is."""
+    while True:
+        name = b"\0ntx-" + secrets.token_hex(12).encode()
+        try:
+            sock.bind(name)
+            return name
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
 
 
 class _Link:
@@ -320,7 +357,7 @@ class _Loop:
             self._open(outer)
 
     def _open(self, outer: socket.socket) -> None:
-        inner = None
+        inner, address = None, None
         try:
             uid = peer_uid(outer)
             if self._per_uid.get(uid, 0) >= self.max_per_uid:
@@ -328,9 +365,9 @@ class _Loop:
                 outer.close()
                 return
             inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            inner.bind("")  # autobind: a unique abstract address, which the servicer sees as the peer
+            name = _bind_unique(inner)  # the abstract address the servicer sees as the peer
             inner.setblocking(False)
-            address = peer_address(inner.getsockname())
+            address = peer_address(name)
             self._report(f"+{address} {uid}")  # before the first byte can reach the server
             self._addresses.add(address)
             inner.connect(self.target)  # a unix connect completes at once, or fails (backlog full: EAGAIN)
@@ -340,8 +377,9 @@ class _Loop:
                 raise
             log.warning("cannot relay a client connection to the gRPC server: %s", e)
             outer.close()
+            if address is not None:
+                self._forget(address)
             if inner is not None:
-                self._forget(peer_address(inner.getsockname()))
                 inner.close()
             return
         link = _Link(outer, inner, uid, address)
