@@ -19,6 +19,7 @@ compares the daemon with the engine alone on the device; this one needs no devic
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -60,9 +61,6 @@ class SimLaunch:
 
     def __init__(self, drawn, end: float):
         self.drawn, self.end = drawn, end
-
-    def ids_at(self, rows):
-        return self.drawn.ids[np.asarray(rows, np.int64)]
 
     def result(self):
         SimDevice.wait(self.end)
@@ -135,7 +133,7 @@ def py_spy(pid: int, seconds: int) -> str:
     total = 0
     for line in r.stdout.splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
+        if not stack or not n.isdigit() or line.startswith("py-spy>"):  # its own closing message
             continue
         leaf = stack.split(";")[-1]
         own[leaf] = own.get(leaf, 0) + int(n)
@@ -191,10 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in a.clients:
                 serve_level(sock, n, 4, sampled)  # warm the clients' paths
                 spy = None
-                if a.py_spy and n == top and not sampled:
-                    spy = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {common.HERE!r});"
-                                            f"import host_ceiling as h; print(h.py_spy({proc.pid}, {a.py_spy}))"],
-                                           stdout=subprocess.PIPE, text=True)
+                if a.py_spy and n == top and not sampled:  # py-spy samples the daemon while the level runs
+                    spy = concurrent.futures.ThreadPoolExecutor(1).submit(py_spy, proc.pid, a.py_spy)
                     time.sleep(0.5)
                 runs = [timed_level(proc, sock, n, a.max_tokens, sampled) for _ in range(a.repeats)]
                 rate, cpu_us = max(runs)
@@ -210,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(runs {', '.join(f'{r:.0f}' for r, _ in runs)}); daemon CPU {cpu_us:.0f} µs a token",
                       flush=True)
                 if spy is not None:
-                    text = spy.communicate()[0]
+                    text = spy.result()
                     out["py_spy"] = text
                     print(text, flush=True)
     finally:

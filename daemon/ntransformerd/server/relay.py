@@ -223,7 +223,6 @@ class Relay:
             if not self._stopping and self._listener is not None:
                 self._listener.close()
 
-
     def _read_reports(self) -> bool:
         """Apply the reports waiting in the pipe (_lock held); False once the relay has closed it."""
         if self._reports < 0:
@@ -292,7 +291,6 @@ class _Loop:
         self.reports, self.control, self.max_per_uid = reports, control, max_per_uid
         self._per_uid: dict[int, int] = {}
         self._links: dict[socket.socket, _Link] = {}
-        self._addresses: set[str] = set()  # the open links' (reported) addresses
         self._registered: dict[socket.socket, int] = {}
         self._sel = selectors.DefaultSelector()
         self._stop_at: float | None = None  # the daemon closed the control pipe: flush until every link is closed, or this
@@ -369,7 +367,6 @@ class _Loop:
             inner.setblocking(False)
             address = peer_address(name)
             self._report(f"+{address} {uid}")  # before the first byte can reach the server
-            self._addresses.add(address)
             inner.connect(self.target)  # a unix connect completes at once, or fails (backlog full: EAGAIN)
             outer.setblocking(False)
         except OSError as e:
@@ -377,8 +374,8 @@ class _Loop:
                 raise
             log.warning("cannot relay a client connection to the gRPC server: %s", e)
             outer.close()
-            if address is not None:
-                self._forget(address)
+            if address is not None:  # reported, never connected
+                self._report(f"-{address}")
             if inner is not None:
                 inner.close()
             return
@@ -387,11 +384,6 @@ class _Loop:
         self._links[outer] = self._links[inner] = link
         for s in (outer, inner):
             self._update(link, s)
-
-    def _forget(self, address: str) -> None:
-        if address in self._addresses:
-            self._addresses.discard(address)
-            self._report(f"-{address}")
 
     def _serve(self, link: _Link, s: socket.socket, ev: int) -> None:
         other = link.other(s)
@@ -444,19 +436,20 @@ class _Loop:
         self._registered[s] = ev
 
     def _close(self, link: _Link, *, report: bool = True) -> None:
+        """Close both of the link's sockets (once: a closed link has left _links); report: tell
+        the daemon its address is gone (not when the relay itself ends)."""
+        if link.outer not in self._links:
+            return
         for s in (link.outer, link.inner):
             if self._registered.pop(s, 0):
                 self._sel.unregister(s)
             self._links.pop(s, None)
             s.close()
-        if link.address in self._addresses:
-            self._per_uid[link.uid] -= 1
-            if not self._per_uid[link.uid]:
-                del self._per_uid[link.uid]
-            if report:
-                self._forget(link.address)
-            else:
-                self._addresses.discard(link.address)
+        self._per_uid[link.uid] -= 1
+        if not self._per_uid[link.uid]:
+            del self._per_uid[link.uid]
+        if report:
+            self._report(f"-{link.address}")
 
 
 def main(argv: list[str] | None = None) -> int:
