@@ -33,28 +33,42 @@ TLS = Caller("tls:CN=client of test CA")
 
 
 class SlotEngine:
-    """The engine calls PrefixCache makes, on slots whose KV is a list of token ids: a free slot
-    keeps what it held, and a copy moves ids, so a sequence's start shows where it came from."""
+    """The engine calls PrefixCache makes, on slots whose KV is a list of token ids: a parked
+    slot keeps what it held, a freed one forgets it, and a copy moves ids, so a sequence's start
+    shows where it came from. Opening hands out free slots only, as the engine's does."""
 
     def __init__(self, slots: int):
         self.kv: list[list[int]] = [[] for _ in range(slots)]
         self.free = list(range(slots))
+        self.parked: set[int] = set()
         self.copies: list[tuple[int, int, int]] = []
 
-    def open(self, slot=None, *, keep=0):
-        slot = self.free[0] if slot is None else slot
-        self.free.remove(slot)
-        self.kv[slot] = self.kv[slot][:keep]
+    def open(self):
+        slot = self.free.pop(0)
+        self.kv[slot] = []
         return slot
 
-    def free_slot_ids(self):
-        return tuple(self.free)
+    def park(self, slot):
+        self.parked.add(slot)
+
+    def reopen(self, slot, *, keep):
+        self.parked.remove(slot)
+        self.kv[slot] = self.kv[slot][:keep]
+
+    @property
+    def free_slots(self):
+        return len(self.free)
+
+    def kept(self, slot):
+        return len(self.kv[slot])
 
     def copy_prefix(self, src, dst, n):
         self.copies.append((src, dst, n))
         self.kv[dst] = list(self.kv[src][:n])
 
     def close(self, slot):
+        self.parked.discard(slot)
+        self.kv[slot] = []
         self.free.append(slot)
 
 

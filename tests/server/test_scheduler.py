@@ -52,6 +52,10 @@ class FakeEngine:
             items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
         return Launch(Ran(self.step(items, sample=sample)))
 
+    @property
+    def free_slots(self):
+        return len(self.free)
+
     def open(self):
         slot = self.free.pop(0)
         self.lengths[slot] = 0
