@@ -42,8 +42,9 @@ def connection_error(path: str, details: str = "", *, admin: bool = False) -> Nt
     if admin and not os.path.exists(path):
         return ConnectionFailed(
             f"cannot reach ntransformerd's admin socket at {path}: no such socket. Is it running? "
-            f"systemctl status ntransformerd. A daemon started by hand keeps admin.sock next to its --socket "
-            f"(or at its --admin-socket): pass that path with --admin-socket or set {ADMIN_SOCKET_ENV}",
+            f"systemctl status ntransformerd. A daemon started by hand keeps it at its --admin-socket, else "
+            f"as root admin.sock next to its --socket, as another user in $XDG_RUNTIME_DIR/ntransformer (its "
+            f"'listening on' log line names it): pass that path with --admin-socket or set {ADMIN_SOCKET_ENV}",
             grpc.StatusCode.UNAVAILABLE)
     if not os.path.exists(path):
         return ConnectionFailed(

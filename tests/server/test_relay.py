@@ -307,3 +307,18 @@ def test_a_killed_daemons_private_listener_is_removed_a_live_ones_kept(sock_dir)
     finally:
         live.close()
         server.stop(0)
+
+
+def test_a_relay_that_cannot_start_stops_the_daemon_with_the_reason_and_no_socket_left(sock_dir, monkeypatch):
+    from ntransformerd.config import DaemonConfig
+    from ntransformerd.server.daemon import Daemon
+
+    def refused(*args, **kw):
+        raise PermissionError(13, "Permission denied")
+    d = Daemon(config=DaemonConfig(socket=os.path.join(sock_dir, "d.sock"), socket_group="",
+                                   admin_socket=os.path.join(sock_dir, "a.sock")))
+    monkeypatch.setattr(relay_mod.subprocess, "Popen", refused)
+    with pytest.raises(sockets.SocketError, match=r"cannot start the user socket's relay process \(.*\): "
+                                                  r"Permission denied"):
+        d.start()
+    assert os.listdir(sock_dir) == []
