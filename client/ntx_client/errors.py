@@ -11,7 +11,8 @@ from ntx_client.paths import ADMIN_SOCKET_ENV, SOCKET_GROUP
 
 
 class NtxError(Exception):
-    """An error from ntransformerd or from reaching it; `code` is the gRPC status code."""
+    """An error from ntransformerd or from reaching it: str() says what happened and what to do,
+    `code` is the gRPC status code (said there, not again in the text)."""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
@@ -103,4 +104,4 @@ def from_rpc_error(err: grpc.RpcError, path: str, *, admin: bool = False) -> Ntx
         if not os.path.isabs(path):
             return tcp_connection_error(path, details)
         return connection_error(path, details, admin=admin)
-    return NtxError(f"{code.name}: {details}", code)
+    return NtxError(details or f"the call ended with {code.name}", code)
