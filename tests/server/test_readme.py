@@ -290,6 +290,7 @@ def readme_daemon(user):
     assert rc == 0, text
     assert "WARNING" not in text and "Traceback" not in text, text
     assert sorted(os.listdir(user.work)) == [], sorted(os.listdir(user.work))  # its sockets went with it
+    assert os.listdir(user.runtime / "ntransformer") == []  # and its admin socket
 
 
 @pytest.fixture(scope="module")
