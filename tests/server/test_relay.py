@@ -1,7 +1,8 @@
 """The user socket's relay: bytes pass unchanged both ways (8 MiB each way at once, EOF passed
 on), a gRPC servicer behind it learns the client's uid from context.peer() (as root: another
-user's), a peer it did not connect is nobody, one uid cannot hold every connection, and stop()
-closes everything."""
+user's), a peer it did not connect is nobody, one uid cannot hold every connection (its refused
+gRPC call is told why; the log counts refusals instead of a line each), a relay that cannot start
+leaves no socket, and stop() closes everything."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ntransformerd.config import DaemonConfig
 from ntransformerd.server import relay as relay_mod
 from ntransformerd.server import sockets
+from ntransformerd.server.daemon import Daemon
 from ntransformerd.server.relay import Relay
+from ntx_client import Client, NtxError
 
 LIMIT = 3  # connections per uid in grpc_behind_relay
 
@@ -255,7 +259,6 @@ def test_a_refused_grpc_client_is_told_it_has_too_many_connections(grpc_behind_r
             assert e.value.details() == (f"ntransformerd: uid {os.geteuid()} already has {LIMIT} connections open, "
                                          "the most one user may have: close some (one Client, one gRPC channel, "
                                          "carries many calls at once)")
-        from ntx_client import Client, NtxError
         with Client(path, timeout=30) as c, pytest.raises(NtxError, match=f"already has {LIMIT} connections open"):
             c.status()
     finally:
@@ -433,9 +436,6 @@ def test_a_killed_daemons_private_listener_is_removed_a_live_ones_kept(sock_dir)
 
 
 def test_a_relay_that_cannot_start_stops_the_daemon_with_the_reason_and_no_socket_left(sock_dir, monkeypatch):
-    from ntransformerd.config import DaemonConfig
-    from ntransformerd.server.daemon import Daemon
-
     def refused(*args, **kw):
         raise PermissionError(13, "Permission denied")
     d = Daemon(config=DaemonConfig(socket=os.path.join(sock_dir, "d.sock"), socket_group="",
