@@ -161,7 +161,8 @@ class Key:
 
 KEYS: dict[str, Key] = {
     "socket": Key(path(), "user socket (also $NTX_SOCKET)", "PATH"),
-    "admin_socket": Key(path(empty=""), "root-only admin socket", "PATH", shown="admin.sock next to --socket"),
+    "admin_socket": Key(path(empty=""), "root-only admin socket", "PATH",
+                        shown="as root admin.sock next to --socket, else in $XDG_RUNTIME_DIR/ntransformer or none"),
     "socket_group": Key(group_name, "group owning the user socket when run as root ('' for none)", "GROUP"),
     "tcp_listen": Key(host_port, "also serve on TCP with TLS (needs the --tls-* files)", "HOST:PORT", shown="off"),
     "tls_cert": Key(path(empty=""), "this daemon's TLS certificate (PEM)", "PATH"),
@@ -226,7 +227,7 @@ class DaemonConfig:
     """Everything ntransformerd is configured with, passed down as one object."""
 
     socket: str = paths.SYSTEM_SOCKET
-    admin_socket: str = ""  # empty: admin.sock next to `socket`
+    admin_socket: str = ""  # empty: paths.default_admin_socket (after __post_init__ "": none)
     socket_group: str = paths.SOCKET_GROUP  # group owning the user socket when run as root; "" = none
     # ---- TCP with TLS, for clients on other hosts (off unless tcp_listen is set) ---------------
     tcp_listen: str = ""  # host:port, e.g. "0.0.0.0:7443" (port 0: any free one, logged); empty: off
@@ -275,8 +276,7 @@ class DaemonConfig:
         for name in FIELDS:
             object.__setattr__(self, name, KEYS[name].check(name, getattr(self, name)))
         if not self.admin_socket:
-            object.__setattr__(self, "admin_socket",
-                               os.path.join(os.path.dirname(os.path.abspath(self.socket)), "admin.sock"))
+            object.__setattr__(self, "admin_socket", paths.default_admin_socket(self.socket))
         if self.socket == self.admin_socket:
             raise ConfigError(f"socket and admin_socket are both {self.socket}: give them different paths")
         self.validate_tcp()
