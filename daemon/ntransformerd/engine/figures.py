@@ -200,12 +200,21 @@ def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | N
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 
+def gpu_name(backend) -> str:
+    return "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
+
+
+def cache_path(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
+    """Where the figures of `plan` on this machine are kept (the steps' corrections too)."""
+    return os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+
+
 def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: int | None = None,
                      link_cap: float | None = None, use_cache: bool = True) -> Figures:
     """The figures of `plan` on this machine: from the cache, else measured (and cached). On a
     host backend there is no link: the host's rates only, the link assumed."""
-    gpu = "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
-    path = os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+    gpu = gpu_name(backend)
+    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap)
     if use_cache:
         cached = load_figures(path)
         if cached is not None:
