@@ -185,23 +185,27 @@ class Engine:
         self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
                                  threads=config.cpu_threads, steering=steering)
         self.kv = self.pipeline.kv
-        if steering is not None and plan is PLAN_OF_CONFIG:  # its figures came from the cache: correct them there
-            self.keep_figures(figures.cache_path(model, dataclasses.replace(self.plan, schedule=None),
-                                                 gpu=figures.gpu_name(self.backend), threads=config.cpu_threads,
-                                                 link_cap=config.link_cap))
+        if steering is not None:  # figures from the cache (a plan of the config's) are corrected there
+            self.keep_figures(None if plan is not PLAN_OF_CONFIG else figures.cache_path(
+                model, dataclasses.replace(self.plan, schedule=None), gpu=figures.gpu_name(self.backend),
+                threads=config.cpu_threads, link_cap=config.link_cap))
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
 
-    def keep_figures(self, path: str) -> None:
-        """Whenever the placement moves, write the figures the steps corrected to `path` (the
-        figures' cache file), so the next load of this plan starts from them."""
-        def save(steering):
+    def keep_figures(self, path: str | None) -> None:
+        """Whenever the placement moves, log it and write the figures the steps corrected to
+        `path` (the figures' cache file; None: nowhere), so the next load starts from them."""
+        def moved(steering):
+            hosted = {p.rows: len(p.host_layers) for p in steering.schedule.placements}
+            log.info("placement moved (host layers by step rows %s): %s", hosted, steering.status())
+            if path is None:
+                return
             try:
                 save_figures(path, steering.figures())
             except OSError as e:
                 log.warning("the corrected figures were not kept in %s (%s)", path, e)
-        self.pipeline.on_steer = save
+        self.pipeline.on_steer = moved
 
     @property
     def schedule(self):

@@ -40,8 +40,8 @@ from ntransformerd.engine.tiers.runs import HomeKV
 log = logging.getLogger(__name__)
 
 MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
-REPEATS = 5
-HOST_SAMPLE_BYTES = 4 << 30  # the host's timed stretch of layers at most: past any CPU's caches
+REPEATS = 3  # a first guess: the steps correct it (placement.Steering), so a quick one
+HOST_SAMPLE_BYTES = 1 << 30  # the host's timed stretch of layers at most: past any CPU's last-level cache
 VERSION = 2  # of what the figures measure: cached figures of another version are measured again
 
 
@@ -221,6 +221,8 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
             return cached
     layer = _layer(model, plan)
     t0 = time.perf_counter()
+    log.info("measuring the host's and the link's rates for this plan (seconds; kept in %s, corrected by the "
+             "steps that run)", path)
     host = host_rates(model, layers=host_sample(model, plan), threads=threads)
     handoff = 0.0
     if backend.is_host:
