@@ -131,7 +131,7 @@ def run_row(row: Row, a, deadline: float) -> dict:
     work = tempfile.mkdtemp(prefix="ntx-userpath-")
     try:
         t0 = time.perf_counter()
-        proc, sock = common.start_daemon(work, ["--backend", "cuda", "--max-batch", "1", "--max-ctx",
+        proc, sock = common.start_daemon(work, ["--model", row.path, "--backend", "cuda", "--max-batch", "1", "--max-ctx",
                                                 str(max(depths) + a.tokens + 64), *row.flags])
         out["load_s"] = time.perf_counter() - t0
         try:
@@ -176,7 +176,7 @@ def cli_rate(row: Row, a) -> dict:
     flags = list(row.flags)
     cmd = [sys.executable, "-m", "ntransformerd.tools.ntx_model", "run", row.path, "--backend", "cuda",
            "--prompt", "The", "--temperature", "0", "--ignore-eos", "--max-tokens", str(a.tokens), "--json",
-           "--ctx", str(a.tokens + 64), *flags]
+           "--ctx", str(a.tokens + 64), "--max-batch", "1", *flags]
     rates = []
     for _ in range(3):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -265,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bench", help="the llama-bench binary built in this call (none: ours alone)")
     p.add_argument("--deadline", type=float, default=560.0, help="seconds: no new round or row after this")
     p.add_argument("--png", help="the plot (default: beside --json)")
+    p.add_argument("--render", nargs="+", metavar="JSON", help="no run: the table and the plot of these results")
     a = p.parse_args(argv)
+    if a.render:
+        results = [r for path in a.render for r in json.load(open(path))["rows"]]
+        print(table(results), flush=True)
+        plot(results, a.png or os.path.splitext(a.json)[0] + ".png")
+        return 0
     common.require_gpu(__file__)
     if a.smoke:  # the tiny model, all of it resident and one layer resident: the whole path, in seconds
         a.plans, a.noisy, a.cli, a.depths, a.tokens, a.rounds, a.llama_bench = ["8b:32", "8b:1"], "8b:1", "8b:1", \
