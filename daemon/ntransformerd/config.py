@@ -32,7 +32,7 @@ from ntx_system.config_file import ConfigError, boolean, kind as _kind, path, st
 from ntransformerd.engine import backends
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.layer_skip import parse_skip
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.speculative import Mode, repeated_layers
 from ntransformerd.settings import SettingError, Spelling, parse_rate, parse_size
 
 DEFAULT_CONFIG_FILE = config_file.DEFAULT_PATH
@@ -145,6 +145,9 @@ def skip_spec(key: str, v: Any) -> str:
         parse_skip(v)
     except ValueError as e:
         raise ConfigError(f"{key} = {v!r}: {e}") from None
+    twice = repeated_layers(v)
+    if twice:
+        raise ConfigError(f"{key} = {v!r}: {twice}, e.g. \"3,7,11\"")
     return v.strip().lower()
 
 

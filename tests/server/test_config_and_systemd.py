@@ -107,6 +107,29 @@ def test_speculative_is_a_mode_value_parsed_once_at_the_config(tmp_path):
         config.DaemonConfig(speculative="fastest")
 
 
+@pytest.mark.parametrize("spec,twice", [("skip:0,0,0", "layer 0 is"), ("skip:3,7,3", "layer 3 is"),
+                                        ("skip:3,07,7,3,", "layers 3, 7 are")])
+def test_a_skip_mode_naming_a_layer_twice_is_refused_everywhere(tmp_path, capsys, spec, twice):
+    """skip:0 is refused (it skips nothing); skip:0,0,0 was merged into skip:0's one layer and
+    served. Refused where a mode enters: the config, a request, ntx-model."""
+    from ntransformerd.server import errors, servicer
+    words = f"{twice} named more than once: name each layer once"
+    with pytest.raises(ValueError, match=words):
+        Mode.parse(spec)
+    f = tmp_path / "d.toml"
+    f.write_text(f'speculative = "{spec}"\n')
+    with pytest.raises(config.ConfigError, match=f"^speculative = .*{words}"):
+        config.load(["--config", str(f)])
+    with pytest.raises(errors.InvalidRequest, match=words):
+        servicer.speculative_mode(spec)
+    assert ntx_model.main(["run", "--prompt", "x", "--speculative", spec]) == 2
+    assert words in capsys.readouterr().err
+    layers = spec.split(":", 1)[1]
+    with pytest.raises(config.ConfigError, match=f"^skip_layers = .*{words}"):
+        config.DaemonConfig(skip_layers=layers)
+    assert Mode.parse("skip:3,7") == Mode("skip", "3,7") and config.DaemonConfig(skip_layers="3,7").skip_layers == "3,7"
+
+
 def test_missing_config_file_is_an_error():
     with pytest.raises(config.ConfigError, match="cannot read config"):
         config.load(["--config", "/nonexistent/ntransformerd.toml"])

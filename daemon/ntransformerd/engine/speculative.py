@@ -89,6 +89,9 @@ class Mode:
             raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
         if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
             raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
+        twice = repeated_layers(arg) if name == "skip" else ""
+        if twice:  # a slip, not a wish: merging them would run another draft than the one written
+            raise ValueError(f"speculative {mode!r}: {twice}, e.g. skip:3,7,11")
         return cls(name, arg)
 
     @property
@@ -107,6 +110,19 @@ class Mode:
 
 
 OFF = Mode()
+
+
+def repeated_layers(spec: str) -> str:
+    """What is wrong with a list of layer indices that names one twice ("3,7,3"), as the middle
+    of an error; "" for any other text."""
+    if not re.fullmatch(r"\s*[0-9]+(\s*,\s*[0-9]+)+\s*,?\s*", spec):
+        return ""
+    layers = [int(i) for i in spec.strip().strip(",").split(",")]
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if not twice:
+        return ""
+    named = f"layer {twice[0]} is" if len(twice) == 1 else f"layers {', '.join(map(str, twice))} are"
+    return f"{named} named more than once: name each layer once"
 
 
 def parse_mode(mode: str | None) -> tuple[str, str]:
