@@ -155,12 +155,12 @@ def spill(path: str, a, rng) -> dict:
     # the same turn 2 from the chat's blocks while they are still in the pool (shared by reference,
     # as the prefix cache shares them): what the restored run must give bit for bit
     kept = decode.Sequence(e, turn2, params)
-    kept.slot = e.open(next(s for s in e.free_slot_ids() if s != slot1))
+    kept.slot = e.open()  # slot1 is live: a free slot is another
     e.copy_prefix(slot1, kept.slot, n1)
     kept.prefilled = n1
     _, ids_kept = run_turn(e, kept, reply)
     pc.close(slot1, (chat + ids1)[:n1], keep=True)
-    other = e.open(next(s for s in e.free_slot_ids() if s not in pc.held))
+    other = e.open()  # slot1 is parked: a free slot is another
     e.prefill(other, [int(x) for x in rng.integers(1, vocab, turn2_len)])  # needs the chat's blocks
     e.close(other)
     spilled = int(e.kv.blocks.stats["spilled"])

@@ -70,3 +70,12 @@ def synth_model(synth_dir):
         return path
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def kv_owner_check(monkeypatch):
+    """Every KV write in every in-process test checks its owner (kv_cache.BlockTable.check_owners):
+    the slot is live and holds the blocks written alone."""
+    from ntransformerd.engine import kv_cache
+
+    monkeypatch.setattr(kv_cache.BlockTable, "check_owners", True)

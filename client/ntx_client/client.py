@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ntx_client import channels, paths
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
-from ntx_client.errors import NtxError, RequestTooLarge, connection_error, from_rpc_error
+from ntx_client.errors import ConnectionFailed, NtxError, RequestTooLarge, connection_error, from_rpc_error
 
 # The command lines' sampling defaults, one for ntx-client and `ntx-model run`: the daemon's own
 # temperature for a request that does not set one (proto SamplingParams), and, for text through
@@ -365,6 +365,10 @@ class AdminClient(_Channel):
 
     def __init__(self, socket: str | None = None, *, user_socket: str | None = None, timeout: float | None = None):
         self.socket = paths.admin_socket_path(socket, user_socket=user_socket)
+        if not self.socket:
+            raise ConnectionFailed("no admin socket to reach: a daemon run by a user other than root keeps it in "
+                                   "$XDG_RUNTIME_DIR, which is not set here; pass the daemon's --admin-socket with "
+                                   f"--admin-socket or set {paths.ADMIN_SOCKET_ENV}", grpc.StatusCode.UNAVAILABLE)
         self.timeout = timeout
         self._channel = grpc.insecure_channel(paths.grpc_target(self.socket))
         self._stub = admin_pb2_grpc.AdminStub(self._channel)

@@ -11,7 +11,8 @@ from ntx_client.paths import ADMIN_SOCKET_ENV, SOCKET_GROUP
 
 
 class NtxError(Exception):
-    """An error from ntransformerd or from reaching it; `code` is the gRPC status code."""
+    """An error from ntransformerd or from reaching it: str() says what happened and what to do,
+    `code` is the gRPC status code (said there, not again in the text)."""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
@@ -42,8 +43,9 @@ def connection_error(path: str, details: str = "", *, admin: bool = False) -> Nt
     if admin and not os.path.exists(path):
         return ConnectionFailed(
             f"cannot reach ntransformerd's admin socket at {path}: no such socket. Is it running? "
-            f"systemctl status ntransformerd. A daemon started by hand keeps admin.sock next to its --socket "
-            f"(or at its --admin-socket): pass that path with --admin-socket or set {ADMIN_SOCKET_ENV}",
+            f"systemctl status ntransformerd. A daemon started by hand keeps it at its --admin-socket, else "
+            f"as root admin.sock next to its --socket, as another user in $XDG_RUNTIME_DIR/ntransformer (its "
+            f"'listening on' log line names it): pass that path with --admin-socket or set {ADMIN_SOCKET_ENV}",
             grpc.StatusCode.UNAVAILABLE)
     if not os.path.exists(path):
         return ConnectionFailed(
@@ -102,4 +104,4 @@ def from_rpc_error(err: grpc.RpcError, path: str, *, admin: bool = False) -> Ntx
         if not os.path.isabs(path):
             return tcp_connection_error(path, details)
         return connection_error(path, details, admin=admin)
-    return NtxError(f"{code.name}: {details}", code)
+    return NtxError(details or f"the call ended with {code.name}", code)

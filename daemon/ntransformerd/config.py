@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 
+from ntx_client import paths
 from ntx_system import config_file
 from ntx_system.config_file import ConfigError
 
@@ -44,7 +45,7 @@ class DaemonConfig:
     default, type and limits are its row's (settings.SETTINGS)."""
 
     socket: str = field("socket")
-    admin_socket: str = field("admin_socket")  # empty: admin.sock next to `socket`
+    admin_socket: str = field("admin_socket")  # empty: paths.default_admin_socket (after __post_init__ "": none)
     socket_group: str = field("socket_group")  # group owning the user socket when run as root; "" = none
     # ---- TCP with TLS, for clients on other hosts (off unless tcp_listen is set) ---------------
     tcp_listen: str = field("tcp_listen")  # host:port, e.g. "0.0.0.0:7443" (port 0: any free one, logged)
@@ -97,8 +98,7 @@ class DaemonConfig:
             except SettingError as e:
                 raise ConfigError(e.worded(SPELLING)) from None
         if not self.admin_socket:
-            object.__setattr__(self, "admin_socket",
-                               os.path.join(os.path.dirname(os.path.abspath(self.socket)), "admin.sock"))
+            object.__setattr__(self, "admin_socket", paths.default_admin_socket(self.socket))
         if self.socket == self.admin_socket:
             raise ConfigError(f"socket and admin_socket are both {self.socket}: give them different paths")
         self.validate_tcp()

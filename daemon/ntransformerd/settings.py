@@ -458,7 +458,8 @@ _PER_TYPE = "per quant type (CudaSettings)"
 SETTINGS: dict[str, Setting] = {r.name: r for r in (
     # ---- the sockets ---------------------------------------------------------------------------
     Setting("socket", _path(empty=None), paths.SYSTEM_SOCKET, "the user socket", SERVED, env=paths.SOCKET_ENV),
-    Setting("admin_socket", _path(), "", "the root-only admin socket", SERVED, shown="admin.sock next to socket"),
+    Setting("admin_socket", _path(), "", "the admin socket (mode 0600: the daemon's user only)", SERVED,
+            shown="as root admin.sock next to socket, else in $XDG_RUNTIME_DIR/ntransformer or none"),
     Setting("socket_group", Text(_group_name, "GROUP", "group name"), paths.SOCKET_GROUP,
             "group owning the user socket when run as root (\"\" for none)", SERVED),
     Setting("tcp_listen", Text(_host_port, "HOST:PORT", "HOST:PORT"), "",

@@ -423,8 +423,8 @@ def cmd_shutdown(args) -> int:
 
 def _add_daemon_verbs(sub) -> None:
     def common(s, *, drain: bool = False):
-        s.add_argument("--admin-socket", help="the daemon's admin socket (default $NTX_ADMIN_SOCKET, "
-                       "else admin.sock next to the user socket)")
+        s.add_argument("--admin-socket", help="the daemon's admin socket (default $NTX_ADMIN_SOCKET, else as "
+                       "root admin.sock next to the user socket, as another user the one in $XDG_RUNTIME_DIR)")
         s.add_argument("--timeout", type=float, help="seconds before the call gives up")
         if drain:
             s.add_argument("--drain-timeout", type=float, metavar="S",

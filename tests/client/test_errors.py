@@ -1,5 +1,6 @@
 """Connection errors name the cause and the fix."""
 
+import concurrent.futures
 import grp
 import os
 
@@ -8,6 +9,7 @@ import pytest
 
 from ntx_client import Client, ConnectionFailed, PermissionDenied
 from ntx_client.errors import connection_error
+from ntx_client.proto.ntransformer.v1 import admin_pb2_grpc
 
 
 def test_missing_socket_says_is_it_running(tmp_path):
@@ -65,3 +67,27 @@ def test_generate_request_needs_exactly_one_input():
     r = generate_request("a", max_tokens=3, temperature=0.0, stop=["x"], seed=7)
     assert r.prompt == "a" and r.max_tokens == 3 and r.sampling.HasField("temperature") and r.sampling.seed == 7
     assert not r.sampling.HasField("top_p")
+
+
+class _RefusingAdmin(admin_pb2_grpc.AdminServicer):
+    def LoadModel(self, request, context):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no model file at {request.path!r}: give the path of a "
+                      ".gguf file")
+
+
+def test_admin_client_errors_say_the_code_once(tmp_path):
+    """The code is e.code; the text says what happened, so `f"{e.code.name}: {e}"` names it once."""
+    from ntx_client import AdminClient, NtxError
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    admin_pb2_grpc.add_AdminServicer_to_server(_RefusingAdmin(), server)
+    path = str(tmp_path / "admin.sock")
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        with AdminClient(path, timeout=30) as admin, pytest.raises(NtxError) as e:
+            admin.load_model("/x.gguf")
+    finally:
+        server.stop(0)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(e.value) == "no model file at '/x.gguf': give the path of a .gguf file"
+    assert f"{e.value.code.name}: {e.value}".count("INVALID_ARGUMENT") == 1

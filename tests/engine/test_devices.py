@@ -67,7 +67,7 @@ def test_cuda_classes_answer_the_protocols():
     """Without a GPU the CUDA classes are checked by their members (tests/gpu runs them)."""
     assert not missing(cuda.CudaOps, devices.Ops) - {"cfg"}  # cfg is set per instance
     assert not {"prefetch", "acquire", "release"} - set(dir(cuda.CudaWeights))
-    assert not {"layer", "alloc", "free", "copy_prefix", "free_slots", "free_ids"} - set(dir(cuda.CudaKVCache))
+    assert not {"layer", "alloc", "park", "reopen", "free", "copy_prefix", "free_slots"} - set(dir(cuda.CudaKVCache))
     assert not {"read"} - set(dir(cuda.CudaKVLayer))
     assert not missing(backends.Cuda(cuda), devices.Backend)
     assert not {"covers", "logits", "top"} - set(dir(cuda.StepGraphs))

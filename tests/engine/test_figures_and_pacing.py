@@ -4,12 +4,11 @@ cache, and copies paced to the cap on the CPU's stream."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from ntransformerd.engine import backends
+from ntransformerd.engine.tiers import pipeline
 from ntransformerd.engine.tiers.pipeline import Device, LayerStream, parse_rate
 from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
 from ntransformerd.engine.tiers.planner import Plan
@@ -17,23 +16,44 @@ from ntransformerd.engine.tiers.planner import Plan
 MB = 1_000_000
 
 
-def _one_pass(cap: float | None, n: int = 4, nbytes: int = MB) -> float:
+class _Clock:
+    """The stream's time (pipeline.time): it moves only while a paced copy holds the link, so the
+    pacing is seen exactly, whatever else the machine is doing."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _Clock()
+    monkeypatch.setattr(pipeline, "time", c)
+    return c
+
+
+def _one_pass(cap: float | None, clock: _Clock, n: int = 4, nbytes: int = MB) -> float:
     host = {i: np.full(nbytes, i, np.uint8) for i in range(n)}
     s = LayerStream(list(range(n)), depth=2, slot_bytes=nbytes, nbytes={i: nbytes for i in range(n)},
                     device=Device(), host_layer=host.get, link_cap=cap)
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     s.begin(range(n))
     for i in range(n):
         slot = s.acquire(i)
         assert slot[0] == i and slot[-1] == i  # the layer's bytes, paced or not
         s.release(i)
-    return time.perf_counter() - t0
+    return clock.perf_counter() - t0
 
 
-def test_copies_are_paced_to_the_link_cap():
-    assert _one_pass(None) < 0.2  # 4 MB of memcpy
-    t = _one_pass(parse_rate("10MB/s"))
-    assert 0.4 <= t < 1.5, t  # 4 layers of 1 MB at 10 MB/s: no copy completes before B / cap after its start
+def test_copies_are_paced_to_the_link_cap(clock):
+    assert _one_pass(None, clock) == 0.0  # no cap: nothing holds a copy
+    # 4 layers of 1 MB at 10 MB/s: no copy completes before B / cap after its start
+    assert _one_pass(parse_rate("10MB/s"), clock) == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("text, bps", [("6.5GB/s", 6.5e9), ("800MiB/s", 800 * 2**20), ("10mb", 1e7),
@@ -49,7 +69,7 @@ def test_a_bad_link_cap_says_what_it_takes(bad):
         EngineConfig(link_cap=bad).validate()
 
 
-def test_the_engine_paces_its_streamed_layers(synth_model):
+def test_the_engine_paces_its_streamed_layers(synth_model, clock):
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q8_0"))
@@ -58,9 +78,9 @@ def test_the_engine_paces_its_streamed_layers(synth_model):
     stream = engine.weights.host.stream
     assert stream.link_cap == 5e6
     slot = engine.open()
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     engine.step([(slot, [1])])
-    spent = time.perf_counter() - t0
+    spent = clock.perf_counter() - t0
     streamed = sum(stream.nbytes[i] for i in stream.order)
     assert spent >= streamed / 5e6, (spent, streamed)
     engine.unload()

@@ -293,18 +293,18 @@ def test_pool_exhaustion_is_a_clear_error(tiny_engine_path, backend):
         e.step([(b, list(range(20)))])
     assert e.length(b) == 9
     e.step([(b, list(range(7)))])  # 16 positions: still its one block
-    e.close(a)  # a closed sequence's blocks go back when the pool needs them
+    e.park(a)  # a parked sequence's blocks go back when the pool needs them
     e.step([(b, list(range(30)))])
     assert e.kv.kept(a) == 0
     with pytest.raises(ValueError, match="cannot keep 20 positions of slot 0: it holds 0"):
-        e.open(a, keep=20)
+        e.reopen(a, keep=20)
     with pytest.raises(ValueError, match="kv_blocks = 0: must be at least 1"):
         Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, kv_blocks=0))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
 def test_reopened_and_copied_prefixes_continue_exactly(tiny_engine_path, dtype):
-    """The prefix cache's calls on the paged cache: a closed slot reopened keeping its positions,
+    """The prefix cache's calls on the paged cache: a parked slot reopened keeping its positions,
     and a copy of them into another slot, continue as a sequence that never stopped; truncation
     gives back the blocks past the new end."""
     e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend="cpu", max_batch=3, max_ctx=128, kv_dtype=dtype))
@@ -314,13 +314,14 @@ def test_reopened_and_copied_prefixes_continue_exactly(tiny_engine_path, dtype):
     want = e.step([(s, more)])
     e.truncate(s, len(prompt))
     assert e.kv.kept(s) == 48  # 37 positions: three blocks, the fourth (positions 48, 49) given back
-    e.close(s)
-    t = e.open(1)
-    e.copy_prefix(s, t, 30)  # from the closed slot, which keeps its blocks
+    e.park(s)
+    t = e.open()
+    assert t != s  # a parked slot is never handed out
+    e.copy_prefix(s, t, 30)  # from the parked slot, which keeps its blocks
     e.step([(t, prompt[30:])])
     assert np.array_equal(e.step([(t, more)]), want)
-    r = e.open(s, keep=len(prompt))
-    assert r == s and np.array_equal(e.step([(s, more)]), want)
+    e.reopen(s, keep=len(prompt))
+    assert np.array_equal(e.step([(s, more)]), want)
 
 
 # ---- the real model ---------------------------------------------------------------------------
@@ -588,8 +589,9 @@ def test_a_spilled_prompt_is_restored_not_prefilled(f32_engine_path, spill):
     n0, first = turn(prompt)
     assert n0 == 0
     (chat,) = pc.held
-    other = e.open(1 - chat)
-    e.prefill(other, list(range(1, 70)))  # 5 of the 6 blocks: the closed chat's 3 must go
+    other = e.open()
+    assert other != chat
+    e.prefill(other, list(range(1, 70)))  # 5 of the 6 blocks: the parked chat's 3 must go
     e.close(other)
     assert e.kv.blocks.held[chat] == 0 and e.kv.kept(chat) == (48 if spill else 0)
     ran.clear()
@@ -603,7 +605,7 @@ def test_a_spilled_prompt_is_restored_not_prefilled(f32_engine_path, spill):
 
 
 def test_read_of_a_spilled_slot_gives_zeros_not_a_hole():
-    """A closed slot whose blocks went to the host pool still counts its positions as kept (the
+    """A parked slot whose blocks went to the host pool still counts its positions as kept (the
     prefix cache may restore them), but reading it gives zeros, as for positions it holds no
     block of, instead of meeting a table entry of -1."""
     cfg = LlamaConfig(n_layers=1, d_model=96, d_ff=64, n_heads=2, n_kv_heads=1, head_dim=48, vocab_size=10,
@@ -615,8 +617,8 @@ def test_read_of_a_spilled_slot_gives_zeros_not_a_hole():
     k, v = rng.standard_normal((2, 20, 1, 48)).astype(np.float32)
     c.layer(0).write(s, 0, k, v)
     c.lengths[s] = 20
-    c.free(s)
-    o = c.alloc(1 - s)
+    c.park(s)
+    o = c.alloc()
     c.reserve(o, 32)  # both blocks: slot s's go to the host pool
     assert c.kept(s) == 32 and s in c.blocks.spilled
     rk, rv = c.layer(0).read(s, 20)

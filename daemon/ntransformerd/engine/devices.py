@@ -82,8 +82,10 @@ class KV(Protocol):
 
     A slot grows as it is written: `reserve(slot, n)` gives it room for positions [0, n) (a
     paged cache takes blocks from its pool, raising kv_cache.KVPoolFull when none is left),
-    `trim(slot, n)` gives back what lies past n. A freed slot keeps its keys and values until
-    the pool needs its blocks; `kept(slot)` is how many positions it still holds."""
+    `trim(slot, n)` gives back what lies past n. A slot is FREE, LIVE or PARKED
+    (kv_cache.SlotState): `alloc` hands out FREE slots only; `park` keeps a finished sequence's
+    keys and values for the caller (until the pool needs its blocks; `kept(slot)` is how many
+    positions it still holds), `reopen` makes it live again, `free` forgets it."""
 
     n_slots: int
     max_ctx: int  # positions one sequence may reach
@@ -92,6 +94,10 @@ class KV(Protocol):
     def layer(self, i: int) -> KVLayer: ...
 
     def alloc(self, slot: int | None = None) -> int: ...
+
+    def park(self, slot: int) -> None: ...
+
+    def reopen(self, slot: int) -> None: ...
 
     def free(self, slot: int) -> None: ...
 
@@ -109,9 +115,6 @@ class KV(Protocol):
 
     @property
     def free_slots(self) -> int: ...
-
-    @property
-    def free_ids(self) -> tuple[int, ...]: ...
 
 
 class Ops(Protocol):

@@ -261,29 +261,39 @@ class Engine:
 
     # ---- sequences ------------------------------------------------------------------------
 
-    def open(self, slot: int | None = None, *, keep: int = 0) -> int:
-        """A KV-cache slot for a new sequence: any free one, or `slot` keeping the first `keep`
-        positions it still holds (the prefix cache's reuse of a finished sequence)."""
+    def open(self) -> int:
+        """A free KV-cache slot for a new sequence (or an internal job): one that holds nothing
+        anyone keeps. Slots the prefix cache keeps are parked, never handed out here."""
+        return self.kv.alloc()
+
+    def park(self, slot: int) -> None:
+        """The sequence in `slot` ended and the caller keeps its keys and values (the prefix
+        cache): the slot is the caller's until it reopens or closes it."""
+        self.kv.park(slot)
+
+    def reopen(self, slot: int, *, keep: int) -> None:
+        """A slot the caller parked, live again with its first `keep` positions (the prefix
+        cache's reuse of a finished sequence)."""
         if not 0 <= keep <= self.max_ctx:
             raise ValueError(f"cannot keep {keep} positions of a context of {self.max_ctx}")
-        if keep and (slot is None or keep > self.kv.kept(slot)):
-            held = 0 if slot is None else self.kv.kept(slot)
-            raise ValueError(f"cannot keep {keep} positions of slot {slot}: it holds {held} (the KV pool took back "
-                             "its blocks); open it with keep=0 and prefill")
-        slot = self.kv.alloc(slot)
+        if keep > self.kv.kept(slot):
+            raise ValueError(f"cannot keep {keep} positions of slot {slot}: it holds {self.kv.kept(slot)} (the KV pool "
+                             "took back its blocks); close it and prefill")
+        self.kv.reopen(slot)
         try:
             self.kv.trim(slot, keep)  # restoring spilled blocks may find the pool full (kv_cache.KVPoolFull)
         except BaseException:
             self.kv.free(slot)
             raise
         self.kv.lengths[slot] = keep
-        return slot
 
-    def free_slot_ids(self) -> tuple[int, ...]:
-        return self.kv.free_ids
+    @property
+    def free_slots(self) -> int:
+        """Slots `open` can hand out now."""
+        return self.kv.free_slots
 
     def kept(self, slot: int) -> int:
-        """Positions a free slot's keys and values still hold (a paged cache reclaims a closed
+        """Positions a parked slot's keys and values still hold (a paged cache reclaims a parked
         slot's blocks when others need them; the prefix cache reuses no more than this)."""
         return int(self.kv.kept(slot))
 
@@ -299,6 +309,7 @@ class Engine:
         self.kv.lengths[dst] = n
 
     def close(self, slot: int) -> None:
+        """`slot` is free again: its keys and values are forgotten."""
         self.kv.free(slot)
 
     def length(self, slot: int) -> int:

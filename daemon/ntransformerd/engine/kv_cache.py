@@ -30,8 +30,11 @@ whole blocks counted once in the pool; the last, partial block copied), and a sl
 write into a block it shares gets its own copy first (copy on write, in `reserve`, which the
 engine calls before every step with the slot's length at the segment's start).
 
-A closed slot keeps its blocks, and so its keys and values (the prefix cache reopens a slot and
-keeps the positions it still holds), until the pool runs short: then the least recently closed
+Every slot has one owner at a time (SlotState): FREE slots hold nothing and are the only ones
+`alloc` hands out; a LIVE slot is its sequence's (or an internal job's, such as a measurement)
+and is the only kind a step writes; a PARKED slot is a finished sequence whose owner (the prefix
+cache) keeps it to reopen. Freeing a slot gives its blocks back at once. A parked slot keeps its
+blocks, and so its keys and values, until the pool runs short: then the least recently parked
 slots give theirs back, first saving them to a host pool where one is configured (`spill`
 bytes; a device's cache, where host RAM is the larger memory), and `kept` says how many
 positions a slot still holds, in blocks or in the host pool; reopening or sharing from a
@@ -45,6 +48,7 @@ the owner set before it started.
 from __future__ import annotations
 
 import collections
+import enum
 import heapq
 
 import numpy as np
@@ -95,12 +99,27 @@ def default_blocks(n_slots: int, max_ctx: int, block_size: int = BLOCK_SIZE) -> 
     return n_slots * -(-max_ctx // block_size)
 
 
+class SlotState(enum.Enum):
+    """Who a sequence slot belongs to. A slot has one owner at a time: nothing is written into
+    a slot, or read back as someone's keys and values, except by the owner that holds it."""
+
+    FREE = "free"      # nobody's: holds nothing; `alloc` hands out these alone
+    LIVE = "live"      # a running sequence's (or an internal job's): the only state a step writes
+    PARKED = "parked"  # the sequence ended and whoever ran it keeps its keys and values (the
+    #                    prefix cache); its blocks may go back to the pool (`kept` says what is left)
+
+
 class SlotTable:
-    """Which sequence slots of a cache are live and how many positions each holds.
+    """Which sequence slots of a cache are free, live or parked, and how many positions each holds.
 
     Shared by every backend's KV cache; one owner (the engine's scheduler thread) calls it. The
     paged calls (reserve, trim, kept) are answered here as a cache of whole slots answers them
     (every slot holds max_ctx positions from the start); KVCache pages.
+
+    Ownership is by construction: `alloc` takes a FREE slot only, so a job that asks for "a slot"
+    can never receive one whose keys and values another part still counts on; a PARKED slot goes
+    back to LIVE only through `reopen`, by the part that parked it, and to FREE through `free`,
+    which forgets its contents.
     """
 
     max_ctx: int  # set by each cache
@@ -108,25 +127,44 @@ class SlotTable:
     def __init__(self, n_slots: int):
         self.n_slots = n_slots
         self.lengths = np.zeros(n_slots, np.int64)
+        self.state = [SlotState.FREE] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
 
+    def _expect(self, slot: int, *states: SlotState) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"KV slot {slot} is out of range 0..{self.n_slots - 1}")
+        if self.state[slot] not in states:
+            raise ValueError(f"KV slot {slot} is {self.state[slot].value}, not "
+                             f"{' or '.join(s.value for s in states)}")
+
     def alloc(self, slot: int | None = None) -> int:
-        """A free slot (`slot` itself when given), empty. Its keys and values are not cleared:
-        the prefix cache reopens a slot and keeps the positions it still holds."""
-        if not self._free:
-            raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
+        """A FREE slot (`slot` itself when given: it must be FREE), now LIVE and empty."""
         if slot is None:
+            if not self._free:
+                raise RuntimeError(f"all {self.n_slots} KV cache slots are live or kept by the prefix cache")
             slot = self._free.pop()
-        elif slot in self._free:
-            self._free.remove(slot)
         else:
-            raise ValueError(f"KV slot {slot} is not free")
+            self._expect(slot, SlotState.FREE)
+            self._free.remove(slot)
+        self.state[slot] = SlotState.LIVE
         self.lengths[slot] = 0
         return slot
 
+    def park(self, slot: int) -> None:
+        """A LIVE slot's sequence ended; its keys and values stay for the caller, who alone may
+        `reopen` or `free` it."""
+        self._expect(slot, SlotState.LIVE)
+        self.state[slot] = SlotState.PARKED
+
+    def reopen(self, slot: int) -> None:
+        """A PARKED slot LIVE again, its positions as they were (the caller trims them)."""
+        self._expect(slot, SlotState.PARKED)
+        self.state[slot] = SlotState.LIVE
+
     def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.n_slots:
-            raise ValueError(f"KV slot {slot} is not in use")
+        """A LIVE or PARKED slot FREE: its contents are forgotten."""
+        self._expect(slot, SlotState.LIVE, SlotState.PARKED)
+        self.state[slot] = SlotState.FREE
         self.lengths[slot] = 0
         self._free.append(slot)
 
@@ -137,8 +175,9 @@ class SlotTable:
         """Positions ≥ n of `slot` are no longer needed (a whole slot keeps its room)."""
 
     def kept(self, slot: int) -> int:
-        """Positions whose keys and values `slot` may still hold (a whole slot: all of them)."""
-        return self.max_ctx
+        """Positions whose keys and values `slot` may still hold (a whole slot: all of them;
+        a FREE slot: none)."""
+        return 0 if self.state[slot] is SlotState.FREE else self.max_ctx
 
     def blocks_for(self, n: int) -> int:
         """Blocks a sequence of n positions needs (a whole slot has its room: none to count)."""
@@ -151,11 +190,8 @@ class SlotTable:
 
     @property
     def free_slots(self) -> int:
+        """FREE slots: what `alloc` can hand out now."""
         return len(self._free)
-
-    @property
-    def free_ids(self) -> tuple[int, ...]:
-        return tuple(self._free)
 
 
 class BlockTable:
@@ -193,6 +229,10 @@ class BlockTable:
         self.spilled: collections.OrderedDict[int, tuple[int, object]] = collections.OrderedDict()
         self._spilled_n = 0  # blocks in the host pool (a counter: status reads it from another thread)
         self.stats = {"shared": 0, "cow": 0, "spilled": 0, "restored": 0, "dropped": 0}  # blocks, in all
+
+    # Before every write, check that the slot is live and holds its blocks alone (reserve with
+    # start): a few numpy calls per segment, so on in tests (tests/conftest.py), off in service.
+    check_owners = False
 
     @property
     def free_blocks(self) -> int:
@@ -317,6 +357,8 @@ class BlockTable:
 
         need = max(0, want - int(self.held[slot])) + len(shared())
         if need <= 0:
+            if self.check_owners and start is not None and start < n:
+                self._check_write(slot, start, n)
             return
         self._grab(need, keep + (slot,))
         cow = shared()  # closed sharers may have let go meanwhile
@@ -335,6 +377,8 @@ class BlockTable:
         for j in range(h, want):
             self.tables[slot, j] = self._take()
         self.held[slot] = max(h, want)
+        if self.check_owners and start is not None and start < n:
+            self._check_write(slot, start, n)
 
     def release(self, slot: int, n: int) -> None:
         """The blocks of `slot` past position n back to the pool; a spilled slot's first
@@ -352,6 +396,8 @@ class BlockTable:
         one, (start, end of its block), when start falls inside a block dst holds; else None."""
         self._check(src)
         self._check(dst)
+        if self._closed[dst]:
+            raise RuntimeError(f"KV slot {dst} is not live: it cannot take positions of slot {src}")
         bs = self.block_size
         if src in self.spilled:
             self._restore(src, -(-n // bs), keep=(dst,))
@@ -380,7 +426,8 @@ class BlockTable:
         return (start, min(n, first * bs)) if start % bs and start < n else None
 
     def closed(self, slot: int) -> None:
-        """`slot`'s sequence ended: its blocks stay until the pool needs them."""
+        """`slot`'s sequence ended and its owner keeps it (parked): its blocks stay until the
+        pool needs them."""
         self._idle.pop(slot, None)
         self._closed[slot] = True
         if self.held[slot]:
@@ -389,6 +436,28 @@ class BlockTable:
     def opened(self, slot: int) -> None:
         self._idle.pop(slot, None)
         self._closed[slot] = False
+
+    def forget(self, slot: int) -> None:
+        """`slot` is free: its blocks go back to the pool and its spilled copy is dropped, so
+        nothing of it can be read back by whoever holds the slot next."""
+        self._check(slot)
+        self._idle.pop(slot, None)
+        if slot in self.spilled:
+            n, _ = self.spilled.pop(slot)
+            self._spilled_n -= n
+            self.stats["dropped"] += n
+        self._let_go(slot, 0)
+        self._closed[slot] = True
+
+    def _check_write(self, slot: int, start: int, n: int) -> None:
+        """The owner check (`check_owners`): positions [start, n) of `slot` are about to be
+        written, so the slot is live and every block they fall in is its alone."""
+        if self._closed[slot]:
+            raise RuntimeError(f"KV slot {slot} is not live: nothing may write its positions {start}..{n}")
+        blocks = self.tables[slot, start // self.block_size:-(-n // self.block_size)]
+        if (blocks < 0).any() or (self.refs[blocks] != 1).any():
+            raise RuntimeError(f"KV slot {slot}: positions {start}..{n} fall in blocks {blocks.tolist()} that "
+                               f"it does not hold alone (holders {self.refs[blocks].tolist()})")
 
     def kept(self, slot: int) -> int:
         """Positions `slot` holds: in its blocks, or spilled to the host pool."""
@@ -527,9 +596,17 @@ class KVCache(SlotTable):
         self.blocks.opened(slot)
         return slot
 
+    def park(self, slot: int) -> None:
+        super().park(slot)
+        self.blocks.closed(slot)
+
+    def reopen(self, slot: int) -> None:
+        super().reopen(slot)
+        self.blocks.opened(slot)
+
     def free(self, slot: int) -> None:
         super().free(slot)
-        self.blocks.closed(slot)
+        self.blocks.forget(slot)
 
     def reserve(self, slot: int, n: int) -> None:
         """Room for positions [0, n) of `slot`, whose positions from its length on are written

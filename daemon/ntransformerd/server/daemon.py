@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -99,21 +100,33 @@ class Daemon:
         if c.tcp_listen:  # first: a bad TLS file then leaves no socket behind
             tcp.bind(self.server, c)
         self._user_socket = sockets.bind_private(self.server, c.socket)
-        listener = None
+        listener, admin_bound = None, False
         try:
             listener = sockets.listen(c.socket, mode=sockets.USER_MODE, group=c.socket_group)
-            sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
-        except BaseException:
+            if c.admin_socket:
+                sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
+                admin_bound = True
+            self.server.start()
+            if admin_bound:
+                self.admin_server.start()
+            try:
+                self.relay.start(listener, self._user_socket)
+            except OSError as e:  # its interpreter cannot be run, no file descriptors left, ...
+                raise sockets.SocketError(f"cannot start the user socket's relay process ({sys.executable}): "
+                                          f"{e.strerror or e}") from None
+        except BaseException:  # only what this start made goes: a socket another daemon serves stays
+            self.server.stop(0)
+            self.admin_server.stop(0)
             if listener is not None:
                 listener.close()
                 sockets.remove(c.socket)
+            if admin_bound:
+                sockets.remove(c.admin_socket)
             sockets.remove_private(self._user_socket)
             raise
-        self.server.start()
-        self.admin_server.start()
-        self.relay.start(listener, self._user_socket)
         self.scheduler.start()
-        log.info("listening on %s (admin %s), pid %d", c.socket, c.admin_socket, os.getpid())
+        admin = c.admin_socket or "none: without $XDG_RUNTIME_DIR, --admin-socket PATH gives one"
+        log.info("listening on %s (admin socket %s), pid %d", c.socket, admin, os.getpid())
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
 
     def _initial_load(self) -> None:
@@ -247,7 +260,7 @@ class Daemon:
         finally:
             if locked:
                 self._load_lock.release()
-        for path in (self.config.socket, self.config.admin_socket):
+        for path in filter(None, (self.config.socket, self.config.admin_socket)):
             sockets.remove(path)
         if self._user_socket:
             sockets.remove_private(self._user_socket)

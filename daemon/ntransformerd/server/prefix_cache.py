@@ -1,17 +1,19 @@
 """The prefix cache: a prompt that repeats what is already in the KV cache is not prefilled again.
 
-A finished sequence's slot goes back to the free list with its keys and values in place; this
-table remembers which token ids they are for, least recently freed first. A new request takes
-the slot whose tokens share the longest prefix with its prompt and keeps those positions (or,
-when that cached sequence goes on past the shared part and an empty slot is free, shares their
-blocks, so the cached one stays for others), or, when a live sequence shares more, gets a slot
-sharing its blocks (engine.copy_prefix: by block reference, the last partial block copied).
-Either way only the rest of the prompt is prefilled; at least its last token always is, so
-there are logits to sample from. A request with no hit takes a slot that holds nothing, else the
-least recently freed one (an eviction). Slots are allocated with the cache, so keeping finished
-sequences costs no memory. A paged pool takes a closed slot's blocks back when it runs short,
-or spills them to host RAM (kv_cache.py); `engine.kept` counts spilled positions as held, and
-reopening the slot restores them.
+A finished sequence's slot is parked (engine.park): it stays this cache's, with its keys and
+values in place, and this table remembers which token ids they are for, least recently parked
+first. Nothing else can be handed that slot: engine.open gives out free slots only, so a
+measurement or any other job that asks for a slot never writes over a cached prompt. A new
+request takes the slot whose tokens share the longest prefix with its prompt and keeps those
+positions (engine.reopen; or, when that cached sequence goes on past the shared part and a free
+slot exists, shares their blocks, so the cached one stays for others), or, when a live sequence
+shares more, gets a slot sharing its blocks (engine.copy_prefix: by block reference, the last
+partial block copied). Either way only the rest of the prompt is prefilled; at least its last
+token always is, so there are logits to sample from. A request with no hit takes a free slot,
+else this cache forgets its least recently parked one (`evict`) and frees it. Keeping finished
+sequences costs no memory of its own: a paged pool takes a parked slot's blocks back when it
+runs short, or spills them to host RAM (kv_cache.py); `engine.kept` counts spilled positions as
+held, and reopening the slot restores them.
 
 Concurrent requests sharing a prefix both benefit: while an older request is still prefilling
 positions a younger one shares, the younger waits and then copies them (`catch_up`).
@@ -81,19 +83,46 @@ class PrefixCache:
         live_slot, live_n = self._best(prompt, self._ours(live, key), limit) if use else (None, 0)
         if held_n and held_n >= live_n:
             self.hit_tokens += held_n
-            empty = self._empty()
-            if held_n < self._kept(held_slot, len(self.held[held_slot][1])) and empty:
+            if held_n < self._kept(held_slot, len(self.held[held_slot][1])) and self.engine.free_slots:
                 # the cached sequence goes on past the shared part: keep it for others, copy
-                slot = self.engine.open(empty[-1])
+                slot = self.engine.open()
                 self.engine.copy_prefix(held_slot, slot, held_n)
                 return slot, held_n
             del self.held[held_slot]
-            return self.engine.open(held_slot, keep=held_n), held_n
-        slot = self._fresh()
+            self.engine.reopen(held_slot, keep=held_n)
+            return held_slot, held_n
+        slot = self.open_free()
         if live_n:
             self.engine.copy_prefix(live_slot, slot, live_n)
             self.hit_tokens += live_n
         return slot, live_n
+
+    def open_free(self) -> int:
+        """A slot holding nothing, for a new sequence or an internal job (a measurement): a free
+        one, else the least recently parked one, forgotten first (an eviction)."""
+        if not self.engine.free_slots:
+            self.evict()
+        return self.engine.open()
+
+    def evict(self) -> bool:
+        """Forget the least recently parked sequence, freeing its slot; False if none is kept."""
+        if not self.held:
+            return False
+        slot, _ = self.held.popitem(last=False)
+        self.engine.close(slot)
+        self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        """Forget every kept sequence, freeing their slots (the engine outlives this cache:
+        another scheduler, or none, may serve it next)."""
+        while self.evict():
+            pass
+
+    @property
+    def slots_open(self) -> int:
+        """Slots a new sequence could take now: free ones and those this cache would evict."""
+        return self.engine.free_slots + len(self.held)
 
     def catch_up(self, slot: int, prompt: Sequence[int], filled: int, live: Live, *, caller=None) -> int:
         """Copy into `slot` what another live sequence of `caller`'s scope has computed of
@@ -109,14 +138,17 @@ class PrefixCache:
         return n
 
     def close(self, slot: int, tokens: Sequence[int], *, keep: bool, caller=None) -> None:
-        """Free `slot`; with `keep`, remember that its KV holds `tokens`, for `caller`'s scope."""
-        self.engine.close(slot)
+        """A sequence ended: with `keep`, its slot is parked, this cache's to reopen, and its KV
+        holds `tokens`, for `caller`'s scope; else the slot is freed."""
         if self.enabled and keep and tokens:
+            self.engine.park(slot)
             self.held[slot] = (scope(caller, self.share), list(tokens))
+        else:
+            self.engine.close(slot)
 
     def _kept(self, slot: int, n: int) -> int:
         """How many of a held slot's n positions its KV still holds (a paged pool may have
-        reclaimed its blocks since it closed)."""
+        reclaimed its blocks since it was parked)."""
         kept = getattr(self.engine, "kept", None)
         return n if kept is None else min(n, kept(slot))
 
@@ -131,14 +163,3 @@ class PrefixCache:
             if n > best_n:
                 best_slot, best_n = slot, n
         return best_slot, best_n
-
-    def _empty(self) -> list[int]:
-        return [s for s in self.engine.free_slot_ids() if s not in self.held]
-
-    def _fresh(self) -> int:
-        empty = self._empty()
-        if empty:
-            return self.engine.open(empty[-1])
-        slot, _ = self.held.popitem(last=False)  # least recently freed
-        self.evictions += 1
-        return self.engine.open(slot)

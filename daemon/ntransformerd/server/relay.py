@@ -23,6 +23,14 @@ on stop(), or when the daemon dies. Should it end otherwise (a crash, a kill), t
 it again on the same listening socket, which it keeps open for that (RESTARTS in
 RESTART_WINDOW_S at most).
 
+One uid holds at most MAX_PER_UID connections. The one past that is refused, and told why: the
+relay answers its first call itself, in HTTP/2 as a gRPC server would (`refusal`: a status
+RESOURCE_EXHAUSTED whose message names the limit), where closing it would leave the client with
+"Connection reset by peer". At most REFUSING connections are answered at once, each for at most
+REFUSAL_WAIT_S; past that they are closed unanswered, so a flood costs the relay no more. The log
+says a uid's first refusal at once, then how many more it had once per REFUSAL_LOG_S
+(RefusalLog), not one line per connection.
+
 Thread rule: in the daemon, start() and stop() are called from the daemon's thread, uid_of() and
 `connections` from any; the reports are read under one lock, by whichever thread asks first.
 """
@@ -54,6 +62,9 @@ STOP_FLUSH_S = 1.0  # on stop, how long what the server said last may take to re
 EXIT_WAIT_S = STOP_FLUSH_S + 5.0  # stop(): how long the relay process may take to end before it is killed
 RESTARTS = 5  # an unexpected end of the relay process starts it again, at most this often…
 RESTART_WINDOW_S = 60.0  # …within this long; past that the user socket stays deaf (and says so)
+REFUSING = 64  # refused connections being told why at once; past this they are closed unanswered
+REFUSAL_WAIT_S = 2.0  # how long a refused client has to send its first call before it is closed
+REFUSAL_LOG_S = 60.0  # a uid's refused connections are logged once per this long, with a count
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -244,6 +255,144 @@ class Relay:
                     self._uids.pop(text[1:], None)
 
 
+# ---- telling a refused client why ---------------------------------------------------------------
+# The least of HTTP/2 (RFC 9113) a gRPC client needs to read a status from its first call: the
+# server's SETTINGS, acks of the client's SETTINGS and PINGs, and for a call (a HEADERS frame) a
+# response of headers only, ending the stream, with grpc-status and grpc-message (gRPC over
+# HTTP/2's "Trailers-Only"); then GOAWAY, so the client opens no further call on this connection.
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEADERS, SETTINGS, PING, GOAWAY = 0x1, 0x4, 0x6, 0x7
+END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
+MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE's initial value, which the relay never raises
+RESOURCE_EXHAUSTED = 8  # grpc-status
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload."""
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_int(n: int, bits: int) -> bytes:
+    """An HPACK integer with a `bits`-bit prefix (RFC 7541 5.1)."""
+    top = (1 << bits) - 1
+    if n < top:
+        return bytes((n,))
+    out, n = [top], n - top
+    while n >= 128:
+        out.append(n & 127 | 128)
+        n >>= 7
+    return bytes(out + [n])
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman (RFC 7541 6.2.2): the
+    peer's HPACK table is left as it was."""
+    return b"\0" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
+
+
+def _grpc_message(text: str) -> bytes:
+    """grpc-message's encoding: UTF-8, bytes outside printable ASCII and '%' percent-encoded."""
+    return b"".join(bytes((c,)) if 0x20 <= c <= 0x7E and c != 0x25 else b"%%%02X" % c for c in text.encode())
+
+
+def refusal(stream: int, status: int, message: str) -> bytes:
+    """The answer to call `stream`: its status as headers only (":status 200" is HPACK's static
+    entry 8), then GOAWAY naming it the last stream this connection serves."""
+    block = (b"\x88" + _hpack_literal(b"content-type", b"application/grpc")
+             + _hpack_literal(b"grpc-status", str(status).encode())
+             + _hpack_literal(b"grpc-message", _grpc_message(message)))
+    return (h2_frame(HEADERS, END_HEADERS | END_STREAM, stream, block)
+            + h2_frame(GOAWAY, 0, 0, stream.to_bytes(4, "big") + (0).to_bytes(4, "big")))
+
+
+class _Refused:
+    """A refused connection being told why: its client's frames are read until its first call,
+    which gets `message`; closed on anything that is not HTTP/2, or at `deadline`."""
+
+    def __init__(self, sock: socket.socket, message: str, deadline: float):
+        self.sock, self.message, self.deadline = sock, message, deadline
+        self.buf = b""
+        self.seen_preface = self.answered = False
+
+    def readable(self) -> bool:
+        """Read what the client sent and answer it; False once the connection is to be closed."""
+        data = self.sock.recv(65536)
+        if not data:
+            return False
+        if self.answered:  # what the client sends after its answer does not matter
+            return True
+        self.buf += data
+        out = b""
+        if not self.seen_preface:
+            if len(self.buf) < len(PREFACE):
+                return PREFACE.startswith(self.buf)
+            if not self.buf.startswith(PREFACE):
+                return False  # not an HTTP/2 client: nothing to tell it in a form it would read
+            self.buf, self.seen_preface = self.buf[len(PREFACE):], True
+            out += h2_frame(SETTINGS, 0, 0)
+        while len(self.buf) >= 9 and not self.answered:
+            size, kind, flags = int.from_bytes(self.buf[:3], "big"), self.buf[3], self.buf[4]
+            stream = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            if size > MAX_FRAME:
+                return False
+            if len(self.buf) < 9 + size:
+                break
+            payload, self.buf = self.buf[9:9 + size], self.buf[9 + size:]
+            if kind == SETTINGS and not flags & ACK:
+                out += h2_frame(SETTINGS, ACK, 0)
+            elif kind == PING and not flags & ACK:
+                out += h2_frame(PING, ACK, 0, payload)
+            elif kind == HEADERS and stream % 2:
+                out += refusal(stream, RESOURCE_EXHAUSTED, self.message)
+                self.answered = True
+        if out:
+            self.sock.send(out)  # a few hundred bytes into an empty buffer: whole, or the client is gone
+        if self.answered:
+            self.sock.shutdown(socket.SHUT_WR)  # the client reads its answer, then EOF; it closes
+        return True
+
+
+class RefusalLog:
+    """What the relay says of refused connections: a uid's first refusal at once, then how many
+    more it had once per `interval`, so that a flood of connections is a line a minute, not a
+    line a connection. A uid quiet for a whole interval is said at once again."""
+
+    def __init__(self, interval: float = REFUSAL_LOG_S):
+        self.interval = interval
+        self._uids: dict[int, list] = {}  # uid -> [when its count is said, connections refused since]
+
+    def refused(self, uid: int, now: float, limit: int) -> str | None:
+        """A connection of `uid` was refused at `now`: the line to log now, if any."""
+        if uid in self._uids:
+            self._uids[uid][1] += 1
+            return None
+        self._uids[uid] = [now + self.interval, 0]
+        return (f"uid {uid} has {_connections(limit)} open, the most one user may have: refusing its new ones "
+                f"(how many, every {self.interval:.0f} s while it goes on)")
+
+    def due(self, now: float, *, all_of_them: bool = False) -> list[str]:
+        """The counts to log at `now` (all_of_them: every count pending, as when the relay ends)."""
+        lines = []
+        for uid, (at, n) in list(self._uids.items()):
+            if now < at and not all_of_them:
+                continue
+            if n:
+                lines.append(f"uid {uid}: {n} more {'connection' if n == 1 else 'connections'} refused within "
+                             f"the last {self.interval:.0f} s")
+                self._uids[uid] = [now + self.interval, 0]
+            else:
+                del self._uids[uid]
+        return lines
+
+    def next_due(self) -> float | None:
+        return min((at for at, _ in self._uids.values()), default=None)
+
+
+def _connections(n: int) -> str:
+    return f"{n} connection" + ("" if n == 1 else "s")
+
+
 def _bind_unique(sock: socket.socket) -> bytes:
     """Bind `sock` to an abstract address of its own: 96 random bits, so that no address is ever
     used twice (the kernel's autobind reuses its 2^20 names: a request queued in the gRPC server
@@ -295,6 +444,8 @@ class _Loop:
         self._sel = selectors.DefaultSelector()
         self._stop_at: float | None = None  # the daemon closed the control pipe: flush until every link is closed, or this
         self._paused_until = 0.0
+        self._refusing: dict[socket.socket, _Refused] = {}  # refused connections being told why
+        self._refusals = RefusalLog()
 
     def _report(self, line: str) -> None:
         """One line to the daemon (a pipe write of under PIPE_BUF bytes: whole or not at all)."""
@@ -317,6 +468,10 @@ class _Loop:
                         self._paused_until = 0.0
                         self._sel.register(self.listener, selectors.EVENT_READ)
                         timeout = None
+                due = self._next_due()
+                if due is not None:
+                    wait = max(0.0, due - time.monotonic())
+                    timeout = wait if timeout is None else min(timeout, wait)
                 for key, ev in self._sel.select(timeout):
                     s = key.fileobj
                     if s is self.listener:
@@ -328,15 +483,37 @@ class _Loop:
                         self._paused_until = 0.0
                         self.listener.close()
                         self._stop_at = time.monotonic() + STOP_FLUSH_S
+                        for r in list(self._refusing.values()):
+                            self._drop(r)
                     elif s in self._links:
                         self._serve(self._links[s], s, ev)
+                    elif s in self._refusing:
+                        self._tell(self._refusing[s])
+                self._on_time(time.monotonic())
         except BrokenPipeError:  # the daemon is gone: nobody to vouch for the clients to
             return
         finally:
             for link in list({id(x): x for x in self._links.values()}.values()):
                 self._close(link, report=False)
+            for r in list(self._refusing.values()):
+                self._drop(r)
+            for line in self._refusals.due(time.monotonic(), all_of_them=True):
+                log.warning("%s", line)
             self._sel.close()
             self.listener.close()
+
+    def _next_due(self) -> float | None:
+        """When a refused connection's time is up or a count of refusals is to be said."""
+        times = [r.deadline for r in self._refusing.values()]
+        if (at := self._refusals.next_due()) is not None:
+            times.append(at)
+        return min(times, default=None)
+
+    def _on_time(self, now: float) -> None:
+        for r in [r for r in self._refusing.values() if now >= r.deadline]:
+            self._drop(r)
+        for line in self._refusals.due(now):
+            log.warning("%s", line)
 
     def _accept(self) -> None:
         while True:
@@ -359,8 +536,7 @@ class _Loop:
         try:
             uid = peer_uid(outer)
             if self._per_uid.get(uid, 0) >= self.max_per_uid:
-                log.warning("uid %d has %d connections open: closing its new one", uid, self.max_per_uid)
-                outer.close()
+                self._refuse(outer, uid)
                 return
             inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = _bind_unique(inner)  # the abstract address the servicer sees as the peer
@@ -384,6 +560,35 @@ class _Loop:
         self._links[outer] = self._links[inner] = link
         for s in (outer, inner):
             self._update(link, s)
+
+    def _refuse(self, outer: socket.socket, uid: int) -> None:
+        """`uid` has max_per_uid connections open: its new one `outer` is told so (REFUSING at
+        once at most; past that it is closed unanswered), and counted for the log."""
+        now = time.monotonic()
+        line = self._refusals.refused(uid, now, self.max_per_uid)
+        if line:
+            log.warning("%s", line)
+        if len(self._refusing) >= REFUSING:
+            outer.close()
+            return
+        message = (f"ntransformerd: uid {uid} already has {_connections(self.max_per_uid)} open, the most one "
+                   "user may have: close some (one Client, one gRPC channel, carries many calls at once)")
+        outer.setblocking(False)
+        self._sel.register(outer, selectors.EVENT_READ)
+        self._refusing[outer] = _Refused(outer, message, now + REFUSAL_WAIT_S)
+
+    def _tell(self, r: _Refused) -> None:
+        try:
+            if r.readable():
+                return
+        except OSError:  # reset, or its buffer full: it hears nothing more
+            pass
+        self._drop(r)
+
+    def _drop(self, r: _Refused) -> None:
+        if self._refusing.pop(r.sock, None) is not None:
+            self._sel.unregister(r.sock)
+            r.sock.close()
 
     def _serve(self, link: _Link, s: socket.socket, ev: int) -> None:
         other = link.other(s)

@@ -251,6 +251,10 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # the loop is done with the engine: what the cache kept goes back
+            with self._cv:
+                if self.prefix is not None:
+                    self.prefix.clear()
         self.streamer.stop(timeout)
 
     def attach(self, engine, *, draft_engine=None, costs=None) -> None:
@@ -269,6 +273,8 @@ class Scheduler:
         """Take the engine away (unload); only when nothing is live."""
         with self._cv:
             engine, self.engine = self.engine, None
+            if self.prefix is not None:
+                self.prefix.clear()
             self.draft_engine, self._speculators, self.costs = None, {}, None
             return engine
 
@@ -435,11 +441,13 @@ class Scheduler:
         plan and machine (speculative.step_costs), so a restart reads it instead."""
         with self._cv:
             engine = self.engine
-            if self.costs is not None or engine is None or self.lifecycle.state != SERVING or not engine.kv.free_slots:
+            if self.costs is not None or engine is None or self.lifecycle.state != SERVING:
                 return
             waiting = [r for r in self._queue if r.speculator is not None]
             if not waiting and not (not self.default_mode.off and not self._live):
                 return
+            if not engine.free_slots and not self.prefix.evict():
+                return  # every slot is live: the measurement waits for one to end
             draft_engine = self.draft_engine
         self.lifecycle.busy(f"measuring step costs for speculative decoding ({len(waiting)} requests wait)")
         try:
@@ -538,7 +546,7 @@ class Scheduler:
         """Queued requests take free KV-cache slots, oldest first, each starting from the
         longest prefix of its prompt that a free or live slot holds."""
         while self._queue and self.engine is not None and len(self._live) < self.config.max_batch \
-                and self.engine.kv.free_slots:
+                and self.prefix.slots_open:
             if self._queue[0].speculator is not None and self.costs is None and self.lifecycle.state == SERVING:
                 break  # the next iteration measures the cost table first (ensure_costs)
             head = self._queue[0]
@@ -747,7 +755,7 @@ class Scheduler:
             engine, prefix = self.engine, self.prefix
             return SchedulerStatus(
                 live=len(self._live), queued=len(self._queue), batch=self.last_batch,
-                free_slots=engine.kv.free_slots if engine is not None else 0,
+                free_slots=prefix.slots_open if engine is not None and prefix else 0,
                 tokens_per_second=sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
                 steps_per_second=(len(recent) - 1) / span if span > 0 else 0.0, steps=self.steps,
                 requests_total=self.requests_total, tokens_total=self.tokens_total,

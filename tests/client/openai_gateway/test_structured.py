@@ -1,14 +1,13 @@
 """Structured output, tool calls and log-probabilities through ntx-openai with the official `openai`
 package: client.chat.completions.parse with Pydantic models, a tool-call round trip streamed and
 not with each tool_choice, logprobs on both endpoints (echo against perplexity), and bad input
-refused with a clear 400 in bounded time while the daemon serves on."""
+refused with a clear 400 while the daemon serves on."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
 import json
-import time
 from typing import Literal, Optional
 
 import openai
@@ -318,7 +317,7 @@ def test_completion_echo_logprobs_sum_to_perplexity(oai, model, stack):
 
 # ---- bad input --------------------------------------------------------------------------------------------
 
-def test_bad_schemas_are_a_clear_400_in_bounded_time(stack, oai, model):
+def test_bad_schemas_are_a_clear_400(stack, oai, model):
     _, gw = stack
     nested = '{"type": "object", "properties": {"a": ' * 10_000 + '{"type": "object"}' + "}}" * 10_000
     cases = [
@@ -335,17 +334,13 @@ def test_bad_schemas_are_a_clear_400_in_bounded_time(stack, oai, model):
          r"'tools' is too large: constraint.grammar is [\d,]+ bytes; the daemon takes at most 1 MiB"),
     ]
     for extra, message in cases:
-        t = time.monotonic()
         with pytest.raises(openai.BadRequestError, match=message):
             oai.chat.completions.create(model=model, messages=ASK, max_tokens=4, **extra)
-        assert time.monotonic() - t < 15, extra
     body = (json.dumps({"model": model, "messages": ASK, "response_format": {
         "type": "json_schema", "json_schema": {"name": "deep", "schema": "SCHEMA"}}}).replace('"SCHEMA"', nested))
-    t = time.monotonic()
     status, _, reply = gw.request("POST", "/v1/chat/completions", body.encode(),
                                   {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
     assert status == 400 and "nested too deeply" in reply["error"]["message"], reply
-    assert time.monotonic() - t < 15
     r = oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
 
@@ -362,9 +357,8 @@ def test_a_schema_over_one_mib_is_a_400_naming_the_field_and_the_limit(stack, oa
     for create in (lambda: oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, response_format=fmt),
                    lambda: oai.completions.create(model=model, prompt="Hi", max_tokens=2,
                                                   extra_body={"response_format": fmt})):
-        t = time.monotonic()
         with pytest.raises(openai.BadRequestError, match=message) as e:
             create()
-        assert e.value.body["param"] == "response_format" and time.monotonic() - t < 15
+        assert e.value.body["param"] == "response_format"
     r = oai.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2

@@ -254,10 +254,21 @@ class DeviceKV(SlotTable):
             st.kv.cache.alloc(slot)
         return slot
 
+    def park(self, slot: int) -> None:
+        super().park(slot)
+        for st in self.stages:
+            st.kv.cache.park(slot)
+
+    def reopen(self, slot: int) -> None:
+        super().reopen(slot)
+        for st in self.stages:
+            st.kv.cache.reopen(slot)
+
     def free(self, slot: int) -> None:
         super().free(slot)
         for st in self.stages:
             st.kv.cache.free(slot)
+        self.valid[:, :, slot] = 0
 
     def reserve(self, slot: int, n: int) -> None:
         for st in self.stages:
