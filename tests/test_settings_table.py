@@ -124,6 +124,28 @@ def test_the_help_of_both_programs_shows_each_rows_default_and_limits(capsys):
                 assert entry.split(")", 1)[0].endswith(row.kind.limits), (program, name)
 
 
+# each ntx-model command with the least it needs to parse
+COMMANDS = {"info": [], "tokenize": ["text"], "run": [], "quantize": ["in", "out", "--type", "q8_0"],
+            "slice": ["out", "--layers", "1"], "synth": ["out"], "perplexity": ["--file", "t"],
+            "calibrate-skip": ["--file", "t"]}
+
+
+def test_no_ntx_model_command_has_its_own_default_for_a_setting():
+    """A flag named as a setting, in any ntx-model command, is the setting: no default of its own
+    (run's come from the rows; perplexity and calibrate-skip took --backend cpu where the rows
+    say auto)."""
+    listed = re.findall(r"^    (\S+)", ntx_model.build_parser().format_help().split("options:")[0], re.M)
+    assert set(listed) == set(COMMANDS), "a new ntx-model command: add it to COMMANDS"
+    own = []
+    for command, argv in COMMANDS.items():
+        args = vars(ntx_model.build_parser().parse_args([command, *argv]))
+        for name, value in args.items():
+            if name in SETTINGS and value is not None and value != SETTINGS[name].default:
+                own.append(f"ntx-model {command} {SETTINGS[name].flag}: {value!r}, the row says "
+                           f"{SETTINGS[name].default!r}")
+    assert not own, "give these flags default=None and read them through settings.SETTINGS:\n" + "\n".join(own)
+
+
 def _limits(row):
     """(values the row takes, values it refuses) at its edges."""
     k = row.kind
