@@ -528,7 +528,7 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
             SERVED),
     Setting("log_level", Choice(("debug", "info", "warning", "error"), "LEVEL"), "info", "what is logged", SERVED),
     Setting("state_dir", _path(what="directory"), "", "where what is measured once per model, plan and machine is "
-            "kept: step-cost tables, figures, layer-skip calibrations (dirs.py)", EVERYWHERE, env=dirs.STATE_DIR_ENV,
+            "kept: step-cost tables, figures, layer-skip calibrations", EVERYWHERE, env=dirs.STATE_DIR_ENV,
             shown="/var/lib/ntransformer as root, else ~/.cache/ntransformer"),
     # ---- the NVMe drive (ntx-admin's service steps read storage, model, noiommu, nvme_release too) --
     Setting("nvme_queues", Integer(1, 64, "queue pairs"), 2, "NVMe I/O queue pairs (reads in flight at once)",
