@@ -12,6 +12,9 @@
 #                 chat's turn 2; again on the default model where PHASE=checks left it) and
 #                 bench/long_context.py (70B shape at 24 GiB, max_ctx 32768): the 8B and 70B files
 #                 are made in the background at the end of PHASE=tests.
+#   PHASE=userpath: bench/user_path.py, the benchmark of record (the daemon over its socket and
+#                 ntx-model run against llama-bench -d, alternated), on the files PHASE=tests made;
+#                 PLANS="70b:24GiB" NOISY= CLI= TAG=_70b for the 70B row.
 #   (device tool) PHASE=tests:  carry .whl .whl-extra .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
@@ -44,6 +47,12 @@ import sys; sys.path.insert(0, 'bench'); import common
 for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
   for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
   tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
+elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NOISY/CLI to change them)
+  for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
+  timeout ${USERPATH_TIMEOUT:-575} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
+    --plans ${PLANS:-8b:32 8b:24 8b:16 8b:8 8b:0} --noisy "${NOISY-8b:24}" --cli "${CLI-8b:24}" \
+    --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-540} \
+    --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = long ]; then
   for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done
   tail -3 /tmp/synth.log

@@ -262,6 +262,14 @@ def check_kv_capacity(d: dict) -> None:
     assert figure(s["ratio"]) and figure(s["ttft_prefill_seconds"]), s
 
 
+def check_user_path(d: dict) -> None:
+    rows = {r["row"]: r for r in d["rows"]}
+    assert set(rows) == {"8b:32", "8b:1", "8b:1 noisy"} and rows["8b:1 noisy"]["noisy"], list(rows)
+    for r in rows.values():
+        assert set(r["depths"]) == {"0", "64"} and all(figure(c["ours"]["median"]) for c in r["depths"].values()), r
+    assert figure(rows["8b:1"]["cli"]["median"]), rows["8b:1"]["cli"]
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
        "relay.py": check_relay,
@@ -273,7 +281,7 @@ GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality,
-       "long_context.py": check_long_context, "wide_decode.py": check_wide_decode}
+       "long_context.py": check_long_context, "wide_decode.py": check_wide_decode, "user_path.py": check_user_path}
 VM = {"nvme_read.py": check_nvme_read}
 
 

@@ -25,7 +25,8 @@ def missing(obj, proto) -> set[str]:
 
 
 def test_members_reads_a_protocol():
-    assert members(devices.Weights) == {"token_embd", "output", "output_norm", "prefetch", "acquire", "release"}
+    assert members(devices.Weights) == {"token_embd", "output", "output_norm", "prefetch", "acquire", "release",
+                                        "link_busy"}
     assert missing(object(), devices.Weights) == members(devices.Weights)
 
 

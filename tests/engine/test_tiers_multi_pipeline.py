@@ -150,13 +150,14 @@ def test_host_beside_the_main_device_bit_identical(small):
     and the output is bit-identical to one device."""
     model, _, ref = small
     e = _host_engine(model)
+    e.pipeline.steering = None  # the placement at load throughout: the hand-offs are counted below
     assert e.plan.tiers == (VRAM, PINNED, PINNED, PINNED) and e.plan.schedule.host_layers, e.plan.explain()
     assert [st.name for st in e.pipeline.stages] == ["cpu-ref:0", "host"]
     host = set(e.plan.schedule.host_layers)
     assert {r.device for r in e.pipeline.layout.runs_for(2)} == {0, 1}
     assert all(r.device == 0 for r in e.pipeline.layout.runs_for(3))  # a prefill chunk: the link brings all
-    assert isinstance(e.kv, DeviceKV) and all(e.kv.homes[i] == (0, 1) for i in host)
-    assert all(e.kv.homes[i] == (0,) for i in set(range(4)) - host)
+    # the host holds every streamed layer (the placement may move any of them there), the main device all
+    assert isinstance(e.kv, DeviceKV) and e.kv.homes == {0: (0,), 1: (0, 1), 2: (0, 1), 3: (0, 1)}
     got = _run(e, steps=2)
     e.unload()
     for x, y in zip(got, ref):

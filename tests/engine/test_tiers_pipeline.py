@@ -23,8 +23,8 @@ class LoggingDevice(Device):
         self.copies, self.frees, self.waits = 0, 0, []
         self.after = []  # the event each copy waited for
 
-    def copy(self, slot, src, nbytes, after):
-        super().copy(slot, src, nbytes, after)
+    def copy(self, slot, src, nbytes, after, **kw):
+        super().copy(slot, src, nbytes, after, **kw)
         self.after.append(after)
         self.copies += 1
         return ("copy", self.copies)

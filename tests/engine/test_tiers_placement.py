@@ -165,3 +165,91 @@ def test_host_tier_in_a_placement():
     p = place_rows(plan([PINNED] * 3), Figures(1 * GB, {1: 1 * GB}), 1)
     assert p.tiers == (PINNED, HOST, PINNED) and p.host_layers == [1]
     assert math.isclose(p.time.seconds, 2.0)
+
+
+# ---- the placement follows the steps (placement.Steering) ------------------------------------------
+
+def _steered(host=64.0, link=55.0):
+    """24 streamed layers after 8 resident, placed from figures where the host reads 64 GB/s."""
+    from ntransformerd.engine.tiers.placement import Steering
+    p = with_schedule(plan([VRAM] * 8 + [PINNED] * 24, 0.2e9), Figures(link * GB, {1: host * GB, 16: 8 * GB},
+                                                                       {1: 3000 * GB}), (1, 16))
+    return Steering(p, dwell=4, probe=32)
+
+
+def _step(st, rows, host_bps, link_bps):
+    """What a step at `rows` on st's current placement reports when the host and the link run at
+    these rates (the truth the steering does not know)."""
+    from ntransformerd.engine.tiers.placement import Observation
+    pl = next(p for p in st.schedule.placements if p.rows >= rows)
+    hb = sum(st.plan.layer_bytes[i] for i in pl.host_layers)
+    lb = sum(st.plan.layer_bytes[i] for i, t in enumerate(pl.tiers) if t in (PINNED, STORAGE))
+    return st.observe(Observation(rows, hb / host_bps, hb, lb / link_bps, lb))
+
+
+def _host_layers(st, rows=1):
+    return len(next(p for p in st.schedule.placements if p.rows >= rows).host_layers)
+
+
+def test_steering_keeps_a_placement_the_steps_confirm():
+    st = _steered()
+    at_load = _host_layers(st)
+    assert at_load > 0
+    for _ in range(200):
+        assert _step(st, 1, 64 * GB * 1.05, 55 * GB * 0.97) is None  # within the noise: nothing moves
+    assert st.changes == 0 and _host_layers(st) == at_load
+
+
+def test_steering_moves_layers_off_a_slowed_host_and_back_when_it_recovers():
+    """The host's rate halves mid-run (a neighbour copying memory): within 8 steps the host holds
+    fewer layers and the predicted step is no slower than all over the link; when it recovers,
+    a probe gives them back within 2 probe periods."""
+    st = _steered()
+    at_load = _host_layers(st)
+    for _ in range(20):
+        _step(st, 1, 64 * GB, 55 * GB)
+    moved_at = None
+    for k in range(1, 40):
+        if _step(st, 1, 16 * GB, 55 * GB) is not None and moved_at is None:
+            moved_at = k
+    assert moved_at is not None and moved_at <= 8, moved_at
+    slow = _host_layers(st)
+    assert slow < at_load
+    one = st.schedule.placements[0]
+    assert one.time.seconds <= one.streamed.seconds  # never planned slower than the link alone
+    load = st.base
+
+    def predicted(s):  # the current placement's step at 1 row, on the figures at load (the truth again)
+        return pass_seconds(s.plan, set(s.schedule.placements[0].host_layers), load, 1).seconds
+    best = place_rows(st.plan, load, 1).time.seconds
+    assert predicted(st) > best * 1.05
+    back_at = None
+    for k in range(1, 400):
+        _step(st, 1, 64 * GB, 55 * GB)
+        if predicted(st) <= best * 1.05:
+            back_at = k
+            break
+    assert back_at is not None and back_at <= 2 * 32 + 2 * 4 + 16, back_at
+
+
+def test_steering_follows_a_slower_link_too():
+    st = _steered()
+    at_load = _host_layers(st)
+    for _ in range(30):
+        _step(st, 1, 64 * GB, 20 * GB)  # the link at 20 GB/s, not 55: the host should take more
+    assert _host_layers(st) > at_load and st.link_scale < 0.5
+
+
+def test_a_probe_that_finds_the_host_still_slow_waits_longer_next_time():
+    st = _steered()
+    for _ in range(40):
+        _step(st, 1, 4 * GB, 55 * GB)  # so slow the host takes nothing
+    assert _host_layers(st) == 0
+    probes = []
+    for k in range(3000):
+        before = _host_layers(st)
+        _step(st, 1, 4 * GB, 55 * GB)
+        if before == 0 and _host_layers(st) > 0:
+            probes.append(k)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 2 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0], probes

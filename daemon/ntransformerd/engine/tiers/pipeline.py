@@ -45,16 +45,25 @@ class Device:
         """A device buffer (a slot)."""
         return np.zeros(nbytes, np.uint8)
 
-    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None):
+    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None,
+             timed: list | None = None):
         """Copy src[:nbytes] into slot once event `after` (or None) passed; return a done event.
         hold: the copy is not done, nor the next begun, before `hold` seconds after it started
-        (pace_start / pace_hold around it)."""
+        (pace_start / pace_hold around it). timed: (start, end, nbytes) of the copy itself (after
+        the wait; marks that `elapsed` reads) is appended there."""
+        start = time.perf_counter()
         if hold is not None:
             self.pace_start()
         np.copyto(slot[:nbytes], src[:nbytes])
         if hold is not None:
             self.pace_hold(hold)
+        if timed is not None:
+            timed.append((start, time.perf_counter(), nbytes))
         return None
+
+    def elapsed(self, start, end) -> float:
+        """Seconds between a copy's two marks (read after the step that made them: passed)."""
+        return end - start
 
     def compute_wait(self, event) -> None:
         """Order the compute stream after `event`."""
@@ -131,6 +140,8 @@ class LayerStream:
         self._pool = (concurrent.futures.ThreadPoolExecutor(readers or depth, thread_name_prefix="ntx-reader")
                       if read is not None and any(host_layer(i) is None for i in order) else None)
         self.stats = {"passes": 0, "copies": 0, "reads": 0, "blocked": 0, "restarts": 0}
+        self._timed: list[tuple[object, object, int]] = []  # (start mark, end mark, bytes) per copy since busy()
+        self._timing = False  # copies are timed once someone reads busy()
 
     def streamed_of(self, layers) -> list[int]:
         """The streamed layers among `layers`, in their order."""
@@ -176,10 +187,11 @@ class LayerStream:
                 src = self.host_layer(self._pass[k])
             s = k % self.depth
             nbytes = self.nbytes[self._pass[k]]
+            timed = self._timed if self._timing else None
             if self.link_cap is None:
-                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s])
+                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s], timed=timed)
             else:
-                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s],
+                done = self.device.copy(self.slots[s], src, nbytes, self._slot_free[s], timed=timed,
                                         hold=nbytes / self.link_cap)
             self._copy_done[k] = done
             if storage:
@@ -199,6 +211,12 @@ class LayerStream:
             except Exception:
                 pass
         self._reads.clear()
+
+    def busy(self) -> tuple[float, int]:
+        """(seconds the copies took, their bytes) since the last call: the link's share of the
+        steps that ran since (read after a step: its copies are done)."""
+        timed, self._timed, self._timing = self._timed, [], True
+        return sum(self.device.elapsed(a, b) for a, b, _ in timed), sum(n for _, _, n in timed)
 
     # ---- the interface model.forward drives ---------------------------------------------------
 

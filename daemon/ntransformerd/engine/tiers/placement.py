@@ -262,3 +262,124 @@ def load_figures(path: str) -> Figures | None:
             return Figures.from_dict(json.load(f))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+# ---- the placement follows the steps -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """One hybrid step as it ran: the host's pieces (wall time of its layers) and the link's
+    copies (their busy time), each with the layer bytes it moved."""
+
+    rows: int
+    host_seconds: float
+    host_bytes: int
+    link_seconds: float
+    link_bytes: int
+
+
+class Steering:
+    """Keeps a plan's placement in line with what its steps show.
+
+    The figures measured at load (or cached) are a first guess: the host's memory bandwidth moves
+    with its neighbours' load from minute to minute, and its attention grows with the context.
+    Every hybrid step reports the rate its host pieces and its copies ran at (`observe`); each is
+    folded into a factor on the load-time figure (an exponential average, `alpha` of the new
+    reading). When a factor has moved by more than `noise` since the placement was last weighed,
+    and at least `dwell` steps ran since (the placement does not flap on one slow step), the
+    placement at every step shape is made again from the corrected figures and taken where it
+    beats the current one, weighed on the same figures, by more than HYBRID_MARGIN at some shape
+    (hysteresis: a change must pay).
+
+    A host that computes nothing (found slow, or placed out by figures from a busy moment) reports
+    nothing: after `probe` steps without a host reading, its factor is moved halfway back towards
+    the figure at load (geometrically: the square root) and at least to where the host would
+    match the link, which gives it layers again, so the next steps measure it; a probe that finds
+    it still slow doubles the wait before the next (up to `max_probe`), one that finds it well
+    resets it. So a slow host costs a few steps every `probe`..`max_probe` steps, and a recovered
+    or underrated one gets its layers.
+
+    Pure policy: no device, no clock. Thread rule: the engine's owner thread.
+    """
+
+    def __init__(self, plan: Plan, *, alpha: float = 0.3, noise: float = 0.1, dwell: int = 4, probe: int = 64,
+                 max_probe: int = 4096):
+        """plan: one with its schedule (with_schedule), the placement at load."""
+        if plan.schedule is None:
+            raise ValueError("steering needs a plan with a schedule (placement.with_schedule)")
+        if not 0 < alpha <= 1 or noise <= 0 or dwell < 1 or probe < 1:
+            raise ValueError("steering: alpha in (0, 1], noise > 0, dwell and probe at least 1")
+        self.plan, self.schedule, self.base = plan, plan.schedule, plan.schedule.figures
+        self.rows = tuple(p.rows for p in self.schedule.placements)
+        self.alpha, self.noise, self.dwell = alpha, noise, dwell
+        self.probe, self.max_probe, self._wait = probe, max_probe, probe
+        self.host_scale = self.link_scale = 1.0
+        self._weighed = (1.0, 1.0)  # the factors the placement was last weighed with
+        self._since = 0  # steps since then
+        self._unheard = 0  # steps since the host last reported
+        self._probing = False
+        self.changes = 0
+
+    def figures(self) -> Figures:
+        """The load-time figures corrected by what the steps showed."""
+        b = self.base
+        return dataclasses.replace(
+            b, link_bps=b.link_bps * self.link_scale,
+            host_bps={r: v * self.host_scale for r, v in b.host_bps.items()})
+
+    def _fold(self, scale: float, expected_bps: float, nbytes: int, seconds: float) -> float:
+        if nbytes <= 0 or seconds <= 0 or expected_bps <= 0:
+            return scale
+        seen = nbytes / seconds / expected_bps  # this step's rate against the figure at load
+        return math.exp((1 - self.alpha) * math.log(scale) + self.alpha * math.log(seen))
+
+    def observe(self, obs: Observation) -> Schedule | None:
+        """Fold one step in; the new schedule where the placement moves, else None."""
+        if obs.host_bytes > 0:
+            self.host_scale = self._fold(self.host_scale, self.base.host(obs.rows), obs.host_bytes,
+                                         obs.host_seconds)
+            self._unheard = 0
+            if self._probing and self.host_scale >= self._weighed[0] / (1 + self.noise):
+                self._wait, self._probing = self.probe, False  # the probe found the host well again
+        else:
+            self._unheard += 1
+        self.link_scale = self._fold(self.link_scale, self.base.link_bps, obs.link_bytes, obs.link_seconds)
+        self._since += 1
+        if self._since < self.dwell:
+            return None
+        limit = math.log1p(self.noise)
+        drift = max(abs(math.log(self.host_scale / self._weighed[0])),
+                    abs(math.log(self.link_scale / self._weighed[1])))
+        if drift <= limit:
+            if self._unheard < self._wait:
+                return None
+            # A probe: the host silent for a while. Its factor goes halfway back to the figure at
+            # load, and at least to where the host would match the link (where the placement gives
+            # it layers again), so the next steps measure it.
+            if self._probing:
+                self._wait = min(2 * self._wait, self.max_probe)
+            even = self.base.link_bps * self.link_scale / max(self.base.host(self.rows[0]), 1.0)
+            self.host_scale = max(math.sqrt(min(self.host_scale, 1.0)), self.host_scale, even)
+            self._probing, self._unheard = True, 0
+        return self._weigh()
+
+    def _weigh(self) -> Schedule | None:
+        """The placement made again from the corrected figures; the new schedule where it beats
+        the current one (on the same figures) by HYBRID_MARGIN at some shape, else None."""
+        figures = self.figures()
+        self._weighed, self._since = (self.host_scale, self.link_scale), 0
+        best = tuple(place_rows(self.plan, figures, r) for r in self.rows)
+        pays = False
+        for new, old in zip(best, self.schedule.placements):
+            if new.tiers != old.tiers:
+                now = pass_seconds(self.plan, set(old.host_layers), figures, old.rows).seconds
+                pays = pays or new.time.seconds < now * (1 - HYBRID_MARGIN)
+        if not pays:
+            return None
+        self.schedule = Schedule(best, figures)
+        self.changes += 1
+        return self.schedule
+
+    def status(self) -> str:
+        return (f"host at {self.host_scale:.2f}x and link at {self.link_scale:.2f}x of the figures at load; "
+                f"placement moved {self.changes} times")

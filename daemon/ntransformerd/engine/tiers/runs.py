@@ -41,6 +41,7 @@ from ntransformerd.engine.kv_cache import SlotTable
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import TopLogits
 from ntransformerd.engine.tiers.multi import MultiPlan
+from ntransformerd.engine.tiers.placement import Observation
 from ntransformerd.engine.tiers.planner import HOST, SKIP, VRAM, Plan, resident_plan
 
 MAIN = "main"  # a device of the engine's backend (a GPU, or the host when it is the only kind)
@@ -100,13 +101,19 @@ class Layout:
         return len(self.schedule) - 1
 
     def homes(self) -> dict[int, tuple[int, ...]]:
-        """Each layer's devices: those that compute it in some entry of the schedule."""
-        out: dict[int, set[int]] = {}
-        for _, runs in self.schedule:
-            for r in runs:
-                for i in r.layers:
-                    out.setdefault(i, set()).add(r.device)
-        return {i: tuple(sorted(ds)) for i, ds in sorted(out.items())}
+        """Each layer's devices: those whose share holds it (any entry of the schedule, now or
+        after the placement moves, computes it on one of them)."""
+        out: dict[int, list[int]] = {}
+        for d, dev in enumerate(self.devices):
+            for i, t in enumerate(dev.plan.tiers):
+                if t != SKIP:
+                    out.setdefault(i, []).append(d)
+        return {i: tuple(ds) for i, ds in sorted(out.items())}
+
+    def steered(self, schedule) -> "Layout":
+        """This layout with the placements of `schedule` (placement.Schedule, over the same
+        step shapes and the same eligible layers): the host's share already holds them all."""
+        return dataclasses.replace(self, schedule=_entries(schedule))
 
 
 def _share(plan: Plan, tiers: Sequence[str], layer_bytes: Sequence[int]) -> Plan:
@@ -130,15 +137,19 @@ def layout_of(plan: Plan | MultiPlan | None, layer_bytes: Sequence[int]) -> Layo
             device_of += [d] * (b - a)
         last = len(devices) - 1
         return Layout(tuple(devices), ((0, runs_of(plan.tiers, device_of)),), 0, last)
-    schedule = getattr(plan, "schedule", None)
-    if schedule is None or not schedule.host_layers:
+    if plan.schedule is None:
         return Layout((DeviceShare(MAIN, 0, plan),), ((0, runs_of(plan.tiers, [0] * n)),))
-    hosted = set(schedule.host_layers)
+    # The host holds every streamed layer (its memory map: no copy), so that the placement can
+    # move any of them to it later (placement.Steering) without loading anything.
+    hosted = set(plan.streamed)
     host_tiers = [HOST if i in hosted else SKIP for i in range(n)]
     host = DeviceShare(HOST, 0, Plan(tuple(host_tiers), plan.layer_bytes, 0, 0, 0, 0, 0, -1, plan.ram_limit))
-    entries = tuple((p.rows, runs_of(p.tiers, [1 if t == HOST else 0 for t in p.tiers]))
-                    for p in schedule.placements)
-    return Layout((DeviceShare(MAIN, 0, plan), host), entries)
+    return Layout((DeviceShare(MAIN, 0, plan), host), _entries(plan.schedule))
+
+
+def _entries(schedule) -> tuple[tuple[int, tuple[Run, ...]], ...]:
+    """(rows, runs) of a placement.Schedule over the main device (0) and the host (1)."""
+    return tuple((p.rows, runs_of(p.tiers, [1 if t == HOST else 0 for t in p.tiers])) for p in schedule.placements)
 
 
 # ---- the devices of a step ----------------------------------------------------------------------
@@ -369,14 +380,18 @@ class Pipeline:
     """model.forward over the stages of a layout. One owner thread."""
 
     def __init__(self, stages: Sequence[Stage], layout: Layout, cfg, handoff: Handoff | None = None, *,
-                 capture: bool = True, threads: int | None = None):
+                 capture: bool = True, threads: int | None = None, steering=None):
         """capture: each device that captures or records steps (Backend.capture) does so: one
         device for its whole steps, a GPU beside others for its steps alone and its pieces
-        (threads: the host's recorded steps' thread count)."""
+        (threads: the host's recorded steps' thread count). steering: a placement.Steering that
+        every step over the main device and the host reports to; where it moves the placement,
+        the layout follows (and `on_steer(steering)` is called)."""
         if len(stages) != len(layout.devices):
             raise ValueError(f"{len(stages)} stages for a layout of {len(layout.devices)} devices")
         self.stages, self.layout, self.cfg = list(stages), layout, cfg
         self.handoff = handoff or Handoff()
+        self.steering, self.on_steer = steering, None
+        self._host_time = [0.0, 0]  # the host's pieces in this step: seconds, layer bytes
         self.step_times = [[0, 0.0] for _ in layout.schedule]  # per schedule entry: steps, seconds
         one = len(self.stages) == 1
         self.kv = self.stages[0].kv if one else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes())
@@ -430,9 +445,13 @@ class Pipeline:
             st = self.stages[d]
             if st is not cur:
                 x, cur = self.handoff.copy(x, cur, st), st
+            t0 = time.perf_counter()
             with st.context():
                 x = (st.steps.run(batch, x=x, layers=ls, head=False) if st.recorded
                      else self._layers_on(d, batch, x, ls))  # (N, D)
+            if self.layout.devices[d].kind == HOST:  # the host computes on this thread: done on return
+                self._host_time[0] += time.perf_counter() - t0
+                self._host_time[1] += sum(self.layout.devices[d].plan.layer_bytes[i] for i in ls)
         head = self.stages[lo.head]
         if head is not cur:
             x = self.handoff.copy(x, cur, head)
@@ -486,20 +505,38 @@ class Pipeline:
                     out = st.graphs.draw(batch.segments, sample, layers=layers)
                 if out is None:
                     out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
+            if self.steering is not None:  # the host took no part: the steering counts its silence
+                self._host_time = [0.0, 0]
+                self._steer(len(batch.tokens), 0.0, 0)
         else:
             head = self.stages[self.layout.head]
+            main = self.stages[0]
+            if self.steering is not None:
+                main.weights.link_busy()  # what earlier steps copied is not this step's
+                self._host_time = [0.0, 0]
             with contextlib.ExitStack() as stack:
                 for s in self.stages:
                     stack.enter_context(s.ops.step_context(batch))
                 logits = self.forward(batch, groups, all_logits=all_logits)
                 with head.context():
                     out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
+            if self.steering is not None:
+                self._steer(len(batch.tokens), *main.weights.link_busy())
         if several:
             self.kv.wrote(batch, groups)
         timing = self.step_times[self.layout.entry(len(batch.tokens))]
         timing[0] += 1
         timing[1] += time.perf_counter() - t0
         return out
+
+    def _steer(self, rows: int, link_seconds: float, link_bytes: int) -> None:
+        """Report a step over the main device and the host; follow the placement if it moves."""
+        host_seconds, host_bytes = self._host_time
+        new = self.steering.observe(Observation(rows, host_seconds, host_bytes, link_seconds, link_bytes))
+        if new is not None:
+            self.layout = self.layout.steered(new)
+            if self.on_steer is not None:
+                self.on_steer(self.steering)
 
     def launch(self, batch: Batch, *, sample, layers: Sequence[int] | None = None, after=None, rows=None):
         """A step drawn on its device and not waited for (the captured steps' draw_async: a

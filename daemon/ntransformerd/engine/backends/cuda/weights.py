@@ -205,20 +205,33 @@ class CudaDevice(Device):
     def alloc(self, nbytes: int):
         return device_alloc((nbytes,), np.uint8, "streaming slot")
 
-    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None):
+    def copy(self, slot, src: np.ndarray, nbytes: int, after, *, hold: float | None = None,
+             timed: list | None = None):
         if after is not None:
             self.copy_stream.wait_event(after)
+        start = self._mark() if timed is not None else None
         if hold is not None:  # a slower link emulated: host functions in copy order around the copy
             self.copy_stream.launch_host_func(lambda _: self.pace_start(), None)
         cp.cuda.runtime.memcpyAsync(slot.data.ptr, src.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
                                     self.copy_stream.ptr)
         if hold is not None:
             self.copy_stream.launch_host_func(lambda seconds: self.pace_hold(seconds), hold)
+        if timed is not None:
+            timed.append((start, self._mark(), nbytes))
         return self.record(self.copy_stream)
 
     def compute_wait(self, event) -> None:
         if event is not None:
             cp.cuda.get_current_stream().wait_event(event)
+
+    def _mark(self):
+        ev = cp.cuda.Event(block=False)  # timing on: the copy's own span
+        ev.record(self.copy_stream)
+        return ev
+
+    def elapsed(self, start, end) -> float:
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
 
     def record(self, stream=None):
         ev = cp.cuda.Event(block=False, disable_timing=True)
@@ -367,6 +380,9 @@ class CudaWeights:
             self._captured.release(i)
         else:
             self.stream.release(i)
+
+    def link_busy(self) -> tuple[float, int]:
+        return self.stream.busy() if self.stream is not None else (0.0, 0)
 
     def settle(self, stream) -> None:
         """Order `stream` after every copy into the slots queued so far: a captured pass replayed

@@ -98,6 +98,9 @@ class HostWeights:
     def prefetch(self, layers) -> None:
         pass
 
+    def link_busy(self) -> tuple[float, int]:
+        return 0.0, 0
+
 
 def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[HostOps, HostWeights]:
     """The ops and weights of `model` on this CPU. `resident` is accepted for the common backend
