@@ -2,8 +2,9 @@
 
 No cycles: every `import` and `from … import` (at module level or inside a function) is an edge
 from the importing module to the module it names (`from a.b import c` names a.b.c where that is a
-module, else a.b). A package's own __init__ is a module like the others; imports under
-`if TYPE_CHECKING:` (annotations only) are not run and not counted.
+module, else a.b). A package's own __init__ is a module like the others. Imports under
+`if TYPE_CHECKING:` (annotations only) are not run, but a circle through them is still two
+modules that each need the other to be read: they count too.
 
 Dependencies visible: an import sits at module level, unless it must wait (an optional dependency
 such as CuPy, systemd or the [openai] extra, or a side effect such as readline's); then the line
@@ -47,7 +48,8 @@ def _modules(root: str = ROOT) -> dict[str, str]:
     return out
 
 
-def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
+def _edges(mods: dict[str, str], *, annotations: bool = False) -> dict[str, set[str]]:
+    """module → the modules it imports; `annotations`: those under `if TYPE_CHECKING:` too."""
     graph = {m: set() for m in mods}
     for m, path in mods.items():
         is_pkg = path.endswith("__init__.py")
@@ -56,7 +58,7 @@ def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
         typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                        and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         for node in ast.walk(tree):
-            if id(node) in typing_only:  # annotations only: not imported at run time
+            if id(node) in typing_only and not annotations:  # not imported at run time
                 continue
             names = []
             if isinstance(node, ast.Import):
@@ -112,8 +114,20 @@ def test_cycle_finder_finds_one():
 
 
 def test_no_import_cycles():
-    cycle = _cycle(_edges(_modules()))
+    cycle = _cycle(_edges(_modules(), annotations=True))
     assert cycle is None, " → ".join(cycle)
+
+
+def test_annotation_imports_are_edges(tmp_path):
+    """Two modules that need each other only for annotations are still a circle."""
+    pkg = tmp_path / "system" / "ntx_system"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "facts.py").write_text("from .rule import judge\n")
+    (pkg / "rule.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .facts import Record\n")
+    mods = _modules(str(tmp_path))
+    assert _cycle(_edges(mods)) is None
+    assert _cycle(_edges(mods, annotations=True)) == ["ntx_system.facts", "ntx_system.rule", "ntx_system.facts"]
 
 
 # ---- imports inside functions say why ------------------------------------------------------------

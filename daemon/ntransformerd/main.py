@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 
@@ -26,9 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ntransformerd: {e}", file=sys.stderr)
         return 2
     where = setup_logging(cfg.log_level)
-    if cfg.cpu_threads:  # for the host kernels (OpenMP); numpy's BLAS is already loaded, limited per step
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, str(cfg.cpu_threads))
+    config_mod.apply_to_process(cfg)  # the state directory and the host kernels' threads
     daemon = Daemon(config=cfg, notifier=Notifier())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: daemon.request_shutdown())

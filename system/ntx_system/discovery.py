@@ -1,6 +1,6 @@
 """Find NVMe controllers and namespaces and everything that says whether they are in use.
 
-One `NvmeDevice` record per namespace (or one per controller that has no visible namespace, e.g.
+One `NvmeDevice` record (nvme_device.py) per namespace (or one per controller that has no visible namespace, e.g.
 one already bound to vfio-pci).  The record carries facts only; `policy.device_verdict` judges
 them.  Facts come from pyudev (enumeration, properties from the udev database when udev runs)
 and sysfs/procfs (partitions, holders, mounts, swap, IOMMU group), plus a read-only sniff of the
@@ -14,39 +14,13 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import asdict, dataclass, field
 
+from .nvme_device import NvmeDevice
 from .policy import namespace_in_use
 from .staging import HEADER_MAGIC
 
 NVME_PCI_CLASS = 0x010802
 SYSTEM_MOUNTS = ("/", "/boot", "/boot/efi", "/efi", "/usr", "/var")
-
-
-@dataclass
-class NvmeDevice:
-    controller: str | None          # nvme0; None when the controller is not bound to `nvme`
-    pci_address: str
-    driver: str | None              # nvme, vfio-pci, or None
-    iommu_group: int | None
-    group_peers: dict[str, str | None] = field(default_factory=dict)   # other PCI devs: driver
-    serial: str | None = None
-    model: str | None = None
-    firmware: str | None = None
-    namespace: str | None = None    # nvme0n1
-    devnode: str | None = None      # /dev/nvme0n1
-    size_bytes: int | None = None
-    lba_size: int | None = None
-    partitions: list[str] = field(default_factory=list)
-    mounts: list[str] = field(default_factory=list)        # mount points on it or its parts
-    holders: list[str] = field(default_factory=list)       # dm-0, md127, ...
-    swap: bool = False
-    signature: str | None = None    # ext4, LVM2_member, gpt, ntx-staged, ...
-    backs: list[str] = field(default_factory=list)         # which SYSTEM_MOUNTS it backs
-    sibling_namespaces_in_use: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- small readers

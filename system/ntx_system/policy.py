@@ -5,15 +5,13 @@ the kernel (bind), so the rule is strict: everything on the controller must be u
 target namespace must be blank or already ours.  Each refusal reason names what was found and
 what would fix it, because the person reading it decides whether the device is really spare.
 
-Thread rule: pure functions over `discovery.NvmeDevice` records; call from any thread.
+Thread rule: pure functions over `nvme_device.NvmeDevice` records (discovery fills them); call from any thread.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # records only: discovery itself asks namespace_in_use
-    from .discovery import NvmeDevice
+from .nvme_device import NvmeDevice
 
 # Signatures that mean "this is ours or blank enough": a previous staging.
 REUSABLE_SIGNATURES = {None, "ntx-staged"}

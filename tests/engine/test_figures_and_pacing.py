@@ -108,7 +108,7 @@ def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
     assert fig.host_sample(model, plan, nbytes=1 << 40) == [1, 2]  # the streamed ones: what the host may compute
     assert fig.host_sample(model, None, nbytes=1 << 40) == [0, 1, 2, 3]
     # measured once, then read from the cache keyed by model, plan and machine
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path))  # dirs.state_dir: figures/ there
     calls = []
     real = fig.host_rates
     monkeypatch.setattr(fig, "host_rates", lambda *a, **k: calls.append(1) or real(*a, rows=(1,), repeats=1, **{

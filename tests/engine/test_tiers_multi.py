@@ -181,7 +181,7 @@ def test_cli_plan_devices(synth_model, capsys):
     assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "30MiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["device_ids"] == [0, 1] and d["n_devices"] == 2 and len(d["link_bytes"]) == 2
-    assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "64MiB,1KiB"]) == 2
+    assert ntx_model.main(args + ["--devices", "0,1", "--vram-budget", "64MiB,1MiB"]) == 2
     assert "device 1" in capsys.readouterr().err
 
 

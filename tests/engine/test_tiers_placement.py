@@ -150,7 +150,7 @@ def test_the_config_asks_for_host_compute(synth_model):
     from ntransformerd.engine import tiers
     from ntransformerd.engine.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
-    with pytest.raises(ValueError, match="host_compute = 'on': not one of off, auto"):
+    with pytest.raises(ValueError, match="host_compute = 'on': use off or auto"):
         EngineConfig(host_compute="on").validate()
     model = GGUFModel(synth_model("small", "q4_k_m"))
     config = EngineConfig(backend="cpu-ref", max_ctx=64, max_vram_layers=1, host_compute="auto", prefill_chunk=48)

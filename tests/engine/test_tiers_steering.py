@@ -108,7 +108,7 @@ def test_cached_figures_the_steps_contradict_are_replaced(model, tmp_path, monke
     """Figures cached from a busy moment (a host at a tenth of its rate) move the placement once
     the steps show better, and the corrected figures are written back to the cache, so the next
     load starts from them."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path))  # dirs.state_dir: figures/ there
     wrong = Figures(0.2e9, {1: 0.02e9, 2: 0.02e9})
     config = EngineConfig(backend="cpu-ref", max_batch=2, max_ctx=256, prefill_chunk=8, max_vram_layers=1,
                           host_compute="auto", link_cap=LINK)

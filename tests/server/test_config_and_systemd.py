@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ntransformerd import config, settings
+from ntransformerd import config, dirs, settings
 from ntransformerd.engine import backends, tiers
 from ntransformerd.engine.engine import EngineConfig, resolved
 from ntransformerd.engine.gguf_file import GGUFModel
@@ -58,7 +58,7 @@ BAD_VALUES = [
     ("log_level", "5"), ("log_level", '"loud"'),
     ("kv_dtype", '"f8"'),
     ("max_batch", "-1"), ("max_batch", "true"), ("max_batch", "1.5"), ("max_batch", "100000"),
-    ("max_queue", "-5"), ("max_ctx", "8"), ("prefill_chunk", "0"), ("default_max_tokens", '"many"'),
+    ("max_queue", "-5"), ("max_ctx", "0"), ("prefill_chunk", "0"), ("default_max_tokens", '"many"'),
     ("cpu_threads", "-1"),
     ("drain_timeout", "-1"), ("drain_timeout", "nan"), ("drain_timeout", '"5s"'), ("drain_timeout", "false"),
     ("vram_budget", "-1"), ("vram_budget", "0"), ("vram_budget", '"-4GiB"'), ("vram_budget", "1.5"),
@@ -105,6 +105,29 @@ def test_speculative_is_a_mode_value_parsed_once_at_the_config(tmp_path):
     assert config.DaemonConfig(speculative=Mode("ngram")).speculative == Mode("ngram")
     with pytest.raises(config.ConfigError, match="speculative = 'fastest'"):
         config.DaemonConfig(speculative="fastest")
+
+
+@pytest.mark.parametrize("spec,twice", [("skip:0,0,0", "layer 0 is"), ("skip:3,7,3", "layer 3 is"),
+                                        ("skip:3,07,7,3,", "layers 3, 7 are")])
+def test_a_skip_mode_naming_a_layer_twice_is_refused_everywhere(tmp_path, capsys, spec, twice):
+    """skip:0 is refused (it skips nothing); skip:0,0,0 was merged into skip:0's one layer and
+    served. Refused where a mode enters: the config, a request, ntx-model."""
+    from ntransformerd.server import errors, servicer
+    words = f"{twice} named more than once: name each layer once"
+    with pytest.raises(ValueError, match=words):
+        Mode.parse(spec)
+    f = tmp_path / "d.toml"
+    f.write_text(f'speculative = "{spec}"\n')
+    with pytest.raises(config.ConfigError, match=f"^speculative = .*{words}"):
+        config.load(["--config", str(f)])
+    with pytest.raises(errors.InvalidRequest, match=words):
+        servicer.speculative_mode(spec)
+    assert ntx_model.main(["run", "--prompt", "x", "--speculative", spec]) == 2
+    assert words in capsys.readouterr().err
+    layers = spec.split(":", 1)[1]
+    with pytest.raises(config.ConfigError, match=f"^skip_layers = .*{words}"):
+        config.DaemonConfig(skip_layers=layers)
+    assert Mode.parse("skip:3,7") == Mode("skip", "3,7") and config.DaemonConfig(skip_layers="3,7").skip_layers == "3,7"
 
 
 def test_missing_config_file_is_an_error():
@@ -357,7 +380,9 @@ def test_ntx_model_spells_every_setting_it_names_as_a_flag_it_has(capsys):
     out = capsys.readouterr().out
     for setting, flag in ntx_model.FLAGS.names.items():
         assert f"{flag} " in out, (setting, flag)
-        assert setting in EngineConfig.__dataclass_fields__
+        assert settings.MODEL in settings.SETTINGS[setting].where
+    for setting in EngineConfig.__dataclass_fields__:  # every engine setting is a flag of ntx-model run
+        assert ntx_model.FLAGS.name(setting) == settings.SETTINGS[setting].flag
     for setting in ("vram_budget", "pinned_budget", "max_batch", "max_ctx", "kv_dtype", "storage", "backend"):
         assert setting in config.KEYS  # the daemon's key of the same name and meaning
 
@@ -380,5 +405,29 @@ def test_the_daemon_serves_a_quantized_paged_kv_cache_as_configured(new_daemon):
             with pytest.raises(NtxError, match="kv_blocks"):  # 8 blocks hold 128 positions
                 c.complete(prompt_ids=prompt * 40, max_tokens=4, temperature=0)
             assert c.complete(prompt_ids=prompt, max_tokens=2, temperature=0).ids  # still serving
+    finally:
+        d.cleanup()
+
+
+def _files(root) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs} if os.path.isdir(root) else set()
+
+
+def test_the_step_cost_table_lands_in_the_state_dir_and_nowhere_else(tmp_path, new_daemon):
+    """A daemon run with `--config /dev/null --state-dir D` keeps the step-cost table its first
+    speculative request measures in D: not in $NTX_STATE_DIR (the test daemon's own directory),
+    nor the user's cache, nor /var/lib/ntransformer (where a root run keeps it without the setting)."""
+    from ntx_client import Client
+    given, xdg = tmp_path / "given", tmp_path / "xdg"
+    service_before = _files(dirs.SERVICE_STATE_DIR)
+    d = new_daemon("--state-dir", str(given), "--speculative", "off", env={"XDG_CACHE_HOME": str(xdg)})
+    try:
+        d.wait_ready()
+        with Client(d.socket) as c:
+            assert c.complete("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=4, temperature=0, speculative="ngram").ids
+        kept = [os.path.basename(p) for p in _files(given)]
+        assert len(kept) == 1 and kept[0].startswith("step-costs-"), (kept, d.log())
+        assert not [p for p in _files(d.dir) if "step-costs" in p] and not _files(xdg)
+        assert _files(dirs.SERVICE_STATE_DIR) == service_before
     finally:
         d.cleanup()

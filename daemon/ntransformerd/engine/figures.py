@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ntransformerd import dirs
 from ntransformerd.engine import backends
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.model import Batch, Segment, run_layers
@@ -179,7 +180,8 @@ def gpu_rates(backend, model: GGUFModel, *, layer: int = 0, rows: Sequence[int] 
 # ---- the cache ---------------------------------------------------------------------------------
 
 def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ntransformer", "figures")
+    """Where figures are kept: figures/ of the state directory (dirs.state_dir)."""
+    return os.path.join(dirs.state_dir(), "figures")
 
 
 def machine() -> str:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ntransformerd import dirs
 from ntransformerd.engine import model as llama
 from ntransformerd.engine.model import Batch, Segment
 from ntransformerd.engine.perplexity import perplexity
@@ -225,12 +226,8 @@ def file_sha256(path: str) -> str:
 
 
 def state_dir() -> str:
-    """Where the daemon and tools keep what they compute once per model."""
-    if os.environ.get("NTX_STATE_DIR"):
-        return os.environ["NTX_STATE_DIR"]
-    if os.geteuid() == 0:
-        return "/var/lib/ntransformer"
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ntransformer")
+    """Where the daemon and tools keep what they compute once per model (dirs.state_dir)."""
+    return dirs.state_dir()
 
 
 def cache_paths(model_path: str, sha256: str) -> list[str]:

@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import platform
-import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -54,59 +53,15 @@ from ntransformerd.engine import decode, layer_skip
 from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.sampler import draw_from
+from ntransformerd.engine.speculative_mode import OFF, Mode  # noqa: F401 - OFF: the mode's module, named here too
 
 log = logging.getLogger("ntransformerd")
-SOURCES = ("ngram", "draft", "skip", "prefix")
-MODES = ("off", "auto") + SOURCES
-MAX_MODE_CHARS = 64  # longer is no mode; an error then quotes none of it
-MODE_HELP = ("use off, auto, ngram, draft, skip[:LAYERS] (e.g. skip:3,7,11 or skip:auto:0.2) "
-             "or prefix[:N] (e.g. prefix:8)")
 MAX_DRAFT = 16
 _DRAFT, _ACCEPT, _RESIDUAL, _TARGET = 1, 2, 3, 4  # purposes of a position's uniforms
 
 
 class VocabularyMismatch(ValueError):
     """The draft model's tokenizer differs from the target's."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """A speculative mode as a value: parsed once where it enters (the daemon's config, a
-    request, a command line) and passed down as is."""
-
-    name: str = "off"  # off | auto | ngram | draft | skip | prefix
-    arg: str = ""  # skip's layers, prefix's layer count; "" for the others
-
-    @classmethod
-    def parse(cls, mode: str | None) -> "Mode":
-        """'ngram' | 'draft' | 'skip[:SPEC]' | 'prefix[:N]' | 'auto' | 'off' | '' (off); ValueError
-        naming the modes otherwise."""
-        s = (mode or "off").strip().lower()
-        if len(s) > MAX_MODE_CHARS:
-            raise ValueError(f"a speculative mode of {len(s)} characters is none: {MODE_HELP}")
-        name, _, arg = s.partition(":")
-        if name not in MODES or (arg and name not in ("skip", "prefix")):
-            raise ValueError(f"speculative {mode!r}: {MODE_HELP}")
-        if name == "prefix" and arg and not re.fullmatch(r"[0-9]+", arg):
-            raise ValueError(f"speculative {mode!r}: prefix:N takes a layer count in digits 0-9, e.g. prefix:8")
-        return cls(name, arg)
-
-    @property
-    def off(self) -> bool:
-        return self.name == "off"
-
-    def within(self, default: "Mode") -> "Mode":
-        """This mode as a request means it under the daemon's `default`: a self-draft source named
-        without its layers (skip, prefix) takes the default's where the default is that source."""
-        if self.name in ("skip", "prefix") and not self.arg and default.name == self.name:
-            return default
-        return self
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.arg}" if self.arg else self.name
-
-
-OFF = Mode()
 
 
 def parse_mode(mode: str | None) -> tuple[str, str]:

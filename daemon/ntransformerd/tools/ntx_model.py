@@ -16,22 +16,21 @@ import time
 
 import numpy as np
 
+from ntransformerd import settings
 from ntransformerd.engine import layer_skip, tiers
-from ntransformerd.engine.backends import BACKENDS, device_free
+from ntransformerd.engine.backends import device_free
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, resolved
 from ntransformerd.engine.gguf_file import GGUFError, GGUFModel
-from ntransformerd.engine.kv_cache import KV_DTYPES as STORED_KV
 from ntransformerd.engine.sampler import SamplingParams
-from ntransformerd.engine.speculative import Mode
-from ntransformerd.engine.tiers.multi import parse_devices
 from ntransformerd.engine.tokenizer import Tokenizer
-from ntransformerd.settings import SettingError, Spelling
+from ntransformerd.settings import MODEL, SETTINGS, SettingError
 from ntransformerd.tools import quality
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 from ntransformerd.tools.quantize import quantize_file, requantized
 from ntransformerd.tools.synth import FTYPES, SHAPES, synthesize
 from ntx_client.cli import StatusLine
 from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
+from ntx_system import config_file
 
 EXAMPLES = """\
 examples:
@@ -43,13 +42,8 @@ examples:
   ntx-model synth --shape llama3-8b --type q8_0 /data/l3-8b-q8.gguf
 """
 
-# EngineConfig's settings as `ntx-model run` spells them: an error names the flag the user typed.
-FLAGS = Spelling({"backend": "--backend", "kv_dtype": "--kv-dtype", "max_ctx": "--ctx", "max_batch": "--max-batch",
-                  "kv_blocks": "--kv-blocks",
-                  "vram_budget": "--vram-budget", "pinned_budget": "--pinned-budget",
-                  "max_vram_layers": "--max-vram-layers", "stream_depth": "--stream-depth", "storage": "--storage",
-                  "devices": "--devices", "skip_layers": "--skip-layers", "host_compute": "--host-compute",
-                  "link_cap": "--link-cap", "cpu_threads": "--cpu-threads"}, flags=True)
+# The settings as `ntx-model run` spells them (settings.SETTINGS): an error names the flag the user typed.
+FLAGS = settings.spelling(MODEL)
 
 
 def _model_path(arg: str | None) -> str:
@@ -97,25 +91,49 @@ def _sampling(args):
     return SamplingParams(temperature=args.temperature, **kw)
 
 
+class ConfigFileError(ValueError):
+    """A value of the file `run --config` read is wrong: named by its key and the file."""
+
+
+def run_settings(args) -> dict:
+    """The settings of this run as given: each from its flag, else the config file (--config,
+    read as the daemon reads it, each value checked there and named by its key), else its
+    environment variable; the model from MODEL, else the file."""
+    file = settings.file_values(args.config, MODEL) if args.config else {}
+    for name, value in file.items():
+        try:
+            file[name] = SETTINGS[name].parse(value)
+        except SettingError as e:
+            raise ConfigFileError(f"config {args.config}: {e.worded()}") from None
+    return settings.given(MODEL, flags={**vars(args), "model": args.model}, file=file, environ=os.environ)
+
+
+def engine_config(args, values: dict) -> EngineConfig:
+    """EngineConfig of the run's settings, skip_layers resolved against the model's calibration."""
+    engine = {name: v for name, v in values.items() if name in EngineConfig.__dataclass_fields__}
+    spec = SETTINGS["skip_layers"].parse(values.get("skip_layers"))
+    if spec:  # auto and a count read the model's calibration: resolved here, with its path
+        engine["skip_layers"] = layer_skip.skip_layers_for(args.model, spec, GGUFModel(args.model).config.n_layers)
+    return EngineConfig(**engine)
+
+
 def cmd_run(args) -> int:
     params = _sampling(args).validate()
-    try:
-        mode = Mode.parse(args.speculative)
-    except ValueError as e:
-        print(f"ntx-model: --speculative: {e}", file=sys.stderr)
-        return 2
+    values = run_settings(args)
+    args.model = SETTINGS["model"].parse(values.get("model")) or default_model_path()
+    mode = SETTINGS["speculative"].parse(values.get("speculative"))
+    draft = SETTINGS["draft"].parse(values.get("draft"))
+    for path in (values.get("model"), draft):  # a path the file gave is checked as a flag's is
+        if path:
+            check_input(path, "a GGUF model file")
+    settings.export_state_dir(SETTINGS["state_dir"].parse(values.get("state_dir")))
     t0 = time.perf_counter()
-    config, backend = resolved(EngineConfig(  # sizes parsed, "auto" decided, kv_dtype and storage checked: once
-        backend=args.backend, max_batch=args.max_batch, max_ctx=args.ctx, kv_dtype=args.kv_dtype,
-        kv_blocks=args.kv_blocks,
-        vram_budget=args.vram_budget, pinned_budget=args.pinned_budget, max_vram_layers=args.max_vram_layers,
-        stream_depth=args.stream_depth, storage=args.storage, devices=args.devices,
-        skip_layers=_skip_layers(args) or None, host_compute=args.host_compute, link_cap=args.link_cap,
-        cpu_threads=args.cpu_threads))
-    if args.plan and args.devices is not None:  # the plan over several devices (not run yet)
+    # sizes parsed, "auto" decided, kv_dtype and storage checked: once
+    config, backend = resolved(engine_config(args, values))
+    if args.plan and config.devices is not None:  # the plan over several devices (not run yet)
         return _plan_devices(args, config)
     if args.plan:  # explain the tier plan and stop (no weights are loaded)
-        model = GGUFModel(_model_path(args.model))
+        model = GGUFModel(args.model)
         kind = "cpu" if backend.is_host else backend.name
         sizes = [backend.layer_bytes(model, i) for i in range(model.config.n_layers)]
         plan = tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(0), layer_bytes=sizes)
@@ -138,7 +156,7 @@ def cmd_run(args) -> int:
     first_token_s = None
     spec = None
     if not mode.off:  # lossless: the same tokens, fewer target passes
-        spec = quality.speculator(engine, mode, args.draft)
+        spec = quality.speculator(engine, mode, draft or None)
     for ev in generate(engine, prompt_ids, params, speculator=spec, dump_logits=dump):
         if first_token_s is None:
             first_token_s = time.perf_counter() - t1
@@ -166,16 +184,9 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _skip_layers(args) -> tuple[int, ...]:
-    if not args.skip_layers:
-        return ()
-    path = _model_path(args.model)
-    return layer_skip.skip_layers_for(path, args.skip_layers, GGUFModel(path).config.n_layers)
-
-
 def _plan_devices(args, config) -> int:
-    ids = parse_devices(args.devices)
-    model = GGUFModel(_model_path(args.model))
+    ids = config.devices
+    model = GGUFModel(args.model)
     backend, free = device_free(ids, config.backend)
     mp = tiers.model_plan_devices(model, config, backend=backend, vram_free=free)
     print(json.dumps({"backend": backend, "device_ids": list(ids), **mp.to_dict()}) if args.json
@@ -322,39 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="one JSON object per token; the last line has prompt_ids, ids, text")
     s.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 logits of the last prompt position")
-    s.add_argument("--backend", choices=BACKENDS, default="cpu",
-                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
-    s.add_argument("--kv-dtype", choices=("auto", *STORED_KV), default="auto",
-                   help="KV cache storage: auto (the backend's own: f32 on the CPU, f16 on the GPU), f32, f16, q8_0 "
-                        "or q4_0 (lossy); one the backend cannot store is refused (default auto)")
-    s.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, capped at the model's)")
-    s.add_argument("--max-batch", type=int, default=1, help="KV-cache slots: sequences decoded together, as the "
-                   "daemon's max_batch (the plan reserves their cache; default 1)")
-    s.add_argument("--kv-blocks", type=int, metavar="N", help="the KV pool in blocks of 16 positions, shared by the "
-                   "sequences (as the daemon's kv_blocks; default: the plan's choice, --plan says which)")
     s.add_argument("--plan", action="store_true", help="print the tier plan (VRAM / pinned RAM / storage, the KV "
                    "pool and the layers each KV type keeps resident) and exit")
-    s.add_argument("--vram-budget", metavar="SIZE", help="device memory to use in all: 24GiB (binary) or 24GB "
-                   "(decimal), as in the daemon's config; a bare 24G is refused as ambiguous (emulates a smaller GPU)")
-    s.add_argument("--pinned-budget", metavar="SIZE", help="pinned host RAM for streamed layers, e.g. 64GiB")
-    s.add_argument("--max-vram-layers", type=int, metavar="N", help="keep at most N layers resident on the device")
-    s.add_argument("--stream-depth", type=int, default=2, metavar="N", help="device slots in the layer stream (default 2)")
-    s.add_argument("--host-compute", choices=("off", "auto"), default="off",
-                   help="auto: the host CPU computes some streamed layers beside the GPU, per step shape "
-                        "(--plan shows where); default off")
-    s.add_argument("--link-cap", metavar="RATE", help="pace the stream's host-to-device copies, e.g. 6.5GB/s "
-                   "(a slower PCIe link emulated)")
-    s.add_argument("--cpu-threads", type=int, metavar="N", help="host threads of the cpu backend and of the "
-                   "host's layers (default: every CPU)")
-    s.add_argument("--storage", default="file", help="source for layers beyond RAM: file (O_DIRECT where it can; "
-                   "the default), odirect, mmap, nvme:PCI; the cpu backend computes layers where they lie: file or mmap")
-    s.add_argument("--speculative", metavar="MODE", help="speculative decoding: ngram, draft (with --draft), "
-                   "skip[:LAYERS], prefix[:N], auto; the same output, fewer target passes")
-    s.add_argument("--draft", metavar="MODEL", help="a small GGUF with the model's vocabulary that drafts for it")
-    s.add_argument("--skip-layers", metavar="SPEC", help="leave layers out: auto[:THRESHOLD] | N | 3,7,11 "
-                   "(N and auto read the calibration of ntx-model calibrate-skip)")
-    s.add_argument("--devices", metavar="IDS", help="GPUs to spread the layers over, e.g. 0,1 (with --plan; "
-                   "--vram-budget then applies per device, or give one per device: 24GiB,48GiB)")
+    s.add_argument("--config", metavar="FILE", help="read the settings from the daemon's config file (e.g. "
+                   f"{config_file.DEFAULT_PATH}) under the flags: the engine the daemon would run; its "
+                   "daemon-only keys are left to the daemon")
+    settings.add_flags(s, MODEL, leave=("model",))  # the settings: one flag each (settings.SETTINGS)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("quantize", help="requantize a GGUF (e.g. to q4_k_m, or f32 for reference runs)")

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from ntransformerd import dirs
+
 KERNEL_DIR = os.path.normpath(os.path.join(os.path.dirname(__file__), *([os.pardir] * 5), "kernels", "cpu"))
 
 COMMON_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function")
@@ -47,12 +49,8 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> str:
-    """Where built kernels are kept: $NTX_CACHE_DIR, systemd's $CACHE_DIRECTORY, or the user's cache."""
-    for var in ("NTX_CACHE_DIR", "CACHE_DIRECTORY"):
-        if os.environ.get(var):
-            return os.path.join(os.environ[var].split(":")[0], "cpu-kernels")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ntransformer", "cpu-kernels")
+    """Where built kernels are kept: cpu-kernels/ of the cache directory (dirs.cache_dir)."""
+    return os.path.join(dirs.cache_dir(), "cpu-kernels")
 
 
 def cpu_flags() -> frozenset[str]:
