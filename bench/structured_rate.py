@@ -13,7 +13,10 @@ Through the OpenAI gateway, as a client sees it, sampled at --temperature (0.8) 
 - tools, tool_choice "auto": prompts that ask for the tool and prompts that do not; the rate of
   answers that call it (for the first set, the higher the better; for the second, the lower);
 - tools, tool_choice "required": a function whose parameters leave additionalProperties open;
-  an answer counts when it ends with "tool_calls" and its arguments parse.
+  an answer counts when it ends with "tool_calls" and its arguments parse;
+- the call's opening: the log-probability the model gives the first characters of a call in the
+  checkout's own format (`<tool_call>[`, or `{"tool_calls": [` before it), right after each
+  prompt (the daemon's prompt log-probabilities): how likely the model is to choose a call.
 
 The checkout's own programs run (PYTHONPATH=<code>/daemon:<code>/client), so one script measures
 the code before and after a change. Prints a table per set and writes JSON
@@ -34,6 +37,7 @@ import tempfile
 import time
 
 import common
+from ntx_client import Client
 
 
 def _obj(props: dict, *, closed: bool = True) -> dict:
@@ -169,6 +173,21 @@ def tool_job(gw: Gateway, model: str, prompt: str, seed: int, choice: str, args)
                 calls=[x["function"] for x in calls])
 
 
+def opening_logprobs(sock: str, prompts: list[str]) -> tuple[str, list[float]]:
+    """(the call's opening in the daemon's generic format, log P of it right after each prompt)."""
+    with Client(sock, timeout=600) as c:
+        shown = c.detokenize(c.tokenize(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]))
+        opening = "<tool_call>[" if "<tool_call>" in shown else '{"tool_calls": ['
+        tail = c.tokenize(opening, add_special=False, parse_special=False)
+        out = []
+        for q in prompts:
+            ids = c.tokenize(messages=[{"role": "user", "content": q}], tools=[WEATHER])
+            done = c.complete(prompt_ids=ids + tail, max_tokens=1, temperature=0, prompt_logprobs=True, logprobs=0,
+                              prefix_cache=False)
+            out.append(sum(t.logprob for t in done.prompt_logprobs[-len(tail):]))
+    return opening, out
+
+
 def _rate(rows: list[dict], key: str) -> str:
     n = sum(1 for r in rows if r[key])
     return f"{n}/{len(rows)} ({n / len(rows):.0%})" if rows else "-"
@@ -216,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                          for label, prompts in zip(("asks", "does_not_ask"), tool_sets)}
             required_rows = list(pool.map(lambda a: tool_job(gw, model, *a, "required", args),
                                           [(q, s) for q in tool_sets[0] for s in seeds]))
+        opening = {label: opening_logprobs(sock, prompts) for label, prompts in zip(("asks", "does_not_ask"),
+                                                                                    tool_sets)}
         seconds = time.monotonic() - t0
     finally:
         if gw is not None:
@@ -236,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tools auto, prompts that ask for the tool:  called {_rate(auto_rows['asks'], 'called')}")
     print(f"tools auto, prompts that do not ask:        called {_rate(auto_rows['does_not_ask'], 'called')}")
     print(f"tools required, open parameters:            valid call {_rate(required_rows, 'valid')}")
+    for label, (text, lps) in opening.items():
+        which = {"asks": "ask for the tool", "does_not_ask": "do not ask"}[label]
+        print(f"log P({text}) after the prompts that {which}: mean {sum(lps) / len(lps):.1f} "
+              f"({', '.join(f'{x:.1f}' for x in lps)})")
     common.write_json(args.json, dict(
         smoke=args.smoke, code=code, model=model, layout=args.layout, temperature=args.temperature, seeds=args.seeds,
         max_tokens=args.max_tokens, seconds=seconds,
@@ -243,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                      rows=schema_rows),
         tools_auto={k: dict(called=sum(r["called"] for r in v), total=len(v), rows=v) for k, v in auto_rows.items()},
         tools_required=dict(valid=sum(r["valid"] for r in required_rows), total=len(required_rows),
-                            rows=required_rows)))
+                            rows=required_rows),
+        call_opening={k: dict(text=t, logprobs=v) for k, (t, v) in opening.items()}))
     if not args.dir:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

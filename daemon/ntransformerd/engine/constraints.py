@@ -25,7 +25,7 @@ cannot wander on until max_tokens:
   "x-guidance" options (llguidance's whitespace_flexible, whitespace_pattern, separators; the
   values of LLAMA_CPP_LAYOUT give llama.cpp's own) replace it;
 - numbers: at most MAX_DIGITS (16) digits in a row outside strings: an integral part, a fraction
-  and an exponent of up to 16 digits each. llguidance has no option for it, so DigitBound masks
+  and an exponent of up to 16 digits each. llguidance has no option for it, so DigitRuns masks
   it beside the grammar. Constraint.max_digits in the API sets another bound, 0 none;
 - objects: a schema with "properties" and no "additionalProperties" gets none (closed, as in
   llama.cpp's grammar), so the model cannot add keys without end; say
