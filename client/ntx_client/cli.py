@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -286,11 +285,6 @@ def _table(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
 
 
-def _short_name(path: str, name: str) -> str:
-    """The file's stem: GGUF names (`Smollm2 135M 8k Lc100K Mix1 Ep2`) are long and spaced."""
-    return os.path.splitext(os.path.basename(path))[0] if path else name
-
-
 def cmd_status(client: Client, args) -> int:
     s = client.status()
     if args.json:
@@ -371,12 +365,14 @@ def cmd_models(client: Client, args) -> int:
     if args.json:
         print(json.dumps(as_dict(m), indent=2))
         return 0
-    _table([("NAME", "ARCH", "SIZE", "LAYERS", "CONTEXT", "BACKEND", "PATH"),
-            (_short_name(m.path, m.name), m.architecture, _human(m.file_bytes), str(m.n_layers), str(m.context_length),
-             m.backend, m.path)])
-    if m.name:
-        print(f"  name in the file: {m.name}" + (f" ({m.description})" if m.description and m.description != m.name
-                                                 else ""))
+    _table([("ID", "ARCH", "SIZE", "LAYERS", "CONTEXT", "BACKEND", "FILE"),
+            (m.name, m.architecture, _human(m.file_bytes), str(m.n_layers), str(m.context_length), m.backend, m.path)])
+    general = m.metadata.get("general.name")
+    if general:
+        print(f"  name in the file: {general}" + (f" ({m.description})" if m.description and m.description != general
+                                                  else ""))
+    if m.aliases:
+        print(f"  requests may also name it: {', '.join(m.aliases)}")
     if m.plan.explanation:
         print(f"  plan: {m.plan.explanation}")
     return 0

@@ -33,6 +33,10 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 # here, before sending, with the same words (a request past gRPC's 4 MiB message limit would
 # otherwise come back as RESOURCE_EXHAUSTED, which names neither the field nor the limit).
 MAX_CONSTRAINT_BYTES = 1 << 20
+MAX_INT64 = (1 << 63) - 1
+# The trailing metadata key in which the daemon names the request field an INVALID_ARGUMENT is
+# about ("max_tokens", "constraint.json_schema", "sampling.temperature"): FieldError.field.
+FIELD_METADATA = "ntx-field"
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "frequency_penalty", "presence_penalty", "seed")
 
@@ -45,10 +49,45 @@ class TokenLogprob:
     piece: bytes  # the token's bytes (may hold part of a UTF-8 character)
     logprob: float
     top: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+    special: bool = False  # a control token: piece is its name, it adds nothing to the text
 
     @classmethod
     def from_pb(cls, m: pb.TokenLogprob) -> "TokenLogprob":
-        return cls(m.id, m.piece, m.logprob, [cls(t.id, t.piece, t.logprob) for t in m.top])
+        return cls(m.id, m.piece, m.logprob, [cls(t.id, t.piece, t.logprob, special=t.special) for t in m.top],
+                   m.special)
+
+    @property
+    def text(self) -> str:
+        """The token as text (piece_text)."""
+        return piece_text(self.piece)
+
+
+def piece_text(piece: bytes) -> str:
+    """A token's bytes as text, as OpenAI shows a token: its UTF-8 text, or where it is not whole
+    UTF-8 (part of a character) "bytes:" and each byte escaped, "bytes:\\xe6\\x97"."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+class FieldError(NtxError, ValueError):
+    """The daemon refused a request for one of its fields (INVALID_ARGUMENT): `field` is its
+    name in GenerateRequest ("max_tokens", "constraint.json_schema", "sampling.temperature")."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message, grpc.StatusCode.INVALID_ARGUMENT)
+        self.field = field
+
+
+def _rpc_error(e: grpc.RpcError, socket: str) -> NtxError:
+    """The NtxError of a failed call: a FieldError where the daemon named the field at fault."""
+    err = from_rpc_error(e, socket)
+    try:
+        field = dict(e.trailing_metadata() or ()).get(FIELD_METADATA)
+    except (AttributeError, TypeError, ValueError):  # not a call's error (no metadata)
+        field = None
+    return FieldError(str(err), field) if field and err.code == grpc.StatusCode.INVALID_ARGUMENT else err
 
 
 @dataclasses.dataclass
@@ -112,14 +151,17 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
                      prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      stop: Sequence[str] = (), ignore_eos: bool = False, model: str = "",
                      prefix_cache: bool = True, speculative: str = "", json_schema: str | dict | None = None,
-                     regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
-                     prompt_logprobs: bool = False, on_behalf_of: str = "", **sampling) -> pb.GenerateRequest:
+                     regex: str | None = None, grammar: str | None = None, max_digits: int | None = None,
+                     logprobs: int | None = None, prompt_logprobs: bool = False, on_behalf_of: str = "",
+                     **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest; exactly one of prompt, messages, prompt_ids; with messages, tools
     for the chat template to show the model (chat_message; only a constraint forces a call's
     shape). prefix_cache=False: the daemon neither starts from cached KV nor keeps this
     request's. speculative: "" (the daemon's default), off, auto, ngram, draft, skip or prefix.
     At most one constraint: json_schema (JSON text or a dict), regex, grammar (Lark or GBNF), of
-    at most MAX_CONSTRAINT_BYTES (RequestTooLarge, before sending). logprobs: each token's
+    at most MAX_CONSTRAINT_BYTES (RequestTooLarge, before sending); max_digits: the most digits
+    in a row outside JSON strings (proto Constraint; 0: no bound). max_tokens: 1..the context
+    length (ModelInfo.context_length). logprobs: each token's
     log-probability and its n (0..20) most likely alternatives'; prompt_logprobs: the prompt's too.
     on_behalf_of: who a proxy sends this for (e.g. "key:3fa1c2"), a scope below its own: the
     daemon's prefix cache keeps each one's prompts apart."""
@@ -142,11 +184,18 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[dict] | No
     else:
         req.prompt_ids.ids.extend(prompt_ids)
     if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_INT64:
+            raise ValueError(f"max_tokens {max_tokens!r} is out of range: use 1..the context length "
+                             "(ntx-client models shows it)")
         req.max_tokens = max_tokens
     for kind, text in given.items():
         text = json.dumps(text) if isinstance(text, dict) else text
         check_constraint_size(kind, text)
         setattr(req.constraint, kind, text)
+    if max_digits is not None:
+        if not given:
+            raise ValueError("max_digits bounds a constraint's numbers: give json_schema, regex or grammar with it")
+        req.constraint.max_digits = max_digits
     if logprobs is not None:
         req.logprobs = logprobs
     req.prompt_logprobs = prompt_logprobs
@@ -244,7 +293,7 @@ class Client(_Channel):
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket) from None
+            raise _rpc_error(e, self.socket) from None
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
         """Stream chunks; stopping the iteration early cancels the request on the daemon."""
@@ -253,7 +302,7 @@ class Client(_Channel):
             for m in call:
                 yield Chunk.from_pb(m)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket) from None
+            raise _rpc_error(e, self.socket) from None
         finally:
             call.cancel()  # no-op once finished; frees the daemon's slot if we stopped early
 
@@ -319,7 +368,7 @@ class AsyncClient:
         try:
             return await method(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket) from None
+            raise _rpc_error(e, self.socket) from None
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[Chunk]:
         call = self._stub.Generate(generate_request(prompt, **kw), timeout=timeout or self.timeout)
@@ -327,7 +376,7 @@ class AsyncClient:
             async for m in call:
                 yield Chunk.from_pb(m)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket) from None
+            raise _rpc_error(e, self.socket) from None
         finally:
             call.cancel()
 
@@ -356,7 +405,7 @@ class AsyncClient:
         try:
             r = await stub.Check(health_pb2.HealthCheckRequest(service=channels.INFERENCE_SERVICE), timeout=timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket) from None
+            raise _rpc_error(e, self.socket) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
@@ -398,6 +447,6 @@ class AdminClient(_Channel):
         self._call(self._stub.Shutdown, admin_pb2.ShutdownRequest(timeout_seconds=timeout_seconds))
 
 
-__all__ = ["MAX_CONSTRAINT_BYTES", "AdminClient", "AsyncClient", "Chunk", "Client", "Completion", "NtxError",
-           "RequestTooLarge", "TokenLogprob", "chat_message", "check_constraint_size", "collect", "collect_async",
-           "connection_error", "generate_request"]
+__all__ = ["FIELD_METADATA", "MAX_CONSTRAINT_BYTES", "AdminClient", "AsyncClient", "Chunk", "Client", "Completion",
+           "FieldError", "NtxError", "RequestTooLarge", "TokenLogprob", "chat_message", "check_constraint_size",
+           "collect", "collect_async", "connection_error", "generate_request", "piece_text"]

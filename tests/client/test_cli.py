@@ -133,19 +133,23 @@ def test_status_json_keeps_zeros_and_numbers_as_numbers():
     assert json.loads(json.dumps(d)) == d
 
 
-def test_models_table_names_the_file_and_shows_the_gguf_name(capsys):
+def test_models_table_shows_the_id_the_file_and_the_gguf_name(capsys):
     from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
-    info = pb.ModelInfo(name="Smollm2 135M 8k Lc100K Mix1 Ep2", path="/m/SmolLM2-135M-Instruct.Q4_1.gguf",
-                        architecture="llama", n_layers=30, context_length=4096, backend="cpu", file_bytes=98 << 20)
+    info = pb.ModelInfo(name="smollm2-135m-instruct", path="/m/SmolLM2-135M-Instruct.Q4_1.gguf",
+                        architecture="llama", n_layers=30, context_length=4096, backend="cpu", file_bytes=98 << 20,
+                        metadata={"general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2"},
+                        aliases=["SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"])
 
     class C:
         def model(self):
             return info
 
     assert cli.cmd_models(C(), cli.parser().parse_args(["models"])) == 0
-    head, row, detail = capsys.readouterr().out.splitlines()[:3]
-    assert row.split()[0] == "SmolLM2-135M-Instruct.Q4_1" and head.index("ARCH") == row.index("llama")
+    head, row, detail, aliases = capsys.readouterr().out.splitlines()[:4]
+    assert row.split()[0] == "smollm2-135m-instruct" and head.index("ARCH") == row.index("llama")
+    assert row.split()[-1] == "/m/SmolLM2-135M-Instruct.Q4_1.gguf" and head.split()[-1] == "FILE"
     assert detail.strip() == "name in the file: Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert aliases.strip() == "requests may also name it: SmolLM2-135M-Instruct.Q4_1.gguf, SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_chat_commands_are_local(monkeypatch, capsys):

@@ -344,20 +344,38 @@ def test_a_llama_style_template_gets_the_tools_in_the_user_turn_and_the_result_a
 
 
 def test_a_template_without_tools_gets_the_generic_format(smollm2):
+    """SmolLM2's own tool format: the tools in <tools>, a call in <tool_call>, results in a user turn."""
     _, t = smollm2  # the default model's: it knows no tools
     assert not t.knows_tools
     out = t.render(ROUND_TRIP, tools=[WEATHER])
-    functions = json.dumps({"name": "get_weather", "description": "The weather in a city",
-                            "parameters": WEATHER["function"]["parameters"]})
-    assert out == ("<|im_start|>system\nBe brief.\n\n" + chat.TOOL_INSTRUCTIONS + functions + "<|im_end|>\n"
+    functions = json.dumps([{"name": "get_weather", "description": "The weather in a city",
+                             "parameters": WEATHER["function"]["parameters"]}])
+    listed = chat.TOOL_INSTRUCTIONS.replace(chat.TOOLS_HERE, functions)
+    assert "<tools>" + functions + "</tools>" in listed and "<tool_call>[" in listed
+    assert out == ("<|im_start|>system\nBe brief.\n\n" + listed + "<|im_end|>\n"
                    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-                   '<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
-                   "<|im_end|>\n"
-                   '<|im_start|>tool\nget_weather returned: {"sky": "clear", "temp": 18}<|im_end|>\n'
+                   '<|im_start|>assistant\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+                   "</tool_call><|im_end|>\n"
+                   '<|im_start|>user\n<tool_response>\n{"sky": "clear", "temp": 18}\n</tool_response><|im_end|>\n'
                    "<|im_start|>assistant\n")
     # without a system message of its own the tools' becomes the first; without tools, none is added
-    assert t.render(ROUND_TRIP[1:2], tools=[WEATHER]).startswith("<|im_start|>system\n" + chat.TOOL_INSTRUCTIONS)
-    assert "Functions:" not in t.render(ROUND_TRIP)
+    assert t.render(ROUND_TRIP[1:2], tools=[WEATHER]).startswith("<|im_start|>system\n" + listed)
+    assert "<tools>" not in t.render(ROUND_TRIP)
+
+
+def test_the_generic_format_keeps_the_text_beside_a_call_and_one_turn_of_results_together(smollm2):
+    _, t = smollm2
+    two = [{"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+           for i, city in enumerate(("Paris", "Rome"))]
+    msgs = [ROUND_TRIP[1], {"role": "assistant", "content": "Checking both.", "tool_calls": two},
+            {"role": "tool", "tool_call_id": "c0", "content": "sun"}, {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "assistant", "content": "Sun in Paris, rain in Rome."}, {"role": "user", "content": "Thanks"}]
+    out = t.render(msgs, tools=[WEATHER])
+    assert ('<|im_start|>assistant\nChecking both.\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call><|im_end|>\n'
+            "<|im_start|>user\n<tool_response>\nsun\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\nSun in Paris") in out
+    assert out.count("<|im_start|>user") == 3
 
 
 def test_the_parameters_and_arguments_may_come_as_json_text_or_objects():
@@ -400,7 +418,7 @@ def test_tools_calls_and_results_with_control_token_text_stay_text(smollm2, sour
     assert ids.count(end) == template_text.count("<|im_end|>")
     assert "".join(p for p, _ in parts).count("<|im_end|>") > ids.count(end) + 4
     assert "Obey" not in template_text
-    result = ("result " if source else "get_weather returned: result ") + HOSTILE
+    result = "result " + HOSTILE
     assert _contains(ids, tok.encode(result, parse_special=False, add_special=False))
     # the same without anything hostile: exactly what the plain text tokenizes to
     msgs, tool = _tool_chat("city")

@@ -130,3 +130,132 @@ def test_drafts_are_cut_at_the_first_refused_token(engine, compiler):
     assert len(masks) == len(digits) + 1 and all(m[d] for m, d in zip(masks, digits))
     assert not masks[0][word[0]]
     assert c.mask()[digits[0]]  # the state is where it was
+
+
+# ---- JSON that ends: llama.cpp's bounds on numbers and whitespace, closed objects ----------------
+
+NUMBERS = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}, "required": ["n", "x"]}
+
+
+def allows(compiler, engine, kind: str, constraint: str, text: str, **kw) -> bool:
+    """The constraint lets `text` (as the tokenizer splits it) through, token by token."""
+    c = compiler.compile(kind, constraint, **kw)
+    ids = engine.tokenizer.encode(text, parse_special=False, add_special=False)
+    ok = c.valid_prefix(ids) == len(ids)
+    if ok:
+        for t in ids:
+            c.consume(t)
+    return ok
+
+
+def test_a_number_holds_at_most_16_digits_in_a_row_by_default(engine, compiler):
+    schema = json.dumps(NUMBERS)
+    assert allows(compiler, engine, "json_schema", schema, '{"n": ' + "1" * 16 + ', "x": -1' + "2" * 15 + ".5e+10}")
+    assert allows(compiler, engine, "json_schema", schema, '{"n": 1, "x": 0.' + "5" * 16 + "}")
+    for bad in ('{"n": ' + "1" * 100, '{"n": ' + "9" * 17, '{"n": 1, "x": 0.' + "5" * 17, '{"n": 1, "x": 1e' + "1" * 17):
+        assert not allows(compiler, engine, "json_schema", schema, bad), bad
+    # digits inside strings are text, not numbers
+    assert allows(compiler, engine, "json_schema", json.dumps({"type": "string"}), '"' + "1" * 60 + '"')
+    # a schema that only a longer number satisfies ends with an error that names the way out
+    c = compiler.compile("json_schema", json.dumps({"type": "integer", "minimum": 10 ** 17}))
+    for t in engine.tokenizer.encode("1" * 16, parse_special=False, add_special=False):
+        c.consume(t)
+    with pytest.raises(constraints.ConstraintFailed, match="more than 16 digits in a row; allow more with the "
+                                                           "constraint's max_digits"):
+        c.mask()
+
+
+def test_max_digits_allows_more_or_no_bound(engine, compiler):
+    schema, long = json.dumps(NUMBERS), '{"n": ' + "1" * 40 + ', "x": 1}'
+    assert not allows(compiler, engine, "json_schema", schema, long)
+    assert allows(compiler, engine, "json_schema", schema, long, max_digits=40)
+    assert not allows(compiler, engine, "json_schema", schema, long, max_digits=39)
+    assert allows(compiler, engine, "json_schema", schema, '{"n": ' + "1" * 100, max_digits=0)
+    # a regex or grammar has no bound unless it asks for one
+    assert allows(compiler, engine, "regex", "[0-9]+", "1" * 40)
+    assert not allows(compiler, engine, "regex", "[0-9]+", "1" * 40, max_digits=16)
+    with pytest.raises(InvalidConstraint, match=r"max_digits 5000 is out of range: use 1\.\.4096, or 0"):
+        compiler.compile("json_schema", schema, max_digits=5000)
+
+
+def test_json_is_laid_out_on_one_line_or_within_llama_cpps_bound(engine, compiler):
+    schema = json.dumps(NUMBERS)
+    assert allows(compiler, engine, "json_schema", schema, '{"n": 1, "x": 2}')  # as json.dumps writes it
+    for bad in ('{"n":1', '{ "n"', '{\n"n"', '{"n":  1'):
+        assert not allows(compiler, engine, "json_schema", schema, bad), bad
+    # llama.cpp's bound, asked for in the schema: one space, or one newline and an indent of up to 20
+    llama = json.dumps({**NUMBERS, "x-guidance": constraints.LLAMA_CPP_LAYOUT})
+    for good in ('{"n":1,"x":2}', '{"n": 1, "x": 2}', '{\n  "n": 1,\n\t"x": 2\n}', '{ "n" : 1 , "x" : 2 }'):
+        assert allows(compiler, engine, "json_schema", llama, good), good
+    for bad in ('{"n":  1', '{\n\n"n"', '{\n' + " " * 21 + '"n"', ' {"n"'):
+        assert not allows(compiler, engine, "json_schema", llama, bad), bad
+    # or any whitespace, where the schema says so
+    free = json.dumps({**NUMBERS, "x-guidance": {"whitespace_flexible": True}})
+    assert allows(compiler, engine, "json_schema", free, '{\n\n\n    "n":    1, "x": 2}')
+
+
+def test_objects_that_say_nothing_of_additional_properties_are_closed(engine, compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
+    text = json.dumps(schema)
+    assert allows(compiler, engine, "json_schema", text, '{"a": {"b": 1}}')
+    assert not allows(compiler, engine, "json_schema", text, '{"a": {"b": 1, "c"')
+    assert not allows(compiler, engine, "json_schema", text, '{"a": {"b": 1}, "z"')
+    opened = {**schema, "additionalProperties": True}
+    assert allows(compiler, engine, "json_schema", json.dumps(opened), '{"a": {"b": 1}, "z": [1, "two"]}')
+    # a free object (no properties: a map, json_object) stays free; parts of an allOf are merged, not closed
+    assert allows(compiler, engine, "json_schema", '{"type": "object"}', '{"any": {"thing": 1}}')
+    merged = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert allows(compiler, engine, "json_schema", json.dumps(merged), '{"a": 1, "b": 2}')
+
+
+def test_the_rules_hold_in_a_grammars_json_blocks(engine, compiler):
+    grammar = 'start: "call " %json ' + json.dumps(NUMBERS)
+    assert allows(compiler, engine, "grammar", grammar, 'call {"n": 1, "x": 2}')
+    assert not allows(compiler, engine, "grammar", grammar, 'call {"n": 1, "x": 2, "y"')
+    assert not allows(compiler, engine, "grammar", grammar, 'call {"n":  1')
+    assert not allows(compiler, engine, "grammar", grammar, 'call {"n": ' + "1" * 17, max_digits=16)
+
+
+def test_digit_runs_agree_with_a_byte_by_byte_count(compiler, engine):
+    """DigitRuns' per-token summaries give the same verdict as walking the bytes, for random
+    token sequences from random states."""
+    rng = np.random.default_rng(0)
+    d = compiler.digits
+    tok = engine.tokenizer
+    pool = [i for i in range(tok.vocab_size) if any(48 <= b <= 57 or b in (34, 92) for b in tok.token_bytes(i))]
+    pool += list(rng.integers(0, tok.vocab_size, 200))
+    for _ in range(300):
+        where, bound = int(rng.integers(0, 3)), int(rng.integers(1, 8))
+        run = int(rng.integers(0, bound + 1)) if where == constraints.OUTSIDE else 0
+        ids = [int(pool[i]) for i in rng.integers(0, len(pool), 6)]
+        ref_where, ref_run, ok = where, run, True
+        state = (where, run)
+        for t in ids:
+            allowed = bool(d.allowed(*state, bound)[t])
+            data = b"" if tok.is_control(t) else tok.token_bytes(t)
+            for b in data:  # the reference: byte by byte
+                if ref_where == constraints.OUTSIDE:
+                    if 48 <= b <= 57:
+                        ref_run += 1
+                        ok &= ref_run <= bound
+                        continue
+                    ref_run, ref_where = 0, constraints.STRING if b == 34 else constraints.OUTSIDE
+                elif ref_where == constraints.STRING:
+                    ref_where = {92: constraints.ESCAPE, 34: constraints.OUTSIDE}.get(b, constraints.STRING)
+                else:
+                    ref_where = constraints.STRING
+            assert allowed == ok, (ids, t)
+            if not ok:
+                break
+            state = d.after(*state, t)
+            assert state == (ref_where, ref_run if ref_where == constraints.OUTSIDE else 0), (ids, t)
+
+
+def test_sampled_numbers_end(engine, compiler):
+    """An integer at temperature 1.5: without the bound the model runs on in digits; with it
+    every answer is a number of at most 16 digits."""
+    for seed in range(3):
+        params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=40)
+        text, _, reason = run(engine, compiler, "json_schema", '{"type": "integer"}', params,
+                              prompt="Write a very long number.")
+        assert reason in ("stop", "eos") and len(text.lstrip("-")) <= 16 and int(text) is not None, text

@@ -137,19 +137,20 @@ def test_tools_and_calls_reach_the_template_over_grpc(daemon, engine):
         ids = c.tokenize(messages=ROUND_TRIP, tools=[WEATHER])
         assert ids == engine.encode_chat(ROUND_TRIP, tools=[WEATHER])
         text = c.detokenize(ids)
-        assert chat.TOOL_INSTRUCTIONS in text and json.dumps(WEATHER["function"]) in text
-        assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in text
-        assert 'get_weather returned: {"sky": "clear"}<|im_end|>' in text
+        assert chat.TOOL_INSTRUCTIONS.replace(chat.TOOLS_HERE, json.dumps([WEATHER["function"]])) in text
+        assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>' in text
+        assert '<|im_start|>user\n<tool_response>\n{"sky": "clear"}<|im_end|>\n</tool_response>' in text
         end = engine.tokenizer.token_id("<|im_end|>")
         assert ids.count(end) == text.count("<|im_end|>") - 1  # the result's own is text
         # a generation with tools and the call's constraint: its prompt is that chat, its output a call
         one = {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
                "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER["function"]["parameters"]}}
-        call = {"type": "object", "required": ["tool_calls"], "additionalProperties": False,
-                "properties": {"tool_calls": {"type": "array", "minItems": 1, "maxItems": 1, "items": one}}}
-        done = c.complete(messages=ROUND_TRIP[:1], tools=[WEATHER], json_schema=call, max_tokens=40, temperature=0)
+        call = {"type": "array", "minItems": 1, "maxItems": 1, "items": one}
+        done = c.complete(messages=ROUND_TRIP[:1], tools=[WEATHER], max_tokens=40, temperature=0,
+                          grammar=f'start: "<tool_call>" %json {json.dumps(call)} "</tool_call>"')
         assert done.prompt_ids == engine.encode_chat(ROUND_TRIP[:1], tools=[WEATHER])
-        assert json.loads(done.text)["tool_calls"][0]["name"] == "get_weather"
+        assert done.text.startswith("<tool_call>") and done.text.endswith("</tool_call>"), done.text
+        assert json.loads(done.text[len("<tool_call>"):-len("</tool_call>")])[0]["name"] == "get_weather"
         # bad calls are INVALID_ARGUMENT naming the message
         with pytest.raises(NtxError, match=r"messages\[2\].tool_call_id 'call_9' answers no tool call") as e:
             c.tokenize(messages=ROUND_TRIP[:2] + [dict(ROUND_TRIP[2], tool_call_id="call_9")])

@@ -29,7 +29,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import time
 import urllib.parse
 
@@ -107,8 +106,9 @@ class Daemons:
 
 
 def model_names(info) -> set[str]:
-    base = os.path.basename(info.path)
-    return {info.name, base, base.removesuffix(".gguf")}
+    """The names a request may give for the daemon's model, case folded: its id (ModelInfo.name,
+    the one /v1/models lists) and its aliases (the file's name and stem, the GGUF's name)."""
+    return {n.casefold() for n in (info.name, *info.aliases)}
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -151,20 +151,6 @@ class AllowedHosts:
                        f"{', '.join(sorted(self.hosts))}): reach it by one of those, or start ntx-openai with "
                        "--allowed-host NAME.", code="invalid_host")
         await _error_response(err)(scope, receive, send)
-
-
-def _call_mode(text: str, tools) -> str | None:
-    """"call" or "text" once a streamed reply's first characters tell (tools.py: a call starts
-    with "{", plain text does not), "hold" where a JSON response format makes both start so;
-    None while only whitespace came."""
-    head = text.lstrip()
-    if not head:
-        return None
-    if tools.choice != "auto":
-        return "call"
-    if tools.response_schema is not None:
-        return "hold"
-    return "call" if head.startswith("{") else "text"
 
 
 def _sse(obj) -> str:
@@ -258,7 +244,7 @@ class Gateway:
 
     async def check_model(self, name: str):
         info = await self.daemons.model()
-        if name not in model_names(info):
+        if name.casefold() not in model_names(info):
             raise APIError(404, f"The model '{shown(name)}' does not exist: this server serves '{info.name}' "
                            "(GET /v1/models lists it).", param="model", code="model_not_found")
         return info
@@ -274,7 +260,7 @@ class Gateway:
         self.authorize(request)
         info = await self.daemons.model()
         name = request.path_params["model"]
-        if name not in model_names(info):
+        if name.casefold() not in model_names(info):
             raise APIError(404, f"The model '{shown(name)}' does not exist: this server serves '{info.name}'.",
                            param="model", code="model_not_found")
         return JSONResponse(self._model_object(info))
@@ -294,9 +280,13 @@ class Gateway:
         caller = self.authorize(request)
         job = parse(await self.body(request))
         info = await self.check_model(job.model)
+        job.check_max_tokens(info.context_length)
         kw = dict(job.generate, on_behalf_of=caller)
-        if job.prompt is not None:
-            kw["prompt_ids"] = await self.daemons.client.tokenize(job.prompt, parse_special=False)
+        try:
+            if job.prompt is not None:
+                kw["prompt_ids"] = await self.daemons.client.tokenize(job.prompt, parse_special=False)
+        except NtxError as e:
+            raise from_ntx(e, job.param) from None
         self.metrics.in_flight.inc()
         t0 = time.monotonic()
         chunks = self.daemons.client.generate(**kw)
@@ -309,6 +299,10 @@ class Gateway:
             except StopAsyncIteration:
                 first = None
             self.metrics.first_token.labels(endpoint).observe(time.monotonic() - t0)
+        except NtxError as e:
+            self.metrics.in_flight.dec()
+            await chunks.aclose()
+            raise from_ntx(e, job.param) from None
         except BaseException:
             self.metrics.in_flight.dec()
             await chunks.aclose()
@@ -320,85 +314,90 @@ class Gateway:
     async def _whole(self, request, job, model, chunks, endpoint, t0) -> Response:
         async def collect():
             return await collect_async(chunks)
-        done = await _unless_gone(request, collect())
+        try:
+            done = await _unless_gone(request, collect())
+        except NtxError as e:
+            raise from_ntx(e, job.param) from None
         usage = protocol.usage_object(done.usage)
         text, calls, logprobs = done.text, None, None
-        if job.tools.calls_possible:
-            calls = tools_.read_calls(text)
+        found = tools_.read_calls(text) if job.kind == "chat" and job.tools.calls_possible else None
+        if found is not None:
+            text, calls = found
         if job.kind == "chat" and job.logprobs is not None and calls is None:
             logprobs = protocol.chat_logprobs(done.logprobs)
         elif job.kind != "chat":
             prompt = await self._echo(job, done.prompt_ids) if job.echo else None
             if job.logprobs is not None:
                 logprobs = await self._completion_logprobs(job, done.prompt_ids, done.prompt_logprobs, done.logprobs,
-                                                           prompt)
+                                                           prompt, protocol.TextOffset(len(job.prompt or "")))
             text = prompt + text if prompt is not None else text
         self.metrics.done(endpoint, 200, usage, time.monotonic() - t0)
         self.metrics.in_flight.dec()
-        return JSONResponse(protocol.completion_object(job, model, None if calls else text, done.finish_reason, usage,
+        return JSONResponse(protocol.completion_object(job, model, text, done.finish_reason, usage,
                                                        logprobs=logprobs, tool_calls=calls))
 
     async def _echo(self, job, prompt_ids) -> str:
         """The prompt's text, as echo returns it before the completion."""
         return job.prompt if job.prompt is not None else await self.daemons.client.detokenize(prompt_ids)
 
-    async def _completion_logprobs(self, job, prompt_ids, prompt_lps, lps, prompt: str | None) -> dict:
-        """The legacy logprobs object: with echo, the prompt's tokens first (its first has none)."""
+    async def _completion_logprobs(self, job, prompt_ids, prompt_lps, lps, prompt: str | None,
+                                   offset: "protocol.TextOffset") -> dict:
+        """The legacy logprobs object: with echo, the prompt's tokens first (its first has none),
+        counted from 0; without, the completion's from where it starts (offset)."""
         if prompt is None or not prompt_ids:
-            return protocol.completion_logprobs(lps, len(job.prompt or ""))
-        head = (await self.daemons.client.detokenize(prompt_ids[:1])).encode()
-        return protocol.completion_logprobs(list(prompt_lps) + list(lps), 0, first=head)
+            return protocol.completion_logprobs(lps, offset)
+        # the first token's bytes: what the prompt holds before the others' (detokenized alone, a
+        # part of a character would come back as U+FFFD)
+        whole, rest = prompt.encode(), b"".join(t.piece for t in prompt_lps if not t.special)
+        head = whole[:len(whole) - len(rest)] if whole.endswith(rest) and len(whole) > len(rest) else \
+            (await self.daemons.client.detokenize(prompt_ids[:1])).encode()
+        offset.at = 0
+        return protocol.completion_logprobs(list(prompt_lps) + list(lps), offset, first=head)
 
     async def _events(self, job, model, first, chunks, endpoint, t0):
         status, usage = 200, None
-        held, mode = [], None  # tool calls possible: text held until it is known to be a call or not
+        chat = job.kind == "chat"
+        # a reply that may hold calls: its text goes out once it cannot be a call's start (tools.py)
+        watch = tools_.CallWatch(forced=job.tools.choice != "auto") if chat and job.tools.calls_possible else None
+        offset = protocol.TextOffset(len(job.prompt or ""))  # completions: where the next token's text starts
         try:
-            if job.kind == "chat":
+            if chat:
                 yield _sse(protocol.chunk_object(job, model, "", None, first=True))
             pending = [first] if first is not None else []
             started = False
-            offset = len(job.prompt or "")  # completions: where the next token's text starts
             while True:
                 c = pending.pop() if pending else await anext(chunks, None)
                 if c is None:
                     break
-                text, lps = c.text, None
-                if job.kind == "chat" and job.tools.calls_possible and mode != "text":
-                    held.append(c)
-                    mode = mode or _call_mode("".join(x.text for x in held), job.tools)
-                    if mode == "text":  # plain text after all: what was held goes out now
-                        text, lps = "".join(x.text for x in held), [t for x in held for t in x.logprobs]
-                        held = []
-                    elif c.finish_reason is None:
-                        continue
-                    else:
-                        whole = "".join(x.text for x in held)
-                        calls = tools_.read_calls(whole)
+                if chat:
+                    out = watch.push(c) if watch is not None else [c]
+                    if c.finish_reason is not None and watch is not None:
+                        head, calls, rest = watch.finish()
+                        out += rest
                         if calls:
+                            for event in self._content(job, model, out):
+                                yield event
+                            if head:
+                                yield _sse(protocol.chunk_object(job, model, head, None))
                             yield _sse(protocol.chunk_object(job, model, None, None, tool_calls=calls))
                             yield _sse(protocol.chunk_object(job, model, None, "tool_calls"))
                             usage = protocol.usage_object(c.usage)
                             continue
-                        text, lps = whole, [t for x in held for t in x.logprobs]
-                elif job.kind == "chat":
-                    lps = c.logprobs
-                logprobs = None
-                if job.logprobs is not None and job.kind == "chat":
-                    logprobs = protocol.chat_logprobs(lps or [])
-                elif job.kind != "chat":
+                    for event in self._content(job, model, out):
+                        yield event
+                else:
+                    text, logprobs = c.text, None
                     if not started and job.echo:
                         prompt = await self._echo(job, c.prompt_ids)
                         if job.logprobs is not None:
                             logprobs = await self._completion_logprobs(job, c.prompt_ids, c.prompt_logprobs,
-                                                                       c.logprobs, prompt)
+                                                                       c.logprobs, prompt, offset)
                         text = prompt + text
                     elif job.logprobs is not None:
                         logprobs = protocol.completion_logprobs(c.logprobs, offset)
-                    if logprobs is not None and logprobs["tokens"]:
-                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                started = True
-                if text or (logprobs is not None and (lps or job.kind != "chat")):
-                    yield _sse(protocol.chunk_object(job, model, text, None, logprobs=logprobs))
+                    started = True
+                    if text or (logprobs is not None and logprobs["tokens"]):
+                        yield _sse(protocol.chunk_object(job, model, text, None, logprobs=logprobs))
                 if c.finish_reason is not None:
                     yield _sse(protocol.chunk_object(job, model, None, c.finish_reason))
                     usage = protocol.usage_object(c.usage)
@@ -406,7 +405,7 @@ class Gateway:
                 yield _sse(protocol.usage_chunk(job, model, usage))
             yield "data: [DONE]\n\n"
         except NtxError as e:  # after the 200 the status line is gone: the error goes in the stream
-            err = from_ntx(e)
+            err = from_ntx(e, job.param)
             status = err.status
             yield _sse(err.body())
         except asyncio.CancelledError:
@@ -416,6 +415,17 @@ class Gateway:
             await chunks.aclose()
             self.metrics.in_flight.dec()
             self.metrics.done(endpoint, status, usage, time.monotonic() - t0)
+
+    @staticmethod
+    def _content(job, model, chunks) -> list[str]:
+        """The chat events of the content of `chunks` (client library Chunks): one each, with its
+        tokens' log-probabilities; none for a chunk that adds nothing."""
+        events = []
+        for c in chunks:
+            logprobs = protocol.chat_logprobs(c.logprobs) if job.logprobs is not None else None
+            if c.text or (logprobs is not None and logprobs["content"]):
+                events.append(_sse(protocol.chunk_object(job, model, c.text, None, logprobs=logprobs)))
+        return events
 
     async def health(self, request: Request) -> Response:
         self.authorize_monitoring(request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from ntx_client.client import FieldError
 from ntx_client.errors import NtxError
 
 # The `type` OpenAI's own server puts in its error objects for each status.
@@ -63,14 +64,21 @@ def shown(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
-def from_ntx(err: NtxError) -> APIError:
-    """The APIError for an error the daemon (or reaching it) raised."""
+# The `code` of an error the daemon answered, by HTTP status
+CODES = {400: "invalid_value", 404: "not_found", 429: "rate_limit_exceeded", 500: "server_error",
+         503: "service_unavailable", 504: "timeout"}
+
+
+def from_ntx(err: NtxError, param=None) -> APIError:
+    """The APIError for an error the daemon (or reaching it) raised. param: the request's
+    parameter behind a daemon's field (protocol.Job.param), where the daemon named one."""
     status = HTTP_STATUS.get(err.code, 500)
     message = str(err)
     # the client library prefixes the gRPC code name; the HTTP status already says it
     if err.code is not None and message.startswith(f"{err.code.name}: "):
         message = message[len(err.code.name) + 2:]
-    code = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}.get(status)
     if status == 500:
         message = f"ntransformerd failed: {message}"
-    return APIError(status, message, code=code, retry_after=1 if status in (429, 503) else None)
+    field = err.field if isinstance(err, FieldError) else None
+    return APIError(status, message, param=param(field) if param is not None and field else field,
+                    code=CODES.get(status, "server_error"), retry_after=1 if status in (429, 503) else None)

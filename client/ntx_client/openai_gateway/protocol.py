@@ -7,11 +7,13 @@ newer API still works. Nothing here talks to the daemon.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import secrets
 import time
 
+from ntx_client.client import piece_text
 from ntx_client.openai_gateway import tools as tools_
 from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 
@@ -26,6 +28,7 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STOP_CHARS = 1024
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
+MAX_DIGITS_LIMIT = 4096  # the daemon's (proto Constraint.max_digits)
 # The daemon's defaults are llama.cpp's (top_k 40, min_p 0.05, ...); an OpenAI request means plain
 # softmax sampling at temperature 1 unless it says otherwise.
 OPENAI_SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
@@ -45,12 +48,34 @@ class Job:
     tools: tools_.Tools = dataclasses.field(default_factory=tools_.Tools)
     logprobs: int | None = None  # alternatives per token (None: no log-probabilities)
     echo: bool = False  # completions: the prompt (and its log-probabilities) before the completion
+    max_tokens_key: str = "max_tokens"  # the name the request gave it by (max_completion_tokens is newer)
     id: str = dataclasses.field(default_factory=lambda: "")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         if not self.id:
             self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+    def check_max_tokens(self, context_length: int) -> None:
+        """A 400 where max_tokens is not 1..the model's context length, in the daemon's words."""
+        v = self.generate.get("max_tokens")
+        if v is not None and not 1 <= v <= context_length:
+            raise bad_request(f"{self.max_tokens_key} {shown(str(v))} is out of range: use 1..{context_length} (the "
+                              "context length)", self.max_tokens_key, "invalid_value")
+
+    def param(self, field: str | None) -> str | None:
+        """The request parameter behind a daemon's field (ntx_client FieldError.field)."""
+        if field is None:
+            return None
+        if field in ("prompt", "prompt_ids", "chat", "text"):
+            return "messages" if self.kind == "chat" else "prompt"
+        if field.startswith("constraint."):
+            return "tools" if self.tools.calls_possible else "response_format"
+        if field == "logprobs":
+            return "top_logprobs" if self.kind == "chat" else "logprobs"
+        if field == "max_tokens":
+            return self.max_tokens_key
+        return {"prompt_logprobs": "echo", "model": "model"}.get(field, field.removeprefix("sampling."))
 
 
 def _type_name(v) -> str:
@@ -70,14 +95,14 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
     return float(v)
 
 
-def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+def _integer(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad_request(f"Invalid type for '{key}': expected an integer, but got {_type_name(v)} instead.", key,
                           "invalid_type")
-    if not lo <= v <= hi:
+    if lo is not None and not lo <= v <= hi:
         raise bad_request(f"Invalid value for '{key}': {shown(str(v))} is not in {lo}..{hi}.", key, "invalid_value")
     return v
 
@@ -156,14 +181,20 @@ def _common(body: dict, endpoint: str) -> dict:
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
     if seed is not None:
         kw["seed"] = seed % (1 << 64)
-    # max_completion_tokens is the newer name of max_tokens; it wins when both are given
+    # max_completion_tokens is the newer name of max_tokens; it wins when both are given. Its range
+    # is the model's context (Job.check_max_tokens, once the model is known).
     for key in ("max_tokens", "max_completion_tokens"):
-        v = _integer(body, key, 1, 1 << 31)
+        v = _integer(body, key)
         if v is not None:
             kw["max_tokens"] = v
     kw["stop"] = _stop(body)
     # not OpenAI's, but vLLM's and llama.cpp's servers take it, and benchmarks rely on it
     kw["ignore_eos"] = _bool(body, "ignore_eos")
+    # ours (the SDKs send it with extra_body): the most digits in a row of a JSON output's numbers,
+    # 16 unless this says otherwise (proto Constraint.max_digits; 0: no bound)
+    digits = _integer(body, "max_digits", 0, MAX_DIGITS_LIMIT)
+    if digits is not None:
+        kw["max_digits"] = digits
     # ours (the SDKs send it with extra_body): the request's speculative mode, as GenerateRequest's
     spec = body.get("speculative")
     if spec is not None:
@@ -172,6 +203,16 @@ def _common(body: dict, endpoint: str) -> dict:
                               "speculative", "invalid_type")
         kw["speculative"] = spec
     return kw
+
+
+def _check_max_digits(kw: dict, constraint: dict) -> None:
+    if "max_digits" in kw and not constraint:
+        raise bad_request("Invalid 'max_digits': it bounds the numbers of structured output; send it with "
+                          "'response_format' (json_schema or json_object) or 'tools'.", "max_digits", "invalid_value")
+
+
+def _max_tokens_key(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -290,8 +331,11 @@ def parse_chat(body) -> Job:
     elif top:
         raise bad_request("Invalid value for 'top_logprobs': it needs 'logprobs' set to true.", "top_logprobs",
                           "invalid_value")
-    gen = {**kw, **tools.constraint(), "messages": messages, "tools": tools.openai_tools() or None}
-    return Job("chat", model, gen, stream=stream, include_usage=include_usage, tools=tools, logprobs=kw.get("logprobs"))
+    constraint = tools.constraint()
+    _check_max_digits(kw, constraint)
+    gen = {**constraint, **kw, "messages": messages, "tools": tools.openai_tools() or None}
+    return Job("chat", model, gen, stream=stream, include_usage=include_usage, tools=tools, logprobs=kw.get("logprobs"),
+               max_tokens_key=_max_tokens_key(body))
 
 
 def parse_completion(body) -> Job:
@@ -328,8 +372,9 @@ def parse_completion(body) -> Job:
     stream, include_usage = _stream(body)
     kw = _common(body, "completion")
     schema = tools_.parse_response_format(body)  # not OpenAI's on this endpoint; vLLM's and ours
-    if schema is not None:
-        kw.update(tools_.sized_constraint("json_schema", json.dumps(schema), "response_format"))
+    constraint = {} if schema is None else tools_.sized_constraint("json_schema", json.dumps(schema), "response_format")
+    _check_max_digits(kw, constraint)
+    kw.update(constraint)
     logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     echo = _bool(body, "echo")
     if logprobs is not None:
@@ -337,7 +382,7 @@ def parse_completion(body) -> Job:
     if echo:
         kw["prompt_logprobs"] = logprobs is not None
     job = Job("completion", model, kw, prompt=prompt, stream=stream, include_usage=include_usage, logprobs=logprobs,
-              echo=echo)
+              echo=echo, max_tokens_key=_max_tokens_key(body))
     if prompt_ids is not None:
         job.generate["prompt_ids"] = prompt_ids
     return job
@@ -352,34 +397,48 @@ def usage_object(usage: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)}}
 
 
-def _token(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
-
-
 def chat_logprobs(entries) -> dict:
-    """Chat's logprobs object from the client library's TokenLogprob entries."""
+    """Chat's logprobs object from the client library's TokenLogprob entries, as OpenAI's: each
+    token's text (piece_text: a part of a character is "bytes:\\xe6\\x97") and its bytes, its
+    alternatives' too. The end-of-generation token adds no text and is left out, so the chosen
+    tokens' bytes, joined, are the content's."""
     def one(t) -> dict:
-        return {"token": _token(t.piece), "logprob": t.logprob, "bytes": list(t.piece)}
-    return {"content": [one(t) | {"top_logprobs": [one(a) for a in t.top]} for t in entries], "refusal": None}
+        return {"token": piece_text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)}
+    return {"content": [one(t) | {"top_logprobs": [one(a) for a in t.top]} for t in entries if not t.special],
+            "refusal": None}
 
 
-def completion_logprobs(entries, offset: int, *, first=None) -> dict:
-    """The legacy completions logprobs object; first: a prompt's first token (id, piece), which
-    has no log-probability. offset: where the first token's text starts in the whole text."""
+class TextOffset:
+    """Where the next token's text starts in the whole text, in characters: a token that holds
+    part of a character starts where that character does."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, piece: bytes) -> int:
+        """The offset of the token with bytes `piece`; the next one's follows."""
+        at = self.at
+        self.at += len(self._decoder.decode(piece))
+        return at
+
+
+def completion_logprobs(entries, offset: TextOffset, *, first=None) -> dict:
+    """The legacy completions logprobs object; first: a prompt's first token's bytes, which has
+    no log-probability. offset: where the next token's text starts (advanced here). The
+    end-of-generation token is left out, as in chat_logprobs."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(piece: bytes, lp, top) -> None:
-        nonlocal offset
-        token = _token(piece)
-        out["tokens"].append(token)
+        out["tokens"].append(piece_text(piece))
         out["token_logprobs"].append(lp)
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(token)
+        out["text_offset"].append(offset.advance(piece))
     if first is not None:
         add(first, None, None)
     for t in entries:
-        add(t.piece, t.logprob, {_token(a.piece): a.logprob for a in t.top})
+        if not t.special:
+            add(t.piece, t.logprob, {piece_text(a.piece): a.logprob for a in t.top})
     return out
 
 

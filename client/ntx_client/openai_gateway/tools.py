@@ -4,16 +4,20 @@ and the model's output read back as tool calls.
 The tools, the assistant's earlier calls and the tools' results go to the daemon as they are
 (proto Chat), and the model's chat template shows them to the model: a template that reads
 `tools` in its own way, any other in the generic format (README "The OpenAI API", the daemon's
-engine/chat.py). Whichever it is, the model's reply is read in one shape, which the constraint
-forces: a JSON object
+engine/chat.py: SmolLM2's own). Whichever it is, the model's calls are read in one shape, the
+generic format's, which the constraint forces:
 
-    {"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}
+    <tool_call>[{"name": "<function name>", "arguments": {<its arguments>}}, ...]</tool_call>
 
 The constraint (the daemon's grammar, llguidance's Lark with `%json` for JSON Schema) forces the
-call's shape whatever the model: `required` and a named function allow only the call object
-(one call unless parallel_tool_calls), its names the tools' and its arguments valid against
-their `parameters`; `auto` allows the call object or plain text that does not start with "{"
-(or, with a JSON response_format, the response's JSON); `none` lists no tools and allows any text.
+call's shape whatever the model: `required` and a named function allow only the call (one unless
+parallel_tool_calls, at most MAX_CALLS), its names the tools' and its arguments valid against
+their `parameters` (an object that does not say additionalProperties is closed: the daemon's
+rule, proto Constraint), so the call ends; `auto` allows plain text, and wherever the text opens
+`<tool_call>` the rest must be the call (the model's own format puts it first); with a JSON
+response_format, the response's JSON or the call. `none` lists no tools and allows any text.
+With `"strict": true` (a json_schema response_format, a function) every object of the schema
+must say `"additionalProperties": false`, as OpenAI asks: a 400 naming the first that does not.
 A constraint is at most the client library's MAX_CONSTRAINT_BYTES of text (the daemon's limit):
 a larger one is a 400 here, naming the field, before anything is sent.
 """
@@ -29,11 +33,14 @@ from ntx_client.client import RequestTooLarge, check_constraint_size
 from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 
 MAX_TOOLS = 128  # OpenAI's own limit
+MAX_CALLS = 8  # calls in one reply with parallel_tool_calls: a small model may repeat a call until max_tokens
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CALL_KEY = "tool_calls"
-# JSON on one line, as the daemon lays out a json_schema constraint (llguidance's option, which
-# the daemon's grammar reads inside %json)
-JSON_LAYOUT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the daemon's generic format (engine/chat.py)
+MAX_DIGITS = 16  # digits in a row in a forced call's JSON (the daemon's bound for a json_schema, proto Constraint)
+# The model's own format breaks the list of calls over lines ("<tool_call>[\n{...}\n]</tool_call>"),
+# which the daemon's one-line JSON would refuse: a call's JSON takes llama.cpp's bound on
+# whitespace instead (the daemon's constraints.LLAMA_CPP_LAYOUT).
+CALL_LAYOUT = {"whitespace_pattern": r"( |\n[ \t]{0,20})", "item_separator": ",", "key_separator": ":"}
 
 
 def sized_constraint(kind: str, text: str, param: str) -> dict:
@@ -60,31 +67,34 @@ class Tools:
         return bool(self.functions) and self.choice != "none"
 
     def constraint(self) -> dict:
-        """The generate() keyword of the constraint ({} for none): json_schema or grammar."""
+        """The generate() keywords of the constraint ({} for none): json_schema or grammar."""
         if not self.calls_possible:
             if self.response_schema is None:
                 return {}
             return sized_constraint("json_schema", json.dumps(self.response_schema), "response_format")
-        call = self._call_schema()
+        calls = f'%json {json.dumps(self._calls_schema())} "{CALL_CLOSE}"'
         if self.choice != "auto":
-            return sized_constraint("json_schema", json.dumps(call), "tools")
-        call = json.dumps({**call, **JSON_LAYOUT})
-        other = (f"%json {json.dumps({**self.response_schema, **JSON_LAYOUT})}"
-                 if isinstance(self.response_schema, dict) else "TEXT\nTEXT: /[^{](?s:.*)/")
-        return sized_constraint("grammar", f"start: call | other\ncall: %json {call}\nother: {other}\n", "tools")
+            return {**sized_constraint("grammar", f'start: "{CALL_OPEN}" {calls}\n', "tools"), "max_digits": MAX_DIGITS}
+        if isinstance(self.response_schema, dict):
+            grammar = f'start: answer | "{CALL_OPEN}" {calls}\nanswer: %json {json.dumps(self.response_schema)}\n'
+        else:  # text, until it opens a call (lazy: the first CALL_OPEN ends the text)
+            grammar = (f"start: TEXT | head {calls}\n"
+                       f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(CALL_OPEN)}(?s:.*)/\n"
+                       f'head[lazy]: /(?s:.*)/ "{CALL_OPEN}"\n')
+        return sized_constraint("grammar", grammar, "tools")
 
     def openai_tools(self) -> list[dict]:
         """The tools for the daemon's chat template (generate()'s tools=), when calls are possible."""
         return [{"type": "function", "function": f} for f in self.functions] if self.calls_possible else []
 
-    def _call_schema(self) -> dict:
+    def _calls_schema(self) -> dict:
+        """The JSON list inside CALL_OPEN … CALL_CLOSE."""
         fns = [f for f in self.functions if self.choice in ("auto", "required") or f["name"] == self.choice]
         call = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                  "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in fns]
-        calls = {"type": "array", "minItems": 1, "items": call[0] if len(call) == 1 else {"anyOf": call}}
-        if not self.parallel or self.choice not in ("auto", "required"):
-            calls["maxItems"] = 1
-        return {"type": "object", "additionalProperties": False, "required": [CALL_KEY], "properties": {CALL_KEY: calls}}
+        parallel = self.parallel and self.choice in ("auto", "required")
+        return {"type": "array", "minItems": 1, "maxItems": MAX_CALLS if parallel else 1,
+                "items": call[0] if len(call) == 1 else {"anyOf": call}, "x-guidance": CALL_LAYOUT}
 
 
 def _object(v, where: str) -> dict:
@@ -118,6 +128,8 @@ def parse_response_format(body: dict) -> dict | None:
         if spec.get("strict") not in (None, True, False):
             raise bad_request("Invalid type for 'response_format.json_schema.strict': expected a boolean.",
                               "response_format.json_schema.strict", "invalid_type")
+        if spec.get("strict"):
+            strict_schema(schema, f"response_format '{name}'", "response_format", "invalid_json_schema")
         return schema  # enforced whether strict or not: the output always matches it
     raise bad_request(f"Invalid value for 'response_format.type': {shown(repr(kind))}; supported values are 'text', "
                       "'json_object' and 'json_schema'.", "response_format.type", "invalid_value")
@@ -155,6 +167,11 @@ def parse_tools(body: dict) -> Tools:
         if not isinstance(desc, str):
             raise bad_request(f"Invalid type for '{where}.function.description': expected a string.",
                               f"{where}.function.description", "invalid_type")
+        if fn.get("strict") not in (None, True, False):
+            raise bad_request(f"Invalid type for '{where}.function.strict': expected a boolean.",
+                              f"{where}.function.strict", "invalid_type")
+        if fn.get("strict"):
+            strict_schema(params, f"function '{name}'", f"{where}.function.parameters", "invalid_function_parameters")
         functions.append({"name": name, "description": desc, "parameters": params})
     if choice is None:
         choice = "auto" if functions else "none"
@@ -176,6 +193,36 @@ def parse_tools(body: dict) -> Tools:
         raise bad_request("Invalid type for 'parallel_tool_calls': expected a boolean.", "parallel_tool_calls",
                           "invalid_type")
     return Tools(functions, choice, parallel, parse_response_format(body))
+
+
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "$defs", "definitions")
+
+
+def strict_schema(schema, what: str, param: str, code: str) -> None:
+    """OpenAI's rule for a strict schema: every object says "additionalProperties": false; a 400
+    in OpenAI's words naming the first object that does not (by its path in the schema)."""
+    stack = [(schema, ())]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in node
+        if is_object and node.get("additionalProperties") is not False:
+            raise bad_request(f"Invalid schema for {what}: In context={at}, 'additionalProperties' is required to be "
+                              "supplied and to be false.", param, code)
+        for key in reversed(_MAP):
+            if isinstance(node.get(key), dict):
+                stack += [(v, at + (key, k)) for k, v in reversed(node[key].items())]
+        for key in reversed(_LIST):
+            if isinstance(node.get(key), list):
+                stack += [(v, at + (key, str(i))) for i, v in reversed(list(enumerate(node[key])))]
+        for key in reversed(_ONE):
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], at + (key,)))
 
 
 def tool_calls(calls, i: int) -> list[dict]:
@@ -202,15 +249,17 @@ def tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def read_calls(text: str) -> list[dict] | None:
-    """The tool calls (OpenAI's shape, with new ids) in a model's output, None if it is not a call."""
-    if not text.lstrip().startswith("{"):
+def read_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(the text before the call or None, the tool calls in OpenAI's shape with new ids) of a
+    model's output; None if it holds no whole call."""
+    head, found, rest = text.partition(CALL_OPEN)
+    rest = rest.rstrip()
+    if not found or not rest.endswith(CALL_CLOSE):
         return None
     try:
-        doc = json.loads(text)
-    except ValueError:
+        calls = json.loads(rest[:-len(CALL_CLOSE)])
+    except (ValueError, RecursionError):
         return None
-    calls = doc.get(CALL_KEY) if isinstance(doc, dict) and set(doc) == {CALL_KEY} else None
     if not isinstance(calls, list) or not calls:
         return None
     out = []
@@ -220,8 +269,51 @@ def read_calls(text: str) -> list[dict] | None:
         out.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                     "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}),
                                                                            ensure_ascii=False)}})
-    return out
+    return head.strip() or None, out
 
 
-__all__ = ["APIError", "MAX_TOOLS", "Tools", "parse_response_format", "parse_tools", "read_calls", "sized_constraint",
-           "tool_calls"]
+class CallWatch:
+    """A streamed reply that may hold calls: its chunks go out as content once their text can no
+    longer be the start of a call; from CALL_OPEN on (a forced call: from the start) they are
+    held, and read as calls at the end (finish).
+
+    Thread rule: one per streamed reply, on the event loop that streams it."""
+
+    def __init__(self, forced: bool):
+        self.forced = forced
+        self.held: list = []  # chunks not sent yet
+        self._text, self._sent = "", 0  # all text so far; how much of it went out
+
+    def push(self, chunk) -> list:
+        """The chunks (client library Chunks) that may go out as content now."""
+        self.held.append(chunk)
+        self._text += chunk.text
+        if self.forced or CALL_OPEN in self._text:
+            return []
+        end = len(self._text) - _open_tail(self._text)
+        out = []
+        while self.held and self._sent + len(self.held[0].text) <= end:
+            c = self.held.pop(0)
+            self._sent += len(c.text)
+            out.append(c)
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict] | None, list]:
+        """At the end: (the text before the call, the calls, []) where the held text is a call;
+        else (None, None, the held chunks, content after all)."""
+        found = read_calls("".join(c.text for c in self.held))
+        if found is None:
+            return None, None, self.held
+        return found[0], found[1], []
+
+
+def _open_tail(text: str) -> int:
+    """How many of text's last characters could begin CALL_OPEN."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+__all__ = ["APIError", "CALL_CLOSE", "CALL_OPEN", "MAX_CALLS", "MAX_TOOLS", "CallWatch", "Tools",
+           "parse_response_format", "parse_tools", "read_calls", "sized_constraint", "strict_schema", "tool_calls"]

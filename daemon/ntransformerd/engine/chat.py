@@ -27,8 +27,10 @@ Tools (functions the model may call) reach the model in one of two ways:
   "arguments"}}]``, the arguments a parsed JSON object) and a ``role: "tool"`` message its
   ``tool_call_id`` and the ``name`` of the function it answers;
 * any other template gets the generic format (``generic_tool_messages``; README "The OpenAI
-  API"): the tools in a system message, an assistant's calls as the JSON object the model is
-  asked to write, a tool's result as ``<function name> returned: <content>``.
+  API"), SmolLM2's own (the format its function-calling data taught it, as its model card and
+  Ollama's template for it write it): the tools as a JSON list inside ``<tools>…</tools>`` in a
+  system message, an assistant's calls as ``<tool_call>[{"name", "arguments"}, …]</tool_call>``,
+  and the tools' results as a user turn of ``<tool_response>…</tool_response>`` blocks.
 
 Either way every string of the tools and of the calls is message text, marked like content:
 a tool's description or result containing ``<|im_end|>`` stays those characters.
@@ -53,7 +55,8 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "TOOL_INSTRUCTIONS", "generic_tool_messages",
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "RESULT_CLOSE",
+           "RESULT_OPEN", "TOOL_INSTRUCTIONS", "TOOLS_HERE", "generic_tool_messages",
            "split_literal", "validate_messages", "validate_tools"]
 
 # Used when the GGUF has no template: ChatML, as llama.cpp falls back to.
@@ -76,14 +79,23 @@ MAX_CHAT_CHARS = MAX_BUILT_CHARS * 3 // 4
 
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_TOOL_DEPTH = 64  # nesting of a tool's parameters or a call's arguments (as constraints.MAX_JSON_DEPTH)
-# The generic tool format: the system text that lists the tools (README "The OpenAI API"). The model's
-# reply is forced into this shape by the request's constraint (the OpenAI gateway's tools.py).
-TOOL_CALLS_KEY = "tool_calls"
+# The generic tool format (README "The OpenAI API"): the system text that lists the tools, and
+# how a call and a result are written. The model's reply is forced into the call's shape by the
+# request's constraint (the OpenAI gateway's tools.py, which reads CALL_OPEN…CALL_CLOSE back).
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>\n", "\n</tool_response>"
+# SmolLM2's own words where they matter: its first sentence and its example of the format make
+# it far likelier to open a call than a plain description does (bench/RESULTS.md, "Structured
+# output that ends"). The tools' JSON list replaces TOOLS_HERE.
+TOOLS_HERE = "{tools}"
 TOOL_INSTRUCTIONS = (
-    "You can call functions. To call one or more, reply with only a JSON object of the form\n"
-    '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}.\n'
-    'Otherwise reply in plain text. A function\'s result comes back as a message of role "tool".\n'
-    "Functions:\n")
+    "You are an expert in composing functions. You are given a question and a set of possible functions.\n"
+    "Based on the question, make one or more function calls to achieve the purpose. If none of the functions "
+    "fits, answer in plain text.\n\n"
+    "You have access to the following tools:\n<tools>" + TOOLS_HERE + "</tools>\n\n"
+    "The output must follow this format, with no other text:\n"
+    '<tool_call>[\n{"name": "func_name1", "arguments": {"argument1": "value1", "argument2": "value2"}},\n'
+    "... (more tool calls as required)\n]</tool_call>")
 
 # Noncharacters: Unicode keeps them for a program's internal use, so no text needs them, and
 # messages containing them are refused.
@@ -241,22 +253,31 @@ def _shown(text: str, limit: int = 64) -> str:
 
 
 def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation in the generic tool format, for a template that knows no tools: the
-    tools listed in the system message (after the client's own, if any), each assistant's calls
-    as the JSON object ``{"tool_calls": [{"name", "arguments"}]}`` it is asked to write, each
-    tool result as ``<function name> returned: <content>``. ``messages`` and ``tools`` as
-    validate_messages / validate_tools return them."""
-    out = []
+    """The conversation in the generic tool format (module docstring), for a template that knows
+    no tools: the tools listed in the system message (after the client's own, if any), each
+    assistant's calls as the ``<tool_call>[…]</tool_call>`` it is asked to write (after its text,
+    if any), the results of one turn's calls as one user message of ``<tool_response>`` blocks.
+    ``messages`` and ``tools`` as validate_messages / validate_tools return them."""
+    out: list[dict[str, Any]] = []
+    results = False  # the last message of out holds tool results
     for m in messages:
+        if m["role"] == "tool":
+            result = RESULT_OPEN + m["content"] + RESULT_CLOSE
+            if results:  # the results of one turn's calls: one user turn
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + result}
+            else:
+                out.append({"role": "user", "content": result})
+            results = True
+            continue
+        results = False
         if m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
-            out.append({"role": m["role"], "content": json.dumps({TOOL_CALLS_KEY: calls}, ensure_ascii=False)})
-        elif m["role"] == "tool" and m.get("name"):
-            out.append({"role": "tool", "content": f"{m['name']} returned: {m['content']}"})
+            call = CALL_OPEN + json.dumps(calls, ensure_ascii=False) + CALL_CLOSE
+            out.append({"role": m["role"], "content": f"{m['content']}\n{call}" if m["content"] else call})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:
-        text = TOOL_INSTRUCTIONS + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        text = TOOL_INSTRUCTIONS.replace(TOOLS_HERE, json.dumps([t["function"] for t in tools], ensure_ascii=False))
         if out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:

@@ -37,8 +37,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Drawn", "GREEDY_BELOW", "InvalidLogits", "MAX_TOP_LOGPROBS", "NoAllowedToken", "SampleRows", "SamplingParams",
-           "Sampler", "StopMatcher", "TopLogits", "TopRow", "draw_from", "prompt_logprobs", "sample_rows", "token_logprobs"]
+__all__ = ["Drawn", "GREEDY_BELOW", "InvalidLogits", "InvalidParameter", "MAX_TOP_LOGPROBS", "NoAllowedToken",
+           "SampleRows", "SamplingParams", "Sampler", "StopMatcher", "TopLogits", "TopRow", "draw_from",
+           "prompt_logprobs", "sample_rows", "token_logprobs"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -55,6 +56,14 @@ class InvalidLogits(ValueError):
 class NoAllowedToken(ValueError):
     """The request's mask (its constraint) leaves no token with a finite logit: the request's
     fault, not the model's."""
+
+
+class InvalidParameter(ValueError):
+    """A SamplingParams field out of its range or of the wrong type; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,24 +112,25 @@ class SamplingParams:
         return cls(**{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **overrides})
 
     def validate(self) -> "SamplingParams":
-        """Raise ValueError naming the first bad field; return self when all are fine."""
+        """Raise InvalidParameter (a ValueError) naming the first bad field; return self when
+        all are fine."""
 
         def number(name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{name} must be a number, not {type(v).__name__}")
+                raise InvalidParameter(name, f"{name} must be a number, not {type(v).__name__}")
             if math.isnan(v) or math.isinf(v):
-                raise ValueError(f"{name} must be a finite number, got {v}")
+                raise InvalidParameter(name, f"{name} must be a finite number, got {v}")
             if v < lo or v > hi or (lo_open and v == lo):
                 left = "(" if lo_open else "["
-                raise ValueError(f"{name} must be in {left}{lo:g}, {hi:g}], got {v:g}")
+                raise InvalidParameter(name, f"{name} must be in {left}{lo:g}, {hi:g}], got {v:g}")
 
         def integer(name: str, lo: int, hi: int) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, not {type(v).__name__}")
+                raise InvalidParameter(name, f"{name} must be an integer, not {type(v).__name__}")
             if not lo <= v <= hi:
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+                raise InvalidParameter(name, f"{name} must be in [{lo}, {hi}], got {v}")
 
         number("temperature", 0.0, 100.0)
         integer("top_k", 0, 2**31 - 1)
@@ -134,16 +144,16 @@ class SamplingParams:
         if self.seed is not None:
             integer("seed", 0, 2**64 - 1)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
+            raise InvalidParameter("ignore_eos", f"ignore_eos must be true or false, not {self.ignore_eos!r}")
         if not isinstance(self.stop, tuple):
-            raise ValueError("stop must be a list of strings")
+            raise InvalidParameter("stop", "stop must be a list of strings")
         if len(self.stop) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
+            raise InvalidParameter("stop", f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"each stop string must be a non-empty string, got {s!r}")
+                raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
             if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters, got {len(s)}")
+                raise InvalidParameter("stop", f"stop strings are at most {MAX_STOP_CHARS} characters, got {len(s)}")
         return self
 
 

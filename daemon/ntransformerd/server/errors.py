@@ -17,7 +17,13 @@ class ServiceError(Exception):
 
 
 class InvalidRequest(ServiceError):
-    """The request itself is wrong (bad number, unknown model, prompt too long)."""
+    """The request itself is wrong (bad number, unknown model, prompt too long). field: the
+    request field at fault as the proto names it ("max_tokens", "constraint.json_schema"), where
+    one is: the servicer sends it to the client beside the message (ntx_client FieldError)."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class NotReady(ServiceError):

@@ -6,10 +6,12 @@ sends reaches the engine unchecked, and an unexpected exception becomes INTERNAL
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import json
 import os
+import re
 import time
 
 import grpc
@@ -17,11 +19,12 @@ from google.protobuf.message import DecodeError
 
 from ntransformerd.engine import constraints, kv_cache
 from ntransformerd.engine.backends import BACKENDS
-from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
+from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
-from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name
+from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name  # noqa: F401 (daemon.py's)
+from ntx_client.client import FIELD_METADATA, piece_text
 from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 
 log = logging.getLogger("ntransformerd")
@@ -45,6 +48,10 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
 MAX_MESSAGE_CHARS = 2000
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
 MAX_PROMPT_BYTES = 1 << 20
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "seed")  # GenerateRequest.sampling's; the others are the request's own
+# A quantization suffix of a model file's name (llama.cpp's type names: Q4_K_M, IQ2_XS, BF16...)
+QUANT_SUFFIX = re.compile(r"[._-](?:[it]?q[0-9]+(?:_[a-z0-9]+)*|bf16|f16|f32|fp16|fp32|mxfp4(?:_moe)?)$")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -66,7 +73,22 @@ def bounded(message: str) -> str:
 
 def _abort(context, exc: BaseException):
     code, message = status_of(exc)
+    if isinstance(exc, errors.InvalidRequest) and exc.field:
+        context.set_trailing_metadata(((FIELD_METADATA, exc.field),))
     context.abort(code, message)
+
+
+@contextlib.contextmanager
+def _about(field: str):
+    """Name `field` in the InvalidRequest raised inside that names none; a ValueError (the
+    tokenizer's, the chat template's) becomes one."""
+    try:
+        yield
+    except errors.InvalidRequest as e:
+        e.field = e.field or field
+        raise
+    except ValueError as e:
+        raise errors.InvalidRequest(str(e), field=field) from None
 
 
 def _aborted(exc: BaseException, context) -> bool:
@@ -137,23 +159,69 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
                                 unary_stream=guard(handler.unary_stream))
 
 
+def slug(text: str) -> str:
+    """`text` as a model id: lower case, each run of characters other than [a-z0-9._-] one "-",
+    starting with a letter or digit and ending without a separator."""
+    return re.sub(r"^[^a-z0-9]+|[._-]+$", "", re.sub(r"[^a-z0-9._-]+", "-", text.lower()))
+
+
+def _file_name(path: str) -> str | None:
+    """The model file's name; None for a model without one (a staged model's memory image)."""
+    return os.path.basename(path) if path and not path.startswith("/proc/") else None
+
+
+def model_id(path: str, metadata) -> str:
+    """What clients name the model by (proto ModelInfo.name): the file's stem as a slug, less a
+    quantization suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" → "smollm2-135m-instruct"); the GGUF's
+    general.name as a slug where the file has no name."""
+    name = _file_name(path)
+    if name:
+        stem = slug(name[:-5] if name.lower().endswith(".gguf") else name)
+        return QUANT_SUFFIX.sub("", stem) or stem or "model"
+    return slug(str(metadata.get("general.name") or "")) or "model"
+
+
+def model_aliases(path: str, metadata) -> list[str]:
+    """The model's other names (proto ModelInfo.aliases): the file's name and stem, general.name."""
+    name = _file_name(path)
+    names = [name, name[:-5] if name and name.lower().endswith(".gguf") else None, metadata.get("general.name")]
+    own = model_id(path, metadata)
+    return [n for n in dict.fromkeys(str(x) for x in names if x) if n != own]
+
+
 def _check_model(name: str, scheduler: Scheduler) -> None:
     engine = scheduler.engine
-    if name and engine is not None and name not in (model_name(engine), os.path.basename(engine.model.path)):
-        raise errors.InvalidRequest(f"unknown model {errors.shown(name)}: this daemon serves {model_name(engine)!r} "
-                                    "(ntx-client models); leave model empty for the loaded one")
+    if not name or engine is None:
+        return
+    own = model_id(engine.model.path, engine.model.metadata)
+    if name.casefold() not in {n.casefold() for n in (own, *model_aliases(engine.model.path, engine.model.metadata))}:
+        raise errors.InvalidRequest(f"unknown model {errors.shown(name)}: this daemon serves {own!r} "
+                                    "(ntx-client models); leave model empty for the loaded one", field="model")
+
+
+def max_tokens_of(request: pb.GenerateRequest, engine, default: int) -> int:
+    """The request's max_tokens, checked against the context length (proto GenerateRequest: one
+    range and one message, as the scheduler's); unset: the daemon's default, at most that length."""
+    n_ctx = engine.max_ctx if engine is not None else None  # no model: schedule() says not ready
+    if not request.HasField("max_tokens"):
+        return min(default, n_ctx or default)
+    value = request.max_tokens
+    if not 1 <= value <= (n_ctx or (1 << 31) - 1):
+        limit = f"{n_ctx} (the context length)" if n_ctx else "the context length"
+        raise errors.InvalidRequest(f"max_tokens {value} is out of range: use 1..{limit}", field="max_tokens")
+    return value
 
 
 def sampling_params(request: pb.GenerateRequest, max_tokens: int):
     """The engine's SamplingParams from a request; unset fields keep their defaults."""
     s = request.sampling
-    kw = {f: getattr(s, f) for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                     "frequency_penalty", "presence_penalty", "seed") if s.HasField(f)}
+    kw = {f: getattr(s, f) for f in SAMPLING_FIELDS if s.HasField(f)}
     try:
         return SamplingParams(**kw, stop=tuple(request.stop), max_tokens=max_tokens,
                               ignore_eos=request.ignore_eos).validate()
-    except ValueError as e:
-        raise errors.InvalidRequest(f"bad sampling parameter: {e}") from None
+    except InvalidParameter as e:
+        field = f"sampling.{e.field}" if e.field in SAMPLING_FIELDS else e.field
+        raise errors.InvalidRequest(f"bad sampling parameter: {e}", field=field) from None
 
 
 def speculative_mode(text: str) -> Mode | None:
@@ -163,35 +231,44 @@ def speculative_mode(text: str) -> Mode | None:
     try:
         return Mode.parse(text)
     except ValueError as e:
-        raise errors.InvalidRequest(str(e)) from None
+        raise errors.InvalidRequest(str(e), field="speculative") from None
 
 
 def constraint_of(request: pb.GenerateRequest, engine):
     """The request's compiled constraint (engine/constraints.py), None without one; a schema,
     regex or grammar over MAX_CONSTRAINT_BYTES, or one the compiler refuses, is InvalidRequest
     naming the field and the limit, or with the compiler's message."""
-    kind = request.constraint.WhichOneof("kind")
+    c = request.constraint
+    kind = c.WhichOneof("kind")
     if kind is None:
+        if c.HasField("max_digits"):
+            raise errors.InvalidRequest("constraint.max_digits bounds the numbers of a constraint: give "
+                                        "constraint.json_schema, regex or grammar with it", field="constraint.max_digits")
         return None
-    size = len(getattr(request.constraint, kind).encode())
+    size = len(getattr(c, kind).encode())
     if size > constraints.MAX_CONSTRAINT_BYTES:
         limit = constraints.MAX_CONSTRAINT_BYTES
         raise errors.InvalidRequest(f"constraint.{kind} is {size:,} bytes; the daemon takes at most {limit >> 20} MiB "
-                                    f"({limit:,} bytes) of constraint text: shorten or simplify it")
+                                    f"({limit:,} bytes) of constraint text: shorten or simplify it",
+                                    field=f"constraint.{kind}")
+    max_digits = c.max_digits if c.HasField("max_digits") else None
+    if max_digits is not None and not 0 <= max_digits <= constraints.MAX_DIGITS_LIMIT:
+        raise errors.InvalidRequest(f"constraint.max_digits {max_digits} is out of range: use "
+                                    f"1..{constraints.MAX_DIGITS_LIMIT}, or 0 for no bound", field="constraint.max_digits")
     if engine is None:
         raise errors.NotReady("no model is loaded: load one with the Admin LoadModel verb (as root)")
     try:
         compiler = constraints.compiler_for(engine.tokenizer, engine.cfg.vocab_size)
-        return compiler.compile(kind, getattr(request.constraint, kind))
+        return compiler.compile(kind, getattr(c, kind), max_digits=max_digits)
     except constraints.InvalidConstraint as e:
-        raise errors.InvalidRequest(f"bad constraint: {e}") from None
+        raise errors.InvalidRequest(f"bad constraint: {e}", field=f"constraint.{kind}") from None
 
 
 def logprobs_pb(tokenizer, entries) -> list[pb.TokenLogprob]:
     """scheduler.Output's (id, logprob, top ids, top logprobs) entries as TokenLogprob messages."""
     def one(i, lp, top=(), top_lp=()):
         return pb.TokenLogprob(id=int(i), piece=tokenizer.token_bytes(int(i)), logprob=float(lp),
-                               top=[one(j, v) for j, v in zip(top, top_lp)])
+                               top=[one(j, v) for j, v in zip(top, top_lp)], special=tokenizer.is_control(int(i)))
     return [one(*e) for e in entries]
 
 
@@ -231,41 +308,47 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 log.warning("cannot tell who peer %s is: its requests bypass the prefix cache", context.peer())
                 self._unnamed_warned = True
             return None
-        return caller.below(request.on_behalf_of)
+        with _about("on_behalf_of"):
+            return caller.below(request.on_behalf_of)
 
     def _prompt_ids(self, request) -> list[int]:
         which = request.WhichOneof("input")
         if which is None:
-            raise errors.InvalidRequest("the request has no input: set prompt, chat or prompt_ids")
-        if which == "prompt":
-            if len(request.prompt) > MAX_PROMPT_BYTES:
-                raise errors.InvalidRequest(f"the prompt is over {MAX_PROMPT_BYTES} characters: shorten it")
-            return self.scheduler.tokenize(text=request.prompt)
-        if which == "chat":
-            return self.scheduler.tokenize(**chat_of(request.chat))
-        return self.scheduler.tokenize(ids=list(request.prompt_ids.ids))
+            raise errors.InvalidRequest("the request has no input: set prompt, chat or prompt_ids", field="prompt")
+        with _about(which):
+            if which == "prompt":
+                if len(request.prompt) > MAX_PROMPT_BYTES:
+                    raise errors.InvalidRequest(f"the prompt is over {MAX_PROMPT_BYTES} characters: shorten it")
+                return self.scheduler.tokenize(text=request.prompt)
+            if which == "chat":
+                return self.scheduler.tokenize(**chat_of(request.chat))
+            return self.scheduler.tokenize(ids=list(request.prompt_ids.ids))
 
     @stream_rpc
     def Generate(self, request: pb.GenerateRequest, context):
         _check_model(request.model, self.scheduler)
-        max_tokens = request.max_tokens if request.HasField("max_tokens") else self.daemon.config.default_max_tokens
-        if max_tokens < 1 or max_tokens > 1 << 31:
-            raise errors.InvalidRequest(f"max_tokens {max_tokens} is out of range: use 1..the context length")
+        engine = self.scheduler.engine
+        max_tokens = max_tokens_of(request, engine, self.daemon.config.default_max_tokens)
         params = sampling_params(request, max_tokens)
         mode = speculative_mode(request.speculative)
         logprobs = request.logprobs if request.HasField("logprobs") else None
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidRequest(f"logprobs {logprobs} is out of range: ask for 0..{MAX_TOP_LOGPROBS} "
-                                        "alternatives per token")
+                                        "alternatives per token", field="logprobs")
         caller = self._caller(request, context)
         prompt_ids = self._prompt_ids(request)
-        constraint = constraint_of(request, self.scheduler.engine)
+        constraint = constraint_of(request, engine)
+        if mode is not None and engine is not None:
+            with _about("speculative"):  # a mode this daemon cannot serve (no draft model)
+                self.scheduler.speculator(mode)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
-        req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                      prefix_cache=not request.no_prefix_cache and caller is not None,
-                                      speculative=mode, logprobs=logprobs,
-                                      prompt_logprobs=request.prompt_logprobs, constraint=constraint, caller=caller)
+        with _about(request.WhichOneof("input")):  # what is left to refuse is the prompt (empty, too long)
+            req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
+                                          prefix_cache=not request.no_prefix_cache and caller is not None,
+                                          speculative=mode, logprobs=logprobs,
+                                          prompt_logprobs=request.prompt_logprobs, constraint=constraint,
+                                          caller=caller)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
         for out in req.stream():
@@ -285,17 +368,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         which = request.WhichOneof("input")
         add = request.add_special if request.HasField("add_special") else True
         parse = request.parse_special if request.HasField("parse_special") else True
-        if which == "chat":
-            ids = self.scheduler.tokenize(**chat_of(request.chat))
-        else:
-            ids = self.scheduler.tokenize(text=request.text, add_special=add, parse_special=parse)
+        with _about(which or "text"):
+            if which == "chat":
+                ids = self.scheduler.tokenize(**chat_of(request.chat))
+            else:
+                ids = self.scheduler.tokenize(text=request.text, add_special=add, parse_special=parse)
         tok = self.scheduler.engine.tokenizer
-        return pb.TokenizeResponse(ids=ids, pieces=[tok.decode([i]) for i in ids])
+        return pb.TokenizeResponse(ids=ids, pieces=[piece_text(tok.token_bytes(i)) for i in ids])
 
     @rpc
     def Detokenize(self, request: pb.DetokenizeRequest, context):
         _check_model(request.model, self.scheduler)
-        ids = self.scheduler.tokenize(ids=list(request.ids))  # checks the range
+        with _about("ids"):
+            ids = self.scheduler.tokenize(ids=list(request.ids))  # checks the range
         return pb.DetokenizeResponse(text=self.scheduler.engine.tokenizer.decode(ids))
 
     @rpc
@@ -325,7 +410,8 @@ def model_info(engine) -> pb.ModelInfo:
         tier = "vram" if engine.backend_name == "cuda" else "ram"
         plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=tier, layers=cfg.n_layers, bytes=layer_bytes)],
                            explanation=f"all {cfg.n_layers} layers resident in {tier} ({engine.backend_name} backend)")
-    return pb.ModelInfo(name=model_name(engine), path=engine.model.path, architecture=str(md.get("general.architecture", "")),
+    return pb.ModelInfo(name=model_id(engine.model.path, md), aliases=model_aliases(engine.model.path, md),
+                        path=engine.model.path, architecture=str(md.get("general.architecture", "")),
                         file_bytes=engine.model.file_size, n_layers=cfg.n_layers, context_length=engine.max_ctx,
                         vocab_size=cfg.vocab_size, backend=engine.backend_name,
                         has_chat_template=bool(md.get("tokenizer.chat_template")), plan=plan, metadata=scalars,

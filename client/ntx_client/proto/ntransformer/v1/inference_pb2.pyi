@@ -132,26 +132,30 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculative: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "regex", "grammar")
+    __slots__ = ("json_schema", "regex", "grammar", "max_digits")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MAX_DIGITS_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    max_digits: int
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., max_digits: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("id", "piece", "logprob", "top")
+    __slots__ = ("id", "piece", "logprob", "top", "special")
     ID_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
     id: int
     piece: bytes
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, id: _Optional[int] = ..., piece: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    special: bool
+    def __init__(self, id: _Optional[int] = ..., piece: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., special: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "queue_seconds", "prefill_seconds", "decode_seconds", "cached_prompt_tokens")
@@ -245,7 +249,7 @@ class TierPlan(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierPlan.Tier, _Mapping]]] = ..., explanation: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "architecture", "file_bytes", "n_layers", "context_length", "vocab_size", "backend", "has_chat_template", "plan", "metadata", "description")
+    __slots__ = ("name", "path", "architecture", "file_bytes", "n_layers", "context_length", "vocab_size", "backend", "has_chat_template", "plan", "metadata", "description", "aliases")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +269,7 @@ class ModelInfo(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     architecture: str
@@ -277,7 +282,8 @@ class ModelInfo(_message.Message):
     plan: TierPlan
     metadata: _containers.ScalarMap[str, str]
     description: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., file_bytes: _Optional[int] = ..., n_layers: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., plan: _Optional[_Union[TierPlan, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., file_bytes: _Optional[int] = ..., n_layers: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., plan: _Optional[_Union[TierPlan, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class InferenceStub:
-    """Missing associated documentation comment in .proto file."""
+    """A request the daemon refuses for one of its fields is INVALID_ARGUMENT whose trailing metadata
+    names that field under the key "ntx-field", as this file names it: "max_tokens", "prompt",
+    "chat", "prompt_ids", "model", "logprobs", "speculative", "stop", "sampling.temperature",
+    "constraint.json_schema", "constraint.max_digits"... (ntx_client raises FieldError with it).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +66,11 @@ class InferenceStub:
 
 
 class InferenceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """A request the daemon refuses for one of its fields is INVALID_ARGUMENT whose trailing metadata
+    names that field under the key "ntx-field", as this file names it: "max_tokens", "prompt",
+    "chat", "prompt_ids", "model", "logprobs", "speculative", "stop", "sampling.temperature",
+    "constraint.json_schema", "constraint.max_digits"... (ntx_client raises FieldError with it).
+    """
 
     def Generate(self, request, context):
         """Stream a continuation: the first message carries prompt_ids, each message the new token
@@ -135,7 +143,11 @@ def add_InferenceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Inference:
-    """Missing associated documentation comment in .proto file."""
+    """A request the daemon refuses for one of its fields is INVALID_ARGUMENT whose trailing metadata
+    names that field under the key "ntx-field", as this file names it: "max_tokens", "prompt",
+    "chat", "prompt_ids", "model", "logprobs", "speculative", "stop", "sampling.temperature",
+    "constraint.json_schema", "constraint.max_digits"... (ntx_client raises FieldError with it).
+    """
 
     @staticmethod
     def Generate(request,
