@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(TEXT, "rb") as f:
         data = f.read()
     text, text_sha = data.decode(), hashlib.sha256(data).hexdigest()
-    config = EngineConfig(max_batch=1, max_ctx=args.ctx, prefill_chunk=args.ctx)
+    config = EngineConfig(backend="cpu", max_batch=1, max_ctx=args.ctx, prefill_chunk=args.ctx)
     out = {"text": TEXT, "ctx": args.ctx, "chunks": args.chunks, "model": os.path.basename(src), "smoke": args.smoke,
            "types": []}
     with threadpool_limits(1):  # the CPU is shared; one BLAS thread gave the steadiest figures

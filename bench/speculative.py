@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"max_tokens": args.max_tokens, "model": os.path.basename(src), "smoke": args.smoke,
            "load_average": os.getloadavg(), "sources": {}}
     with threadpool_limits(1):
-        target = Engine.load(f32, config=EngineConfig(max_batch=2, max_ctx=2048))
+        target = Engine.load(f32, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=2048))
         draft_engine = sp.load_draft_engine(q4, target)
         cal = layer_skip.load_cached(src)
         skip = cal.auto(layer_skip.AUTO_THRESHOLD) if cal else None

@@ -270,13 +270,19 @@ def check_user_path(d: dict) -> None:
     assert figure(rows["8b:1"]["cli"]["median"]), rows["8b:1"]["cli"]
 
 
+def check_structured_rate(d: dict) -> None:
+    assert (d["schemas"]["total"], d["tools_required"]["total"]) == (2, 1), d
+    assert all(-1e9 < x < 0 for v in d["call_opening"].values() for x in v["logprobs"]), d["call_opening"]
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
-       "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling}
+       "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling,
+       "structured_rate.py": check_structured_rate}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,

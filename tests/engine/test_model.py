@@ -126,8 +126,8 @@ def test_mixed_prefill_and_decode_in_one_step(default_engine):
 
 def test_chunked_prefill_equals_whole(default_model):
     prompt = list(range(1000, 1100))
-    whole = Engine(default_model, config=EngineConfig(max_batch=1, max_ctx=256, prefill_chunk=512))
-    chunked = Engine(default_model, config=EngineConfig(max_batch=1, max_ctx=256, prefill_chunk=7))
+    whole = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=256, prefill_chunk=512))
+    chunked = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=256, prefill_chunk=7))
     sw, sc = whole.open(), chunked.open()
     np.testing.assert_allclose(chunked.prefill(sc, prompt), whole.prefill(sw, prompt), atol=2e-4)
 
@@ -143,7 +143,7 @@ def test_f16_kv_cache_close_to_f32(default_model):
 
 def test_context_full_is_an_error(default_model):
     from ntransformerd.engine.engine import ContextFull
-    e = Engine(default_model, config=EngineConfig(max_batch=1, max_ctx=8))
+    e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=8))
     s = e.open()
     e.prefill(s, [1, 2, 3, 4, 5, 6])
     with pytest.raises(ContextFull):
@@ -209,6 +209,6 @@ def test_rms_norm_and_swiglu_reference():
 @pytest.mark.parametrize("ftype", ["q2_k", "q3_k", "q4_k_m", "q5_k", "q6_k", "bf16"])
 def test_synthetic_model_runs(synth_model, ftype):
     m = GGUFModel(synth_model("tiny", ftype))
-    e = Engine(m, config=EngineConfig(max_batch=2, max_ctx=64))
+    e = Engine(m, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=64))
     logits = e.prefill(e.open(), [1, 2, 3, 4])
     assert logits.shape == (49152,) and np.isfinite(logits).all()

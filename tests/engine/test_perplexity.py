@@ -58,7 +58,7 @@ def test_chunk_nll_is_the_log_softmax_of_the_target():
 def test_chunking_scores_the_second_half_of_each_chunk(synth_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
 
-    e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(max_batch=1, max_ctx=64, prefill_chunk=24))
+    e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu", max_batch=1, max_ctx=64, prefill_chunk=24))
     tokens = list(np.random.default_rng(1).integers(0, e.cfg.vocab_size, 3 * 32 + 5))
     p = perplexity(e, tokens, ctx=32)  # prefill steps of 24 rows straddle the scored half
     assert p.chunks == 3 and p.tokens_scored == 3 * 15

@@ -190,3 +190,13 @@ def test_fuzzed_tools_and_calls_are_served_or_invalid_argument(daemon):
         fuzz()
     with Client(daemon.socket, timeout=60) as c:
         assert c.complete("Hi", max_tokens=2, temperature=0).usage["completion_tokens"] == 2
+
+
+def test_a_schema_that_goes_on_only_past_the_digit_bound_is_the_requests_fault(daemon):
+    """A constraint that can go on only past max_digits digits in a row: the request ends with
+    INVALID_ARGUMENT naming the bound (not INTERNAL), and the daemon serves on."""
+    with Client(daemon.socket, timeout=60) as c:
+        with pytest.raises(NtxError) as e:
+            c.complete("A big number:", max_tokens=64, temperature=0, regex="[0-9]{20}", max_digits=16)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_digits" in str(e.value), str(e.value)
+        assert c.complete("Hi", max_tokens=2, temperature=0).usage["completion_tokens"] == 2

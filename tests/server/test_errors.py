@@ -175,7 +175,7 @@ def test_model_info_reports_the_engine_tier_plan(default_model):
     from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.server.servicer import model_info
 
-    e = Engine(default_model, config=EngineConfig(max_batch=1, max_ctx=64, max_vram_layers=10))
+    e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=64, max_vram_layers=10))
     plan = model_info(e).plan
     tiers = {t.name: t.layers for t in plan.tiers}
     assert tiers.get("resident") == 10 and sum(tiers.values()) == 30, tiers

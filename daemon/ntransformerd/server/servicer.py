@@ -518,8 +518,9 @@ def kv_status(engine) -> pb.KVStatus:
 
 def placements(engine) -> list[pb.Placement]:
     """Where the layers run at each step shape of a plan with the host computing beside the GPU:
-    the plan's prediction and the steps measured since the load. Empty for other plans."""
-    schedule = getattr(getattr(engine, "plan", None), "schedule", None)
+    the prediction of the placement now (it follows the steps) and the steps measured since the
+    load. Empty for other plans."""
+    schedule = getattr(engine, "schedule", None)
     pipeline = getattr(engine, "pipeline", None)
     if schedule is None or pipeline is None:
         return []
