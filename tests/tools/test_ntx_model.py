@@ -81,6 +81,26 @@ def test_run_seed_is_repeatable(capsys):
     assert a["ids"] == b["ids"] and a["ids"] != c["ids"]
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_run_goes_through_the_daemons_loop(default_model, capsys, monkeypatch, sampled):
+    """`ntx-model run` generates through the scheduler's loop (as a daemon serving one client),
+    and gives what the engine's one-sequence loop gives: greedy, and sampled with a seed."""
+    from ntransformerd.engine.engine import Engine, EngineConfig, generate
+    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.server.scheduler import Scheduler
+    iterations = []
+    real = Scheduler.iterate
+    monkeypatch.setattr(Scheduler, "iterate", lambda self: iterations.append(1) or real(self))
+    flags = ["--temperature", "0.9", "--seed", "11", "--top-k", "40"] if sampled else ["--temperature", "0"]
+    res = run_json(capsys, "run", "--prompt", PROMPT, "--max-tokens", "12", "--json", "--ignore-eos", "--backend",
+                   "cpu", "--max-batch", "1", *flags)
+    assert len(iterations) >= 12, "ntx-model run did not go through the scheduler"
+    e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=256))
+    params = (SamplingParams(temperature=0.9, seed=11, top_k=40, max_tokens=12, ignore_eos=True) if sampled
+              else SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+    assert res["ids"] == [ev.token for ev in generate(e, res["prompt_ids"], params)]
+
+
 def test_run_chat_stops_at_end_of_turn(capsys):
     # the exact reference: its first token wins by 0.08 logits, inside the fast backend's
     # quantized-activation error (0.9 here), so on `cpu` the answer may start otherwise

@@ -17,12 +17,15 @@ import time
 import numpy as np
 
 from ntransformerd import settings
-from ntransformerd.engine import layer_skip, tiers
+from ntransformerd.config import DaemonConfig
+from ntransformerd.engine import layer_skip, speculative, tiers
 from ntransformerd.engine.backends import device_free
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, resolved
 from ntransformerd.engine.gguf_file import GGUFError, GGUFModel
 from ntransformerd.engine.sampler import SamplingParams
 from ntransformerd.engine.tokenizer import Tokenizer
+from ntransformerd.server.scheduler import Scheduler
+from ntransformerd.server.systemd import Notifier
 from ntransformerd.settings import MODEL, SETTINGS, SettingError
 from ntransformerd.tools import quality
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
@@ -150,31 +153,35 @@ def cmd_run(args) -> int:
     if not args.json:
         print(f"[{engine.backend_name}, loaded in {load_s:.1f} s, prompt {len(prompt_ids)} tokens]",
               file=sys.stderr)
-    dump = [] if args.dump_logits else None
     ids, text, finish = [], [], None
     t1 = time.perf_counter()
     first_token_s = None
-    spec = None
-    if not mode.off:  # lossless: the same tokens, fewer target passes
-        spec = quality.speculator(engine, mode, draft or None)
-    for ev in generate(engine, prompt_ids, params, speculator=spec, dump_logits=dump):
+    if args.dump_logits:  # a diagnostic: the one-sequence loop, which keeps the prompt's last logits
+        dump, spec = [], (None if mode.off else quality.speculator(engine, mode, draft or None))
+        events = ((ev.token, ev.text, ev.finish_reason)
+                  for ev in generate(engine, prompt_ids, params, speculator=spec, dump_logits=dump))
+    else:  # the daemon's own loop (steps launched ahead on a GPU), as a daemon serves one client
+        dump, served = None, Served(engine, mode=mode, draft=draft)
+        spec = served
+        events = served.tokens(prompt_ids, params)
+    for token, piece, finish in events:
         if first_token_s is None:
             first_token_s = time.perf_counter() - t1
-        ids.append(ev.token)
-        text.append(ev.text)
-        finish = ev.finish_reason
+        ids.append(token)
+        text.append(piece)
         if args.json:
-            print(json.dumps({"id": ev.token, "text": ev.text}), flush=True)
+            print(json.dumps({"id": token, "text": piece}), flush=True)
         else:
-            print(ev.text, end="", flush=True)
+            print(piece, end="", flush=True)
     total_s = time.perf_counter() - t1
     if dump is not None:
         np.save(args.dump_logits, dump[0])
     decode_tps = (len(ids) - 1) / (total_s - first_token_s) if len(ids) > 1 and total_s > first_token_s else 0.0
     stats = {"prompt_tokens": len(prompt_ids), "generated_tokens": len(ids),
              "prefill_s": round(first_token_s or 0.0, 4), "decode_tok_s": round(decode_tps, 2)}
-    if spec is not None:
-        stats["speculation"] = {k: v for k, v in spec.stats().items() if k != "costs"}
+    speculation = spec.stats() if spec is not None else None
+    if speculation:
+        stats["speculation"] = {k: v for k, v in speculation.items() if k != "costs"}
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": "".join(text),
                           "finish_reason": finish, **stats}))
@@ -182,6 +189,40 @@ def cmd_run(args) -> int:
         print(f"\n[{finish}; {stats['generated_tokens']} tokens, prefill {stats['prefill_s']:.2f} s, "
               f"decode {stats['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+class Served:
+    """`ntx-model run`'s request through the daemon's scheduler (server/scheduler.py) in this
+    process: the same loop, the same overlapped steps, the same speculation as a daemon serving
+    one client, so the two give the same tokens at the same rate."""
+
+    def __init__(self, engine, *, mode, draft: str | None):
+        self.config = DaemonConfig(socket="ntx-model-run", max_batch=engine.config.max_batch, prefix_cache=False,
+                                   prefill_chunk=engine.config.prefill_chunk, speculative=mode, draft=draft or "")
+        draft_engine = speculative.load_draft_engine(draft, engine) if draft else None
+        self.scheduler = Scheduler(config=self.config, notifier=Notifier(environ={}))
+        self.scheduler.attach(engine, draft_engine=draft_engine, costs=speculative.cached_costs(engine, draft_engine))
+        self.scheduler.lifecycle.serving()
+        self.mode = mode
+
+    def tokens(self, prompt_ids, params):
+        """(token, its text, the finish reason on the last) as the scheduler streams them."""
+        s = self.scheduler
+        s.start()
+        try:
+            req = s.schedule(list(prompt_ids), params, max_tokens=params.max_tokens, prefix_cache=False,
+                             speculative=self.mode)
+            for out in req.stream():
+                for k, token in enumerate(out.token_ids):
+                    last = k == len(out.token_ids) - 1
+                    yield token, out.text if last else "", out.finish_reason if last else None
+        finally:
+            s.stop()
+
+    def stats(self) -> dict | None:
+        sp = self.scheduler.status().speculation
+        return None if not sp.passes else {"passes": sp.passes, "proposed": sp.proposed, "accepted": sp.accepted,
+                                           "acceptance": sp.acceptance, "tokens_per_pass": sp.tokens_per_pass}
 
 
 def _plan_devices(args, config) -> int:
