@@ -302,7 +302,7 @@ class Steering:
     Pure policy: no device, no clock. Thread rule: the engine's owner thread.
     """
 
-    def __init__(self, plan: Plan, *, alpha: float = 0.3, noise: float = 0.1, dwell: int = 4, probe: int = 64,
+    def __init__(self, plan: Plan, *, alpha: float = 0.3, noise: float = 0.2, dwell: int = 4, probe: int = 64,
                  max_probe: int = 4096):
         """plan: one with its schedule (with_schedule), the placement at load."""
         if plan.schedule is None:
