@@ -22,6 +22,7 @@ def test_placements_count_the_steps_of_each_shape(synth_model, capsys):
                           host_compute="auto")
     plan = tiers.model_plan(model, config, backend="cpu", figures=Figures(1e9, {1: 1e9, 2: 1e9}))
     e = Engine(model, config=config, plan=plan)
+    e.pipeline.steering = None  # the placement at load throughout: its steps are counted below
     assert placements(Engine(model, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=16))) == []
     s = e.open()
     e.prefill(s, [1, 2, 3, 4])  # a 3-row chunk and a 1-row one

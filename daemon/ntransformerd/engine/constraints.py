@@ -45,6 +45,8 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from ntransformerd.engine.sampler import RequestCannotGoOn
+
 KINDS = ("json_schema", "regex", "grammar")
 # A schema, regex or grammar; a larger one is refused before compiling. The API's limit (proto
 # Constraint): the client library (ntx_client.client) and the OpenAI gateway refuse it before sending.
@@ -297,7 +299,7 @@ def _scan(data: bytes, where: int) -> tuple[int, int, int, int]:
     return lead, inner, where, run if not leading else 0
 
 
-class ConstraintFailed(ValueError):
+class ConstraintFailed(RequestCannotGoOn):
     """A token the constraint refuses was pushed (a caller's bug: every path masks first), or
     the output can go on only past the bound on digits."""
 

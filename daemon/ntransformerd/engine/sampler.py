@@ -53,7 +53,12 @@ class InvalidLogits(ValueError):
     backend is broken; no sampling parameter causes it."""
 
 
-class NoAllowedToken(ValueError):
+class RequestCannotGoOn(ValueError):
+    """The request itself allows no next token (its constraint): its fault, not the model's or
+    the daemon's; the request ends with INVALID_ARGUMENT."""
+
+
+class NoAllowedToken(RequestCannotGoOn):
     """The request's mask (its constraint) leaves no token with a finite logit: the request's
     fault, not the model's."""
 

@@ -61,8 +61,7 @@ from collections.abc import Iterator, Sequence
 
 from ntransformerd.engine import decode, kv_cache, speculative
 from ntransformerd.engine.decode import DraftFault, Row, Text
-from ntransformerd.engine.constraints import ConstraintFailed
-from ntransformerd.engine.sampler import InvalidLogits, NoAllowedToken
+from ntransformerd.engine.sampler import InvalidLogits, RequestCannotGoOn
 from ntransformerd.engine.speculative import Mode, StepCosts
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest, ModelFault,
                                          NotReady, QueueFull, ServiceError, ShuttingDown, shown)
@@ -475,7 +474,7 @@ class Scheduler:
             err = self.model_fault(exc)
         elif isinstance(exc, DraftFault):
             err = EngineFailed(str(exc))
-        elif isinstance(exc, (NoAllowedToken, ConstraintFailed)):  # the request's constraint, not the daemon
+        elif isinstance(exc, RequestCannotGoOn):  # the request's constraint, not the daemon
             err = InvalidRequest(f"the request's constraint allows no token after {r.generated} generated ({exc}): "
                                  "loosen the schema, regex or grammar (or max_digits)")
         else:

@@ -14,6 +14,7 @@ import time
 
 from ntransformerd.engine import layer_skip, speculative
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.settings import SETTINGS
 from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.perplexity import perplexity, text_tokens
@@ -47,7 +48,8 @@ def _read_text(path: str) -> tuple[str, str]:
 
 
 def _engine(args, skip=()):
-    return Engine.load(args.model, config=EngineConfig(backend=args.backend, max_batch=1, max_ctx=args.ctx,
+    backend = args.backend or SETTINGS["backend"].default
+    return Engine.load(args.model, config=EngineConfig(backend=backend, max_batch=1, max_ctx=args.ctx,
                                                         prefill_chunk=min(args.ctx, 512), skip_layers=tuple(skip) or None))
 
 
@@ -123,8 +125,9 @@ def add_commands(sub) -> None:
     s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512); the second half is scored")
     s.add_argument("--chunks", type=int, metavar="N", help="score only the first N chunks")
     s.add_argument("--skip-layers", metavar="SPEC", help="auto[:THRESHOLD] | N | 3,7,11 (see calibrate-skip)")
-    s.add_argument("--backend", choices=BACKENDS, default="cpu",
-                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
+    s.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: the backend "
+                        "setting's, auto)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_perplexity)
 
@@ -134,7 +137,8 @@ def add_commands(sub) -> None:
     s.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     s.add_argument("--chunks", type=int, metavar="N", help="use only the first N chunks")
     s.add_argument("--max-k", type=int, metavar="K", help="largest number of skipped layers tried (default n/4)")
-    s.add_argument("--backend", choices=BACKENDS, default="cpu",
-                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: cpu)")
+    s.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="cpu (quantized kernels), cpu-ref (float32 reference), cuda, auto (default: the backend "
+                        "setting's, auto)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_calibrate_skip)
