@@ -22,6 +22,8 @@ Runs (a name per row of the table):
   llama-f32   llama.cpp on the all-F32 copy of --model (`ntx-model quantize --type f32`: the same
               numbers the exact run computes with): the base of llama.cpp's rows
   llama-cpu   llama.cpp's CPU run of --model itself
+  llama-gpu   llama.cpp's run of --model with every layer on the GPU (a CUDA build of
+              llama-cpp-python behind --llama-python)
 Rows compare each run with `exact` and with `llama-f32` where both were made. The two exact
 runs agree to ~1e-6 (shared/notes/perplexity.md), so either base ranks the fast runs alike.
 
@@ -58,7 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LICENSES = "/usr/share/common-licenses"
 LLAMA_LOGITS = os.path.join(HERE, "llamacpp", "logits.py")
 OURS = ("exact", "cpu", "cuda", "hybrid")
-LLAMA = ("llama-f32", "llama-cpu")
+LLAMA = ("llama-f32", "llama-cpu", "llama-gpu")
 
 
 @dataclasses.dataclass
@@ -74,6 +76,10 @@ PIECES = {  # --f32 PIECE: these tensors stored as float32 (the same values) in 
     "output": ("token_embd", "output"),  # the output matrix (tied to token_embd in the default model)
     "attn": ("attn_q", "attn_k", "attn_v", "attn_output"),
     "ffn": ("ffn_gate", "ffn_up", "ffn_down"),
+    "attn_qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn_output": ("attn_output",),
+    "ffn_gate_up": ("ffn_gate", "ffn_up"),
+    "ffn_down": ("ffn_down",),
     "all": ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
 }
 
@@ -118,13 +124,13 @@ def engine_for(name: str, path: str, ctx: int, threads: int | None) -> Engine:
     return Engine.load(path, config=config)
 
 
-def llama_chunks(python: str, model: str, tokens: list[int], ctx: int, out: str, threads: int) -> str:
+def llama_chunks(python: str, model: str, tokens: list[int], ctx: int, out: str, threads: int, gpu: bool) -> str:
     """llama.cpp's scored-row logits of every chunk (bench/llamacpp/logits.py), in out/."""
     os.makedirs(out, exist_ok=True)
     ids = os.path.join(out, "tokens.npy")
     np.save(ids, np.asarray(tokens, np.int64))
-    r = subprocess.run([python, LLAMA_LOGITS, model, ids, str(ctx), out, "--threads", str(threads)],
-                       stdout=subprocess.PIPE, text=True)
+    r = subprocess.run([python, LLAMA_LOGITS, model, ids, str(ctx), out, "--threads", str(threads),
+                        "--gpu-layers", "999" if gpu else "0"], stdout=subprocess.PIPE, text=True)
     if r.returncode != 0:
         raise SystemExit(f"llama.cpp ({python}) failed on {model}: exit {r.returncode}")
     return r.stdout.strip()
@@ -173,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             engines = [e for e in engines if e not in LLAMA]
         else:
-            ap.error("--engines llama-f32/llama-cpu need --llama-python (a python with llama-cpp-python)")
-    if any(e in ("cuda", "hybrid") for e in engines):
+            ap.error("--engines llama-* need --llama-python (a python with llama-cpp-python)")
+    if any(e in ("cuda", "hybrid", "llama-gpu") for e in engines):
         common.require_gpu(__file__)
     os.makedirs(args.dir, exist_ok=True)
     if args.smoke:
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.unlink(old)
             t0 = time.perf_counter()
             version = llama_chunks(args.llama_python, f32 if e == "llama-f32" else path, t.tokens, t.ctx, d,
-                                   args.threads)
+                                   args.threads, e == "llama-gpu")
             about["llama_cpp_version"] = version
             llama_dirs[e] = (d, time.perf_counter() - t0)
         if "llama-f32" in llama_dirs:
