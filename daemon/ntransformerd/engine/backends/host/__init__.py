@@ -70,8 +70,8 @@ class HostWeights:
         self.token_embd = matrix(model, "token_embd.weight")
         output = self.token_embd if cfg.tied_output else matrix(model, "output.weight")
         # The output matrix's rounding lands on the logits directly, and it multiplies one row
-        # per sequence and step: 16-bit activations there cost little (int8 ones were a quarter
-        # of the KL divergence from the exact run on the default model: bench/RESULTS.md).
+        # per sequence and step: 16-bit activations there cost little and remove its share of
+        # the int8 activations' distance from the exact run (bench/RESULTS.md, KL divergence).
         self.output = dataclasses.replace(output, act16=output.qtype in BLOCK32_TYPES)
         self.output_norm = vector(model, "output_norm.weight")
         self._layers = []
