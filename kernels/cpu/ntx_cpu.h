@@ -23,13 +23,21 @@ enum ntx_type {
  *   block-32 types (Q4_0 … Q8_0): ntx_q8_32 — int8 q, scale d = amax/127, s = d * sum(q)
  *   K types (Q2_K … Q6_K):        ntx_q8_256 — int8 q, scale d = amax/127, bsums = sums of 16
  *   F32, F16, BF16:               the float32 row itself
+ *   a block-32 type | NTX_ACT16:  ntx_q16_32 — int16 q, scale d = amax/32767, s = d * sum(q)
+ * NTX_ACT16 names the same weights against 16-bit activation blocks: 258 times finer steps, for
+ * the product whose rounding reaches the logits most directly (the output matrix) at about twice
+ * the integer work of the 8-bit dot.
  */
+#define NTX_ACT16 0x100
 typedef struct { float d; float s; int8_t q[32]; } ntx_q8_32;
 typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } ntx_q8_256;
+typedef struct { float d; float s; int16_t q[32]; } ntx_q16_32;
 _Static_assert(sizeof(ntx_q8_32) == 40, "ntx_q8_32 is 40 bytes");
 _Static_assert(sizeof(ntx_q8_256) == 292, "ntx_q8_256 is 292 bytes");
+_Static_assert(sizeof(ntx_q16_32) == 72, "ntx_q16_32 is 72 bytes");
 
-/* Bytes of one activation row of n elements in the format weight type `wtype` wants. */
+/* Bytes of one activation row of n elements in the format weight type `wtype` wants (wtype: a
+ * GGML type id, or a block-32 type's id | NTX_ACT16 everywhere below). */
 size_t ntx_act_row_bytes(int wtype, int n);
 
 /* Quantize float rows x (nr rows of n, row stride ldx floats) into act (nr rows of

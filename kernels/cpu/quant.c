@@ -25,6 +25,11 @@ static const ntx_kernel *kernel_for(int wtype) {
     case NTX_Q4_K: return &ntx_kernel_q4_k;
     case NTX_Q5_K: return &ntx_kernel_q5_k;
     case NTX_Q6_K: return &ntx_kernel_q6_k;
+    case NTX_Q4_0 | NTX_ACT16: return &ntx_kernel_q4_0_a16;
+    case NTX_Q4_1 | NTX_ACT16: return &ntx_kernel_q4_1_a16;
+    case NTX_Q5_0 | NTX_ACT16: return &ntx_kernel_q5_0_a16;
+    case NTX_Q5_1 | NTX_ACT16: return &ntx_kernel_q5_1_a16;
+    case NTX_Q8_0 | NTX_ACT16: return &ntx_kernel_q8_0_a16;
     default: return NULL;
     }
 }
@@ -36,6 +41,7 @@ size_t ntx_act_row_bytes(int wtype, int n) {
     case NTX_ACT_Q8_32: return (size_t)(n / 32) * sizeof(ntx_q8_32);
     case NTX_ACT_Q8_256: return (size_t)(n / 256) * sizeof(ntx_q8_256);
     case NTX_ACT_F32: return (size_t)n * sizeof(float);
+    case NTX_ACT_Q16_32: return (size_t)(n / 32) * sizeof(ntx_q16_32);
     }
     return 0;
 }
@@ -128,6 +134,25 @@ static void quantize_row_q8_256(const float *x, int n, ntx_q8_256 *y) {
     }
 }
 
+/* The 16-bit blocks: q = round-half-even(x * 32767 / amax), d = amax / 32767, in plain C (one
+ * row per output-matrix product: not worth a SIMD path; nearbyintf rounds as cvtps does, so
+ * every build gives the same bytes). */
+static void quantize_row_q16_32(const float *x, int n, ntx_q16_32 *y) {
+    for (int b = 0; b < n / 32; b++, x += 32, y++) {
+        float amax = block_amax(x, 32);
+        float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int v = (int)nearbyintf(x[i] * id);
+            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v; /* x * id may round a hair past amax */
+            y->q[i] = (int16_t)v;
+            sum += v;
+        }
+        y->d = amax / 32767.0f;
+        y->s = y->d * (float)sum;
+    }
+}
+
 void ntx_quantize_act(int wtype, const float *x, int nr, int n, int ldx, void *act) {
     const ntx_kernel *k = kernel_for(wtype);
     size_t arb = ntx_act_row_bytes(wtype, n);
@@ -139,6 +164,7 @@ void ntx_quantize_act(int wtype, const float *x, int nr, int n, int ldx, void *a
         case NTX_ACT_Q8_32: quantize_row_q8_32(xr, n, (ntx_q8_32 *)ar); break;
         case NTX_ACT_Q8_256: quantize_row_q8_256(xr, n, (ntx_q8_256 *)ar); break;
         case NTX_ACT_F32: memcpy(ar, xr, arb); break;
+        case NTX_ACT_Q16_32: quantize_row_q16_32(xr, n, (ntx_q16_32 *)ar); break;
         }
     }
 }

@@ -33,7 +33,7 @@
 #define NTX_TW 2
 #define NTX_TA 8
 
-enum ntx_act_kind { NTX_ACT_Q8_32, NTX_ACT_Q8_256, NTX_ACT_F32 };
+enum ntx_act_kind { NTX_ACT_Q8_32, NTX_ACT_Q8_256, NTX_ACT_F32, NTX_ACT_Q16_32 };
 
 typedef void (*ntx_tile_fn)(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb,
                             int na, int nb, int pf, float *out);
@@ -50,6 +50,8 @@ typedef struct {
 NTX_HIDDEN extern const ntx_kernel ntx_kernel_f32, ntx_kernel_f16, ntx_kernel_bf16;
 NTX_HIDDEN extern const ntx_kernel ntx_kernel_q4_0, ntx_kernel_q4_1, ntx_kernel_q5_0,
     ntx_kernel_q5_1, ntx_kernel_q8_0;
+NTX_HIDDEN extern const ntx_kernel ntx_kernel_q4_0_a16, ntx_kernel_q4_1_a16, ntx_kernel_q5_0_a16,
+    ntx_kernel_q5_1_a16, ntx_kernel_q8_0_a16; /* the same weights against ntx_q16_32 */
 NTX_HIDDEN extern const ntx_kernel ntx_kernel_q2_k, ntx_kernel_q3_k, ntx_kernel_q4_k,
     ntx_kernel_q5_k, ntx_kernel_q6_k;
 

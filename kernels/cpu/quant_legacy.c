@@ -1,4 +1,5 @@
-/* The block-32 types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against ntx_q8_32 activations.
+/* The block-32 types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against ntx_q8_32 activations (and, as
+ * type | NTX_ACT16, against ntx_q16_32: the same sums with int16 activations).
  *
  * Every one is an unsigned-8 × signed-8 dot per block plus a correction by the activation sum:
  *   Q4_0: w = d (q - 8)    →  d d_a Σ q a  - 8 d d_a Σ a        (q in 0..15)
@@ -61,6 +62,13 @@ static void deq_q8_0(const uint8_t *w, int nb, float *y) {
         float d = ntx_f16(w);
         for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)w[2 + i] * d;
     }
+}
+
+enum legacy { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
+
+NTX_INLINE int block_bytes(const int t) {
+    return t == L_Q4_0 ? Q4_0_BYTES : t == L_Q4_1 ? Q4_1_BYTES : t == L_Q5_0 ? Q5_0_BYTES
+         : t == L_Q5_1 ? Q5_1_BYTES : Q8_0_BYTES;
 }
 
 /* ---- portable dots ------------------------------------------------------------------------
@@ -152,7 +160,46 @@ NTX_PORTABLE float dot_q8_0(const uint8_t *w, const ntx_q8_32 *a, int nb) {
                 out[iw * NTX_TA + ia] = dot(w + iw * wrb, (const ntx_q8_32 *)(a + ia * arb), nb);   \
     }
 
+/* Against 16-bit activations: each block's weights as signed integers with the type's integer
+ * offset taken out (Q4_1 and Q5_1 keep theirs, m, apart: it multiplies s). */
+NTX_INLINE void codes16(const int t, const uint8_t *wb, int v[32]) {
+    uint8_t u[32];
+    switch (t) {
+    case L_Q4_0: codes4(wb + 2, u); for (int i = 0; i < 32; i++) v[i] = u[i] - 8; break;
+    case L_Q4_1: codes4(wb + 4, u); for (int i = 0; i < 32; i++) v[i] = u[i]; break;
+    case L_Q5_0: codes5(wb + 2, wb + 6, u); for (int i = 0; i < 32; i++) v[i] = u[i] - 16; break;
+    case L_Q5_1: codes5(wb + 4, wb + 8, u); for (int i = 0; i < 32; i++) v[i] = u[i]; break;
+    default: for (int i = 0; i < 32; i++) v[i] = (int8_t)wb[2 + i];
+    }
+}
+
+NTX_PORTABLE float dot16(const int t, const uint8_t *w, const ntx_q16_32 *a, int nb) {
+    const int BB = block_bytes(t), HAS_M = t == L_Q4_1 || t == L_Q5_1;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++, w += BB, a++) {
+        int v[32], s = 0;
+        codes16(t, w, v);
+        for (int i = 0; i < 32; i++) s += v[i] * a->q[i];
+        acc += ntx_f16(w) * a->d * (float)s + (HAS_M ? ntx_f16(w + 2) * a->s : 0.0f);
+    }
+    return acc;
+}
+
+#define PORTABLE_TILE16(name, T)                                                                   \
+    static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
+                     int nb, int pf, float *out) {                                                 \
+        (void)pf;                                                                                  \
+        for (int iw = 0; iw < nw; iw++)                                                            \
+            for (int ia = 0; ia < na; ia++)                                                        \
+                out[iw * NTX_TA + ia] = dot16(T, w + iw * wrb, (const ntx_q16_32 *)(a + ia * arb), nb); \
+    }
+
 #if !defined(__AVX2__)
+PORTABLE_TILE16(tile16_q4_0, L_Q4_0)
+PORTABLE_TILE16(tile16_q4_1, L_Q4_1)
+PORTABLE_TILE16(tile16_q5_0, L_Q5_0)
+PORTABLE_TILE16(tile16_q5_1, L_Q5_1)
+PORTABLE_TILE16(tile16_q8_0, L_Q8_0)
 PORTABLE_TILE(tile_q4_0, dot_q4_0)
 PORTABLE_TILE(tile_q4_1, dot_q4_1)
 PORTABLE_TILE(tile_q5_0, dot_q5_0)
@@ -162,18 +209,11 @@ PORTABLE_TILE(tile_q8_0, dot_q8_0)
 
 /* ---- AVX2 / AVX-512 VNNI ------------------------------------------------------------------ */
 
-enum legacy { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
-
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q8_0_OFFSET 1 /* q + 128 as unsigned, minus 128 Σ a */
 #else
 #define Q8_0_OFFSET 0 /* |q| × sign(a, q): vpmaddubsw's pair sums stay below 2^15 */
 #endif
-
-NTX_INLINE int block_bytes(const int t) {
-    return t == L_Q4_0 ? Q4_0_BYTES : t == L_Q4_1 ? Q4_1_BYTES : t == L_Q5_0 ? Q5_0_BYTES
-         : t == L_Q5_1 ? Q5_1_BYTES : Q8_0_BYTES;
-}
 
 /* The integer offset subtracted from the unsigned weights (0: none, or a float m term). */
 NTX_INLINE int offset(const int t) {
@@ -265,6 +305,68 @@ NTX_INLINE void legacy_tile(const int t, const int NW, const int NA, const uint8
         for (int ia = 0; ia < NA; ia++) out[iw * NTX_TA + ia] = ntx_hsum(acc[iw][ia]) + macc[iw][ia];
 }
 
+/* The block's 32 weights as int16 (two registers of 16, in element order), the type's integer
+ * offset taken out as in codes16. */
+NTX_INLINE void unpack16(const int t, const uint8_t *wb, __m256i *lo, __m256i *hi) {
+    if (t == L_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 18)));
+        return;
+    }
+    __m256i u = unpack(t, wb);
+    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+    const int off = t == L_Q4_0 ? 8 : t == L_Q5_0 ? 16 : 0;
+    if (off) {
+        *lo = _mm256_sub_epi16(*lo, _mm256_set1_epi16((short)off));
+        *hi = _mm256_sub_epi16(*hi, _mm256_set1_epi16((short)off));
+    }
+}
+
+/* legacy_tile against ntx_q16_32: int16 pair products summed exactly in int32 lanes
+ * (|w| ≤ 128, |q| ≤ 32767: a block's sum stays below 2^28). */
+NTX_INLINE void legacy_tile16(const int t, const int NW, const int NA, const uint8_t *w, size_t wrb,
+                              const uint8_t *a, size_t arb, int nb, int pf, float *out) {
+    const int BB = block_bytes(t), HAS_M = t == L_Q4_1 || t == L_Q5_1;
+    __m256 acc[NTX_TW][NTX_TA];
+    float macc[NTX_TW][NTX_TA];
+    NTX_UNROLL
+    for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
+        for (int ia = 0; ia < NA; ia++) acc[iw][ia] = _mm256_setzero_ps(), macc[iw][ia] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        if (pf) ntx_prefetch_next_tile(w, wrb, NW, b, BB);
+        const ntx_q16_32 *ab[NTX_TA];
+        __m256i qlo[NTX_TA], qhi[NTX_TA];
+        __m256 da[NTX_TA];
+        NTX_UNROLL
+        for (int ia = 0; ia < NA; ia++) {
+            ab[ia] = (const ntx_q16_32 *)(a + ia * arb) + b;
+            qlo[ia] = ntx_load256(ab[ia]->q);
+            qhi[ia] = ntx_load256(ab[ia]->q + 16);
+            da[ia] = _mm256_broadcast_ss(&ab[ia]->d);
+        }
+        NTX_UNROLL
+        for (int iw = 0; iw < NW; iw++) {
+            const uint8_t *wb = w + iw * wrb + (size_t)b * BB;
+            __m256i lo, hi;
+            unpack16(t, wb, &lo, &hi);
+            __m256 dw = _mm256_set1_ps(ntx_f16(wb));
+            float m = HAS_M ? ntx_f16(wb + 2) : 0.0f;
+            NTX_UNROLL
+            for (int ia = 0; ia < NA; ia++) {
+                __m256i sum = ntx_dpwssd(ntx_dpwssd(_mm256_setzero_si256(), lo, qlo[ia]), hi, qhi[ia]);
+                acc[iw][ia] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, da[ia]), acc[iw][ia]);
+                if (HAS_M) macc[iw][ia] = __builtin_fmaf(m, ab[ia]->s, macc[iw][ia]);
+            }
+        }
+    }
+    NTX_UNROLL
+    for (int iw = 0; iw < NW; iw++)
+        NTX_UNROLL
+        for (int ia = 0; ia < NA; ia++) out[iw * NTX_TA + ia] = ntx_hsum(acc[iw][ia]) + macc[iw][ia];
+}
+
 #define SIMD_TILE(name, T)                                                                         \
     static void name(const uint8_t *w, size_t wrb, int nw, const uint8_t *a, size_t arb, int na,  \
                      int nb, int pf, float *out) {                                                 \
@@ -282,6 +384,16 @@ SIMD_TILE(tile_q4_1, L_Q4_1)
 SIMD_TILE(tile_q5_0, L_Q5_0)
 SIMD_TILE(tile_q5_1, L_Q5_1)
 SIMD_TILE(tile_q8_0, L_Q8_0)
+#define L16_Q4_0_SHAPE(NW, NA) legacy_tile16(L_Q4_0, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L16_Q4_1_SHAPE(NW, NA) legacy_tile16(L_Q4_1, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L16_Q5_0_SHAPE(NW, NA) legacy_tile16(L_Q5_0, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L16_Q5_1_SHAPE(NW, NA) legacy_tile16(L_Q5_1, NW, NA, w, wrb, a, arb, nb, pf, out)
+#define L16_Q8_0_SHAPE(NW, NA) legacy_tile16(L_Q8_0, NW, NA, w, wrb, a, arb, nb, pf, out)
+SIMD_TILE(tile16_q4_0, L16_Q4_0)
+SIMD_TILE(tile16_q4_1, L16_Q4_1)
+SIMD_TILE(tile16_q5_0, L16_Q5_0)
+SIMD_TILE(tile16_q5_1, L16_Q5_1)
+SIMD_TILE(tile16_q8_0, L16_Q8_0)
 #endif
 
 #if defined(__AVX512F__)
@@ -294,3 +406,8 @@ const ntx_kernel ntx_kernel_q4_1 = {32, Q4_1_BYTES, NTX_ACT_Q8_32, tile_q4_1, de
 const ntx_kernel ntx_kernel_q5_0 = {32, Q5_0_BYTES, NTX_ACT_Q8_32, tile_q5_0, deq_q5_0, PREFILL};
 const ntx_kernel ntx_kernel_q5_1 = {32, Q5_1_BYTES, NTX_ACT_Q8_32, tile_q5_1, deq_q5_1, PREFILL};
 const ntx_kernel ntx_kernel_q8_0 = {32, Q8_0_BYTES, NTX_ACT_Q8_32, tile_q8_0, deq_q8_0, PREFILL};
+const ntx_kernel ntx_kernel_q4_0_a16 = {32, Q4_0_BYTES, NTX_ACT_Q16_32, tile16_q4_0, deq_q4_0, PREFILL};
+const ntx_kernel ntx_kernel_q4_1_a16 = {32, Q4_1_BYTES, NTX_ACT_Q16_32, tile16_q4_1, deq_q4_1, PREFILL};
+const ntx_kernel ntx_kernel_q5_0_a16 = {32, Q5_0_BYTES, NTX_ACT_Q16_32, tile16_q5_0, deq_q5_0, PREFILL};
+const ntx_kernel ntx_kernel_q5_1_a16 = {32, Q5_1_BYTES, NTX_ACT_Q16_32, tile16_q5_1, deq_q5_1, PREFILL};
+const ntx_kernel ntx_kernel_q8_0_a16 = {32, Q8_0_BYTES, NTX_ACT_Q16_32, tile16_q8_0, deq_q8_0, PREFILL};

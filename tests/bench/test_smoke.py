@@ -275,6 +275,12 @@ def check_structured_rate(d: dict) -> None:
     assert all(-1e9 < x < 0 for v in d["call_opening"].values() for x in v["logprobs"]), d["call_opening"]
 
 
+def check_kl_divergence(d: dict) -> None:
+    rows = {(r["text"], r["run"], r["base"]): r for r in d["rows"]}
+    assert set(rows) == {(t, "cpu", "exact") for t in ("GPL-3", "MPL-1.1")}, rows
+    assert all(r["tokens"] == 2 * 15 and 0 < r["mean"] <= r["max"] and 0 <= r["same_top"] <= 1 for r in rows.values())
+
+
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
        "relay.py": check_relay,
@@ -282,7 +288,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
        "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling,
-       "structured_rate.py": check_structured_rate}
+       "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence}
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
@@ -298,7 +304,8 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "serving_gpu.py")
+    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "serving_gpu.py",
+                  "kl_divergence.py")
     args = ["--dir", str(tmp_path)] if script in own_models else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 

@@ -38,6 +38,9 @@ FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ACT32 = np.dtype([("d", np.float32), ("s", np.float32), ("q", np.int8, 32)])
 ACT256 = np.dtype([("d", np.float32), ("bsums", np.int16, 16), ("q", np.int8, 256)])
+ACT16 = 0x100  # ntx_cpu.h's NTX_ACT16: a block-32 type against 16-bit activation blocks
+ACT16_32 = np.dtype([("d", np.float32), ("s", np.float32), ("q", np.int16, 32)])
+LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
 @pytest.fixture(scope="session")
@@ -135,25 +138,31 @@ def offsets(qtype: Q, w: np.ndarray, n: int) -> np.ndarray:
     return np.abs(reference_dequant(qtype, z.reshape(w.shape), n).astype(np.float64))
 
 
-def parse_act(qtype: Q, act: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+def parse_act(qtype: Q, act: np.ndarray, n: int, act16: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(activations as quantized, d_a per element), both (nr, n) float64."""
     if qtype in FLOAT_TYPES:
         x = act.view(np.float32).astype(np.float64)
         return x, np.zeros_like(x)
-    dt = ACT256 if qtype in K_TYPES else ACT32
+    dt = ACT16_32 if act16 else ACT256 if qtype in K_TYPES else ACT32
     blocks = act.reshape(-1).view(dt).reshape(act.shape[0], -1)
     per = dt["q"].shape[0]
     d = np.repeat(blocks["d"].astype(np.float64), per, axis=1)
     return blocks["q"].reshape(act.shape[0], n).astype(np.float64) * d, d
 
 
-def bounds(qtype: Q, w: np.ndarray, wf: np.ndarray, x: np.ndarray, d_a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+# |x - d_a q| ≤ (d_a / 2)(1 + slack): the float rounding of x · qmax/amax is at most ~2 ulp of
+# qmax, 4·127 ulp of 1 for int8 (2^-10 covers it) and 4·32767 ulp for int16 (2^-6 does)
+SLACK8, SLACK16 = 2.0 ** -10, 2.0 ** -6
+
+
+def bounds(qtype: Q, w: np.ndarray, wf: np.ndarray, x: np.ndarray, d_a: np.ndarray,
+           slack: float = SLACK8) -> tuple[np.ndarray, np.ndarray]:
     """(B_int8, B_fp) per output (nr, rows): see the module docstring."""
     n = wf.shape[1]
     nblocks = n if qtype in FLOAT_TYPES else n // QUANT_BLOCKS[qtype][0]
     gamma = (nblocks + 10) * 2.0 ** -23
     aw = np.abs(wf.astype(np.float64))
-    b_int8 = (d_a / 2 * (1 + 2.0 ** -10)) @ aw.T
+    b_int8 = (d_a / 2 * (1 + slack)) @ aw.T
     b_fp = gamma * ((np.abs(x) + d_a) @ (aw + 2 * offsets(qtype, w, n)).T)
     return b_int8, b_fp
 
@@ -164,13 +173,15 @@ def worst(err: np.ndarray, bound: np.ndarray, got: np.ndarray, ref: np.ndarray) 
             f"|err| {err[r, j]:.3g} > bound {bound[r, j]:.3g}")
 
 
-def check_gemm(lib, qtype: Q, w: np.ndarray, n: int, x: np.ndarray) -> np.ndarray:
-    """Run ntx_gemm on x and assert both bounds; returns the output."""
-    act = quantize_act(lib, qtype, x)
-    out = gemm(lib, qtype, w, n, act)
+def check_gemm(lib, qtype: Q, w: np.ndarray, n: int, x: np.ndarray, act16: bool = False) -> np.ndarray:
+    """Run ntx_gemm on x and assert both bounds; returns the output. act16: against 16-bit
+    activation blocks (the same bounds with their d_a)."""
+    kind = int(qtype) | (ACT16 if act16 else 0)
+    act = quantize_act(lib, kind, x)
+    out = gemm(lib, kind, w, n, act)
     wf = reference_dequant(qtype, w, n).astype(np.float64)
-    xq, d_a = parse_act(qtype, act, n)
-    b_int8, b_fp = bounds(qtype, w, wf, x.astype(np.float64), d_a)
+    xq, d_a = parse_act(qtype, act, n, act16)
+    b_int8, b_fp = bounds(qtype, w, wf, x.astype(np.float64), d_a, SLACK16 if act16 else SLACK8)
     assert np.isfinite(out).all(), f"non-finite output at {np.argwhere(~np.isfinite(out))[:3].tolist()}"
     exact = x.astype(np.float64) @ wf.T
     as_quantized = xq @ wf.T
@@ -306,6 +317,44 @@ def test_gemm_converts_every_finite_half(lib, qtype):
     assert np.array_equal(out, ref.T), f"{np.count_nonzero(out != ref.T)} weights converted wrongly"
 
 
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda q: q.name)
+def test_quantize_act16_format(lib, qtype, kernels):
+    """ntx_q16_32 blocks as ntx_cpu.h documents them, identical bytes in every variant."""
+    rng = np.random.default_rng()
+    x = activations(5, 768, rng)
+    act = quantize_act(lib, int(qtype) | ACT16, x)
+    blocks = act.reshape(-1).view(ACT16_32).reshape(5, -1)
+    xb = x.reshape(5, -1, 32)
+    amax = np.abs(xb).max(axis=-1)
+    assert np.array_equal(blocks["d"], (amax / np.float32(32767)).astype(np.float32))
+    q = blocks["q"].astype(np.float64)
+    err = np.abs(xb - q * blocks["d"][..., None].astype(np.float64))
+    assert (err <= blocks["d"][..., None] / 2 * (1 + SLACK16)).all()
+    assert np.array_equal(blocks["s"], blocks["d"] * blocks["q"].astype(np.int32).sum(-1).astype(np.float32))
+    for other in kernels.values():
+        assert np.array_equal(quantize_act(other, int(qtype) | ACT16, x), act), other.variant.name
+
+
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda q: q.name)
+def test_gemm_act16_within_bound_and_finer(lib, qtype):
+    """Against 16-bit activations: within the same bounds (with the 16-bit scales), at least 10
+    times closer to the float activations' product than the 8-bit path over the same inputs."""
+    rng = np.random.default_rng()
+    err16 = err8 = 0.0
+    for n, rows, nr in ((32, 7, 1), (736, 83, 3), (736, 769, 1), (32, 83, 8), (736, 7, 17), (736, 83, 512)):
+        w = random_weights(qtype, rows, n, rng)
+        x = activations(nr, n, rng)
+        exact = x.astype(np.float64) @ reference_dequant(qtype, w, n).astype(np.float64).T
+        err16 += np.abs(check_gemm(lib, qtype, w, n, x, act16=True) - exact).sum()
+        err8 += np.abs(check_gemm(lib, qtype, w, n, x) - exact).sum()
+    assert err16 * 10 < err8, (err16, err8)
+
+
+def test_act16_is_refused_for_other_types(lib):
+    for qtype in (Q.F32, Q.Q4_K, Q.Q6_K):
+        assert lib.act_row_bytes(int(qtype) | ACT16, 256) == 0, qtype.name
+
+
 def test_bad_calls_are_visible(lib):
     assert lib.act_row_bytes(int(Q.Q4_K), 300) == 0  # not a whole super-block
     assert lib.act_row_bytes(99, 256) == 0  # no such type
@@ -327,6 +376,7 @@ def test_gemm_real_weights(lib, default_model, name):
         w = np.ascontiguousarray(w[rng.integers(0, rows, 769)])
     for nr in (1, 17):
         check_gemm(lib, t.qtype, w, n, activations(nr, n, rng))
+        check_gemm(lib, t.qtype, w, n, activations(nr, n, rng), act16=True)
     assert t.qtype in (Q.Q4_1, Q.Q8_0)
     got = dequantize_rows(lib, t.qtype, w, n, np.arange(w.shape[0]))
     assert np.array_equal(got.view(np.uint32), reference_dequant(t.qtype, w, n).view(np.uint32))

@@ -32,14 +32,8 @@ ALIGN = 64
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-
-
-def act_format(qtype: Q) -> Q:
-    """The representative weight type of qtype's activation format (f32, 32-blocks, 256-blocks):
-    matrices whose types share a format share one quantized copy of their input."""
-    if qtype in FLOAT_TYPES:
-        return Q.F32
-    return Q.Q4_K if qtype in K_TYPES else Q.Q8_0
+BLOCK32_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # the types with a 16-bit activation kernel
+ACT16 = 0x100  # ntx_cpu.h's NTX_ACT16: a type id | ACT16 multiplies against 16-bit activation blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +45,27 @@ class Matrix:
     n_out: int
     row_bytes: int
     data: np.ndarray  # raw bytes, a view of the model file's map (kept alive here)
+    act16: bool = False  # products take 16-bit activation blocks (a BLOCK32_TYPES type)
 
     @property
     def ptr(self) -> int:
         return self.data.ctypes.data
+
+    @property
+    def kernel_type(self) -> int:
+        """The kernels' id for this matrix's products: its GGML type, | ACT16 where act16."""
+        return int(self.qtype) | (ACT16 if self.act16 else 0)
+
+    @property
+    def act_format(self) -> int:
+        """The kernel type that stands for this matrix's activation format (f32, 8-bit blocks of
+        32 or 256, 16-bit blocks of 32): matrices of one format share one quantized copy of
+        their input."""
+        if self.qtype in FLOAT_TYPES:
+            return int(Q.F32)
+        if self.act16:
+            return int(Q.Q8_0) | ACT16
+        return int(Q.Q4_K if self.qtype in K_TYPES else Q.Q8_0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -200,13 +211,14 @@ class HostOps:
         self.tape.emit(OP_RMS_NORM, out=out, x=x, rows=x.rows, n=x.width, w=w.ctypes.data, eps=float(eps))
         return out
 
-    def _act(self, x: Buf, fmt: Q) -> Buf:
-        """x quantized for weights of activation format `fmt`, once per (buffer, format)."""
+    def _act(self, x: Buf, fmt: int) -> Buf:
+        """x quantized for weights of activation format `fmt` (Matrix.act_format), once per
+        (buffer, format)."""
         if fmt == Q.F32:
             return x
         key = (x.id, fmt)
         if key not in self._acts:
-            out = self.tape.buf(x.width, x.rows, self.lib.act_row_bytes(int(fmt), x.width))
+            out = self.tape.buf(x.width, x.rows, self.lib.act_row_bytes(fmt, x.width))
             self.tape.emit(OP_QUANT, out=out, x=x, rows=x.rows, wtype=fmt, n=x.width)
             self._acts[key] = out
         return self._acts[key]
@@ -215,14 +227,14 @@ class HostOps:
         """x @ w (+ residual) on GGUF blocks; a stack (tuple) gives one product per member, all in
         one phase of the step (their inputs are quantized first, once per format)."""
         members = w if isinstance(w, tuple) else (w,)
-        acts = [self._act(x, act_format(m.qtype)) for m in members]
+        acts = [self._act(x, m.act_format) for m in members]
         outs = []
         for j, (m, a) in enumerate(zip(members, acts)):
             if m.n_in != x.width:
                 raise ValueError(f"matmul: input width {x.width} does not match the matrix's {m.n_in}")
             out = self.tape.buf(m.n_out, x.rows)
             self.tape.keep.append(m.data)
-            self.tape.emit(OP_MATMUL, out=out, x=a, res=residual, rows=x.rows, wtype=m.qtype, n=m.n_in,
+            self.tape.emit(OP_MATMUL, out=out, x=a, res=residual, rows=x.rows, wtype=m.kernel_type, n=m.n_in,
                            m=m.n_out, w=m.ptr, w_row_bytes=m.row_bytes,
                            flags=SAME_PHASE if j + 1 < len(members) else 0)
             outs.append(out)
