@@ -14,7 +14,7 @@
 #                 are made in the background at the end of PHASE=tests.
 #   PHASE=userpath: bench/user_path.py, the benchmark of record (the daemon over its socket and
 #                 ntx-model run against llama-bench -d, alternated), on the files PHASE=tests made;
-#                 PLANS="70b:24GiB" NOISY= CLI= TAG=_70b for the 70B row.
+#                 PLANS="70b:24GiB" NOISY= OFF= CLI= TAG=_70b for the 70B row.
 #   (device tool) PHASE=tests:  carry .whl .whl-extra .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
@@ -50,7 +50,7 @@ for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', sha
 elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NOISY/CLI to change them)
   for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
   timeout ${USERPATH_TIMEOUT:-575} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
-    --plans ${PLANS:-8b:32 8b:24 8b:16 8b:8 8b:0} --noisy "${NOISY-8b:24}" --cli "${CLI-8b:24}" \
+    --plans ${PLANS:-8b:32 8b:24 8b:16 8b:8 8b:0} --noisy ${NOISY-8b:24} --off ${OFF-8b:24} --cli "${CLI-8b:24}" \
     --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-540} \
     --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = long ]; then

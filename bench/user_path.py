@@ -16,8 +16,11 @@ Rows:
     llama-bench -ngl N, 99 for all).
   - `70b:24GiB`: the 70B-shaped file at a 24 GiB budget (llama-bench at --ngl70, the largest
     -ngl that fits 24 GiB).
-  - `--noisy 8b:N`: that row again with a memory-copying load on 4 of the host's cores, for
-    both engines.
+  - `--noisy 8b:N ...`: those rows again with a memory-copying load on 4 of the host's cores, for
+    both engines (llama-bench then with --noisy-threads, default the cores left free: a thread
+    on a busy core stalls its team at every barrier).
+  - `--off 8b:N ...`: those rows again with `--host-compute off` (pure streaming), quiet and, where
+    also in --noisy, beside the load.
   - `--cli 8b:N`: `ntx-model run` on that plan at depth 0, beside the daemon's figure.
 
 Prints a table (the one that opens bench/RESULTS.md), writes JSON and, where matplotlib is there,
@@ -116,6 +119,7 @@ class Row:
     ngl: int
     noisy: bool = False
     cli: bool = False
+    off: bool = False
 
 
 def spread(xs: list[float]) -> dict:
@@ -126,7 +130,9 @@ def run_row(row: Row, a, deadline: float) -> dict:
     from ntransformerd.engine.gguf_file import GGUFModel
     vocab = GGUFModel(row.path).config.vocab_size
     depths = list(a.depths)
-    out = {"row": row.name, "flags": row.flags, "ngl": row.ngl, "noisy": row.noisy, "depths": {}}
+    out = {"row": row.name, "flags": row.flags, "ngl": row.ngl, "noisy": row.noisy, "host_compute":
+           "off" if row.off else "auto", "depths": {}}
+    threads = a.noisy_threads if row.noisy else a.threads
     noise = Noise(NOISE_CORES) if row.noisy else None
     work = tempfile.mkdtemp(prefix="ntx-userpath-")
     try:
@@ -145,8 +151,8 @@ def run_row(row: Row, a, deadline: float) -> dict:
                     break
                 for d in depths:
                     ours[d].append(client_rate(sock, prompt_of(d, vocab, r), a.tokens)["decode_tok_s"])
-                if a.llama_bench:
-                    for d, v in llama_rates(a.llama_bench, row.path, row.ngl, a.tokens, a.threads, depths).items():
+                if a.llama_bench and not row.off:
+                    for d, v in llama_rates(a.llama_bench, row.path, row.ngl, a.tokens, threads, depths).items():
                         theirs.setdefault(d, []).append(v)
             with Client(sock) as c:
                 status = c.status()
@@ -187,22 +193,27 @@ def cli_rate(row: Row, a) -> dict:
 
 
 def rows_of(a) -> list[Row]:
-    """The rows `a` asks for: each plan, then the noisy one (a plan again, beside the load)."""
+    """The rows `a` asks for: each plan (host compute auto, then off where --off names it), then
+    the noisy ones (a plan again, beside the load)."""
+    wanted = [(p, False, False) for p in a.plans] + [(p, False, True) for p in a.off]
+    wanted += [(p, True, False) for p in a.noisy] + [(p, True, True) for p in a.noisy if p in a.off]
     rows = []
-    for spec, noisy in [(p, False) for p in a.plans] + ([(a.noisy, True)] if a.noisy else []):
+    for spec, noisy, off in wanted:
         shape, _, arg = spec.partition(":")
-        name, cli = spec + (" noisy" if noisy else ""), spec == a.cli and not noisy
+        name = spec + (" off" if off else "") + (" noisy" if noisy else "")
+        cli = spec == a.cli and not noisy and not off
+        mode = ["--host-compute", "off" if off else "auto"]
         if shape == "8b":
             path = common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", "q4_k_m")
             n = int(arg)
-            flags = ["--host-compute", "auto"]
+            flags = list(mode)
             if n < 32:
                 budget, blocks = budget_for(path, n, max(a.depths) + a.tokens + 64)
                 flags += ["--vram-budget", str(budget)] + (["--kv-blocks", str(blocks)] if blocks else [])
-            rows.append(Row(name, path, flags, 99 if n >= 32 else n, noisy, cli))
+            rows.append(Row(name, path, flags, 99 if n >= 32 else n, noisy, cli, off))
         elif shape == "70b":
             path = common.synthetic(a.dir, "llama3-70b", "q4_k_m")
-            rows.append(Row(name, path, ["--host-compute", "auto", "--vram-budget", arg], a.ngl70, noisy, cli))
+            rows.append(Row(name, path, [*mode, "--vram-budget", arg], a.ngl70, noisy, cli, off))
         else:
             raise SystemExit(f"--plans {spec!r}: 8b:N (N resident layers, 32 for all) or 70b:SIZE")
     return rows
@@ -255,12 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     p = common.parser(__file__, __doc__)
     p.add_argument("--dir", default="/tmp/ntx", help="where the synthetic files are (made if missing)")
     p.add_argument("--plans", nargs="+", default=["8b:32", "8b:24", "8b:16", "8b:8", "8b:0"])
-    p.add_argument("--noisy", default="8b:24", help="the plan repeated beside a memory-copying load ('' for none)")
+    p.add_argument("--noisy", nargs="*", default=["8b:24"], help="plans repeated beside a memory-copying load")
+    p.add_argument("--off", nargs="*", default=["8b:24"], help="plans repeated with --host-compute off")
     p.add_argument("--cli", default="8b:24", help="the plan ntx-model run is checked on ('' for none)")
     p.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--noisy-threads", type=int, default=max(1, (os.cpu_count() or 1) - NOISE_CORES),
+                   help="llama-bench -t beside the load (default: the cores it leaves)")
     p.add_argument("--ngl70", type=int, default=44, help="llama-bench -ngl for the 70B (the most that fits 24 GiB)")
     p.add_argument("--llama-bench", help="the llama-bench binary built in this call (none: ours alone)")
     p.add_argument("--deadline", type=float, default=560.0, help="seconds: no new round or row after this")
@@ -274,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     common.require_gpu(__file__)
     if a.smoke:  # the tiny model, all of it resident and one layer resident: the whole path, in seconds
-        a.plans, a.noisy, a.cli, a.depths, a.tokens, a.rounds, a.llama_bench = ["8b:32", "8b:1"], "8b:1", "8b:1", \
-            [0, 64], 4, 1, None
+        a.plans, a.noisy, a.off, a.cli, a.depths, a.tokens, a.rounds, a.llama_bench = ["8b:32", "8b:1"], ["8b:1"], \
+            ["8b:1"], "8b:1", [0, 64], 4, 1, None
     deadline = time.monotonic() + a.deadline
     results = []
     for row in rows_of(a):

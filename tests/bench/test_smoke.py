@@ -264,7 +264,8 @@ def check_kv_capacity(d: dict) -> None:
 
 def check_user_path(d: dict) -> None:
     rows = {r["row"]: r for r in d["rows"]}
-    assert set(rows) == {"8b:32", "8b:1", "8b:1 noisy"} and rows["8b:1 noisy"]["noisy"], list(rows)
+    assert set(rows) == {"8b:32", "8b:1", "8b:1 off", "8b:1 noisy", "8b:1 off noisy"}, list(rows)
+    assert rows["8b:1 off noisy"]["noisy"] and rows["8b:1 off"]["host_compute"] == "off", rows["8b:1 off"]
     for r in rows.values():
         assert set(r["depths"]) == {"0", "64"} and all(figure(c["ours"]["median"]) for c in r["depths"].values()), r
     assert figure(rows["8b:1"]["cli"]["median"]), rows["8b:1"]["cli"]
