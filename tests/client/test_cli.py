@@ -123,7 +123,7 @@ def test_wait_gives_up_on_a_failed_load_and_on_time():
 
 
 def test_status_json_keeps_zeros_and_numbers_as_numbers():
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
     s = pb.StatusResponse(state=pb.SERVING_STATE_SERVING, memory_bytes=123 << 20, steps=12,
                           tokens_generated_total=1 << 40, tiers=[pb.TierStatus(name="ram", layers=30)])
     d = cli.as_dict(s)
@@ -134,7 +134,7 @@ def test_status_json_keeps_zeros_and_numbers_as_numbers():
 
 
 def test_models_table_shows_the_id_the_file_and_the_gguf_name(capsys):
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
     info = pb.ModelInfo(name="smollm2-135m-instruct", path="/m/SmolLM2-135M-Instruct.Q4_1.gguf",
                         architecture="llama", n_layers=30, context_length=4096, backend="cpu", file_bytes=98 << 20,
                         metadata={"general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2"},
@@ -177,7 +177,7 @@ def test_chat_commands_are_local(monkeypatch, capsys):
 
 
 def test_status_shows_the_storage_tier_counters():
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
     from ntx_client.cli import _tier_line
     t = pb.TierStatus(name="storage", layers=29, bytes=64 << 20, bytes_per_second=1 << 20,
                       source="nvme ntxdata at 0000:00:04.0", read_bytes=3 << 30, reads=870,

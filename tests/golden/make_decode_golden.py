@@ -1,6 +1,6 @@
 """Make the decode-identity golden file: what every decode path gives on the default model.
 
-    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system .venv/bin/python tests/golden/make_decode_golden.py
+    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto .venv/bin/python tests/golden/make_decode_golden.py
 
 The paths are the ones a change to the decode loop must leave alone: `engine.generate`
 (`ntx-model run`), `speculative.generate` (`ntx-model run --speculative`) and the daemon's

@@ -329,7 +329,7 @@ def guest() -> Iterator[dict]:
         subprocess.run(["mkfs.ext4", "-q", "-F", boot], check=True)   # an image file
         subst = dict(work=work, bindir=BINDIR, root=ROOT, model=model, other=other, modules=" ".join(MODULES),
                      vram=vram, ram=ram, max_ctx=max_ctx,
-                     pythonpath=":".join(os.path.join(ROOT, d) for d in ("daemon", "client", "system")))
+                     pythonpath=":".join(os.path.join(ROOT, d) for d in ("daemon", "client", "system", "proto")))
         qemu = ["-device", "intel-iommu,intremap=on,caching-mode=on",
                 "-drive", f"file={data},if=none,id=nv0,format=raw,cache=unsafe",
                 "-device", "nvme,serial=ntxdata,drive=nv0",

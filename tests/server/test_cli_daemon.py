@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ntx_client import Client, NtxError, cli
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 PY = sys.executable
 

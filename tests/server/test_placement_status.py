@@ -13,7 +13,7 @@ from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.server.servicer import placements
 from ntx_client import cli
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 
 def test_placements_count_the_steps_of_each_shape(synth_model, capsys):

@@ -12,8 +12,8 @@ import pytest
 from ntransformerd.server import servicer
 from ntx_client import Client
 from ntx_client.client import FIELD_METADATA, FieldError
-from ntx_client.paths import grpc_target
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.paths import grpc_target
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
 CTX = 1024  # the session daemon's --max-ctx

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 
 class _DaemonStatus:

@@ -42,7 +42,7 @@ from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor,
 from ntransformerd.server.storage import Drive, StorageHandle, drive_errors
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.settings import SettingError
-from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from ntx_system.service import Refused, check_staged_model, file_sha256
 
 log = logging.getLogger("ntransformerd")

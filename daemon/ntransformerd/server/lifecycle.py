@@ -16,7 +16,7 @@ import dataclasses
 import threading
 
 from ntransformerd.server.errors import Draining, NotReady
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 NO_MODEL, LOADING, SERVING = pb.SERVING_STATE_NO_MODEL, pb.SERVING_STATE_LOADING, pb.SERVING_STATE_SERVING
 DRAINING, FAILED = pb.SERVING_STATE_DRAINING, pb.SERVING_STATE_FAILED

@@ -24,8 +24,8 @@ from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
 from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name  # noqa: F401 (daemon.py's)
-from ntx_client.client import FIELD_METADATA, piece_text
-from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.wire import FIELD_METADATA, piece_text
 
 log = logging.getLogger("ntransformerd")
 
