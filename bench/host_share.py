@@ -33,6 +33,7 @@ from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.sampler import Drawn, SamplingParams, TopLogits, sample_rows
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
+from ntx_proto.states import RequestState
 
 
 class InstantStep:
@@ -79,8 +80,8 @@ def measure(engine, clients: int, tokens: int, params: SamplingParams, profile: 
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     reqs = [s.schedule(prompt, params, max_tokens=tokens) for _ in range(clients)]
     full, full_s, prof = 0, 0.0, cProfile.Profile() if profile else None
-    while any(r.state != "done" for r in reqs):
-        d0, steady = step.device_s, all(r.state == "decode" for r in reqs)
+    while any(r.state != RequestState.DONE for r in reqs):
+        d0, steady = step.device_s, all(r.state == RequestState.DECODE for r in reqs)
         if prof is not None and steady:  # the steady state only: every request decoding
             prof.enable()
         t = time.perf_counter()

@@ -23,9 +23,8 @@ import grpc
 from ntx_client.channels import TLS, TargetError
 from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, Client, collect
 from ntx_client.errors import ConnectionFailed, NtxError
+from ntx_proto.states import ServingState
 
-STATES = {0: "unknown", 1: "no model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
-SERVING, LOADING, FAILED, NO_MODEL, DRAINING = 3, 2, 5, 1, 4
 
 
 def _sampling(args, *, chat: bool = False) -> dict:
@@ -110,14 +109,15 @@ def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | Non
                 s, last = None, e
                 line.show("waiting for ntransformerd to start")
             if s is not None:
-                if s.state == SERVING:
+                state = ServingState(s.state)
+                if state is ServingState.SERVING:
                     return
-                if s.state == FAILED:
+                if state is ServingState.FAILED:
                     raise NtxError(f"ntransformerd is not serving: {s.error or 'see its log (journalctl -u ntransformerd)'}")
-                if s.state == NO_MODEL:
+                if state is ServingState.NO_MODEL:
                     raise NtxError("ntransformerd has no model loaded: load one with sudo ntx-admin model load PATH")
-                line.show(f"waiting for ntransformerd: {s.load_progress or STATES.get(s.state, s.state)}"
-                          + (f" ({s.load_fraction:.0%})" if s.state == LOADING else ""))
+                line.show(f"waiting for ntransformerd: {s.load_progress or state}"
+                          + (f" ({s.load_fraction:.0%})" if state is ServingState.LOADING else ""))
             if clock() >= end:
                 raise last or NtxError(f"ntransformerd did not finish loading within {timeout:g} s")
             sleep(0.25)
@@ -290,8 +290,8 @@ def cmd_status(client: Client, args) -> int:
     if args.json:
         print(json.dumps(as_dict(s), indent=2))
         return 0
-    state = STATES.get(s.state, str(s.state))
-    if s.state == LOADING:
+    state = str(ServingState(s.state))
+    if s.state == ServingState.LOADING:
         state += f" ({s.load_progress}, {s.load_fraction:.0%})"
     tiers = ", ".join(f"{t.name} {t.layers} layers {_human(t.bytes)}" for t in s.tiers) or "-"
     _table([("MODEL", "BACKEND", "STATE", "TIERS", "RSS", "VRAM", "PINNED", "LIVE", "QUEUED", "BATCH", "SLOTS FREE",

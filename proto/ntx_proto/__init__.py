@@ -6,6 +6,7 @@
     ntx_proto.wire                        what the messages mean beyond their fields: the
                                           trailing metadata that names a refused field, token
                                           bytes as text
+    ntx_proto.states                      the proto's state enums as Python enums
 
 It imports no other package of the project, so a service links it without the client library.
 """

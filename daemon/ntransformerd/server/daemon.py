@@ -36,13 +36,14 @@ from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors, sockets, tcp
 from ntransformerd.server.callers import Identify, unix_caller
 from ntransformerd.server.relay import Relay
-from ntransformerd.server.lifecycle import FAILED, SERVING, Lifecycle
+from ntransformerd.server.lifecycle import Lifecycle
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.servicer import AdminServicer, DecodeErrorInterceptor, InferenceServicer, model_name
 from ntransformerd.server.storage import Drive, StorageHandle, drive_errors
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.settings import SettingError
 from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from ntx_proto.states import ServingState
 from ntx_system.service import Refused, check_staged_model, file_sha256
 
 log = logging.getLogger("ntransformerd")
@@ -149,7 +150,7 @@ class Daemon:
         """Stop with exit status `code`; `why` stays the unit's STATUS= after the exit."""
         self.exit_code, self._exit_reason = code, why
         self.notifier.status(why)
-        if self.lifecycle.state != FAILED:  # a failed load already said why
+        if self.lifecycle.state != ServingState.FAILED:  # a failed load already said why
             self.lifecycle.failed(f"ntransformerd is stopping: {why}")
         self.request_shutdown(0)
 
@@ -278,7 +279,7 @@ class Daemon:
     def resume(self) -> None:
         """Admit requests again after a drain."""
         self.lifecycle.resume(has_model=self.scheduler.engine is not None)
-        self.set_health(self.lifecycle.state == SERVING)
+        self.set_health(self.lifecycle.state == ServingState.SERVING)
 
     def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

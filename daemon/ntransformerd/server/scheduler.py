@@ -66,9 +66,10 @@ from ntransformerd.engine.sampler import InvalidLogits, NoAllowedToken
 from ntransformerd.engine.speculative import Mode, StepCosts
 from ntransformerd.server.errors import (Cancelled, DeadlineExceeded, Draining, EngineFailed, InvalidRequest, ModelFault,
                                          NotReady, QueueFull, ServiceError, ShuttingDown, shown)
-from ntransformerd.server.lifecycle import SERVING, Lifecycle
+from ntransformerd.server.lifecycle import Lifecycle
 from ntransformerd.server.prefix_cache import PrefixCache, common_prefix
 from ntransformerd.server.streaming import Output, Streamer
+from ntx_proto.states import RequestState, ServingState
 
 log = logging.getLogger("ntransformerd")
 RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the last seconds
@@ -90,7 +91,7 @@ class Request:
         self.seq = seq
         self.caller = caller  # callers.Caller: whose prefix cache scope it uses; None: in-process
         self.deadline = deadline  # time.monotonic() value, or None
-        self.state = "queued"  # queued → prefill → decode → done (retired)
+        self.state = RequestState.QUEUED  # → PREFILL → DECODE → DONE (retired); back to QUEUED when preempted
         self.prefix_cache = prefix_cache  # may start from, and leave its KV to, the prefix cache
         self.cached = 0  # prompt tokens taken from the prefix cache
         self.error: ServiceError | None = None  # set by cancel(); delivered when it retires
@@ -168,7 +169,7 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class RequestStatus:
     id: int
-    state: str  # queued | prefill | decode
+    state: RequestState  # QUEUED | PREFILL | DECODE
     slot: int
     prompt_tokens: int
     generated_tokens: int
@@ -442,7 +443,7 @@ class Scheduler:
         plan and machine (speculative.step_costs), so a restart reads it instead."""
         with self._cv:
             engine = self.engine
-            if self.costs is not None or engine is None or self.lifecycle.state != SERVING:
+            if self.costs is not None or engine is None or self.lifecycle.state != ServingState.SERVING:
                 return
             waiting = [r for r in self._queue if r.speculator is not None]
             if not waiting and not (not self.default_mode.off and not self._live):
@@ -525,7 +526,7 @@ class Scheduler:
             elif r in self._live:
                 self._live.remove(r)
                 self._release(r)
-            r.state = "done"
+            r.state = RequestState.DONE
             self.streamer.end(r, r.error)
             self._cv.notify_all()
 
@@ -551,7 +552,8 @@ class Scheduler:
         longest prefix of its prompt that a free or live slot holds."""
         while self._queue and self.engine is not None and len(self._live) < self.config.max_batch \
                 and self.prefix.slots_open:
-            if self._queue[0].speculator is not None and self.costs is None and self.lifecycle.state == SERVING:
+            if self._queue[0].speculator is not None and self.costs is None \
+                    and self.lifecycle.state == ServingState.SERVING:
                 break  # the next iteration measures the cost table first (ensure_costs)
             head = self._queue[0]
             if head.resume_below is not None and len(self._live) >= head.resume_below:
@@ -566,15 +568,15 @@ class Scheduler:
                                                                caller=r.caller)
             except Exception as e:  # noqa: BLE001
                 self.fail_request(r, e, "giving it a KV-cache slot")
-                r.state = "done"
+                r.state = RequestState.DONE
                 self.streamer.end(r, r.error)
                 self._cv.notify_all()
                 continue
             r.cached = r.prefilled
             if r.resume_below is not None:  # a preempted request back: its prompt was counted
-                r.resume_below, r.state = None, "prefill"
+                r.resume_below, r.state = None, RequestState.PREFILL
             else:
-                r.state, r.t_admitted = "prefill", time.monotonic()
+                r.state, r.t_admitted = RequestState.PREFILL, time.monotonic()
                 self.prompt_tokens_total += len(r.prompt_ids)
             self._live.append(r)
 
@@ -600,7 +602,7 @@ class Scheduler:
             r.prefix_cache = False  # its blocks are what the others need; it recomputes from scratch
             self._release(r)
             r.seq.restart()
-            r.state, r.resume_below = "queued", len(self._live)
+            r.state, r.resume_below = RequestState.QUEUED, len(self._live)
             self._queue.appendleft(r)
         return True
 
@@ -616,7 +618,7 @@ class Scheduler:
         for o in self._live:
             if o is r:
                 return False
-            if o.state == "prefill" and o.prefix_cache and self.prefix.shares(r.caller, o.caller) and \
+            if o.state == RequestState.PREFILL and o.prefix_cache and self.prefix.shares(r.caller, o.caller) and \
                     min(common_prefix(r.prompt_ids, o.prompt_ids), len(r.prompt_ids) - 1) > max(o.prefilled,
                                                                                                 r.prefilled):
                 return True
@@ -627,10 +629,10 @@ class Scheduler:
         `prefill_chunk` tokens, oldest request first."""
         batch, budget = [], self.config.prefill_chunk
         for r in self._live:
-            if r.state == "decode" and r.error is None and not r.finished:
+            if r.state == RequestState.DECODE and r.error is None and not r.finished:
                 batch.append((r, r.seq.row(1)))
         for r in self._live:
-            if r.state == "prefill" and r.prefix_cache and self.prefix.enabled:
+            if r.state == RequestState.PREFILL and r.prefix_cache and self.prefix.enabled:
                 try:
                     live = [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
                     filled = self.prefix.catch_up(r.slot, r.prompt_ids, r.prefilled, live, caller=r.caller)
@@ -639,7 +641,8 @@ class Scheduler:
                     continue
                 r.cached += filled - r.prefilled
                 r.seq.prefilled = filled
-            if r.state == "prefill" and r.error is None and budget > 0 and not self._waits_for_shared_prefill(r):
+            if r.state == RequestState.PREFILL and r.error is None and budget > 0 \
+                    and not self._waits_for_shared_prefill(r):
                 row = r.seq.row(budget)
                 budget -= len(row.tokens)
                 batch.append((r, row))
@@ -669,7 +672,7 @@ class Scheduler:
         held = {id(r) for r, _ in self._pending[1]} if self._pending is not None else None
         limit = self.engine.max_ctx
         return bool(batch) and all(
-            r.state == "decode" and r.seq.runs_ahead() and self.engine.length(r.slot) < limit
+            r.state == RequestState.DECODE and r.seq.runs_ahead() and self.engine.length(r.slot) < limit
             and (held is None or id(r) in held) for r, _ in batch)
 
     def _launch(self, batch) -> None:
@@ -698,7 +701,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             self._failed_step(batch, e)
             return
-        self._account([(r, row) for r, row in batch if r.state != "done"])
+        self._account([(r, row) for r, row in batch if r.state != RequestState.DONE])
 
     def _failed_step(self, batch, e: BaseException) -> None:
         """A step that raised: its blocks could not be reserved (the youngest request yields its
@@ -722,12 +725,12 @@ class Scheduler:
             if row.error is not None:
                 self.fail_request(r, row.error, row.doing)
                 continue
-            if r.state == "prefill":
+            if r.state == RequestState.PREFILL:
                 self.prefill_tokens_total += len(row.tokens)
             if not row.accepted:
                 continue
-            if r.state == "prefill":
-                r.state, r.t_first = "decode", r.t_first or now
+            if r.state == RequestState.PREFILL:
+                r.state, r.t_first = RequestState.DECODE, r.t_first or now
             n_new += len(row.accepted)
             self.streamer.send(r, row.accepted, row.logprobs, r.seq.finish)
         with self._cv:
