@@ -26,7 +26,9 @@ from ntx_proto.states import RequestState, ServingState
 
 
 class FakeEngine:
-    """The engine API the scheduler uses; the next token is a function of the last one."""
+    """The engine API the scheduler uses (server/served.py); the next token is a function of the
+    last one. It keeps no prefix (no park, reopen or copy_prefix): its schedulers run with
+    prefix_cache=False."""
 
     def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
         self.tokenizer, self.max_ctx = tokenizer, max_ctx
@@ -98,7 +100,7 @@ def tokenizer(default_model):
 
 
 def make(tokenizer, **cfg):
-    config = DaemonConfig(socket="/tmp/x.sock", **cfg)
+    config = DaemonConfig(socket="/tmp/x.sock", prefix_cache=False, **cfg)
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     engine = FakeEngine(tokenizer, slots=config.max_batch)
     s.attach(engine)
@@ -178,7 +180,7 @@ def test_deadline_ends_the_request(tokenizer):
 
 
 def test_not_ready_while_starting_loading_and_without_a_model(tokenizer):
-    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=Notifier(environ={}))
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", prefix_cache=False), notifier=Notifier(environ={}))
     assert s.lifecycle.status().progress == "starting"
     with pytest.raises(errors.NotReady, match="ntransformerd is starting.*--wait"):
         s.schedule([1], GREEDY, max_tokens=1)
@@ -322,7 +324,7 @@ class _Pings:
 
 def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
     pings = _Pings()
-    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=pings)
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", prefix_cache=False), notifier=pings)
     s.attach(FakeEngine(tokenizer, slots=2))
     s.lifecycle.serving()
 
@@ -440,7 +442,7 @@ def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
     """A host backend's step takes every core: the text runs on the loop's thread after the step,
     and the outputs are the same."""
     want = _pieces(tokenizer, 8)
-    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1)
+    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1, prefix_cache=False)
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     engine = FakeEngine(tokenizer, slots=1)
     engine.backend = types.SimpleNamespace(is_host=True)

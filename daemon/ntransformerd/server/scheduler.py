@@ -210,7 +210,6 @@ class SchedulerStatus:
     uptime: float
     requests: tuple[RequestStatus, ...]
     speculation: SpeculationStatus
-    skip_layers: tuple[int, ...]
 
 
 class Scheduler:
@@ -770,8 +769,7 @@ class Scheduler:
                 prefix_hit_tokens_total=prefix.hit_tokens if prefix else 0,
                 prefix_evictions_total=prefix.evictions if prefix else 0,
                 prefix_cached_slots=len(prefix.held) if prefix else 0, uptime=now - self.t_start, requests=reqs,
-                speculation=speculation,
-                skip_layers=tuple(getattr(getattr(engine, "config", None), "skip_layers", None) or ()))
+                speculation=speculation)
 
 
 def model_name(engine) -> str:
