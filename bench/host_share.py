@@ -89,7 +89,7 @@ def measure(engine, clients: int, tokens: int, params: SamplingParams, profile: 
         dt = time.perf_counter() - t - (step.device_s - d0)
         if prof is not None:
             prof.disable()
-        if steady and s.last_batch == clients:
+        if steady and s.metrics.last_batch == clients:
             full, full_s = full + 1, full_s + dt
     s.stop()
     got = [sum(len(o.token_ids) for o in r.stream()) for r in reqs]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from ntransformerd.server.policy import common_prefix
 from ntransformerd.server.served import KVSlots
 
 SHARE = ("none", "group", "all")  # prefix_cache_share
@@ -47,14 +48,6 @@ def scope(caller, share: str) -> str:
     if share == "group" and caller.gid is not None:
         return f"gid:{caller.gid}/{caller.on_behalf_of}" if caller.on_behalf_of else f"gid:{caller.gid}"
     return caller.id
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:

@@ -9,11 +9,12 @@
                   Status shows (engine/report.py)
 
 engine/engine.py's Engine answers all of it; a test double answers what its test uses. server/
-never asks an engine whether it has something (no getattr/hasattr): what it calls is here.
+never probes an engine for what it might have: what it calls is declared here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -70,4 +71,9 @@ class ServedEngine(KVSlots, Protocol):
     def unload(self) -> None: ...
 
 
-__all__ = ["KVPool", "KVSlots", "ServedEngine"]
+def model_name(engine: ServedEngine) -> str:
+    """The model's name as clients see it: general.name, else the file name."""
+    return str(engine.model.metadata.get("general.name") or os.path.basename(engine.model.path))
+
+
+__all__ = ["KVPool", "KVSlots", "ServedEngine", "model_name"]

@@ -24,7 +24,7 @@ from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, InvalidParameter, Sam
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
-from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name  # noqa: F401 (daemon.py's)
+from ntransformerd.server.scheduler import Scheduler, SchedulerStatus
 from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
 from ntx_proto.wire import FIELD_METADATA, piece_text
 
@@ -462,7 +462,7 @@ def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) 
         r.placements.extend(_placements(report))
         info = model_info(engine, report)
         r.model, r.backend = info.name, info.backend
-        storage = daemon.storage_stats()
+        storage = daemon.models.storage_stats()
         for t in info.plan.tiers:  # each step reads every layer once
             tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
                                bytes_per_second=t.bytes * s.steps_per_second)
@@ -526,11 +526,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if request.path and not os.path.isfile(request.path):
             raise errors.InvalidRequest(f"no model file at {errors.shown(request.path, 300)}: give the path of a "
                                         ".gguf file")
-        return model_info(self.daemon.load_model(request.path or None, request.backend or None))
+        return model_info(self.daemon.models.load(request.path or None, request.backend or None))
 
     @rpc
     def UnloadModel(self, request, context):
-        self.daemon.unload_model(request.timeout_seconds or self.daemon.config.drain_timeout)
+        self.daemon.models.unload(request.timeout_seconds or self.daemon.config.drain_timeout)
         return admin_pb2.UnloadModelResponse()
 
     @rpc
