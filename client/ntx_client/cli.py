@@ -27,7 +27,9 @@ from ntx_proto.states import ServingState
 
 
 
-def _sampling(args, *, chat: bool = False) -> dict:
+def sampling_options(args, *, chat: bool = False) -> dict:
+    """The Client call's sampling keywords from parsed generate/chat flags: the defaults of
+    every command line (DEFAULT_TEMPERATURE; through the chat template CHAT_REPETITION_PENALTY)."""
     penalty = args.repeat_penalty
     if penalty is None and chat:
         penalty = CHAT_REPETITION_PENALTY
@@ -166,11 +168,11 @@ def cmd_generate(client: Client, args) -> int:
     if args.raw:
         if args.system:
             raise SystemExit("ntx-client: --system needs the chat template: drop --raw")
-        chunks = client.generate(prompt, **_sampling(args), **extra)
+        chunks = client.generate(prompt, **sampling_options(args), **extra)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
-        chunks = client.chat(messages, **_sampling(args, chat=True), **extra)
+        chunks = client.chat(messages, **sampling_options(args, chat=True), **extra)
     if args.json:
         def tee():
             for c in chunks:
@@ -245,7 +247,7 @@ def cmd_chat(client: Client, args) -> int:
         messages = ([{"role": "system", "content": system}] if system else []) + history
         reply: list[str] = []
         try:
-            reply = _stream(client.chat(messages, **_sampling(args, chat=True)))
+            reply = _stream(client.chat(messages, **sampling_options(args, chat=True)))
         except KeyboardInterrupt:  # the request is cancelled; the conversation goes on
             print("\n(stopped)")
             history.pop()  # the turn was not answered: as if not asked

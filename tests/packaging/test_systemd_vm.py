@@ -286,7 +286,7 @@ def _vm_budgets(model: str, max_ctx: int) -> tuple[int, int, int]:
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=max_ctx), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=2, max_ctx=max_ctx), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 16), 3 * layer + (1 << 16)
     cfg = EngineConfig(max_batch=2, max_ctx=max_ctx, vram_budget=vram, pinned_budget=ram)
     plan = tiers.model_plan(m, cfg, backend="cpu", ram_available=8 << 30)

@@ -267,13 +267,13 @@ def test_backend_auto_is_resolved_once_and_refused_with_the_key(tmp_path, monkey
     monkeypatch.setattr(backends, "resolve", counting)
     d = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "d.sock"), model=small, backend="auto",
                                           kv_dtype="f32", storage="file"))
-    optional = backends._optional
-    monkeypatch.setattr(backends, "_optional", lambda module: _FakeGpu() if module.endswith(".cuda") else None)
+    optional = backends.backend_module
+    monkeypatch.setattr(backends, "backend_module", lambda module: _FakeGpu() if module.endswith(".cuda") else None)
     with pytest.raises(config.ConfigError) as e:
         d.models.bring_up()
     assert str(e.value).startswith("kv_dtype = 'f32': the cuda backend (what backend auto chose on this "
                                    "machine) stores its KV cache as f16 or q8_0 only"), e.value
-    monkeypatch.setattr(backends, "_optional", optional)
+    monkeypatch.setattr(backends, "backend_module", optional)
     calls.clear()
     cpu = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "c.sock"), model=small, backend="auto",
                                             max_batch=2, max_ctx=64))
@@ -305,7 +305,7 @@ def _too_small_for_staging(model: str) -> int:
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers))
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=8, max_ctx=64, kv_dtype="f32"), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=8, max_ctx=64, kv_dtype="f32"), "cpu")
     assert 2 * layer > 1 << 20
     return fixed + kv + 2 * layer + (1 << 16)
 

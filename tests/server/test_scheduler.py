@@ -509,16 +509,17 @@ def test_steps_launched_ahead_give_the_outputs_of_solo_runs(default_model, monke
     launched, ended = [], []
     real = decode.launch
     monkeypatch.setattr(decode, "launch", lambda *a, **k: launched.append(1) or real(*a, **k))
-    release = s._release
+    close, reqs = s.prefix.close, []
 
-    def check(r):  # an ended sequence's slot holds its tokens but the last: no position run past its end
+    def check(slot, tokens, **kw):  # an ended sequence's slot holds its tokens but the last, none past its end
+        r = next(q for q in reqs if q.slot == slot)
         if r.seq.finish is not None:
             ended.append(r.seq.finish)
-            assert engine.length(r.slot) == len(r.seq.history) - 1, r.seq.finish
-        release(r)
-    s._release = check
+            assert engine.length(slot) == len(r.seq.history) - 1, r.seq.finish
+        close(slot, tokens, **kw)
+    s.prefix.close = check  # where a retired request's slot goes back
     try:
-        reqs = [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
+        reqs += [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
         for _ in range(3000):
             if all(r.state == RequestState.DONE for r in reqs):
                 break

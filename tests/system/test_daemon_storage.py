@@ -79,7 +79,7 @@ def _budgets(model_path):
     m = GGUFModel(model_path)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=128), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=2, max_ctx=128), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 20), 3 * layer + (1 << 16)
     plan = tiers.model_plan(m, EngineConfig(max_batch=2, max_ctx=128, vram_budget=vram, pinned_budget=ram), backend="cpu")
     storage = plan.layers(tiers.STORAGE)
