@@ -30,8 +30,10 @@ SMOKE_PLANS = (("q8_0", None), ("q4_k_m", None), ("q4_k_m", 1))  # the tiny shap
 
 
 def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]) -> dict:
-    # Imported here: each worker process measures the engine of its own checkout.
-    sys.path.insert(0, os.path.join(os.path.abspath(code), "daemon"))
+    # Imported here: each worker process measures the engine of its own checkout, whose packages
+    # (the daemon and those it imports) all come from that checkout.
+    for d in ("system", "client", "proto", "daemon"):
+        sys.path.insert(0, os.path.join(os.path.abspath(code), d))
     import cupy as cp
     import numpy as np
     from ntransformerd.engine.engine import Engine, EngineConfig

@@ -8,7 +8,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system
+export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$L/gpu.txt" 2>&1
 t0=$(date +%s)
 python3 -c "from ntransformerd.engine.backends import cuda; print('precompiled', cuda.precompile(12))" 2>&1 | tail -3 | tee "$L/precompile.log"
@@ -26,7 +26,7 @@ fi
 if [ "${SLICE:-1}" = 1 ] && [ -f .gpu-data/smollm2-4l.gguf ]; then
   # Greedy ids on the real-weights slice: ntx-model run before (.ab/old) and after, and the daemon after.
   args=(run .gpu-data/smollm2-4l.gguf --backend cuda --prompt "The capital of France is" --temperature 0 --max-tokens 24 --ignore-eos --json)
-  python3 -c "import sys; sys.path.insert(0, '.ab/old/daemon'); from ntransformerd.tools.ntx_model import main; sys.exit(main(sys.argv[1:]))"     "${args[@]}" 2>"$L/slice.err" | tail -1 > "$L/slice_old.json"
+  python3 -c "import sys; sys.path[:0] = ['.ab/old/' + d for d in ('daemon', 'client', 'system', 'proto')]; from ntransformerd.tools.ntx_model import main; sys.exit(main(sys.argv[1:]))"     "${args[@]}" 2>"$L/slice.err" | tail -1 > "$L/slice_old.json"
   python3 -m ntransformerd.tools.ntx_model "${args[@]}" 2>>"$L/slice.err" | tail -1 > "$L/slice_new.json"
   python3 - "$L" <<'PY' 2>&1 | tee "$L/slice.log"
 import json, sys

@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "client"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "proto"))
 
 import common  # noqa: E402
 

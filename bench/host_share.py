@@ -33,6 +33,7 @@ from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.sampler import Drawn, SamplingParams, TopLogits, sample_rows
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
+from ntx_proto.states import RequestState
 
 
 class InstantStep:
@@ -79,8 +80,8 @@ def measure(engine, clients: int, tokens: int, params: SamplingParams, profile: 
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     reqs = [s.schedule(prompt, params, max_tokens=tokens) for _ in range(clients)]
     full, full_s, prof = 0, 0.0, cProfile.Profile() if profile else None
-    while any(r.state != "done" for r in reqs):
-        d0, steady = step.device_s, all(r.state == "decode" for r in reqs)
+    while any(r.state != RequestState.DONE for r in reqs):
+        d0, steady = step.device_s, all(r.state == RequestState.DECODE for r in reqs)
         if prof is not None and steady:  # the steady state only: every request decoding
             prof.enable()
         t = time.perf_counter()
@@ -88,7 +89,7 @@ def measure(engine, clients: int, tokens: int, params: SamplingParams, profile: 
         dt = time.perf_counter() - t - (step.device_s - d0)
         if prof is not None:
             prof.disable()
-        if steady and s.last_batch == clients:
+        if steady and s.metrics.last_batch == clients:
             full, full_s = full + 1, full_s + dt
     s.stop()
     got = [sum(len(o.token_ids) for o in r.stream()) for r in reqs]

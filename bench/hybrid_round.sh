@@ -12,7 +12,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L" /tmp/ntx
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system
+export PYTHONPATH=/tmp/site:$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto
 t0=$(date +%s)
 bin=/tmp/llama/llama.cpp/build/bin/llama-bench
 if [ "${PHASE:-build}" = build ]; then

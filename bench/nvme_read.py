@@ -56,7 +56,7 @@ from ntransformerd.server.storage import StorageHandle
 model = GGUFModel("%(model)s")
 reads = [layer_reads(model, i, 4096) for i in range(model.config.n_layers)]
 staged = NvmeStagedSource.open(os.environ["PCI"], queue_depth=%(depth)d, queues=%(queues)d)
-handle = StorageHandle(staged, kind="nvme:" + os.environ["PCI"], name="nvme")
+handle = StorageHandle.for_drive(staged, kind="nvme:" + os.environ["PCI"], name="nvme")
 bufs = [HostMemory().alloc(max(r.nbytes for r in reads)) for _ in range(2)]   # the ring's depth 2
 for b in bufs:
     handle.register(b)

@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "client"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "proto"))
 
 import common  # noqa: E402
 

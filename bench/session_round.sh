@@ -32,7 +32,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # the daemon imports llguidance: the GPU tests and smokes that start one need it (carry .whl-extra in PHASE=tests too)
 [ -d .whl-extra ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site-extra .whl-extra/*.whl
-export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system
+export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
 if [ "${PHASE:-tests}" = tests ]; then

@@ -18,7 +18,7 @@ Through the OpenAI gateway, as a client sees it, sampled at --temperature (0.8) 
   checkout's own format (`<tool_call>[`, or `{"tool_calls": [` before it), right after each
   prompt (the daemon's prompt log-probabilities): how likely the model is to choose a call.
 
-The checkout's own programs run (PYTHONPATH=<code>/daemon:<code>/client), so one script measures
+The checkout's own programs run (PYTHONPATH=<code>/daemon:<code>/client:<code>/proto), so one script measures
 the code before and after a change. Prints a table per set and writes JSON
 (bench/out/structured_rate.json by default).
 """
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     code = os.path.abspath(args.code)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(code, "daemon"), os.path.join(code, "client"),
+                                                        os.path.join(code, "proto"),
                                                         *filter(None, [os.environ.get("PYTHONPATH")])])}
     directory = args.dir or tempfile.mkdtemp(prefix="ntx-structured-")
     os.makedirs(directory, exist_ok=True)

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Generate the Python stubs of proto/ntransformer/v1/*.proto into client/ntx_client/proto/.
+"""Generate the Python stubs of proto/ntx_proto/ntransformer/v1/*.proto beside the .proto files.
 
-The stubs are committed; tests/client/test_proto_stubs.py regenerates them into a temporary
+The package ntx_proto holds the API: the .proto files and their stubs (`from
+ntx_proto.ntransformer.v1 import inference_pb2`), what the daemon, the client and other services
+import. The stubs are committed; tests/proto/test_stubs.py regenerates them into a temporary
 directory and fails if the committed ones differ. After editing a .proto run:
 
     python proto/generate.py            (needs grpcio-tools: pip install 'ntransformer[test]')
@@ -14,9 +16,9 @@ import pathlib
 import re
 import sys
 
-PROTO_ROOT = pathlib.Path(__file__).resolve().parent
-DEFAULT_OUT = PROTO_ROOT.parent / "client" / "ntx_client" / "proto"
-PACKAGE = "ntx_client.proto"  # where `ntransformer.v1` lands inside the installed tree
+PROTO_ROOT = pathlib.Path(__file__).resolve().parent / "ntx_proto"  # protoc's -I: names stay ntransformer/v1/…
+DEFAULT_OUT = PROTO_ROOT
+PACKAGE = "ntx_proto"  # where `ntransformer.v1` lands inside the installed tree
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
@@ -36,7 +38,7 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
         written.append(d / "__init__.py")
     for f in sorted((out / "ntransformer" / "v1").glob("*_pb2*.py*")):
         # protoc writes absolute imports (`from ntransformer.v1 import x_pb2`); the stubs live
-        # inside ntx_client, so point them there instead of adding a top-level package.
+        # inside ntx_proto, so point them there instead of adding a top-level package.
         text = re.sub(r"^from ntransformer\.v1 import", f"from {PACKAGE}.ntransformer.v1 import",
                       f.read_text(), flags=re.M)
         text = text.replace("import ntransformer.v1.", f"import {PACKAGE}.ntransformer.v1.")

@@ -1,4 +1,4 @@
-"""The shape of the project's imports, for ntransformerd, ntx_client and ntx_system.
+"""The shape of the project's imports, for ntransformerd, ntx_client, ntx_system and ntx_proto.
 
 No cycles: every `import` and `from … import` (at module level or inside a function) is an edge
 from the importing module to the module it names (`from a.b import c` names a.b.c where that is a
@@ -23,7 +23,8 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-PACKAGES = {"ntransformerd": "daemon", "ntx_client": "client", "ntx_system": "system"}
+PACKAGES = {"ntransformerd": "daemon", "ntx_client": "client", "ntx_system": "system", "ntx_proto": "proto"}
+GENERATED = os.path.join("proto", "ntx_proto", "ntransformer")  # protoc's stubs (proto/generate.py)
 LAZY = re.compile(r"#\s*lazy:\s*\S")  # the marker of an import that must wait, and its reason
 EXEMPT: tuple[str, ...] = ()  # files whose function-level imports are not checked (none)
 # What a command-line tool must start without (its --help stays quick): the GPU backend, the host
@@ -38,7 +39,8 @@ def _modules(root: str = ROOT) -> dict[str, str]:
     for pkg, top in PACKAGES.items():
         base = os.path.join(root, top)
         for d, dirs, files in os.walk(os.path.join(base, pkg)):
-            dirs[:] = [x for x in dirs if x not in ("__pycache__", "proto")]
+            dirs[:] = [x for x in dirs if x != "__pycache__"
+                       and os.path.relpath(os.path.join(d, x), root) != GENERATED]
             for f in files:
                 if f.endswith(".py"):
                     rel = os.path.relpath(os.path.join(d, f), base)[:-3].split(os.sep)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from ntx_client import paths
+from ntx_proto import paths
 
 INFERENCE_SERVICE = "ntransformer.v1.Inference"
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]

@@ -21,14 +21,16 @@ import time
 import grpc
 
 from ntx_client.channels import TLS, TargetError
-from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, Client, collect
+from ntx_client.client import Client, collect
+from ntx_proto.cli import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, StatusLine  # noqa: F401 - StatusLine: cli.StatusLine
 from ntx_client.errors import ConnectionFailed, NtxError
-
-STATES = {0: "unknown", 1: "no model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
-SERVING, LOADING, FAILED, NO_MODEL, DRAINING = 3, 2, 5, 1, 4
+from ntx_proto.states import ServingState
 
 
-def _sampling(args, *, chat: bool = False) -> dict:
+
+def sampling_options(args, *, chat: bool = False) -> dict:
+    """The Client call's sampling keywords from parsed generate/chat flags: the defaults of
+    every command line (DEFAULT_TEMPERATURE; through the chat template CHAT_REPETITION_PENALTY)."""
     penalty = args.repeat_penalty
     if penalty is None and chat:
         penalty = CHAT_REPETITION_PENALTY
@@ -71,27 +73,6 @@ def _human(n: float) -> str:
     return str(n)
 
 
-class StatusLine:
-    """One self-overwriting line on stderr, only when stderr is a terminal."""
-
-    def __init__(self, stream=None):
-        self.stream = sys.stderr if stream is None else stream
-        self.on = self.stream.isatty()
-        self.width = 0
-
-    def show(self, text: str) -> None:
-        if self.on:
-            self.stream.write("\r" + text.ljust(self.width))
-            self.stream.flush()
-            self.width = len(text)
-
-    def close(self) -> None:
-        if self.on and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
-            self.width = 0
-
-
 def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | None = None,
                        sleep=time.sleep, clock=time.monotonic) -> None:
     """Return once the daemon serves; meanwhile show its load progress. Every state that becomes
@@ -110,14 +91,15 @@ def wait_until_serving(client: Client, timeout: float, *, line: StatusLine | Non
                 s, last = None, e
                 line.show("waiting for ntransformerd to start")
             if s is not None:
-                if s.state == SERVING:
+                state = ServingState(s.state)
+                if state is ServingState.SERVING:
                     return
-                if s.state == FAILED:
+                if state is ServingState.FAILED:
                     raise NtxError(f"ntransformerd is not serving: {s.error or 'see its log (journalctl -u ntransformerd)'}")
-                if s.state == NO_MODEL:
+                if state is ServingState.NO_MODEL:
                     raise NtxError("ntransformerd has no model loaded: load one with sudo ntx-admin model load PATH")
-                line.show(f"waiting for ntransformerd: {s.load_progress or STATES.get(s.state, s.state)}"
-                          + (f" ({s.load_fraction:.0%})" if s.state == LOADING else ""))
+                line.show(f"waiting for ntransformerd: {s.load_progress or state}"
+                          + (f" ({s.load_fraction:.0%})" if state is ServingState.LOADING else ""))
             if clock() >= end:
                 raise last or NtxError(f"ntransformerd did not finish loading within {timeout:g} s")
             sleep(0.25)
@@ -166,11 +148,11 @@ def cmd_generate(client: Client, args) -> int:
     if args.raw:
         if args.system:
             raise SystemExit("ntx-client: --system needs the chat template: drop --raw")
-        chunks = client.generate(prompt, **_sampling(args), **extra)
+        chunks = client.generate(prompt, **sampling_options(args), **extra)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
-        chunks = client.chat(messages, **_sampling(args, chat=True), **extra)
+        chunks = client.chat(messages, **sampling_options(args, chat=True), **extra)
     if args.json:
         def tee():
             for c in chunks:
@@ -245,7 +227,7 @@ def cmd_chat(client: Client, args) -> int:
         messages = ([{"role": "system", "content": system}] if system else []) + history
         reply: list[str] = []
         try:
-            reply = _stream(client.chat(messages, **_sampling(args, chat=True)))
+            reply = _stream(client.chat(messages, **sampling_options(args, chat=True)))
         except KeyboardInterrupt:  # the request is cancelled; the conversation goes on
             print("\n(stopped)")
             history.pop()  # the turn was not answered: as if not asked
@@ -290,8 +272,8 @@ def cmd_status(client: Client, args) -> int:
     if args.json:
         print(json.dumps(as_dict(s), indent=2))
         return 0
-    state = STATES.get(s.state, str(s.state))
-    if s.state == LOADING:
+    state = str(ServingState(s.state))
+    if s.state == ServingState.LOADING:
         state += f" ({s.load_progress}, {s.load_fraction:.0%})"
     tiers = ", ".join(f"{t.name} {t.layers} layers {_human(t.bytes)}" for t in s.tiers) or "-"
     _table([("MODEL", "BACKEND", "STATE", "TIERS", "RSS", "VRAM", "PINNED", "LIVE", "QUEUED", "BATCH", "SLOTS FREE",

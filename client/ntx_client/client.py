@@ -18,25 +18,19 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ntx_client import channels, paths
-from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_client import channels
 from ntx_client.errors import ConnectionFailed, NtxError, RequestTooLarge, connection_error, from_rpc_error
+from ntx_proto import paths
+from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.wire import FIELD_METADATA, piece_text
 
-# The command lines' sampling defaults, one for ntx-client and `ntx-model run`: the daemon's own
-# temperature for a request that does not set one (proto SamplingParams), and, for text through
-# the chat template, a mild repetition penalty (over the last 64 tokens): without it a small
-# model at low temperature falls into loops ("I'm glad to have you." again and again).
-DEFAULT_TEMPERATURE = 0.8
-CHAT_REPETITION_PENALTY = 1.1
+from ntx_proto.cli import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE  # noqa: F401 - the command lines' defaults
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos"}
 # The daemon compiles at most this much constraint text (proto Constraint); a larger one is refused
 # here, before sending, with the same words (a request past gRPC's 4 MiB message limit would
 # otherwise come back as RESOURCE_EXHAUSTED, which names neither the field nor the limit).
 MAX_CONSTRAINT_BYTES = 1 << 20
 MAX_INT64 = (1 << 63) - 1
-# The trailing metadata key in which the daemon names the request field an INVALID_ARGUMENT is
-# about ("max_tokens", "constraint.json_schema", "sampling.temperature"): FieldError.field.
-FIELD_METADATA = "ntx-field"
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "frequency_penalty", "presence_penalty", "seed")
 
@@ -60,15 +54,6 @@ class TokenLogprob:
     def text(self) -> str:
         """The token as text (piece_text)."""
         return piece_text(self.piece)
-
-
-def piece_text(piece: bytes) -> str:
-    """A token's bytes as text, as OpenAI shows a token: its UTF-8 text, or where it is not whole
-    UTF-8 (part of a character) "bytes:" and each byte escaped, "bytes:\\xe6\\x97"."""
-    try:
-        return piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 class FieldError(NtxError, ValueError):

@@ -7,7 +7,7 @@ import os
 
 import grpc
 
-from ntx_client.paths import ADMIN_SOCKET_ENV, SOCKET_GROUP
+from ntx_proto.paths import ADMIN_SOCKET_ENV, SOCKET_GROUP
 
 
 class NtxError(Exception):

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import os
 
-from ntx_client import paths
+from ntx_proto import paths
 from ntx_system import config_file
 from ntx_system.config_file import ConfigError
 

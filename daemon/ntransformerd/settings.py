@@ -46,7 +46,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ntx_client import paths
+from ntx_proto import paths
 from ntx_system import config_file
 from ntx_system.config_file import ConfigError
 

@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from ntx_client import AdminClient, Client, NtxError
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 from . import staging
 from .bind import BindError, bind_vfio, unbind_vfio

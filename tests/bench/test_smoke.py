@@ -45,7 +45,7 @@ def smoke(script: str, tmp_path: pathlib.Path, *args: str, timeout: float = 600)
     """Run bench/<script> --smoke with its JSON in tmp_path; (the process, the JSON or None)."""
     out = tmp_path / f"{script}.json"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "daemon"), str(ROOT / "client"), str(ROOT / "system"),
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "daemon"), str(ROOT / "client"), str(ROOT / "system"), str(ROOT / "proto"),
                                          *filter(None, [env.get("PYTHONPATH")])])
     r = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--json", str(out), *args],
                        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
@@ -320,7 +320,7 @@ def test_gpu_script_without_a_gpu_skips_cleanly(script, tmp_path):
     assert data is None and not any(tmp_path.glob("*.gguf")), "a skipped script wrote files"
     h = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                           [str(ROOT / d) for d in ("daemon", "client", "system")])})
+                           [str(ROOT / d) for d in ("daemon", "client", "system", "proto")])})
     assert h.returncode == 0 and "--smoke" in h.stdout and "--json" in h.stdout, h.stderr
 
 

@@ -1,6 +1,7 @@
 """ntx-client's arguments (the end-to-end runs are in tests/server/test_e2e.py)."""
 
 import json
+import types
 
 import pytest
 
@@ -11,7 +12,7 @@ def test_generate_flags_parse():
     a = cli.parser().parse_args(["--socket", "/s", "generate", "--raw", "--temperature", "0", "--max-tokens", "64",
                                  "--ignore-eos", "--json", "--stop", "a", "--stop", "b", "--top-k", "5", "hi"])
     assert a.socket == "/s" and a.raw and a.json and a.ignore_eos and a.stop == ["a", "b"] and a.top_k == 5
-    assert cli._sampling(a)["max_tokens"] == 64
+    assert cli.sampling_options(a)["max_tokens"] == 64
 
 
 def test_raw_and_chat_exclude_each_other(capsys):
@@ -47,7 +48,7 @@ def test_chat_sends_the_whole_history(monkeypatch, capsys):
 def test_penalty_flags_parse():
     a = cli.parser().parse_args(["generate", "--repeat-penalty", "1.2", "--frequency-penalty", "0.5",
                                  "--presence-penalty", "-0.5", "hi"])
-    kw = cli._sampling(a, chat=True)
+    kw = cli.sampling_options(a, chat=True)
     assert (kw["repetition_penalty"], kw["frequency_penalty"], kw["presence_penalty"]) == (1.2, 0.5, -0.5)
     from ntx_client.client import generate_request
     r = generate_request("hi", **kw)
@@ -123,7 +124,7 @@ def test_wait_gives_up_on_a_failed_load_and_on_time():
 
 
 def test_status_json_keeps_zeros_and_numbers_as_numbers():
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
     s = pb.StatusResponse(state=pb.SERVING_STATE_SERVING, memory_bytes=123 << 20, steps=12,
                           tokens_generated_total=1 << 40, tiers=[pb.TierStatus(name="ram", layers=30)])
     d = cli.as_dict(s)
@@ -134,7 +135,7 @@ def test_status_json_keeps_zeros_and_numbers_as_numbers():
 
 
 def test_models_table_shows_the_id_the_file_and_the_gguf_name(capsys):
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
     info = pb.ModelInfo(name="smollm2-135m-instruct", path="/m/SmolLM2-135M-Instruct.Q4_1.gguf",
                         architecture="llama", n_layers=30, context_length=4096, backend="cpu", file_bytes=98 << 20,
                         metadata={"general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2"},
@@ -176,15 +177,18 @@ def test_chat_commands_are_local(monkeypatch, capsys):
     assert "/system TEXT" in out and "unknown command /nonsense" in out and "(conversation cleared)" in out
 
 
-def test_status_shows_the_storage_tier_counters():
-    from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
-    from ntx_client.cli import _tier_line
-    t = pb.TierStatus(name="storage", layers=29, bytes=64 << 20, bytes_per_second=1 << 20,
-                      source="nvme ntxdata at 0000:00:04.0", read_bytes=3 << 30, reads=870,
-                      read_bytes_per_second=1.5e9, commands=12000, commands_in_flight=7,
-                      max_commands_in_flight=32, read_errors=1, last_error="unrecovered read error")
-    text = _tier_line(t)
+def test_status_shows_the_storage_tier_counters(capsys):
+    from ntx_proto.ntransformer.v1 import inference_pb2 as pb
+    storage = pb.TierStatus(name="storage", layers=29, bytes=64 << 20, bytes_per_second=1 << 20,
+                            source="nvme ntxdata at 0000:00:04.0", read_bytes=3 << 30, reads=870,
+                            read_bytes_per_second=1.5e9, commands=12000, commands_in_flight=7,
+                            max_commands_in_flight=32, read_errors=1, last_error="unrecovered read error")
+    pinned = pb.TierStatus(name="pinned", layers=1, bytes=1 << 20)
+    status = pb.StatusResponse(model="m", tiers=[storage, pinned])
+    assert cli.cmd_status(types.SimpleNamespace(status=lambda: status), types.SimpleNamespace(json=False)) == 0
+    out = capsys.readouterr().out
+    text, other = out[out.index("tier storage"):out.index("tier pinned")], out[out.index("tier pinned"):]
     assert "tier storage: 29 layers, 64.0 MiB" in text
     assert "source nvme ntxdata at 0000:00:04.0: read 3.0 GiB in 870 reads" in text
     assert "12000 commands, 7 in flight (max 32), 1 errors" in text and "last error: unrecovered" in text
-    assert "source" not in _tier_line(pb.TierStatus(name="pinned", layers=1, bytes=1 << 20))
+    assert "tier pinned" in other and "source" not in other

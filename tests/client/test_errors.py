@@ -9,7 +9,7 @@ import pytest
 
 from ntx_client import Client, ConnectionFailed, PermissionDenied
 from ntx_client.errors import connection_error
-from ntx_client.proto.ntransformer.v1 import admin_pb2_grpc
+from ntx_proto.ntransformer.v1 import admin_pb2_grpc
 
 
 def test_missing_socket_says_is_it_running(tmp_path):

@@ -82,7 +82,7 @@ def test_resolve_names(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="needs CuPy and a visible NVIDIA GPU"):
         backends.resolve("cuda")
     # No host kernels here (or not available): cpu is the reference, with one warning.
-    monkeypatch.setattr(backends, "_optional", lambda m: None if m.endswith(".host") else cuda)
+    monkeypatch.setattr(backends, "backend_module", lambda m: None if m.endswith(".host") else cuda)
     backends._fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger="ntransformerd.engine.backends"):
         assert backends.resolve("cpu").name == "cpu-ref"
@@ -103,7 +103,7 @@ def test_resolve_prefers_the_host_kernels_and_the_gpu(monkeypatch):
             return "ops", resident
 
     host = FakeHost(True)
-    monkeypatch.setattr(backends, "_optional", lambda m: host if m.endswith(".host") else cuda)
+    monkeypatch.setattr(backends, "backend_module", lambda m: host if m.endswith(".host") else cuda)
     b = backends.resolve("cpu")
     assert isinstance(b, backends.Host) and b.name == "cpu" and b.is_host
     # the host keeps its vram and host layers; streamed ones it reads from the page cache
@@ -115,11 +115,11 @@ def test_resolve_prefers_the_host_kernels_and_the_gpu(monkeypatch):
 
 
 def test_optional_tells_absence_from_breakage(monkeypatch):
-    assert backends._optional("ntransformerd.engine.backends.no_such_backend") is None
+    assert backends.backend_module("ntransformerd.engine.backends.no_such_backend") is None
 
     def broken(name):
         raise ModuleNotFoundError("No module named 'ntx_kernels'", name="ntx_kernels")
 
     monkeypatch.setattr(backends.importlib, "import_module", broken)
     with pytest.raises(ImportError, match="ntx_kernels"):  # an installed backend whose own import breaks
-        backends._optional("ntransformerd.engine.backends.host")
+        backends.backend_module("ntransformerd.engine.backends.host")

@@ -13,7 +13,7 @@ from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import model_plan, planner
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan, PlanError, plan_tiers
-from ntransformerd.engine.tiers.sources import (MmapSource, ODirectSource, SlowSource, plan_reads)
+from ntransformerd.engine.tiers.sources import MmapSource, ODirectSource, SlowSource, open_source, plan_reads
 from ntransformerd.engine.backends.cpu import StreamedCpuWeights
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -107,6 +107,15 @@ def test_sources_read_layer_spans(small, kind):
             r.fill(src, buf)
             for t in ts.values():
                 assert np.array_equal(r.raw(buf, t), np.asarray(t.data).view(np.uint8).reshape(-1))
+
+
+def test_the_engine_leaves_the_nvme_drive_to_the_daemon(small):
+    """A storage string naming the staged drive is refused with what to do: the engine opens no
+    device (the daemon brings the drive up and hands over the opened source)."""
+    with pytest.raises(ValueError, match="ntransformerd brings up.*storage = file, odirect or mmap"):
+        open_source("nvme:0000:00:04.0", small.path)
+    with pytest.raises(ValueError, match="not one of file, odirect, mmap"):
+        open_source("tape", small.path)
 
 
 def test_plan_reads_splits_far_tensors(small):

@@ -1,6 +1,6 @@
 """Make the decode-identity golden file: what every decode path gives on the default model.
 
-    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system .venv/bin/python tests/golden/make_decode_golden.py
+    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto .venv/bin/python tests/golden/make_decode_golden.py
 
 The paths are the ones a change to the decode loop must leave alone: `engine.generate`
 (`ntx-model run`), `speculative.generate` (`ntx-model run --speculative`) and the daemon's
@@ -93,6 +93,7 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
     from ntransformerd.engine.speculative import Mode
     from ntransformerd.server.scheduler import Scheduler
     from ntransformerd.server.systemd import Notifier
+    from ntx_proto.states import RequestState
 
     config = DaemonConfig(socket="/tmp/ntx-golden.sock", max_batch=max_batch, max_queue=64,
                           prefix_cache=prefix_cache, prefill_chunk=engine.config.prefill_chunk)
@@ -105,7 +106,7 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
             reqs = [s.schedule(ids, params, max_tokens=params.max_tokens,
                                speculative=Mode.parse(SPEC_MODES[i % len(SPEC_MODES)] if speculate else "off"))
                     for i, (ids, params) in enumerate(work)]
-            while any(r.state != "done" for r in reqs):  # retired: every slot is free again
+            while any(r.state != RequestState.DONE for r in reqs):  # retired: every slot is free again
                 s.iterate()
             for r in reqs:
                 outs = list(r.stream())

@@ -90,8 +90,8 @@ def test_hybrid_steps_match_the_resident_gpu(small, reference, resident):
         err = np.linalg.norm(x - y) / np.linalg.norm(y)
         assert err < 2e-2, (k, err)
     g = e.steps
-    whole = [b for b in g._buckets.values() if not b.piece]
-    pieces = [b for b in g._buckets.values() if b.piece]
+    whole = [b for b in g.captured.values() if not b.piece]
+    pieces = [b for b in g.captured.values() if b.piece]
     assert whole and all(b.graph is not None for b in whole)  # the 3-row and 4-token steps: the GPU alone
     if resident >= 1:
         assert pieces and all(b.graph is not None for b in pieces)  # its resident layers between the host's

@@ -227,14 +227,14 @@ def test_captured_steps_with_block_tables_equal_eager(tmp_path, dtype):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol, len(live)
         assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98, len(live)
         toks[live] = ref.argmax(-1)
-    assert (64, 1, None, False) in dec._buckets and dec._buckets[(64, 1, None, False)].graph is not None
+    assert (64, 1, None, False) in dec.captured and dec.captured[(64, 1, None, False)].graph is not None
     live = [0, 5, 9, 60]  # verifying drafts: 4 rows × 4 tokens, captured
     t4 = rng.integers(0, cfg.vocab_size, (4, 4))
     ref = ops.to_host(llama.forward(ops, cfg, w, kv_a, Batch.of(
         [Segment(i, int(kv_a.lengths[i]), t4[j]) for j, i in enumerate(live)]), all_logits=True))
     got = dec.logits(live, t4, last_only=False).get()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3
-    assert dec._buckets[(4, 4, None, False)].graph is not None
+    assert dec.captured[(4, 4, None, False)].graph is not None
 
 
 def test_wide_decode_matmul_chunks_equal_each_chunk(tmp_path):

@@ -119,7 +119,7 @@ def test_captured_decode_matches_forward(model, one_launch):
         ids = got.argmax(-1)
         toks[live] = ids
     assert (kv_a.lengths == kv_b.lengths).all()
-    assert dec.use_graphs and all(b.graph is not None for b in dec._buckets.values())
+    assert dec.use_graphs and all(b.graph is not None for b in dec.captured.values())
 
 
 @pytest.mark.parametrize("rows,tokens", [(4, 8), (2, 16), (1, 4), (3, 2)])
@@ -151,8 +151,8 @@ def test_captured_multi_token_bucket_matches_forward(model, rows, tokens):
         kv_b.lengths[:rows] += tokens
         assert got.shape == ref.shape
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol, (step, rows, tokens)
-    key = next(iter(dec._buckets))
-    assert key[:2] == dec.bucket(rows, tokens) and dec._buckets[key].graph is not None
+    key = next(iter(dec.captured))
+    assert key[:2] == dec.bucket(rows, tokens) and dec.captured[key].graph is not None
 
 
 def test_captured_prefix_of_layers(model):

@@ -11,6 +11,7 @@ from ntransformerd.engine.sampler import SamplingParams  # noqa: E402
 from ntransformerd.server.scheduler import Scheduler  # noqa: E402
 from ntransformerd.server.systemd import Notifier  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
+from ntx_proto.states import RequestState  # noqa: E402
 
 
 def serve(engine, prompts, params, *, overlap: bool) -> list[list[int]]:
@@ -21,7 +22,7 @@ def serve(engine, prompts, params, *, overlap: bool) -> list[list[int]]:
     s.lifecycle.serving()
     reqs = [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
     for _ in range(5000):
-        if all(r.state == "done" for r in reqs):
+        if all(r.state == RequestState.DONE for r in reqs):
             break
         s.iterate()
     s.stop()

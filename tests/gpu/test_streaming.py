@@ -148,7 +148,7 @@ def test_streamed_decode_in_graphs_equals_resident(small, resident_decoded, mix,
     e = _decoding_engine(small, mix, depth)
     assert e.weights.capturable and e.steps.use_graphs
     got = _interleaved(e, batch)
-    assert e.steps._buckets and all(b.graph is not None for b in e.steps._buckets.values())  # replayed graphs
+    assert e.steps.captured and all(b.graph is not None for b in e.steps.captured.values())  # replayed graphs
     _assert_close(got, resident_decoded(batch), (mix, depth, batch))
     e.weights.close()
 
@@ -161,7 +161,7 @@ def test_streamed_decode_with_storage_runs_eagerly(small, resident_decoded, mix,
     e = _decoding_engine(small, mix, depth, ODirectSource(small.path, threads=4))
     assert not e.weights.capturable and not e.steps.use_graphs
     got = _interleaved(e, 3)
-    assert not e.steps._buckets and e.weights.stream.stats["reads"] > 0
+    assert not e.steps.captured and e.weights.stream.stats["reads"] > 0
     _assert_close(got, resident_decoded(3), (mix, depth))
     e.weights.close()
 
@@ -172,7 +172,7 @@ def test_engine_plans_and_decodes_in_graphs(small, resident_decoded):
                                           max_vram_layers=2))
     assert e.plan.tiers == (VRAM, VRAM, PINNED, PINNED) and e.steps.use_graphs
     _assert_close(_interleaved(e, 3), resident_decoded(3), "engine plan")
-    assert e.steps._buckets
+    assert e.steps.captured
 
 
 def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
@@ -192,4 +192,4 @@ def test_skipped_layers_are_not_loaded_and_steps_skip_them(small):
         t = int(np.argmax(la))
         la, lb = e.step([(a, [t])])[0], ref.step([(b, [t])], layers=(0, 1, 3))[0]
         assert np.argmax(la) == np.argmax(lb) and np.abs(la - lb).max() / np.abs(lb).max() < 1e-4
-    assert e.steps._buckets
+    assert e.steps.captured

@@ -286,7 +286,7 @@ def _vm_budgets(model: str, max_ctx: int) -> tuple[int, int, int]:
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=max_ctx), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=2, max_ctx=max_ctx), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 16), 3 * layer + (1 << 16)
     cfg = EngineConfig(max_batch=2, max_ctx=max_ctx, vram_budget=vram, pinned_budget=ram)
     plan = tiers.model_plan(m, cfg, backend="cpu", ram_available=8 << 30)
@@ -329,7 +329,7 @@ def guest() -> Iterator[dict]:
         subprocess.run(["mkfs.ext4", "-q", "-F", boot], check=True)   # an image file
         subst = dict(work=work, bindir=BINDIR, root=ROOT, model=model, other=other, modules=" ".join(MODULES),
                      vram=vram, ram=ram, max_ctx=max_ctx,
-                     pythonpath=":".join(os.path.join(ROOT, d) for d in ("daemon", "client", "system")))
+                     pythonpath=":".join(os.path.join(ROOT, d) for d in ("daemon", "client", "system", "proto")))
         qemu = ["-device", "intel-iommu,intremap=on,caching-mode=on",
                 "-drive", f"file={data},if=none,id=nv0,format=raw,cache=unsafe",
                 "-device", "nvme,serial=ntxdata,drive=nv0",

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ntx_client import Client, NtxError, cli
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 PY = sys.executable
 
@@ -113,7 +113,7 @@ def test_chat_in_a_terminal(daemon):
 def test_status_tokens_per_second_decays_to_zero_and_json_numbers(daemon, capsys):
     """The rate covers the last RATE_WINDOW_S: once that long has passed with no step, it is 0,
     not the last figure left standing."""
-    from ntransformerd.server.scheduler import RATE_WINDOW_S
+    from ntransformerd.server.metrics import RATE_WINDOW_S
 
     with Client(daemon.socket) as c:
         c.complete("Once upon a time", max_tokens=16, temperature=0, ignore_eos=True)

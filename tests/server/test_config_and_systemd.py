@@ -267,23 +267,23 @@ def test_backend_auto_is_resolved_once_and_refused_with_the_key(tmp_path, monkey
     monkeypatch.setattr(backends, "resolve", counting)
     d = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "d.sock"), model=small, backend="auto",
                                           kv_dtype="f32", storage="file"))
-    optional = backends._optional
-    monkeypatch.setattr(backends, "_optional", lambda module: _FakeGpu() if module.endswith(".cuda") else None)
+    optional = backends.backend_module
+    monkeypatch.setattr(backends, "backend_module", lambda module: _FakeGpu() if module.endswith(".cuda") else None)
     with pytest.raises(config.ConfigError) as e:
-        d._bring_up()
+        d.models.bring_up()
     assert str(e.value).startswith("kv_dtype = 'f32': the cuda backend (what backend auto chose on this "
                                    "machine) stores its KV cache as f16 or q8_0 only"), e.value
-    monkeypatch.setattr(backends, "_optional", optional)
+    monkeypatch.setattr(backends, "backend_module", optional)
     calls.clear()
     cpu = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "c.sock"), model=small, backend="auto",
                                             max_batch=2, max_ctx=64))
-    cpu._bring_up()
+    cpu.models.bring_up()
     try:
         assert calls.count("auto") == 1, calls  # decided once; the load below looks the decided name up
         assert cpu.scheduler.engine.config.backend in ("cpu", "cpu-ref")
         assert cpu.scheduler.engine.config.kv_dtype == "f32"  # auto on the host
     finally:
-        cpu._close_engine(cpu.scheduler.detach())
+        cpu.models.close(cpu.scheduler.detach())
 
 
 def test_storage_the_cpu_backend_does_not_read_is_refused_with_the_key(tmp_path, capsys, small):
@@ -305,7 +305,7 @@ def _too_small_for_staging(model: str) -> int:
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers))
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=8, max_ctx=64, kv_dtype="f32"), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=8, max_ctx=64, kv_dtype="f32"), "cpu")
     assert 2 * layer > 1 << 20
     return fixed + kv + 2 * layer + (1 << 16)
 
@@ -344,11 +344,11 @@ def test_one_plan_per_load_is_handed_to_the_engine(tmp_path, monkeypatch, small)
     monkeypatch.setattr(tiers, "model_plan", counting)
     d = Daemon(config=config.DaemonConfig(socket=str(tmp_path / "d.sock"), model=small, backend="cpu-ref",
                                           max_batch=2, max_ctx=64, vram_budget=vram))
-    engine = d.load_model(None, None)
+    engine = d.models.load(None, None)
     try:
         assert len(plans) == 1 and engine.plan is plans[0] and engine.plan.streamed, plans
     finally:
-        d._close_engine(d.scheduler.detach())
+        d.models.close(d.scheduler.detach())
 
 
 def test_ntx_admin_reads_the_daemons_file_the_daemons_way(tmp_path, monkeypatch):

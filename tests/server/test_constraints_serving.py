@@ -19,7 +19,7 @@ from ntransformerd.engine import chat, constraints
 from ntx_client import Client, NtxError
 from ntx_client import client as client_lib
 from ntx_client.errors import RequestTooLarge
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
           "properties": {"city": {"type": "string", "maxLength": 24},

@@ -18,6 +18,7 @@ import pytest
 from ntransformerd.engine.gguf_file import GGUFModel, nonfinite_scales
 from ntx_client import Client, NtxError
 from ntx_client import cli
+from ntx_proto.states import ServingState
 from ntx_system import admin
 
 
@@ -85,7 +86,7 @@ def test_bad_models_are_refused_or_stop_serving_and_a_good_load_recovers(new_dae
             assert "model 'synthetic tiny q8_0 seed 0' produced invalid logits" in str(e.value)
             assert c.health() == "NOT_SERVING"
             s = c.status()
-            assert s.state == cli.FAILED and "ntx-admin model load" in s.error
+            assert s.state == ServingState.FAILED and "ntx-admin model load" in s.error
             with pytest.raises(NtxError, match="produced invalid logits") as e:
                 c.complete("Hello", max_tokens=4)
             assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -95,7 +96,7 @@ def test_bad_models_are_refused_or_stop_serving_and_a_good_load_recovers(new_dae
         assert admin.main(["model", "load", good, *verb]) == 0
         assert _generate_ok(d.socket) == before
         with Client(d.socket) as c:
-            assert c.health() == "SERVING" and c.status().state == cli.SERVING and not c.status().error
+            assert c.health() == "SERVING" and c.status().state == ServingState.SERVING and not c.status().error
     finally:
         d.cleanup()
 
@@ -117,7 +118,7 @@ def test_a_client_in_the_start_window_hears_starting_and_wait_succeeds(new_daemo
         _socket_appears(d)
         with Client(d.socket, timeout=10) as c:
             s = c.status()  # at once: the first load may not have begun
-            assert s.state == cli.LOADING, s
+            assert s.state == ServingState.LOADING, s
             try:
                 c.complete("Hello", max_tokens=1)
             except NtxError as e:  # not "no model is loaded"

@@ -17,7 +17,7 @@ import pytest
 
 from ntx_client import Client
 from ntx_client.client import CHAT_REPETITION_PENALTY
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 PY = sys.executable
 PROMPT = "The quick brown fox"

@@ -8,7 +8,7 @@ import math
 import grpc
 import pytest
 
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 IA = grpc.StatusCode.INVALID_ARGUMENT
 GEN = "/ntransformer.v1.Inference/Generate"

@@ -32,6 +32,7 @@ from ntransformerd.server.errors import InvalidRequest, ServiceError
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
 from ntx_client import Client
+from ntx_proto.states import RequestState
 
 # ---- the allocator ---------------------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ def test_interleaved_requests_each_get_their_solo_output(rig, tmp_path_factory, 
                 if w["cancel_at"] is not None and reqs[k] not in (None, "refused") and it == w["at"] + w["cancel_at"]:
                     reqs[k].cancel()
             assert s.iterate() != "failed"
-            if it > max(w["at"] for w in work) and all(r == "refused" or r.state == "done" for r in reqs):
+            if it > max(w["at"] for w in work) and all(r == "refused" or r.state == RequestState.DONE for r in reqs):
                 break
         else:
             pytest.fail("the requests did not end in 400 iterations")

@@ -11,7 +11,7 @@ from ntransformerd.engine.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.server.servicer import kv_status
 from ntx_client import cli
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 
 def test_status_shows_the_pool_and_the_trade(synth_model, capsys):

@@ -11,7 +11,7 @@ import shutil
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.tools import ntx_model
 from ntx_client import Client
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-import numpy as np
+import pytest
 
 from ntransformerd.engine import tiers
 from ntransformerd.engine.engine import Engine, EngineConfig
@@ -13,7 +13,7 @@ from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.server.servicer import placements
 from ntx_client import cli
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb
 
 
 def test_placements_count_the_steps_of_each_shape(synth_model, capsys):
@@ -42,12 +42,15 @@ def test_placements_count_the_steps_of_each_shape(synth_model, capsys):
     client = types.SimpleNamespace(status=lambda: status)
     cli.cmd_status(client, types.SimpleNamespace(json=False))
     out = capsys.readouterr().out
-    assert f"steps of ≤ {rows[0]} rows: host {len(one.host_layers)} layers [{cli._span(one.host_layers)}]" in out
+    assert f"steps of ≤ {rows[0]} rows: host {len(one.host_layers)} layers [" in out
     assert "measured" in out and "over 5 steps" in out
     e.close(s)
     e.unload()
 
 
-def test_span():
-    assert cli._span([7, 0, 1, 2, 3, 9, 10]) == "0-3,7,9-10"
-    assert cli._span([]) == "-" and cli._span(np.array([5])) == "5"
+@pytest.mark.parametrize("host_layers, shown", [([7, 0, 1, 2, 3, 9, 10], "7 layers [0-3,7,9-10]"), ([], "0 layers [-]"),
+                                                ([5], "1 layers [5]")])
+def test_status_shows_the_host_layers_as_ranges(capsys, host_layers, shown):
+    status = pb.StatusResponse(model="m", placements=[pb.Placement(rows=4, host_layers=host_layers)])
+    cli.cmd_status(types.SimpleNamespace(status=lambda: status), types.SimpleNamespace(json=False))
+    assert f"steps of ≤ 4 rows: host {shown}, link 0" in capsys.readouterr().out

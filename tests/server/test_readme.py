@@ -34,7 +34,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from ntx_client import Client, paths
+from ntx_client import Client
+from ntx_proto import paths
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -92,6 +93,7 @@ HOW = [
     ('packaging/dev/try "', "shell", ""),
     ("tests/run", "skip", "the test command itself (CI runs it through .ci/run)"),
     ("from ntx_client import Client", "python-client", ""),
+    ("inference_pb2_grpc.InferenceStub(channel)", "python-stub", ""),
     (".venv/bin/ntransformerd --socket ./ntx.sock", "readme-daemon", ""),
     ("ntx-client --socket ./ntx.sock generate --wait", "shell-daemon", ""),
     ("ntx-model run --prompt \"What is gravity?\" --chat", "shell", ""),
@@ -132,7 +134,8 @@ def test_every_block_is_known():
     assert len(BLOCKS) >= 10
     kinds = [how(b)[0] for b in BLOCKS]
     assert kinds.count("skip") <= 5  # each names the test that covers it
-    assert all(kinds.count(k) == 1 for k in ("readme-daemon", "gateway", "python-client", "python-openai"))
+    assert all(kinds.count(k) == 1 for k in ("readme-daemon", "gateway", "python-client", "python-stub",
+                                             "python-openai"))
 
 
 def _imports(code: str) -> set[str]:
@@ -161,7 +164,7 @@ def test_the_python_examples_need_only_what_bootstrap_openai_installs():
             if module in sys.stdlib_module_names:
                 continue
             dists = {canonicalize_name(d) for d in owners.get(module, [])}
-            if module in ("ntx_client", "ntransformerd", "ntx_system"):  # this checkout (editable)
+            if module in ("ntx_client", "ntransformerd", "ntx_system", "ntx_proto"):  # this checkout (editable)
                 dists.add(canonicalize_name(project["name"]))
             assert dists & given, (f"README.md line {b.line} imports {module} (from {sorted(dists) or '?'}), which "
                                    "packaging/dev/bootstrap openai does not install")
@@ -373,6 +376,11 @@ def test_readme_block(block, request, tmp_path):
         r = user.run([str(VENV_BIN / "python"), "-c", code])
         assert r.returncode == 0, r.stderr
         assert "[19556, 216, 2]" in r.stdout  # what its comment says
+    elif kind == "python-stub":
+        user, d = request.getfixturevalue("user"), request.getfixturevalue("readme_daemon")
+        r = user.run(["env", f"NTX_SOCKET={d.socket}", str(VENV_BIN / "python"), "-c", block.text])
+        assert r.returncode == 0, r.stderr
+        assert "[19556, 216, 2] ['Hello', ' ', '<|im_end|>']" in r.stdout, r.stdout  # what its comment says
     elif kind == "gateway":
         g = request.getfixturevalue("readme_gateway")
         with urllib.request.urlopen(f"http://127.0.0.1:{g.port}/v1/models", timeout=30) as r:

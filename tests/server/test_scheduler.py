@@ -20,13 +20,15 @@ from ntransformerd.engine.engine import Engine, EngineConfig, Launch, Ran
 from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
-from ntransformerd.server.lifecycle import FAILED, SERVING
 from ntransformerd.server.scheduler import Output, Request, Scheduler
 from ntransformerd.server.systemd import Notifier
+from ntx_proto.states import RequestState, ServingState
 
 
 class FakeEngine:
-    """The engine API the scheduler uses; the next token is a function of the last one."""
+    """The engine API the scheduler uses (server/served.py); the next token is a function of the
+    last one. It keeps no prefix (no park, reopen or copy_prefix): its schedulers run with
+    prefix_cache=False."""
 
     def __init__(self, tokenizer, *, slots: int, max_ctx: int = 512):
         self.tokenizer, self.max_ctx = tokenizer, max_ctx
@@ -98,7 +100,7 @@ def tokenizer(default_model):
 
 
 def make(tokenizer, **cfg):
-    config = DaemonConfig(socket="/tmp/x.sock", **cfg)
+    config = DaemonConfig(socket="/tmp/x.sock", prefix_cache=False, **cfg)
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     engine = FakeEngine(tokenizer, slots=config.max_batch)
     s.attach(engine)
@@ -129,7 +131,7 @@ def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer):
     long = s.schedule(list(range(10, 110)), GREEDY, max_tokens=2)
     for _ in range(13):
         iterate(s)
-    assert long.state == "decode" and long.prefilled == 100
+    assert long.state == RequestState.DECODE and long.prefilled == 100
     for step in engine.steps[1:14]:
         assert (short.slot, 1) in step  # the decoder got its token in every step
         assert sum(n for slot, n in step if slot == long.slot) <= 8  # the prompt in chunks of 8
@@ -142,12 +144,12 @@ def test_batched_outputs_equal_solo_outputs(tokenizer):
     for p in prompts:
         s, _ = make(tokenizer, max_batch=1)
         r = s.schedule(p, GREEDY, max_tokens=6)
-        while r.state != "done":
+        while r.state != RequestState.DONE:
             iterate(s)
         solo.append([i for o in r.stream() for i in o.token_ids])
     s, _ = make(tokenizer, max_batch=4, prefill_chunk=16)
     reqs = [s.schedule(p, GREEDY, max_tokens=6) for p in prompts]
-    while any(r.state != "done" for r in reqs):
+    while any(r.state != RequestState.DONE for r in reqs):
         iterate(s)
     assert [[i for o in r.stream() for i in o.token_ids] for r in reqs] == solo
 
@@ -178,7 +180,7 @@ def test_deadline_ends_the_request(tokenizer):
 
 
 def test_not_ready_while_starting_loading_and_without_a_model(tokenizer):
-    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=Notifier(environ={}))
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", prefix_cache=False), notifier=Notifier(environ={}))
     assert s.lifecycle.status().progress == "starting"
     with pytest.raises(errors.NotReady, match="ntransformerd is starting.*--wait"):
         s.schedule([1], GREEDY, max_tokens=1)
@@ -227,7 +229,7 @@ def test_steps_ask_for_the_most_likely_ids_their_samplers_need(tokenizer):
     assert engine.tops[-1] is None
     for _ in range(4):
         iterate(s)
-    assert a.generated == 3 and a.state != "decode"
+    assert a.generated == 3 and a.state != RequestState.DECODE
 
 
 # ---- failures: the loop outlives every request ------------------------------------------------
@@ -253,7 +255,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(tokenizer):
         assert len(_tokens(b)) == 4
     finally:
         s.stop()
-    assert len(engine.free) == 4 and s.lifecycle.state == SERVING
+    assert len(engine.free) == 4 and s.lifecycle.state == ServingState.SERVING
 
 
 def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
@@ -266,7 +268,7 @@ def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
     a.seq.accept = broken
     for _ in range(10):
         iterate(s)
-    assert a.state == b.state == "done"
+    assert a.state == b.state == RequestState.DONE
     with pytest.raises(errors.EngineFailed, match="sampling its next token.*KeyError"):
         list(a.stream())
     assert len(_tokens(b)) == 6 and len(engine.free) == 4
@@ -289,7 +291,7 @@ def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer
         with pytest.raises(errors.ModelFault, match="model 'Fake Llama' produced invalid logits.*NaN"):
             list(r.stream())
     assert len(_tokens(b)) == 6  # its rows were fine: it finishes
-    assert s.lifecycle.state == FAILED and len(faults) == 1 and "ntx-admin model load" in faults[0]
+    assert s.lifecycle.state == ServingState.FAILED and len(faults) == 1 and "ntx-admin model load" in faults[0]
     with pytest.raises(errors.NotReady, match="Fake Llama.*ntx-admin model load"):
         s.schedule([1], GREEDY, max_tokens=1)
     s.detach()
@@ -309,7 +311,7 @@ def test_inf_logits_of_a_whole_row_are_a_model_fault_too(tokenizer):
     iterate(s)
     with pytest.raises(errors.ModelFault, match=r"\+inf"):
         list(r.stream())
-    assert s.lifecycle.state == FAILED
+    assert s.lifecycle.state == ServingState.FAILED
 
 
 class _Pings:
@@ -322,7 +324,7 @@ class _Pings:
 
 def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
     pings = _Pings()
-    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock"), notifier=pings)
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", prefix_cache=False), notifier=pings)
     s.attach(FakeEngine(tokenizer, slots=2))
     s.lifecycle.serving()
 
@@ -361,9 +363,9 @@ def test_the_speculation_cost_table_is_measured_when_first_needed(tokenizer, mon
         assert iterate(s) == "idle"
     assert calls == [] and s.costs is None  # loads and idle time pay nothing
     r = s.schedule([1, 2, 3], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
-    assert r.state == "queued"
+    assert r.state == RequestState.QUEUED
     iterate(s)
-    assert calls == [engine] and r.state != "queued"  # measured first, then admitted
+    assert calls == [engine] and r.state != RequestState.QUEUED  # measured first, then admitted
     assert r.speculator.costs.verify == {1: 1.0, 2: 1.1, 4: 1.5}
     r.cancel()
     iterate(s)
@@ -383,7 +385,7 @@ def _pieces(tokenizer, n: int) -> tuple[list[int], list[str]]:
     queued: Request.stream would join them)."""
     s, _ = make(tokenizer, max_batch=1)
     r = s.schedule([5, 6], GREEDY, max_tokens=n)
-    while r.state != "done":
+    while r.state != RequestState.DONE:
         iterate(s)
     s.stop()
     outs = list(iter(r.outputs.get_nowait, None))
@@ -398,7 +400,7 @@ def test_a_stop_string_found_while_streaming_ends_the_request_as_if_at_once(toke
     params = SamplingParams.greedy(ignore_eos=True, stop=(stop,))
     r = s.schedule([5, 6], params, max_tokens=12)
     other = s.schedule([7], GREEDY, max_tokens=12)
-    while r.state != "done":
+    while r.state != RequestState.DONE:
         iterate(s)
     outs = list(r.stream())
     got = [i for o in outs for i in o.token_ids]
@@ -406,7 +408,7 @@ def test_a_stop_string_found_while_streaming_ends_the_request_as_if_at_once(toke
     assert got == ids[:first + 1], (got, ids)  # nothing the loop drew after the stop
     assert outs[-1].finish_reason == "stop" and stop not in "".join(o.text for o in outs)
     assert outs[-1].usage["completion_tokens"] == first + 1
-    while other.state != "done":
+    while other.state != RequestState.DONE:
         iterate(s)
     assert len(_tokens(other)) == 12 and len(engine.free) == 2
 
@@ -427,7 +429,7 @@ def test_slow_text_work_does_not_hold_the_steps_back(tokenizer):
             released.wait(120)  # a hang guard: released once the loop has run every step
         return push(token, finish)
     r.text.push = held_back
-    while r.state != "done":  # all 10 steps while no piece of text has been written
+    while r.state != RequestState.DONE:  # all 10 steps while no piece of text has been written
         iterate(s)
     released.set()
     assert on_the_loop == [], "the loop wrote the text itself"
@@ -440,7 +442,7 @@ def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
     """A host backend's step takes every core: the text runs on the loop's thread after the step,
     and the outputs are the same."""
     want = _pieces(tokenizer, 8)
-    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1)
+    config = DaemonConfig(socket="/tmp/x.sock", max_batch=1, prefix_cache=False)
     s = Scheduler(config=config, notifier=Notifier(environ={}))
     engine = FakeEngine(tokenizer, slots=1)
     engine.backend = types.SimpleNamespace(is_host=True)
@@ -448,7 +450,7 @@ def test_on_a_host_backend_the_text_runs_inline_with_the_same_output(tokenizer):
     s.lifecycle.serving()
     assert s.streamer.inline
     r = s.schedule([5, 6], GREEDY, max_tokens=8)
-    while r.state != "done":
+    while r.state != RequestState.DONE:
         iterate(s)
     assert r.outputs.qsize() == 8 + 1  # written by the loop itself: every output and the end are there
     outs = list(iter(r.outputs.get_nowait, None))
@@ -477,7 +479,7 @@ def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_run
     s.preempt = lambda cause: preempted.append(cause) or real(cause)
     reqs = [s.schedule(p, params, max_tokens=n) for p in prompts]
     for _ in range(2000):
-        if all(r.state == "done" for r in reqs):
+        if all(r.state == RequestState.DONE for r in reqs):
             break
         s.iterate()
     s.stop()
@@ -507,18 +509,19 @@ def test_steps_launched_ahead_give_the_outputs_of_solo_runs(default_model, monke
     launched, ended = [], []
     real = decode.launch
     monkeypatch.setattr(decode, "launch", lambda *a, **k: launched.append(1) or real(*a, **k))
-    release = s._release
+    close, reqs = s.prefix.close, []
 
-    def check(r):  # an ended sequence's slot holds its tokens but the last: no position run past its end
+    def check(slot, tokens, **kw):  # an ended sequence's slot holds its tokens but the last, none past its end
+        r = next(q for q in reqs if q.slot == slot)
         if r.seq.finish is not None:
             ended.append(r.seq.finish)
-            assert engine.length(r.slot) == len(r.seq.history) - 1, r.seq.finish
-        release(r)
-    s._release = check
+            assert engine.length(slot) == len(r.seq.history) - 1, r.seq.finish
+        close(slot, tokens, **kw)
+    s.prefix.close = check  # where a retired request's slot goes back
     try:
-        reqs = [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
+        reqs += [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
         for _ in range(3000):
-            if all(r.state == "done" for r in reqs):
+            if all(r.state == RequestState.DONE for r in reqs):
                 break
             s.iterate()
     finally:
@@ -567,10 +570,10 @@ def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(
     s.preempt = lambda cause: preempted.append(cause) or real(cause)
     reqs = [s.schedule(p, params, max_tokens=4) for p in prompts]
     for _ in range(500):
-        if all(r.state == "done" for r in reqs):
+        if all(r.state == RequestState.DONE for r in reqs):
             break
         s.iterate()
-        queued_behind.append(sum(1 for r in reqs if r.state == "queued"))
+        queued_behind.append(sum(1 for r in reqs if r.state == RequestState.QUEUED))
     s.stop()
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks

@@ -1,6 +1,7 @@
 """The servicer's face to clients (a real daemon on the default model): the model's id and the
 names it answers to, one range and one message for max_tokens, the field an INVALID_ARGUMENT is
-about, token text as OpenAI shows it, and the constraint's bound on digits."""
+about, token text as OpenAI shows it, the constraint's bound on digits, and a request's state in
+Status as the proto's enum."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from ntransformerd.server import servicer
 from ntx_client import Client
 from ntx_client.client import FIELD_METADATA, FieldError
-from ntx_client.paths import grpc_target
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.paths import grpc_target
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.states import RequestState
 
 ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
 CTX = 1024  # the session daemon's --max-ctx
@@ -113,6 +115,19 @@ def _piece_bytes(piece: str) -> bytes:
     if piece.startswith("bytes:"):
         return bytes(int(h, 16) for h in re.findall(r"\\x([0-9a-f]{2})", piece))
     return piece.encode()
+
+
+def test_status_lists_a_decoding_request_by_its_state(stub):
+    """A request that has streamed a token is DECODE in its sender's Status (RequestInfo.state,
+    the proto's RequestState)."""
+    stream = stub.Generate(pb.GenerateRequest(prompt="Count to a thousand:", max_tokens=CTX // 2, ignore_eos=True,
+                                              sampling=pb.SamplingParams(temperature=0)), timeout=300)
+    try:
+        next(stream)
+        (info,) = stub.Status(pb.StatusRequest(), timeout=60).requests
+        assert info.state == pb.REQUEST_STATE_DECODE and str(RequestState(info.state)) == "decode"
+    finally:
+        stream.cancel()
 
 
 def test_token_text_shows_a_part_of_a_character_as_its_bytes(stub):

@@ -90,6 +90,7 @@ class FakeNvmeTransport:
         self.contiguous_dma = not paged
         self._iova = IovaAllocator(base=0x10_0000_0000)
         self._pages: dict[int, tuple[np.ndarray, int]] = {}     # page addr -> (view, start)
+        self._region_pages: dict[int, list[int]] = {}          # id(region) -> its page addrs
         self._rng = random.Random(seed)
         self._next_phys = 0x1000_0000
         self.regions: list[DmaRegion] = []
@@ -128,7 +129,7 @@ class FakeNvmeTransport:
             region = ContiguousDmaRegion(view, base, owned=owned)
         for i, a in enumerate(addrs):
             self._pages[a] = (view, i * PAGE_SIZE)
-        region._sim_pages = addrs
+        self._region_pages[id(region)] = addrs
         self.regions.append(region)
         return region
 
@@ -152,7 +153,7 @@ class FakeNvmeTransport:
         if not region.mapped:
             raise ValueError("DMA region freed twice")
         region.mapped = False
-        for a in region._sim_pages:
+        for a in self._region_pages.pop(id(region)):
             del self._pages[a]
         if isinstance(region, ContiguousDmaRegion):
             self._iova.free(region.iova_base)

@@ -79,7 +79,7 @@ def _budgets(model_path):
     m = GGUFModel(model_path)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
     fixed = sum(t.nbytes for n, t in m.tensors.items() if not n.startswith("blk."))
-    kv, _ = tiers._kv_work(m, EngineConfig(max_batch=2, max_ctx=128), "cpu")
+    kv, _ = tiers.kv_and_workspace(m, EngineConfig(max_batch=2, max_ctx=128), "cpu")
     vram, ram = fixed + kv + 2 * layer + (1 << 20), 3 * layer + (1 << 16)
     plan = tiers.model_plan(m, EngineConfig(max_batch=2, max_ctx=128, vram_budget=vram, pinned_budget=ram), backend="cpu")
     storage = plan.layers(tiers.STORAGE)
@@ -110,7 +110,7 @@ class Running:
 
     def wait(self, timeout=120):
         end = time.monotonic() + timeout
-        while time.monotonic() < end and not self.daemon._stop.is_set():
+        while time.monotonic() < end and not self.daemon.stopping.is_set():
             if any(m.startswith("READY=1") for m in self.notifier.messages):
                 return
             time.sleep(0.05)
@@ -220,7 +220,7 @@ def test_drive_error_mid_stream_fails_with_unavailable_then_serves_again(drive, 
 def test_staged_copy_of_another_model_is_refused_with_exit_2(drive, tmp_path):
     r = Running(_config(tmp_path, "ref", model=drive["other"], storage=f"nvme:{SERIAL}"), drive, tmp_path)
     try:
-        assert r.daemon._stop.wait(60)
+        assert r.daemon.stopping.wait(60)
         assert r.daemon.exit_code == 2
         said = "\n".join(r.notifier.messages)
         assert "STATUS=refused: nvme ntxfake at fake holds a staged copy of six.gguf" in said, said
@@ -283,7 +283,7 @@ def test_a_drive_that_never_comes_up_exits_1_after_the_bounded_retries(tmp_path,
     r = Running(_config(tmp_path, "dead", storage=f"nvme:{SERIAL}", nvme_retries=3), {"transport": broken},
                 tmp_path)
     try:
-        assert r.daemon._stop.wait(60)
+        assert r.daemon.stopping.wait(60)
         assert r.daemon.exit_code == 1 and len(attempts) == 3
         # a growing pause between the attempts: 1 s, then 2 s
         assert re.search(r"attempt 1/3 failed: .*; again in 1 s", caplog.text), caplog.text

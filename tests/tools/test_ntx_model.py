@@ -258,10 +258,10 @@ def test_one_default_temperature_and_chat_penalty():
     assert SamplingParams().temperature == DEFAULT_TEMPERATURE  # the daemon's default for an unset one
     run = build_parser().parse_args(["run", "--prompt", "x"])
     gen = cli.parser().parse_args(["generate", "x"])
-    assert run.temperature == cli._sampling(gen)["temperature"] == DEFAULT_TEMPERATURE
-    assert _sampling(run).repetition_penalty == 1.0 and cli._sampling(gen)["repetition_penalty"] is None
+    assert run.temperature == cli.sampling_options(gen)["temperature"] == DEFAULT_TEMPERATURE
+    assert _sampling(run).repetition_penalty == 1.0 and cli.sampling_options(gen)["repetition_penalty"] is None
     chat_run = build_parser().parse_args(["run", "--prompt", "x", "--chat", "--temperature", "0"])
-    assert _sampling(chat_run).repetition_penalty == CHAT_REPETITION_PENALTY == cli._sampling(gen, chat=True)[
+    assert _sampling(chat_run).repetition_penalty == CHAT_REPETITION_PENALTY == cli.sampling_options(gen, chat=True)[
         "repetition_penalty"]
     off = build_parser().parse_args(["run", "--prompt", "x", "--chat", "--repeat-penalty", "1", "--presence-penalty",
                                      "0.5"])

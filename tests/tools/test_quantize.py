@@ -243,13 +243,13 @@ def _write_small_model(path: Path, rng) -> dict[str, np.ndarray]:
     return data
 
 
-def test_quantize_file_small_model_in_many_slabs(tmp_path, monkeypatch):
+def test_quantize_file_small_model_in_many_slabs(tmp_path):
     rng, seed = _fresh_rng()
     src, dst = tmp_path / "src.gguf", tmp_path / "dst.gguf"
     data = _write_small_model(src, rng)
-    monkeypatch.setattr(qz, "_ROW_CHUNK_ELEMS", 1000)  # a few rows per slab: exercises the seams
     seen = []
-    qz.quantize_file(str(src), str(dst), "q4_k_m", progress=lambda d, t, n: seen.append((d, t, n)))
+    qz.quantize_file(str(src), str(dst), "q4_k_m", progress=lambda d, t, n: seen.append((d, t, n)),
+                     slab_elems=1000)  # a few rows per slab: exercises the seams
     r = gguf.GGUFReader(str(dst))
     types = {t.name: t.tensor_type for t in r.tensors}
     assert types["rope_freqs.weight"] == Q.F32 and types["output_norm.weight"] == Q.F32

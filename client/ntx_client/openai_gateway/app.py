@@ -47,6 +47,7 @@ from ntx_client.openai_gateway import protocol
 from ntx_client.openai_gateway import tools as tools_
 from ntx_client.openai_gateway.errors import APIError, bad_request, from_ntx, shown
 from ntx_client.openai_gateway.metrics import Metrics
+from ntx_proto.states import ServingState
 
 log = logging.getLogger("ntx-openai")
 
@@ -434,7 +435,7 @@ class Gateway:
             if isinstance(s, BaseException):
                 daemons.append({"target": target, "state": "unreachable", "error": str(s) or type(s).__name__})
             else:
-                daemons.append({"target": target, "state": _STATE_NAMES.get(s.state, "unknown"), "model": s.model,
+                daemons.append({"target": target, "state": ServingState(s.state).name.lower(), "model": s.model,
                                 "live_requests": s.live_requests, "queued_requests": s.queued_requests})
         ok = any(d["state"] == "serving" for d in daemons)
         return JSONResponse({"status": "ok" if ok else "unavailable", "daemons": daemons},
@@ -444,9 +445,6 @@ class Gateway:
         self.authorize_monitoring(request)
         body, content_type = self.metrics.render(await self.daemons.statuses())
         return Response(body, media_type=content_type)
-
-
-_STATE_NAMES = {1: "no_model", 2: "loading", 3: "serving", 4: "draining", 5: "failed"}
 
 
 def create_app(config: GatewayConfig) -> Starlette:

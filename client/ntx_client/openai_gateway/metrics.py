@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb
+from ntx_proto.states import ServingState
 
 
 class _DaemonStatus:
@@ -45,7 +45,7 @@ class _DaemonStatus:
             if isinstance(s, BaseException):
                 up.add_metric([target], 0)
                 continue
-            up.add_metric([target], 1 if s.state == pb.SERVING_STATE_SERVING else 0)
+            up.add_metric([target], 1 if s.state == ServingState.SERVING else 0)
             for name, g in gauges.items():
                 g.add_metric([target], getattr(s, name))
             counters["requests"].add_metric([target], s.requests_total)

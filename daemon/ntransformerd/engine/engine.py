@@ -22,13 +22,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ntransformerd.engine import backends, tiers
+from ntransformerd.engine import backends, kv_cache, tiers
 from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
 from ntransformerd.engine import figures
 from ntransformerd.engine.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.layer_skip import parse_skip
 from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.report import EngineReport, KVReport, PlacementReport, TierShare
 from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
 from ntransformerd.engine.tiers.sources import Source
 from ntransformerd.engine.tiers.placement import Steering, save_figures
@@ -215,6 +216,42 @@ class Engine:
         or None for a plan without the host beside the main device."""
         st = self.pipeline.steering
         return st.schedule if st is not None else getattr(self.plan, "schedule", None)
+
+    def report(self) -> EngineReport:
+        """Where the layers are, the KV pool, the placements and their steps (for Status)."""
+        plan, n = self.plan, self.cfg.n_layers
+        if plan is not None:  # the tier plan: layers and bytes per tier
+            tiers_ = tuple(TierShare("resident" if name == "vram" and self.backend.is_host else name,
+                                     plan.tiers.count(name),
+                                     sum(b for t, b in zip(plan.tiers, plan.layer_bytes) if t == name))
+                           for name in dict.fromkeys(plan.tiers))
+            explained = plan.explain()
+        else:
+            tier = "ram" if self.backend.is_host else "vram"
+            tiers_ = (TierShare(tier, n, sum(self.model.layer_bytes(i) for i in range(n))),)
+            explained = f"all {n} layers resident in {tier} ({self.backend_name} backend)"
+        first = self.pipeline.stages[0].kv
+        table = (first.cache if isinstance(first, HomeKV) else first).blocks  # the first device's pool
+        pool = plan.kv if plan is not None else None
+        dtype = self.config.kv_dtype
+        kv = KVReport(dtype=dtype, bytes_per_token=kv_cache.bytes_per_token(self.cfg, dtype),
+                      max_ctx=self.max_ctx, resident_layers=len(plan.layers("vram")) if plan is not None else n,
+                      resident_by_dtype=dict(pool.resident) if pool is not None else {},
+                      block_size=table.block_size, blocks=table.n_blocks, used_blocks=table.used_blocks,
+                      shared_blocks=table.shared_blocks, spill_limit=table.spill_limit, spilled_bytes=table.spill_bytes,
+                      spilled_blocks_total=table.stats["spilled"], restored_blocks_total=table.stats["restored"])
+        placements = []
+        for p in self.schedule.placements if self.schedule is not None else ():
+            k = self.pipeline.layout.entry(p.rows)
+            steps, seconds = self.pipeline.step_times[k] if k < len(self.pipeline.step_times) else (0, 0.0)
+            placements.append(PlacementReport(
+                rows=p.rows, host_layers=tuple(p.host_layers),
+                link_layers=sum(t in ("pinned", "storage") for t in p.tiers), predicted_seconds=p.time.seconds,
+                measured_seconds=seconds / steps if steps else 0.0, steps=steps))
+        pinned = plan.bytes("pinned") if plan is not None and not self.backend.is_host else 0
+        return EngineReport(backend=self.backend_name, tiers=tiers_, plan=explained, kv=kv,
+                            placements=tuple(placements), pinned_bytes=int(pinned),
+                            skip_layers=tuple(self.config.skip_layers or ()))
 
     @property
     def steps(self):

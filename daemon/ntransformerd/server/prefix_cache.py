@@ -32,6 +32,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from ntransformerd.server.policy import common_prefix
+from ntransformerd.server.served import KVSlots
+
 SHARE = ("none", "group", "all")  # prefix_cache_share
 
 Live = Sequence[tuple[int, Sequence[int], object]]  # (slot, token ids in its KV, its caller)
@@ -47,21 +50,12 @@ def scope(caller, share: str) -> str:
     return caller.id
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PrefixCache:
-    def __init__(self, engine, *, enabled: bool, share: str = "none"):
+    def __init__(self, engine: KVSlots, *, enabled: bool, share: str = "none"):
         if share not in SHARE:
             raise ValueError(f"prefix_cache_share {share!r}: use none, group or all")
         self.engine = engine
-        # an engine without copy_prefix (a test double) has no way to share KV
-        self.enabled = enabled and hasattr(engine, "copy_prefix")
+        self.enabled = enabled
         self.share = share
         # free slot → (its scope, its tokens), least recently freed first
         self.held: collections.OrderedDict[int, tuple[str, list[int]]] = collections.OrderedDict()
@@ -149,8 +143,7 @@ class PrefixCache:
     def _kept(self, slot: int, n: int) -> int:
         """How many of a held slot's n positions its KV still holds (a paged pool may have
         reclaimed its blocks since it was parked)."""
-        kept = getattr(self.engine, "kept", None)
-        return n if kept is None else min(n, kept(slot))
+        return min(n, self.engine.kept(slot))
 
     def _ours(self, live: Live, key: str) -> list[tuple[int, Sequence[int]]]:
         return [(slot, tokens) for slot, tokens, c in live if scope(c, self.share) == key]

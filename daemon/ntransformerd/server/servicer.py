@@ -17,15 +17,16 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from ntransformerd.engine import constraints, kv_cache
+from ntransformerd.engine import constraints
 from ntransformerd.engine.backends import BACKENDS
+from ntransformerd.engine.report import EngineReport, KVReport
 from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
 from ntransformerd.engine.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
-from ntransformerd.server.scheduler import Scheduler, SchedulerStatus, model_name  # noqa: F401 (daemon.py's)
-from ntx_client.client import FIELD_METADATA, piece_text
-from ntx_client.proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntransformerd.server.scheduler import Scheduler, SchedulerStatus
+from ntx_proto.ntransformer.v1 import admin_pb2, admin_pb2_grpc, inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.wire import FIELD_METADATA, piece_text
 
 log = logging.getLogger("ntransformerd")
 
@@ -392,28 +393,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return status_response(self.scheduler, self.daemon, self.identify(context))
 
 
-def model_info(engine) -> pb.ModelInfo:
+def model_info(engine, report: EngineReport | None = None) -> pb.ModelInfo:
     md, cfg = engine.model.metadata, engine.cfg
+    report = report or engine.report()
     scalars = {k: str(v) for k, v in md.items()
                if isinstance(v, (str, int, float, bool)) and k != "tokenizer.chat_template" and len(str(v)) < 512}
-    tier_plan = getattr(engine, "plan", None)
-    if tier_plan is not None:  # the engine's own plan (engine.tiers): layers and bytes per tier
-        tiers = []
-        for name in dict.fromkeys(tier_plan.tiers):
-            idx = [i for i, t in enumerate(tier_plan.tiers) if t == name]
-            shown = "resident" if name == "vram" and engine.backend_name == "cpu" else name
-            tiers.append(pb.TierPlan.Tier(name=shown, layers=len(idx),
-                                          bytes=sum(tier_plan.layer_bytes[i] for i in idx)))
-        plan = pb.TierPlan(tiers=tiers, explanation=tier_plan.explain())
-    else:
-        layer_bytes = sum(engine.model.layer_bytes(i) for i in range(cfg.n_layers))
-        tier = "vram" if engine.backend_name == "cuda" else "ram"
-        plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=tier, layers=cfg.n_layers, bytes=layer_bytes)],
-                           explanation=f"all {cfg.n_layers} layers resident in {tier} ({engine.backend_name} backend)")
+    plan = pb.TierPlan(tiers=[pb.TierPlan.Tier(name=t.name, layers=t.layers, bytes=t.bytes) for t in report.tiers],
+                       explanation=report.plan)
     return pb.ModelInfo(name=model_id(engine.model.path, md), aliases=model_aliases(engine.model.path, md),
                         path=engine.model.path, architecture=str(md.get("general.architecture", "")),
                         file_bytes=engine.model.file_size, n_layers=cfg.n_layers, context_length=engine.max_ctx,
-                        vocab_size=cfg.vocab_size, backend=engine.backend_name,
+                        vocab_size=cfg.vocab_size, backend=report.backend,
                         has_chat_template=bool(md.get("tokenizer.chat_template")), plan=plan, metadata=scalars,
                         description=f"{md.get('general.name', '')} {md.get('general.size_label', '')}".strip())
 
@@ -426,17 +416,14 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _engine_memory(engine) -> tuple[int, int]:
-    """(VRAM, pinned host RAM) bytes of the engine: on the cuda backend what CuPy's device pool
-    holds (every device allocation goes through it) and the layers the tier plan keeps in
-    pinned RAM; the cpu backend holds neither."""
-    if engine is None or engine.backend_name != "cuda":
-        return 0, 0
+def _vram_bytes(report: EngineReport) -> int:
+    """What CuPy's device pool holds on the cuda backend (every device allocation goes through
+    it); 0 on the cpu backend."""
+    if report.backend != "cuda":
+        return 0
     import cupy  # lazy: optional (the [gpu] extra), here only on the cuda backend
 
-    plan = getattr(engine, "plan", None)
-    pinned = plan.bytes("pinned") if plan is not None else 0
-    return int(cupy.get_default_memory_pool().total_bytes()), int(pinned)
+    return int(cupy.get_default_memory_pool().total_bytes())
 
 
 def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) -> pb.StatusResponse:
@@ -462,19 +449,20 @@ def status_response(scheduler: Scheduler, daemon, caller: Caller | None = None) 
                           prefix_evictions_total=s.prefix_evictions_total,
                           prefix_cached_slots=s.prefix_cached_slots, prefix_cache=cfg.prefix_cache,
                           prefix_cache_share=cfg.prefix_cache_share)
-    r.vram_bytes, r.pinned_bytes = _engine_memory(engine)
     sp = s.speculation
-    r.skip_layers.extend(s.skip_layers)
     r.speculation.CopyFrom(pb.SpeculationStatus(
         default_mode=sp.default_mode, draft_model=sp.draft_model, passes=sp.passes, proposed=sp.proposed,
         accepted=sp.accepted, acceptance=sp.acceptance, tokens_per_pass=sp.tokens_per_pass,
         cost_table=json.dumps(sp.costs.to_dict()) if sp.costs is not None else ""))
     if engine is not None:
-        r.kv.CopyFrom(kv_status(engine))
-        r.placements.extend(placements(engine))
-        info = model_info(engine)
+        report = engine.report()
+        r.vram_bytes, r.pinned_bytes = _vram_bytes(report), report.pinned_bytes
+        r.skip_layers.extend(report.skip_layers)
+        r.kv.CopyFrom(_kv(report.kv))
+        r.placements.extend(_placements(report))
+        info = model_info(engine, report)
         r.model, r.backend = info.name, info.backend
-        storage = daemon.storage_stats()
+        storage = daemon.models.storage_stats()
         for t in info.plan.tiers:  # each step reads every layer once
             tier = r.tiers.add(name=t.name, layers=t.layers, bytes=t.bytes,
                                bytes_per_second=t.bytes * s.steps_per_second)
@@ -491,48 +479,31 @@ def _same_sender(owner: Caller | None, caller: Caller) -> bool:
 
 def kv_status(engine) -> pb.KVStatus:
     """The KV pool of the engine's (first) device and what its plan weighed: the layers resident
-    with each KV type at that pool. Counters only: read from this thread while the scheduler's
-    owns the cache."""
-    kv = getattr(engine, "kv", None)
-    stages = getattr(getattr(engine, "pipeline", None), "stages", None)
-    cache = kv
-    if getattr(kv, "blocks", None) is None and stages:  # several devices (tiers/runs.py: DeviceKV): the first's
-        cache = stages[0].kv.cache
-    table = getattr(cache, "blocks", None)
-    dtype = engine.config.kv_dtype
-    per_token = kv_cache.bytes_per_token(engine.cfg, dtype)
-    plan = getattr(engine, "plan", None)
-    pool = getattr(plan, "kv", None)
-    out = pb.KVStatus(dtype=dtype, bytes_per_token=per_token, max_ctx=engine.max_ctx,
-                      resident_layers=len(plan.layers("vram")) if plan is not None else engine.cfg.n_layers,
-                      resident_by_dtype=dict(pool.resident) if pool is not None else {})
-    if table is not None:  # a paged cache (kv_cache.BlockTable)
-        out.block_size, out.blocks = table.block_size, table.n_blocks
-        out.pool_tokens = table.n_blocks * table.block_size
-        out.pool_bytes = out.pool_tokens * per_token
-        out.used_blocks, out.shared_blocks = table.used_blocks, table.shared_blocks
-        out.spill_limit_bytes, out.spilled_bytes = table.spill_limit, table.spill_bytes
-        out.spilled_blocks_total, out.restored_blocks_total = table.stats["spilled"], table.stats["restored"]
-    return out
+    with each KV type at that pool."""
+    return _kv(engine.report().kv)
+
+
+def _kv(kv: KVReport) -> pb.KVStatus:
+    pool_tokens = kv.blocks * kv.block_size
+    return pb.KVStatus(dtype=kv.dtype, bytes_per_token=kv.bytes_per_token, max_ctx=kv.max_ctx,
+                       resident_layers=kv.resident_layers, resident_by_dtype=kv.resident_by_dtype,
+                       block_size=kv.block_size, blocks=kv.blocks, pool_tokens=pool_tokens,
+                       pool_bytes=pool_tokens * kv.bytes_per_token, used_blocks=kv.used_blocks,
+                       shared_blocks=kv.shared_blocks, spill_limit_bytes=kv.spill_limit, spilled_bytes=kv.spilled_bytes,
+                       spilled_blocks_total=kv.spilled_blocks_total, restored_blocks_total=kv.restored_blocks_total)
 
 
 def placements(engine) -> list[pb.Placement]:
     """Where the layers run at each step shape of a plan with the host computing beside the GPU:
     the prediction of the placement now (it follows the steps) and the steps measured since the
     load. Empty for other plans."""
-    schedule = getattr(engine, "schedule", None)
-    pipeline = getattr(engine, "pipeline", None)
-    if schedule is None or pipeline is None:
-        return []
-    out = []
-    for p in schedule.placements:
-        k = pipeline.layout.entry(p.rows)
-        n, seconds = pipeline.step_times[k] if k < len(pipeline.step_times) else (0, 0.0)
-        out.append(pb.Placement(rows=p.rows, host_layers=p.host_layers,
-                                link_layers=sum(1 for t in p.tiers if t in ("pinned", "storage")),
-                                predicted_step_seconds=p.time.seconds, measured_step_seconds=seconds / n if n else 0.0,
-                                steps=n))
-    return out
+    return _placements(engine.report())
+
+
+def _placements(report: EngineReport) -> list[pb.Placement]:
+    return [pb.Placement(rows=p.rows, host_layers=p.host_layers, link_layers=p.link_layers,
+                         predicted_step_seconds=p.predicted_seconds, measured_step_seconds=p.measured_seconds,
+                         steps=p.steps) for p in report.placements]
 
 
 def tier_counters(tier: pb.TierStatus, st: dict) -> None:
@@ -555,11 +526,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if request.path and not os.path.isfile(request.path):
             raise errors.InvalidRequest(f"no model file at {errors.shown(request.path, 300)}: give the path of a "
                                         ".gguf file")
-        return model_info(self.daemon.load_model(request.path or None, request.backend or None))
+        return model_info(self.daemon.models.load(request.path or None, request.backend or None))
 
     @rpc
     def UnloadModel(self, request, context):
-        self.daemon.unload_model(request.timeout_seconds or self.daemon.config.drain_timeout)
+        self.daemon.models.unload(request.timeout_seconds or self.daemon.config.drain_timeout)
         return admin_pb2.UnloadModelResponse()
 
     @rpc

@@ -173,7 +173,7 @@ class Drive:
         if self.staged is None:
             raise StorageUnavailable(f"{self.describe} is not up: retry once ntransformerd is serving "
                                      "again (systemctl status ntransformerd)")
-        return StorageHandle(self.staged, kind=self.config.storage, name=self.describe, on_error=self.failed)
+        return StorageHandle.for_drive(self.staged, kind=self.config.storage, name=self.describe, on_error=self.failed)
 
     def staged_model(self):
         """(GGUFModel, fill) of the model on the drive alone: a sparse in-memory image (memfd)
@@ -226,11 +226,13 @@ class StorageHandle(Source):
 
     alignment = PAGE
 
-    def __init__(self, inner, *, kind: str, name: str, on_error: Callable[[BaseException], None] | None = None,
-                 owns: bool = False):
+    def __init__(self, inner, *, kind: str, name: str, drive: bool,
+                 on_error: Callable[[BaseException], None] | None = None, owns: bool = False):
+        """inner: a file Source (engine/tiers/sources.py), or with `drive` the staged NVMe drive
+        (ntx_system.source.NvmeStagedSource), which DMAs into the buffers registered with it."""
         self.inner, self.kind, self.name, self._on_error, self._owns = inner, kind, name, on_error, owns
-        self._nvme = hasattr(inner, "register_buffer")
-        self.alignment = PAGE if self._nvme else getattr(inner, "alignment", PAGE)
+        self._nvme = drive
+        self.alignment = PAGE if drive else inner.alignment
         self._registered: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.bytes = self.reads = self.errors = 0
@@ -240,7 +242,14 @@ class StorageHandle(Source):
     @classmethod
     def for_file(cls, kind: str, path: str) -> "StorageHandle":
         """A handle that owns a file source (file | odirect | mmap) of `path`."""
-        return cls(open_source(kind, path), kind=kind, name=f"{kind} {path}", owns=True)
+        return cls(open_source(kind, path), kind=kind, name=f"{kind} {path}", drive=False, owns=True)
+
+    @classmethod
+    def for_drive(cls, staged: NvmeStagedSource, *, kind: str, name: str,
+                  on_error: Callable[[BaseException], None] | None = None) -> "StorageHandle":
+        """A handle on the staged drive (the Drive keeps it open: closing the handle unmaps only
+        the buffers this engine registered)."""
+        return cls(staged, kind=kind, name=name, drive=True, on_error=on_error)
 
     def register(self, dest: np.ndarray) -> None:
         if self._nvme and self.inner.register_buffer(dest):

@@ -31,8 +31,7 @@ from ntransformerd.tools import quality
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 from ntransformerd.tools.quantize import quantize_file, requantized
 from ntransformerd.tools.synth import FTYPES, SHAPES, synthesize
-from ntx_client.cli import StatusLine
-from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE
+from ntx_proto.cli import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, StatusLine
 from ntx_system import config_file
 
 EXAMPLES = """\

@@ -482,7 +482,7 @@ def plan_types(tensors: list[tuple[str, tuple[int, ...]]], ftype: str, *, n_laye
 
 # ------------------------------------------------------------------ whole-file rewrite
 
-_ROW_CHUNK_ELEMS = 1 << 24  # float32 elements dequantized per pass (64 MB)
+SLAB_ELEMS = 1 << 24  # float32 elements dequantized per pass (64 MB)
 _SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization_version",
               "split.no", "split.count", "split.tensors.count")
 
@@ -531,15 +531,16 @@ def requantized(src: str, ftype: str, *, n_layers: int | None = None) -> dict[st
             and plan[t.name] != t.tensor_type}
 
 
-def quantize_file(src: str, dst: str, ftype: str, *,
-                  progress: Callable[[int, int, str], None] | None = None, n_layers: int | None = None) -> None:
+def quantize_file(src: str, dst: str, ftype: str, *, progress: Callable[[int, int, str], None] | None = None,
+                  n_layers: int | None = None, slab_elems: int = SLAB_ELEMS) -> None:
     """Requantize the GGUF at `src` to `ftype` (see FTYPES), writing `dst`.
 
     Metadata is copied (general.file_type and general.quantization_version updated); each
     tensor's type comes from `plan_types`. A tensor already of its target type is copied
     byte for byte; others are dequantized with gguf.quants and requantized, a slab of rows at
-    a time, so memory stays near one slab whatever the model size. `progress(done_bytes,
-    total_bytes, tensor_name)` is called after each slab with bytes written to `dst`.
+    a time (about `slab_elems` float32 elements), so memory stays near one slab whatever the
+    model size. `progress(done_bytes, total_bytes, tensor_name)` is called after each slab with
+    bytes written to `dst`.
     `n_layers` keeps only the first n blocks (a slice of a real model small enough to carry
     to a test machine; the rest of the model is unchanged). `dst` is written in place: the
     ntx-model commands write into a temporary file and rename it (tools.atomic).
@@ -593,9 +594,9 @@ def quantize_file(src: str, dst: str, ftype: str, *,
             fout.write(b"\0" * (-fout.tell() % align))
             raw = t.data.reshape(rows, -1)  # memory-mapped source rows
             if t.tensor_type == qtype:
-                step = max(1, (_ROW_CHUNK_ELEMS * 4) // max(1, raw.shape[1]))
+                step = max(1, (slab_elems * 4) // max(1, raw.shape[1]))
             else:
-                step = max(1, _ROW_CHUNK_ELEMS // cols)
+                step = max(1, slab_elems // cols)
             for r0 in range(0, rows, step):
                 part = raw[r0:r0 + step]
                 if t.tensor_type == qtype:

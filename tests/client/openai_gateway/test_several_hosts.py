@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ntx_client import Client, TLS
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
+from ntx_proto.ntransformer.v1 import inference_pb2 as pb, inference_pb2_grpc
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

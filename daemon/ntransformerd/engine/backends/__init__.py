@@ -158,8 +158,9 @@ def settle(backend, *, kv_dtype: str, storage, asked: str | None = None) -> str:
     return backend.kv_dtypes[0] if kv_dtype == "auto" else kv_dtype
 
 
-def _optional(module: str):
-    """The backend module, or None where its package or dependency is not installed."""
+def backend_module(module: str):
+    """The backend module (backends.cuda, backends.host), or None where its package or its
+    dependency is not installed; resolve() asks here, and a test stands a fake module in."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -173,16 +174,16 @@ def resolve(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "auto":
-        gpu = _optional("ntransformerd.engine.backends.cuda")
+        gpu = backend_module("ntransformerd.engine.backends.cuda")
         return resolve("cuda" if gpu is not None and gpu.available() else "cpu")
     if name == "cuda":
-        gpu = _optional("ntransformerd.engine.backends.cuda")
+        gpu = backend_module("ntransformerd.engine.backends.cuda")
         if gpu is None or not gpu.available():
             raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU "
                                "(pip install 'ntransformer[gpu]'); use --backend cpu")
         return Cuda(gpu)
     if name == "cpu":
-        host = _optional("ntransformerd.engine.backends.host")
+        host = backend_module("ntransformerd.engine.backends.host")
         if host is not None and host.available():
             return Host(host)
         _fallback("installed" if host is None else "available on this machine")

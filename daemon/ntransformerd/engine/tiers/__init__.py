@@ -101,8 +101,9 @@ def kv_pool(cfg, config, backend: str, *, layer_bytes: list[int], room: float, d
     return pool(share, f"{KV_SHARE:.0%} of the room for layers and KV (layers stream)")
 
 
-def _kv_work(model, config, backend: str) -> tuple[int, int]:
-    """(KV cache bytes of all layers, workspace bytes) on `backend` without a VRAM limit."""
+def kv_and_workspace(model, config, backend: str) -> tuple[int, int]:
+    """(KV cache bytes of all layers, workspace bytes) a plan sets aside on `backend` before any
+    VRAM limit: what a budget must hold beside the layers."""
     kv, work, _ = _kv_pool_work(model, config, backend)
     return kv, work
 

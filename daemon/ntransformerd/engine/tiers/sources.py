@@ -5,7 +5,9 @@ Host memory (`HostMemory`: alloc, alignment, is_host) gives the buffers; a stora
 
     MmapSource      the page cache, one memcpy (the fallback)
     ODirectSource   O_DIRECT preads by a thread pool into aligned buffers (bypasses the cache)
-    NvmeSource      the VFIO NVMe driver (ntx_system.source.NvmeStagedSource) reading a staged copy
+
+The staged NVMe drive is a Source too, but the engine never opens it: the daemon brings the drive
+up (server/storage.py, through ntx_system's driver) and hands its engine the opened source.
 
 Every source speaks GGUF file offsets. `plan_reads` turns a layer's tensors into as few aligned
 reads as the file allows (one span when the layer's tensors are contiguous, as llama.cpp and our
@@ -22,8 +24,6 @@ import threading
 import time
 
 import numpy as np
-
-from ntx_system.source import NvmeStagedSource
 
 PAGE = 4096
 ODIRECT_ALIGN = 4096  # offset, length and buffer address of an O_DIRECT read
@@ -168,43 +168,13 @@ class ODirectSource(Source):
             self.fd = -1
 
 
-class NvmeSource(Source):
-    """The VFIO NVMe driver's staged model (ntx_system.source.NvmeStagedSource) as a source.
-
-    Its read_into takes GGUF offsets already; registering the staging buffers lets it DMA
-    straight into them. One queue pair: reads are serialized by the driver's own lock.
-    """
-
-    name = "nvme"
-    alignment = PAGE
-
-    def __init__(self, staged):
-        self.staged = staged
-
-    @classmethod
-    def open(cls, pci_address: str, **kw) -> "NvmeSource":
-        return cls(NvmeStagedSource.open(pci_address, **kw))
-
-    def register(self, dest: np.ndarray) -> None:
-        self.staged.register_buffer(dest)
-
-    def unregister(self, dest: np.ndarray) -> None:
-        self.staged.unregister_buffer(dest)
-
-    def read_into(self, offset: int, length: int, dest: np.ndarray) -> None:
-        self.staged.read_into(offset, length, dest[:length])
-
-    def close(self) -> None:
-        self.staged.close()
-
-
 SOURCES = ("file", "odirect", "mmap")
 
 
 def open_source(kind, path: str, **kw) -> Source:
-    """'odirect' (default for storage tiers; 'file' is the same), 'mmap', 'nvme:PCI_ADDRESS',
-    or a Source already opened by the caller (the daemon's handle on its NVMe drive), which is
-    returned as it is: whoever opened it closes the device."""
+    """'odirect' (default for storage tiers; 'file' is the same), 'mmap', or a Source already
+    opened by the caller (the daemon's handle on its NVMe drive), which is returned as it is:
+    whoever opened it closes the device."""
     if isinstance(kind, Source):
         return kind
     if kind in ("odirect", "file"):
@@ -212,8 +182,10 @@ def open_source(kind, path: str, **kw) -> Source:
     if kind == "mmap":
         return MmapSource(path)
     if kind.startswith("nvme:"):
-        return NvmeSource.open(kind.split(":", 1)[1])
-    raise ValueError(f"storage source {kind!r} is not one of file, odirect, mmap, nvme:PCI_ADDRESS")
+        raise ValueError(f"storage = {kind!r} is a staged NVMe drive, which ntransformerd brings up and hands "
+                         "to its engine: serve the model through the daemon, or read its file here "
+                         "(storage = file, odirect or mmap)")
+    raise ValueError(f"storage source {kind!r} is not one of file, odirect, mmap")
 
 
 # ---- reads of one layer ---------------------------------------------------------------------

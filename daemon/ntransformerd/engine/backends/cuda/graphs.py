@@ -25,6 +25,7 @@ replays without waiting for the stream's copies.
 from __future__ import annotations
 
 import logging
+import types
 
 import numpy as np
 
@@ -86,6 +87,12 @@ class StepGraphs:
         self.pdl = self.s.pdl if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._buckets: dict[tuple, _Bucket] = {}
+
+    @property
+    def captured(self) -> types.MappingProxyType:
+        """The buckets made so far, read-only, by key (R, T, layers or None for the plan's,
+        piece?): each with its `graph` (None where it runs eagerly) and `piece`."""
+        return types.MappingProxyType(self._buckets)
 
     # ---- which steps a bucket serves -----------------------------------------------------------
 

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from ntx_client.proto.ntransformer.v1 import admin_pb2 as ntransformer_dot_v1_dot_admin__pb2
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as ntransformer_dot_v1_dot_inference__pb2
+from ntx_proto.ntransformer.v1 import admin_pb2 as ntransformer_dot_v1_dot_admin__pb2
+from ntx_proto.ntransformer.v1 import inference_pb2 as ntransformer_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

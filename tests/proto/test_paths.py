@@ -3,7 +3,7 @@
 import os
 import re
 
-from ntx_client import paths
+from ntx_proto import paths
 
 
 def test_socket_path_precedence(monkeypatch, tmp_path):

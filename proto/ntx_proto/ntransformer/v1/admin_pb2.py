@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as ntransformer_dot_v1_dot_inference__pb2
+from ntx_proto.ntransformer.v1 import inference_pb2 as ntransformer_dot_v1_dot_inference__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bntransformer/v1/admin.proto\x12\x0fntransformer.v1\x1a\x1fntransformer/v1/inference.proto\"1\n\x10LoadModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"-\n\x12UnloadModelRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"\x15\n\x13UnloadModelResponse\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"4\n\rDrainResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x05\x12\x11\n\tcancelled\x18\x02 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"*\n\x0fShutdownRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"\x12\n\x10ShutdownResponse2\x91\x03\n\x05\x41\x64min\x12J\n\tLoadModel\x12!.ntransformer.v1.LoadModelRequest\x1a\x1a.ntransformer.v1.ModelInfo\x12X\n\x0bUnloadModel\x12#.ntransformer.v1.UnloadModelRequest\x1a$.ntransformer.v1.UnloadModelResponse\x12\x46\n\x05\x44rain\x12\x1d.ntransformer.v1.DrainRequest\x1a\x1e.ntransformer.v1.DrainResponse\x12I\n\x06Resume\x12\x1e.ntransformer.v1.ResumeRequest\x1a\x1f.ntransformer.v1.ResumeResponse\x12O\n\x08Shutdown\x12 .ntransformer.v1.ShutdownRequest\x1a!.ntransformer.v1.ShutdownResponseb\x06proto3')

@@ -1,4 +1,4 @@
-from ntx_client.proto.ntransformer.v1 import inference_pb2 as _inference_pb2
+from ntx_proto.ntransformer.v1 import inference_pb2 as _inference_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from typing import ClassVar as _ClassVar, Optional as _Optional

@@ -22,6 +22,14 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
     SERVING_STATE_FAILED: _ClassVar[ServingState]
+
+class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_STATE_UNSPECIFIED: _ClassVar[RequestState]
+    REQUEST_STATE_QUEUED: _ClassVar[RequestState]
+    REQUEST_STATE_PREFILL: _ClassVar[RequestState]
+    REQUEST_STATE_DECODE: _ClassVar[RequestState]
+    REQUEST_STATE_DONE: _ClassVar[RequestState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -32,6 +40,11 @@ SERVING_STATE_LOADING: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
 SERVING_STATE_FAILED: ServingState
+REQUEST_STATE_UNSPECIFIED: RequestState
+REQUEST_STATE_QUEUED: RequestState
+REQUEST_STATE_PREFILL: RequestState
+REQUEST_STATE_DECODE: RequestState
+REQUEST_STATE_DONE: RequestState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id")
@@ -298,12 +311,12 @@ class RequestInfo(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     id: int
-    state: str
+    state: RequestState
     slot: int
     prompt_tokens: int
     generated_tokens: int
     age_seconds: float
-    def __init__(self, id: _Optional[int] = ..., state: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., state: _Optional[_Union[RequestState, str]] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class TierStatus(_message.Message):
     __slots__ = ("name", "layers", "bytes", "bytes_per_second", "source", "read_bytes", "read_seconds", "read_bytes_per_second", "reads", "read_errors", "commands", "commands_in_flight", "max_commands_in_flight", "last_error")

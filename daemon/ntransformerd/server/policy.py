@@ -1,0 +1,136 @@
+"""Who runs next: the scheduler's decisions, as pure functions of the queue and the running set.
+
+    admits(head, running, room)         the queue's head joins the running set now, or waits
+    compose(running, prefill_chunk)     what the next step holds: a row for each decoding
+                                        request, then prompt chunks from one budget of
+                                        `prefill_chunk` tokens, oldest request first
+    launches_ahead(step, in_flight)     the step may be launched behind the one in flight
+    victim(running)                     who gives its KV blocks back when a step's cannot be
+                                        reserved (kv_cache.KVPoolFull)
+
+The loop (server/scheduler.py) describes its requests as Queued and Running records each
+iteration and carries the decisions out. Nothing here holds state, takes a lock or calls an
+engine: tests/server/test_policy.py drives it with records alone.
+
+Thread rule: pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """The queue's head as admission sees it."""
+
+    blocks: int  # KV blocks its positions need (its prompt; after a preemption its whole history)
+    waits_for_costs: bool = False  # it speculates and the step-cost table is not measured yet
+    resume_below: int | None = None  # preempted: back only once fewer than this many run
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What the running set leaves for a new request."""
+
+    max_batch: int
+    slots_open: int  # KV slots a new sequence could take (free, or kept by the prefix cache)
+    blocks_free: int  # blocks the pool can hand out now
+
+
+@dataclasses.dataclass(frozen=True)
+class Running:
+    """An admitted request as the step's composition sees it, oldest first in every list."""
+
+    key: int  # Request.id
+    decoding: bool  # its whole prompt is in (DECODE); else it is prefilling (PREFILL)
+    ready: bool = True  # no error, not finished: it may run
+    admitted_at: float = 0.0
+    owed_blocks: int = 0  # blocks its positions so far still need (admission leaves them free)
+    left: int = 0  # prompt positions still to prefill
+    prompt: Sequence[int] = ()
+    prefilled: int = 0
+    scope: str | None = None  # its prefix-cache scope; None: it shares no prefix (cache off or declined)
+    runs_ahead: bool = False  # its next decode step may be launched before the last one's draw is back
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A request's share of the next step: `tokens` prompt tokens, or 1 to decode."""
+
+    key: int
+    tokens: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids a and b share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def admits(head: Queued, running: Sequence[Running], room: Room) -> bool:
+    """The head joins now: the batch and a slot have room, it is not waiting for the cost table
+    or (preempted) for requests to leave, and, unless it would run alone, the blocks its
+    positions need are free beside those the running requests still owe."""
+    n = len(running)
+    if n >= room.max_batch or room.slots_open <= 0 or head.waits_for_costs:
+        return False
+    if head.resume_below is not None and n >= head.resume_below:
+        return False
+    return not running or head.blocks + sum(r.owed_blocks for r in running) <= room.blocks_free
+
+
+def waits_for_shared_prefill(r: Running, running: Sequence[Running]) -> bool:
+    """An older request of r's prefix scope is still prefilling prompt positions r shares: r
+    waits and copies them next iteration instead of computing them twice."""
+    if r.scope is None:
+        return False
+    for o in running:
+        if o.key == r.key:
+            return False
+        shared = min(common_prefix(r.prompt, o.prompt), len(r.prompt) - 1)
+        if not o.decoding and o.scope == r.scope and shared > max(o.prefilled, r.prefilled):
+            return True
+    return False
+
+
+def compose(running: Sequence[Running], prefill_chunk: int) -> list[Row]:
+    """The next step: every ready decoding request's row, then ready prefilling requests' prompt
+    chunks, oldest first, sharing `prefill_chunk` tokens so a long prompt cannot stall the
+    others; a request whose shared prefix an older one is computing waits."""
+    rows = [Row(r.key, 1) for r in running if r.decoding and r.ready]
+    budget = prefill_chunk
+    for r in running:
+        if not r.decoding and r.ready and budget > 0 and not waits_for_shared_prefill(r, running):
+            n = min(budget, r.left) if r.left else 1
+            rows.append(Row(r.key, n))
+            budget -= n
+    return rows
+
+
+def launches_ahead(step: Sequence[Running], in_flight: frozenset[int] | None) -> bool:
+    """Every row of the step decodes and may run ahead and, with a step in flight, was in it:
+    the step is launched behind it without waiting for its draws."""
+    return bool(step) and all(r.decoding and r.runs_ahead and (in_flight is None or r.key in in_flight) for r in step)
+
+
+def victim(running: Sequence[Running]) -> int | None:
+    """The youngest running request, which yields its slot and recomputes later; None where it
+    runs alone (there is nothing to take blocks from)."""
+    if len(running) < 2:
+        return None
+    return max(running, key=lambda r: r.admitted_at).key
+
+
+def measures_costs(*, queued_speculating: int, speculates_by_default: bool, running: int) -> bool:
+    """The step-cost table is worth measuring now: a queued request speculates, or the daemon
+    speculates by default and nothing runs."""
+    return queued_speculating > 0 or (speculates_by_default and running == 0)
+
+
+__all__ = ["Queued", "Room", "Row", "Running", "admits", "common_prefix", "compose", "launches_ahead", "measures_costs",
+           "victim", "waits_for_shared_prefill"]

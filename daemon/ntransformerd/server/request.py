@@ -1,0 +1,108 @@
+"""One generation as the daemon serves it, from queued to retired: a decode.Sequence and what
+serving adds (its caller, deadline, prefix-cache use, state, outputs and timings).
+
+Thread rule: the scheduler thread writes its sequence and state, the streaming thread its text
+and outputs; cancel() from any thread; stream() from the thread that answers the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Iterator
+
+from ntransformerd.engine import decode
+from ntransformerd.engine.decode import Text
+from ntransformerd.server.errors import Cancelled, ServiceError
+from ntransformerd.server.streaming import Output
+from ntx_proto.states import RequestState
+
+_ids = itertools.count(1)
+_WAIT = object()  # Request.stream: nothing taken from the queue yet
+
+
+class Request:
+    """One generation, from queued to retired (the module's thread rule)."""
+
+    def __init__(self, seq: decode.Sequence, *, deadline: float | None, prefix_cache: bool = True, caller=None):
+        self.id = next(_ids)
+        self.seq = seq
+        self.caller = caller  # callers.Caller: whose prefix cache scope it uses; None: in-process
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.state = RequestState.QUEUED  # → PREFILL → DECODE → DONE (retired); back to QUEUED when preempted
+        self.prefix_cache = prefix_cache  # may start from, and leave its KV to, the prefix cache
+        self.cached = 0  # prompt tokens taken from the prefix cache
+        self.error: ServiceError | None = None  # set by cancel(); delivered when it retires
+        self.outputs: queue.Queue[Output | ServiceError | None] = queue.Queue()
+        self.t_created = time.monotonic()
+        self.t_admitted = self.t_first = self.t_done = None
+        self.text = Text(seq.engine.tokenizer, seq.params.stop)  # the streaming thread's
+        self.completion_tokens = 0  # streamed (the streaming thread's)
+        self.text_done = False  # its last output is written (the streaming thread sets it)
+        self.resume_below: int | None = None  # preempted: readmitted once fewer than this many are live
+        self.ended = False  # its stream is closed (the streaming thread sets it)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.seq.prompt_ids
+
+    @property
+    def slot(self) -> int:
+        return self.seq.slot
+
+    @property
+    def prefilled(self) -> int:
+        return self.seq.prefilled
+
+    @property
+    def generated(self) -> int:
+        return self.seq.generated
+
+    @property
+    def speculator(self):
+        return self.seq.speculator
+
+    @property
+    def finished(self) -> bool:
+        """Its sequence ended (EOS, budget, context, constraint) or its text did (a stop string)."""
+        return self.seq.finish is not None or self.text_done
+
+    def cancel(self, error: ServiceError | None = None) -> None:
+        """Ask the scheduler to drop this request at its next iteration (any thread)."""
+        if self.error is None:
+            self.error = error or Cancelled("request cancelled by the client")
+
+    def stream(self) -> Iterator[Output]:
+        """The outputs, in order; raises the ServiceError that ended the request, if any. What
+        queued up while the reader was busy (its writes behind the steps) comes as one Output
+        (Output.then): fewer, larger messages, the same text."""
+        item = self.outputs.get()
+        while True:
+            if item is None:
+                return
+            if isinstance(item, ServiceError):
+                raise item
+            after = _WAIT
+            while True:  # join the outputs already waiting behind it
+                try:
+                    after = self.outputs.get_nowait()
+                except queue.Empty:
+                    after = _WAIT
+                    break
+                if not isinstance(after, Output):
+                    break  # the end, or an error: after this output
+                item, after = item.then(after), _WAIT
+            yield item
+            item = self.outputs.get() if after is _WAIT else after
+
+    def usage(self) -> dict:
+        now = self.t_done or time.monotonic()
+        return dict(prompt_tokens=len(self.prompt_ids), completion_tokens=self.completion_tokens,
+                    cached_prompt_tokens=self.cached,
+                    queue_seconds=(self.t_admitted or now) - self.t_created,
+                    prefill_seconds=(self.t_first or now) - (self.t_admitted or now),
+                    decode_seconds=now - (self.t_first or now))
+
+
+__all__ = ["Request"]

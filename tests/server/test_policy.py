@@ -1,0 +1,120 @@
+"""The scheduler's policy (server/policy.py) on records alone: no thread, lock, engine or model.
+Who is admitted, what a step holds, when a step runs ahead, who is preempted; and the module
+imports nothing that runs threads, talks gRPC or touches the engine."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ntransformerd.server import policy
+from ntransformerd.server.policy import Queued, Room, Row, Running, admits, compose, launches_ahead, victim
+
+ROOM = Room(max_batch=4, slots_open=4, blocks_free=10)
+
+
+def decoding(key, **kw) -> Running:
+    return Running(key, decoding=True, **kw)
+
+
+def prefilling(key, left, **kw) -> Running:
+    return Running(key, decoding=False, left=left, **kw)
+
+
+# ---- admission ---------------------------------------------------------------------------------
+
+def test_the_head_is_admitted_while_the_batch_a_slot_and_the_blocks_have_room():
+    assert admits(Queued(blocks=3), [], ROOM)
+    two = [decoding(1, owed_blocks=2), decoding(2, owed_blocks=3)]
+    assert admits(Queued(blocks=5), two, ROOM)  # 5 + 2 + 3 owed = 10 free
+    assert not admits(Queued(blocks=6), two, ROOM)  # one block short: it waits for a request to leave
+    assert admits(Queued(blocks=50), [], ROOM)  # alone it runs (or fails) whatever it needs
+    assert not admits(Queued(blocks=1), [decoding(k) for k in range(4)], ROOM)  # max_batch
+    assert not admits(Queued(blocks=1), [], Room(4, slots_open=0, blocks_free=10))  # no slot
+
+
+def test_the_head_waits_for_the_cost_table_and_a_preempted_one_for_requests_to_leave():
+    assert not admits(Queued(blocks=1, waits_for_costs=True), [], ROOM)
+    running = [decoding(1), decoding(2)]
+    assert not admits(Queued(blocks=1, resume_below=2), running, ROOM)
+    assert admits(Queued(blocks=1, resume_below=3), running, ROOM)
+
+
+# ---- what a step holds ----------------------------------------------------------------------------
+
+def test_decoders_first_then_prompt_chunks_oldest_first_within_the_budget():
+    running = [prefilling(1, left=100), decoding(2), prefilling(3, left=5), decoding(4, ready=False), decoding(5)]
+    assert compose(running, prefill_chunk=8) == [Row(2, 1), Row(5, 1), Row(1, 8)]
+    assert compose(running, prefill_chunk=103) == [Row(2, 1), Row(5, 1), Row(1, 100), Row(3, 3)]
+    assert compose([prefilling(1, left=0)], prefill_chunk=8) == [Row(1, 1)]  # its prompt is in: its last token
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_the_prompt_chunks_never_pass_the_budget(chunk):
+    running = [prefilling(k, left=k * 5 + 1) for k in range(1, 8)]
+    rows = compose(running, prefill_chunk=chunk)
+    assert sum(r.tokens for r in rows) == min(chunk, sum(r.left for r in running))
+    assert [r.key for r in rows] == [r.key for r in running][:len(rows)]  # oldest first, none skipped
+
+
+def test_a_prompt_whose_prefix_an_older_request_computes_waits_for_it():
+    prompt = list(range(40))
+    older = prefilling(1, left=32, prompt=prompt, prefilled=8, scope="uid:1")
+    younger = prefilling(2, left=40, prompt=prompt[:30] + [99] * 10, prefilled=0, scope="uid:1")
+    assert compose([older, younger], prefill_chunk=64) == [Row(1, 32)]  # it copies them next iteration
+    other_scope = prefilling(2, left=40, prompt=younger.prompt, scope="uid:2")
+    no_cache = prefilling(2, left=40, prompt=younger.prompt, scope=None)
+    for r in (other_scope, no_cache):
+        assert compose([older, r], prefill_chunk=64) == [Row(1, 32), Row(2, 32)]
+    caught_up = prefilling(2, left=10, prompt=younger.prompt, prefilled=30, scope="uid:1")
+    assert compose([older, caught_up], prefill_chunk=64) == [Row(1, 32), Row(2, 10)]
+
+
+# ---- running ahead and preemption --------------------------------------------------------------------
+
+def test_a_step_runs_ahead_only_when_every_row_may_and_was_in_flight():
+    step = [decoding(1, runs_ahead=True), decoding(2, runs_ahead=True)]
+    assert launches_ahead(step, None) and launches_ahead(step, frozenset({1, 2, 3}))
+    assert not launches_ahead(step, frozenset({1}))  # 2 joined: the batch changed
+    assert not launches_ahead(step + [decoding(3, runs_ahead=False)], None)  # a row that needs the host
+    assert not launches_ahead(step + [prefilling(4, left=3, runs_ahead=True)], None)
+    assert not launches_ahead([], None)
+
+
+def test_the_youngest_yields_its_blocks_and_one_alone_yields_none():
+    running = [decoding(1, admitted_at=5.0), decoding(2, admitted_at=9.0), decoding(3, admitted_at=7.0)]
+    assert victim(running) == 2
+    assert victim(running[:1]) is None
+
+
+def test_the_cost_table_is_measured_when_a_request_waits_or_the_idle_daemon_speculates():
+    assert policy.measures_costs(queued_speculating=1, speculates_by_default=False, running=3)
+    assert policy.measures_costs(queued_speculating=0, speculates_by_default=True, running=0)
+    assert not policy.measures_costs(queued_speculating=0, speculates_by_default=True, running=1)
+    assert not policy.measures_costs(queued_speculating=0, speculates_by_default=False, running=0)
+
+
+# ---- what it imports --------------------------------------------------------------------------------
+
+FORBIDDEN = ("threading", "queue", "concurrent", "multiprocessing", "grpc", "ntransformerd.engine", "ntx_proto",
+             "numpy")
+
+
+def test_the_policy_imports_no_thread_grpc_or_engine_module():
+    path = pathlib.Path(policy.__file__)
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+    assert not [n for n in names if n.startswith(FORBIDDEN)], names
+    # and nothing it imports brings one in
+    probe = ("import sys, ntransformerd.server.policy; "
+             f"print(sorted(m for m in sys.modules if m.startswith({FORBIDDEN!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
