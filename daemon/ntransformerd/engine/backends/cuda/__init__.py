@@ -2,7 +2,7 @@
 
 One module per concern: nvrtc (compiling and launching, programmatic dependent launch),
 settings (the tuning knobs, read once), launch (one checked launcher per kernel, and which
-kernel serves each matrix and batch width), weights (the device layout of a layer and the one
+kernel serves each matrix and batch width), attention (the attention launchers and a step's splits), weights (the device layout of a layer and the one
 weights object every plan uses), kv (the paged KV cache, f16 or q8_0), ops (the op set model.forward calls,
 with the arena that makes a pass capturable), graphs (model.forward captured per bucket).
 `backends/cpu.py` is the reference every op is tested against (tests/gpu).
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from ntransformerd.engine.backends.cuda.graphs import StepGraphs
 from ntransformerd.engine.backends.cuda.kv import CUDA_KV_DTYPES, CudaKVCache, CudaKVLayer, DeviceTables
+from ntransformerd.engine.backends.cuda.attention import (  # noqa: F401 (the backend's surface)
+    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, attention_, attention_chunk_, attention_decode_, attention_scratch,
+    attention_splits, chunk_heads, chunk_tiles, kv_append_, kv_args, rope_kv_, step_splits)
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
-    ATTN_ND, CHUNKED_MAX_ROWS, CHUNK_HEAD_DIMS, CHUNK_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC,
-    MMA_MIN_BUCKET, MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, QAct, argmax, attention_,
-    attention_chunk_, attention_decode_, attention_scratch, attention_splits, bucket_of, chunk_heads, chunk_tiles,
-    dequantize_rows, kernel_names, kv_append_, kv_args, matmul, matvec, matvec_rows, mmh_grid, precompile, quantize, reads_f16,
-    reads_qact, rms_norm, rope_, rope_kv_, step_splits, swiglu, top_rows)
+    CHUNKED_MAX_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
+    MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, QAct, argmax, bucket_of, dequantize_rows,
+    kernel_names, matmul, matvec, matvec_rows, mmh_grid, precompile, quantize, reads_f16, reads_qact, rms_norm,
+    rope_, swiglu, top_rows)
 from ntransformerd.engine.backends.cuda.nvrtc import available, cp, kernel, kernel_source, pdl  # noqa: F401
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
 from ntransformerd.engine.backends.cuda.settings import CudaSettings

@@ -113,7 +113,7 @@ class StepGraphs:
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
 
     def n_splits(self, n: int) -> int:
-        """Attention splits per (row, head) of an n-row bucket (launch.step_splits)."""
+        """Attention splits per (row, head) of an n-row bucket (attention.step_splits)."""
         return K.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
 
     # ---- capture --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.kv_cache import BLOCK_SIZE, BlockTable, KVCache, default_blocks, row_bytes, row_width
 
 CUDA_KV_DTYPES = ("f16", "q8_0")  # what the kernels read; the first is the default
-Q8_HEAD_DIMS = (32, 64, 128, 256)  # q8_0 rows: head_dim / 32 values per lane (launch.ATTN_ND) within one block
+Q8_HEAD_DIMS = (32, 64, 128, 256)  # q8_0 rows: head_dim / 32 values per lane (attention.ATTN_ND) within one block
 
 
 def check_dtype(dtype: str) -> None:

@@ -244,7 +244,7 @@ class CudaOps:
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
-        if n_splits is None:  # by the row count alone, as a captured step (launch.step_splits)
+        if n_splits is None:  # by the row count alone, as a captured step (attention.step_splits)
             n_splits = K.step_splits(n, kv_layer.table.max_ctx, c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
