@@ -4,7 +4,7 @@ One module per concern: nvrtc (compiling and launching, programmatic dependent l
 settings (the tuning knobs, read once), launch (one checked launcher per kernel, and which
 kernel serves each matrix and batch width), attention (the attention launchers and a step's splits), weights (the device layout of a layer and the one
 weights object every plan uses), kv (the paged KV cache, f16 or q8_0), ops (the op set model.forward calls,
-with the arena that makes a pass capturable), graphs (model.forward captured per bucket).
+with the arena that makes a pass capturable), graphs (model.forward captured per bucket), warm (the kernels a model needs, compiled at load).
 `backends/cpu.py` is the reference every op is tested against (tests/gpu).
 
 The names below are the backend's surface: what the engine, the tiers, the tests and the
@@ -26,6 +26,7 @@ from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backe
 from ntransformerd.engine.backends.cuda.nvrtc import available, cp, kernel, kernel_source, pdl  # noqa: F401
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
 from ntransformerd.engine.backends.cuda.settings import CudaSettings
+from ntransformerd.engine.backends.cuda import warm
 from ntransformerd.engine.backends.cuda.weights import (  # noqa: F401
     CudaTensor, CudaWeights, LayerLayout, Stacked, host_planes, layer_nbytes, upload)
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
@@ -43,6 +44,7 @@ def load(model: GGUFModel, plan: Plan | None = None, *, source=None, poison: boo
     """The op set and the model's weights under `plan` (default: every layer resident)."""
     if not available():
         raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU")
+    warm.compile_for({int(t.qtype) for t in model.tensors.values()})  # the kernels it can launch, before the first request
     freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
     ops = CudaOps(model.config, freq, settings=settings or CudaSettings.from_env())
     return ops, CudaWeights(model, plan or resident_plan(model), source=source, poison=poison, link_cap=link_cap)
