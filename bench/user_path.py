@@ -142,7 +142,9 @@ def run_row(row: Row, a, deadline: float) -> dict:
         out["load_s"] = time.perf_counter() - t0
         try:
             from ntx_client import Client
-            client_rate(sock, prompt_of(0, vocab, 99), 8)  # warm: the first request's one-time work
+            first = client_rate(sock, prompt_of(0, vocab, 99), 8)  # the first request's one-time work
+            out["first_token_s"] = out["load_s"] + first["ttft_s"]  # from the daemon's start
+            out["first_decode_tok_s"] = first["decode_tok_s"]
             ours = {d: [] for d in depths}
             theirs = {d: [] for d in depths}
             for r in range(a.rounds):
@@ -232,6 +234,10 @@ def table(results: list[dict]) -> str:
         if "cli" in r and "median" in r["cli"]:
             lines.append(f"| {r['row']} (ntx-model run) | 0 | {r['cli']['median']:.2f} | - | "
                          f"{r['cli']['median'] / r['depths']['0']['ours']['median']:.2f}x of the daemon |")
+    starts = [f"{r['row']}: {r['first_token_s']:.1f} s (load {r['load_s']:.1f} s, then {r['first_decode_tok_s']:.0f} tok/s)"
+              for r in results if "first_token_s" in r]
+    if starts:
+        lines += ["", "From the daemon's start to the first request's first token: " + "; ".join(starts) + "."]
     return "\n".join(lines)
 
 
