@@ -20,7 +20,7 @@ from ntransformerd import settings
 from ntransformerd.config import DaemonConfig
 from ntransformerd.engine import layer_skip, speculative, tiers
 from ntransformerd.engine.backends import device_free
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, resolved
+from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, plan_for, resolved
 from ntransformerd.engine.gguf_file import GGUFError, GGUFModel
 from ntransformerd.engine.sampler import SamplingParams
 from ntransformerd.engine.tokenizer import Tokenizer
@@ -138,7 +138,10 @@ def cmd_run(args) -> int:
         model = GGUFModel(args.model)
         kind = "cpu" if backend.is_host else backend.name
         sizes = [backend.layer_bytes(model, i) for i in range(model.config.n_layers)]
-        plan = tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(0), layer_bytes=sizes)
+        # beside a GPU, the plan a run would load: host compute's figures measured on this machine
+        # (or read from their cache), never assumed
+        plan = (tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(0), layer_bytes=sizes)
+                if backend.is_host else plan_for(model, config))
         print(json.dumps({"backend": kind, **plan.to_dict()}) if args.json else f"[{kind}] {plan.explain()}")
         return 0
     engine = Engine.load(args.model, config=config)
