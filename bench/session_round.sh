@@ -2,9 +2,13 @@
 # The end-of-round device calls, back to back (files in /tmp last while the machine stays warm):
 #   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
 #                 llama-batched-bench) built in the background;
+#   PHASE=cost:   the model's first half kept (as stash) and bench/ab_decode.py (the redesign's A/A
+#                 against .ab/old.tgz, `git archive` of the code before it; the deterministic mode's
+#                 cost at B = 1/16/64), then user_path's rows at depth (8b:32, 8b:16, 8b:0);
 #   PHASE=stash:  the first half of the default model (.gpu-full-a/part) kept in /tmp for
 #   PHASE=checks: the default model whole again (.gpu-full-b/part): the six reference prompts
-#                 paged on the GPU (tests/gpu/test_kv_paged.py), bench/hybrid_quality.py on it
+#                 paged on the GPU (tests/gpu/test_kv_paged.py), the daemon-level invariance
+#                 (tests/gpu/test_daemon_invariance.py), kv_capacity and kv_spill on the real model, bench/hybrid_quality.py on it
 #                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU);
@@ -28,7 +32,12 @@ if [ "$PHASE" = stash ]; then  # the model's first half and the daemon's llguida
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra .whl-extra/*.whl
   exit $?
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# the wheels: carried in the first call; later calls on the same warm machine find them in /tmp
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site ]; then
+  echo "no .whl carried and none installed on this machine: carry .whl" >&2; exit 1
+fi
 # the daemon imports llguidance: the GPU tests and smokes that start one need it (carry .whl-extra in PHASE=tests too)
 [ -d .whl-extra ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site-extra .whl-extra/*.whl
@@ -45,8 +54,24 @@ if [ "${PHASE:-tests}" = tests ]; then
   [ -n "$NO_SYNTH" ] || ( setsid nohup python3 -c "
 import sys; sys.path.insert(0, 'bench'); import common
 for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
+  [ -f bench/attention_gpu.py ] && timeout ${ATTN_TIMEOUT:-90} python3 bench/attention_gpu.py \
+    --json "$L/attention_gpu.json" 2>&1 | tee "$L/attention_gpu.log" | tail -40
   for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
   tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
+elif [ "$PHASE" = cost ]; then  # the model's first half kept; the invariant mode's cost and the redesign's A/A
+  # (bench/ab_decode.py: the checkout before the redesign, .ab/old.tgz, against this one, deterministic off and on);
+  # then the user-path rows that this round's kernels move (depth: all resident, 16 and 0 resident)
+  [ -d .gpu-full-a ] && cp .gpu-full-a/part /tmp/full.a
+  for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
+  if [ -f .ab/old.tgz ]; then
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .ab/old.tgz -C /tmp/old
+    timeout ${AB_TIMEOUT:-220} python3 bench/ab_decode.py --dir /tmp/ntx --code /tmp/old . . --env '' '' "${DET_ENV:-NTX_DETERMINISTIC=1}" \
+      --rounds ${AB_ROUNDS:-2} --batches 1 16 64 --json "$L/ab_decode.json" 2>&1 | tee "$L/ab_decode.log" | tail -24
+  fi
+  timeout ${USERPATH_TIMEOUT:-330} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
+    --plans ${PLANS:-8b:32 8b:16 8b:0} --noisy ${NOISY-} --off ${OFF-} --cli "${CLI-8b:16}" \
+    --rounds ${ROUNDS:-3} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-300} \
+    --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NOISY/CLI to change them)
   for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
   timeout ${USERPATH_TIMEOUT:-575} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
@@ -67,8 +92,13 @@ else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
   ls -la $model
-  NTX_FULL_MODEL=$model timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/gpu/test_kv_paged.py -k six_reference 2>&1 | tee "$L/six_prompts.log" | tail -4
+  NTX_FULL_MODEL=$model timeout ${CHECKS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_kv_paged.py -k six_reference ${CHECK_TESTS:-tests/gpu/test_daemon_invariance.py} 2>&1 \
+    | tee "$L/six_prompts.log" | tail -12
+  timeout ${CAPACITY_TIMEOUT:-150} python3 bench/kv_capacity.py --model $model --json "$L/kv_capacity_real.json" 2>&1 \
+    | tee "$L/kv_capacity_real.log" | tail -8
+  [ -f bench/kv_spill.py ] && timeout ${SPILL_TIMEOUT:-150} python3 bench/kv_spill.py --model $model \
+    --json "$L/kv_spill.json" 2>&1 | tee "$L/kv_spill.log" | tail -12
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
