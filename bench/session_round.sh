@@ -99,6 +99,10 @@ else
     | tee "$L/kv_capacity_real.log" | tail -8
   [ -f bench/kv_spill.py ] && timeout ${SPILL_TIMEOUT:-150} python3 bench/kv_spill.py --model $model \
     --json "$L/kv_spill.json" 2>&1 | tee "$L/kv_spill.log" | tail -12
+  if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
+    timeout ${KL_TIMEOUT:-200} python3 bench/kl_divergence.py --model $model --engines exact,cpu,cuda,hybrid \
+      --texts .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 --threads 16 2>&1 | tee "$L/kl_gpu.log" | tail -14
+  fi
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
