@@ -101,7 +101,7 @@ else
     --json "$L/kv_spill.json" 2>&1 | tee "$L/kv_spill.log" | tail -12
   if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
     timeout ${KL_TIMEOUT:-200} python3 bench/kl_divergence.py --model $model --engines exact,cpu,cuda,hybrid \
-      --texts .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 --threads 16 2>&1 | tee "$L/kl_gpu.log" | tail -14
+      --texts .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 --threads 16 --chunks ${KL_CHUNKS:-6} 2>&1 | tee "$L/kl_gpu.log" | tail -14
   fi
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
