@@ -207,8 +207,7 @@ def choose(qtype, n: int, k: int, rows: int, s: CudaSettings = DEFAULT, sms: int
 
 def reads_f16(w, bucket: int, s: CudaSettings = DEFAULT) -> bool:
     """Whether a matvec of w at this batch bucket runs on the f16 tensor cores (mmh_*)."""
-    return (s.f16_mma and (bucket >= MMA_MIN_BUCKET or s.deterministic) and w.qtype in F16_MATVEC
-            and w.shape[1] % 256 == 0)
+    return choose(w.qtype, *w.shape, bucket, s).family == "mmh"
 
 
 def reads_qact(weights, bucket: int, s: CudaSettings = DEFAULT) -> bool:
