@@ -54,6 +54,7 @@ def every_setting(tmp_path, synth_model):
         "prefix_cache": False, "prefix_cache_share": "group", "default_max_tokens": 9, "drain_timeout": 1.5,
         "log_level": "debug", "state_dir": str(tmp_path / "state"), "nvme_queues": 3, "nvme_queue_depth": 16,
         "nvme_io_timeout": 2.5, "nvme_retries": 2, "nvme_release": "keep", "noiommu": True,
+        "deterministic": True,
     }
     assert set(values) == set(settings.of(FILE)), "a new key of the file: give it a value here"
     for name, v in values.items():

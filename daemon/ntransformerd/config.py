@@ -69,6 +69,7 @@ class DaemonConfig:
     host_compute: str = field("host_compute")  # off | auto: engine/tiers/placement.py, from engine/figures.py's rates
     link_cap: float | None = field("link_cap")  # bytes/s ("6.5GB/s" given) the stream's copies are paced to
     storage: str = field("storage")  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
+    deterministic: bool = field("deterministic")  # a request's output independent of the rows sharing its steps
     speculative: Mode = field("speculative")  # engine/speculative.py: the mode of requests that do not say
     draft: str = field("draft")  # the draft model of speculative "draft"
     skip_layers: str = field("skip_layers")  # engine/layer_skip.py: resolved against the model's calibration

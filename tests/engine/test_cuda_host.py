@@ -73,3 +73,80 @@ def test_settings_from_env():
     assert (s.f16_mma, s.pdl, s.attn_one_launch_max_bucket, s.split_k_warps, s.mvq_persistent,
             s.mma_one_tile_rows) == (False, False, 0, 7, False, 5)
     assert s.mvq_wide_max_n == {Q.Q8_0: 0, Q.Q4_K: 0, Q.Q6_K: 0} and set(s.mvq_min_blocks.values()) == {1}
+
+
+SHAPES = ((7, 256), (576, 576), (896, 4864), (4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336),
+          (28672, 4096), (128256, 4096))  # (n, k): awkward ones, small models', the 8B shape's
+
+
+def _launches(rows: int) -> list[int]:
+    """The row counts of the launches matvec_rows makes for `rows` rows (chunks of ≤ 32)."""
+    return [min(cuda.MATVEC_MAX_ROWS, rows - a) for a in range(0, rows, cuda.MATVEC_MAX_ROWS)]
+
+
+@pytest.mark.parametrize("f16_mma", (True, False))
+def test_deterministic_choice_follows_the_weight_alone(f16_mma):
+    """With deterministic on, what fixes a row's sums (kernel family, rows per tile, K splits) is
+    the same for every row count a launch or a step can have, 1 to 512 (prefill chunks: no
+    cuBLAS), for every type and shape; only the batch width of the instance changes."""
+    from gguf import GGMLQuantizationType as Q
+    s = cuda.CudaSettings(deterministic=True, f16_mma=f16_mma)
+    for qtype in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q4_0, Q.Q5_K, Q.F16):
+        for n, k in SHAPES:
+            if qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_K) and k % 256:
+                continue
+            orders = set()
+            for rows in range(1, 513):
+                assert not cuda.uses_cublas(rows, s)
+                for m in _launches(rows):
+                    c = cuda.choose(qtype, n, k, m, s, 132)
+                    orders.add((c.family, c.order))
+                    assert c.family != "mvq"
+            assert len(orders) == 1, (qtype.name, n, k, orders)
+            family = orders.pop()[0]
+            if qtype in cuda.FAST_MATVEC:
+                assert family == ("mmh" if f16_mma and k % 256 == 0 else "mma"), (qtype.name, n, k)
+            else:
+                assert family == "generic"
+
+
+def test_default_choice_follows_the_row_count():
+    """The default mode keeps the fastest kernel per row count: dp4a at 1-2 rows, f16 tensor
+    cores from 4, cuBLAS past 128 rows; so a row's sums there do depend on the batch (what the
+    check above would catch)."""
+    from gguf import GGMLQuantizationType as Q
+    s = cuda.CudaSettings()
+    assert not s.deterministic
+    for qtype in cuda.FAST_MATVEC:
+        assert cuda.choose(qtype, 4096, 4096, 1, s, 132).family == "mvq"
+        assert cuda.choose(qtype, 4096, 4096, 2, s, 132).family == "mvq"
+        assert cuda.choose(qtype, 4096, 4096, 4, s, 132).family == "mmh"
+    assert cuda.choose(Q.Q8_0, 4096, 4096, 1, s, 132).order != cuda.choose(Q.Q8_0, 4096, 4096, 32, s, 132).order
+    assert cuda.uses_cublas(cuda.CHUNKED_MAX_ROWS + 1, s) and not cuda.uses_cublas(cuda.CHUNKED_MAX_ROWS, s)
+
+
+@pytest.mark.parametrize("deterministic", (False, True))
+@pytest.mark.parametrize("f16_mma", (True, False))
+def test_every_chosen_kernel_is_precompiled(deterministic, f16_mma):
+    """Each instance choose() can pick, in either mode, is one kernel_names() lists (precompile)."""
+    from gguf import GGMLQuantizationType as Q
+    s = cuda.CudaSettings(deterministic=deterministic, f16_mma=f16_mma)
+    names = {name for family, name in cuda.kernel_names(s) if family == "quant"}
+    for qtype in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.BF16):
+        for n, k in SHAPES:
+            if qtype in (Q.Q4_K, Q.Q6_K) and k % 256:
+                continue
+            for rows in range(1, cuda.MATVEC_MAX_ROWS + 1):
+                c = cuda.choose(qtype, n, k, rows, s, 132)
+                assert c.instance in names, c
+
+
+def test_reads_qact_deterministic():
+    """With deterministic on, whole 256-blocks multiply on f16 tensor cores from one row (no QAct
+    read); Q8_0 rows of 576 stay on the int8 tensor cores, which read it."""
+    from gguf import GGMLQuantizationType as Q
+    t = lambda q, k: type("T", (), {"qtype": q, "shape": (64, k)})()  # noqa: E731
+    det = cuda.CudaSettings(deterministic=True)
+    assert not cuda.reads_qact([t(Q.Q4_K, 4096), t(Q.Q8_0, 4096)], 1, det)
+    assert cuda.reads_qact([t(Q.Q8_0, 576)], 1, det)
+    assert cuda.reads_qact([t(Q.Q4_K, 4096)], 1)  # the default: dp4a at one row

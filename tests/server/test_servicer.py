@@ -66,6 +66,15 @@ def test_the_model_has_a_slug_id_and_answers_to_its_file_names(daemon):
         assert e.value.field == "model"
 
 
+def test_model_info_says_whether_the_engine_is_deterministic(synth_model):
+    """EngineConfig.deterministic → EngineReport → ModelInfo.deterministic (the daemon's Status)."""
+    from ntransformerd.engine.engine import Engine, EngineConfig
+    for on in (False, True):
+        e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=64,
+                                                                         deterministic=on))
+        assert e.report().deterministic is on and servicer.model_info(e).deterministic is on
+
+
 @pytest.mark.parametrize("value", [-1, 0, CTX + 1, 1 << 31, (1 << 63) - 1])
 def test_max_tokens_has_one_range_and_one_message(stub, daemon, value):
     code, message, field = _refusal(stub, pb.GenerateRequest(prompt="Hi", max_tokens=value))

@@ -91,6 +91,9 @@ class EngineConfig:
     # The stream's host → device copies paced to this rate (bytes/s; "6.5GB/s" or "off" given):
     # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
     link_cap: float | None = field("link_cap")
+    # Each row's arithmetic fixed by its own data, not by the rows sharing its step (backends/cuda/
+    # launch.choose): a request's output the same alone and in any batch, at the cost in bench/RESULTS.md.
+    deterministic: bool = field("deterministic")
     # Devices to spread the layers over ("0,1" given; tiers/multi.py); None = one device. On a
     # host backend they are simulated: each is host memory with its own share, budgets and KV cache.
     devices: tuple[int, ...] | None = field("devices")
@@ -251,7 +254,7 @@ class Engine:
         pinned = plan.bytes("pinned") if plan is not None and not self.backend.is_host else 0
         return EngineReport(backend=self.backend_name, tiers=tiers_, plan=explained, kv=kv,
                             placements=tuple(placements), pinned_bytes=int(pinned),
-                            skip_layers=tuple(self.config.skip_layers or ()))
+                            skip_layers=tuple(self.config.skip_layers or ()), deterministic=self.config.deterministic)
 
     @property
     def steps(self):
@@ -278,7 +281,8 @@ class Engine:
             b, ordinal = (self.backend, ids[dev.ordinal]) if dev.kind == MAIN else (host, 0)
             source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
             cap = self.config.link_cap if dev.kind == MAIN else None  # the host device reads RAM
-            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap)
+            ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap,
+                                  deterministic=self.config.deterministic)
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_batch, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,

@@ -64,6 +64,7 @@ class EngineReport:
     placements: tuple[PlacementReport, ...]  # empty but for a plan with the host beside the GPU
     pinned_bytes: int  # layers kept in page-locked host RAM (0 on a host backend)
     skip_layers: tuple[int, ...]
+    deterministic: bool  # EngineConfig.deterministic: a row's arithmetic independent of the rows sharing its step
 
 
 __all__ = ["EngineReport", "KVReport", "PlacementReport", "TierShare"]

@@ -403,7 +403,7 @@ def model_info(engine, report: EngineReport | None = None) -> pb.ModelInfo:
     return pb.ModelInfo(name=model_id(engine.model.path, md), aliases=model_aliases(engine.model.path, md),
                         path=engine.model.path, architecture=str(md.get("general.architecture", "")),
                         file_bytes=engine.model.file_size, n_layers=cfg.n_layers, context_length=engine.max_ctx,
-                        vocab_size=cfg.vocab_size, backend=report.backend,
+                        vocab_size=cfg.vocab_size, backend=report.backend, deterministic=report.deterministic,
                         has_chat_template=bool(md.get("tokenizer.chat_template")), plan=plan, metadata=scalars,
                         description=f"{md.get('general.name', '')} {md.get('general.size_label', '')}".strip())
 

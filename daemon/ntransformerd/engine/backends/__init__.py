@@ -53,7 +53,7 @@ class CpuRef:
     def free_memory(self, device: int = 0) -> None:
         return None
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
         return cpu.load_share(model, share, source=source, poison=poison, link_cap=link_cap)
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0,
@@ -84,7 +84,7 @@ class Host(CpuRef):
     def available(self) -> bool:
         return self.module.available()
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
         # nothing streams here (layers are computed where they lie), so there is no copy to pace
         return self.module.load(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)})
 
@@ -115,9 +115,10 @@ class Cuda:
         with self.context(device):
             return self.module.vram_free()
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
         with self.context(device):
-            return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap)
+            settings = self.module.CudaSettings.from_env().replace(deterministic=deterministic)
+            return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap, settings=settings)
 
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0, n_blocks=None):
         with self.context(device):

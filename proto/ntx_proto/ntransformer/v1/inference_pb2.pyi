@@ -262,7 +262,7 @@ class TierPlan(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierPlan.Tier, _Mapping]]] = ..., explanation: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "architecture", "file_bytes", "n_layers", "context_length", "vocab_size", "backend", "has_chat_template", "plan", "metadata", "description", "aliases")
+    __slots__ = ("name", "path", "architecture", "file_bytes", "n_layers", "context_length", "vocab_size", "backend", "has_chat_template", "plan", "metadata", "description", "aliases", "deterministic")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class ModelInfo(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     architecture: str
@@ -296,7 +297,8 @@ class ModelInfo(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     description: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., file_bytes: _Optional[int] = ..., n_layers: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., plan: _Optional[_Union[TierPlan, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., file_bytes: _Optional[int] = ..., n_layers: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., plan: _Optional[_Union[TierPlan, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -11,11 +11,24 @@ reads the activations quantized (QAct: two int8 levels per element and a scale p
 products (dp4a); from 4 rows, rows of whole 256-blocks are dequantized to f16 in registers and
 multiplied on f16 tensor cores (mmh_*), at prefill's precision; other widths use int8
 tensor-core mma.sync on QAct. Prefill attention runs on tensor cores too (attn_chunk).
+
+`choose` picks the kernel of each launch from the weight's type and shape and the launch's row
+count. With settings.deterministic a row's arithmetic does not depend on how many rows share
+its step: the batched family (mmh, or mma without f16_mma) serves every bucket from 1 row,
+chunks of 32 rows serve any count (prefill too: no cuBLAS, whose algorithm follows the row
+count), and a row's sum order is fixed by the weight's (n, k) alone (mmh's K splits from
+mmh_grid, mma's tile rows from n, the generic kernel's lane order), never by the batch width:
+inside a launch each output element accumulates from its own row's activations only (an mma's
+element (i, j) reads row i of A and column j of B; the generic kernel keeps one accumulator per
+row), and split-K partial sums meet in split order. The cost is the one-row matvec's speed
+(mvq's dp4a is the fastest at 1-2 rows) and long prefills (32 rows per weight pass):
+bench/RESULTS.md has the measured figures (bench/ab_decode.py --deterministic).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 
 import numpy as np
@@ -119,7 +132,8 @@ def matvec(x, w, *, out=None, res=None, nb: int | None = None, xq: QAct | None =
            s: CudaSettings = DEFAULT):
     """out = x @ W.T (+ res) for x (B ≤ 32, K) float32: the fused
     dequantize-multiply. For the int8 kernels x is quantized first, unless xq already holds x
-    quantized; the f16 ones (F16_MATVEC, from bucket 4) read x itself and ignore xq."""
+    quantized; the f16 ones (F16_MATVEC, from bucket 4, or 1 with settings.deterministic) read x
+    itself and ignore xq. The kernel: `choose`."""
     n, k = w.shape
     check_array(x, cp.float32, 2, "matvec x")
     b = x.shape[0] if nb is None else nb
@@ -134,43 +148,66 @@ def matvec(x, w, *, out=None, res=None, nb: int | None = None, xq: QAct | None =
         check_array(res, cp.float32, 2, "matvec res")
         if res.shape[1] != n or res.shape[0] < b:
             raise ValueError(f"matvec: res {res.shape}, expected ({b}, {n})")
-    bucket = bucket_of(b)
+    c = choose(w.qtype, n, k, b, s, sm_count() if w.qtype in F16_MATVEC else 0)
     res_args = (res if res is not None else out, np.int32(res is not None), out, np.int32(n), np.int32(k), np.int32(b))
-    name = FAST_MATVEC.get(w.qtype)
-    if name is None:
-        fn = kernel("quant", f"matvec_generic<{int(w.qtype)},{bucket}>")
-        fn((n_blocks(n, 4),), (128,), (*w.ptrs(), x, *res_args))
+    fn = kernel("quant", c.instance)
+    if c.family == "generic":
+        fn(c.grid, (128,), (*w.ptrs(), x, *res_args))
         return out
-    if reads_f16(w, bucket, s):  # reads x itself, not xq
-        tiles, ks = mmh_grid(n, k, sm_count())
+    if c.family == "mmh":  # reads x itself, not xq
         part, cnt = mmh_scratch()
-        kernel("quant", f"{F16_MATVEC[w.qtype]}<{bucket // 8 or 1}>")((tiles, ks), (256,), (
-            *w.ptrs(), x, *res_args, part, cnt))
+        fn(c.grid, (256,), (*w.ptrs(), x, *res_args, part, cnt))
         return out
     if xq is None:
-        xq = quantize(x, _scratch_qact(bucket, k), n=b)
+        xq = quantize(x, _scratch_qact(bucket_of(b), k), n=b)
     elif xq.k != k or xq.rows < b:
         raise ValueError(f"matvec: xq ({xq.rows}, {xq.k}) for {b} rows of K {k}")
-    if bucket >= MMA_MIN_BUCKET:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
-        mt = 1 if n <= s.mma_one_tile_rows else 2
-        nt = bucket // 8 or 1
-        kernel("quant", f"{MMA_MATVEC[w.qtype]}<{nt},{mt}>")((n_blocks(n, 16 * mt),), (256,), (
-            *w.ptrs(), *xq.args(), *res_args))
+    if c.family == "mma":
+        fn(c.grid, (256,), (*w.ptrs(), *xq.args(), *res_args))
         return out
-    r = WIDE_ROWS_PER_WARP if bucket == 1 and n <= s.mvq_wide_max_n[w.qtype] else ROWS_PER_WARP[bucket]
-    ks = 4 if n_blocks(n, r) < s.split_k_warps else 1
-    mb = s.mvq_min_blocks[w.qtype] if bucket == 1 else 1
-    fn = kernel("quant", f"{name}<{r},{bucket},{ks},{mb}>")
-    grid = n_blocks(n, r * 4 // ks)
+    grid = c.grid
     if s.mvq_persistent and w.qtype == Q.Q8_0:  # mvq_q8_0 takes row groups grid-stride
-        grid = min(grid, fn.blocks_per_sm(128) * sm_count())
-    fn((grid,), (128,), (*w.ptrs(), *xq.args(), *res_args))
+        grid = (min(grid[0], fn.blocks_per_sm(128) * sm_count()),)
+    fn(grid, (128,), (*w.ptrs(), *xq.args(), *res_args))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The kernel of one matvec launch. family: mvq (int8 dp4a on QAct), mma (int8 tensor cores
+    on QAct), mmh (f16 tensor cores on x) or generic (f32, any type); instance: the compiled
+    kernel's name; grid: its launch grid (mvq_q8_0's persistent grid is clamped at launch);
+    order: what fixes the order and precision of a row's sums (family, rows per warp or tile, K
+    splits): everything but the batch width, which no row's arithmetic reads."""
+
+    family: str
+    instance: str
+    grid: tuple[int, ...]
+    order: tuple
+
+
+def choose(qtype, n: int, k: int, rows: int, s: CudaSettings = DEFAULT, sms: int = 0) -> Choice:
+    """The kernel of a matvec of `rows` rows (≤ MATVEC_MAX_ROWS) against an (n, k) weight of
+    type qtype; sms: the device's SM count (mmh's K splits). Pure: tests enumerate it."""
+    bucket = bucket_of(rows)
+    if qtype not in FAST_MATVEC:
+        return Choice("generic", f"matvec_generic<{int(qtype)},{bucket}>", (n_blocks(n, 4),), ("generic",))
+    batched = s.deterministic or bucket >= MMA_MIN_BUCKET
+    if batched and s.f16_mma and k % 256 == 0:
+        tiles, ks = mmh_grid(n, k, sms)
+        return Choice("mmh", f"{F16_MATVEC[qtype]}<{bucket // 8 or 1}>", (tiles, ks), ("mmh", ks))
+    if batched:  # 16 or 32 rows per 256-thread block, ceil(bucket / 8) tiles of 8 batch rows
+        mt = 1 if n <= s.mma_one_tile_rows else 2
+        return Choice("mma", f"{MMA_MATVEC[qtype]}<{bucket // 8 or 1},{mt}>", (n_blocks(n, 16 * mt),), ("mma", mt))
+    r = WIDE_ROWS_PER_WARP if bucket == 1 and n <= s.mvq_wide_max_n[qtype] else ROWS_PER_WARP[bucket]
+    ks = 4 if n_blocks(n, r) < s.split_k_warps else 1
+    mb = s.mvq_min_blocks[qtype] if bucket == 1 else 1
+    return Choice("mvq", f"{FAST_MATVEC[qtype]}<{r},{bucket},{ks},{mb}>", (n_blocks(n, r * 4 // ks),), ("mvq", r, ks))
 
 
 def reads_f16(w, bucket: int, s: CudaSettings = DEFAULT) -> bool:
     """Whether a matvec of w at this batch bucket runs on the f16 tensor cores (mmh_*)."""
-    return s.f16_mma and bucket >= MMA_MIN_BUCKET and w.qtype in F16_MATVEC and w.shape[1] % 256 == 0
+    return choose(w.qtype, *w.shape, bucket, s).family == "mmh"
 
 
 def reads_qact(weights, bucket: int, s: CudaSettings = DEFAULT) -> bool:
@@ -209,13 +246,22 @@ def mmh_scratch() -> tuple:
     return _mmh[key]
 
 
+def uses_cublas(rows: int, s: CudaSettings = DEFAULT) -> bool:
+    """Whether a matmul of this many rows dequantizes the weight to f16 and multiplies with
+    cuBLAS (prefill chunks of more than CHUNKED_MAX_ROWS rows), not the fused matvecs: never
+    with settings.deterministic, as cuBLAS picks its algorithm (and a row's sum order) by the
+    row count."""
+    return rows > CHUNKED_MAX_ROWS and not s.deterministic
+
+
 def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSettings = DEFAULT):
-    """matvec for any number of rows up to CHUNKED_MAX_ROWS: chunks of ≤ MATVEC_MAX_ROWS rows,
-    each the fused kernel at its bucket, into the rows of one out (+ res)."""
+    """matvec for any number of rows up to CHUNKED_MAX_ROWS (any number with
+    settings.deterministic): chunks of ≤ MATVEC_MAX_ROWS rows, each the fused kernel at its
+    bucket, into the rows of one out (+ res)."""
     n = x.shape[0]
     if n <= MATVEC_MAX_ROWS:
         return matvec(x, w, out=out, res=res, xq=xq, s=s)
-    if n > CHUNKED_MAX_ROWS:
+    if uses_cublas(n, s):
         raise ValueError(f"matvec_rows: {n} rows, at most {CHUNKED_MAX_ROWS}")
     if out is None:
         out = cp.empty((n, w.shape[0]), cp.float32)
@@ -229,10 +275,10 @@ def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSett
 
 
 def matmul(x, w, s: CudaSettings = DEFAULT):
-    """x @ W.T: fused for ≤ CHUNKED_MAX_ROWS rows (chunks of ≤ 32), else f16 dequantization and
-    cuBLAS (f32 accumulation)."""
+    """x @ W.T: fused for ≤ CHUNKED_MAX_ROWS rows (chunks of ≤ 32) and for any count with
+    settings.deterministic, else f16 dequantization and cuBLAS (f32 accumulation)."""
     check_array(x, cp.float32, 2, "matmul x")
-    if x.shape[0] <= CHUNKED_MAX_ROWS:
+    if not uses_cublas(x.shape[0], s):
         return matvec_rows(x, w, s=s)
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul: x {x.shape} against W {w.shape}")

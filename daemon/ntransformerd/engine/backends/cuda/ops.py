@@ -218,7 +218,7 @@ class CudaOps:
 
     def _matmul(self, x, w, key, *, residual=None):
         n = x.shape[0]
-        if n > K.CHUNKED_MAX_ROWS:  # prefill: f16 dequantization and cuBLAS (never in an arena)
+        if K.uses_cublas(n, self.settings):  # prefill: f16 dequantization and cuBLAS (never in an arena)
             y = K.matmul(cp.ascontiguousarray(x), w, self.settings)
             if residual is None:
                 return y

@@ -54,6 +54,11 @@ class CudaSettings:
     # grid is sized for the longest context, so with many rows fewer splits waste fewer blocks.
     batched_splits: int = 16
 
+    # Every row's matvecs on one kernel family whose sum order follows the weight's shape alone
+    # (launch.choose), prefill chunks too: a request's output does not depend on the rows that
+    # share its steps. The engine's `deterministic` setting (EngineConfig), not an environment knob.
+    deterministic: bool = SETTINGS["deterministic"].default
+
     @classmethod
     def from_env(cls, environ=os.environ) -> "CudaSettings":
         """The defaults with the overrides of the rows' environment variables (NTX_PDL=0, ...)."""
