@@ -64,8 +64,10 @@ elif [ "$PHASE" = cost ]; then  # the model's first half kept; the invariant mod
   [ -d .gpu-full-a ] && cp .gpu-full-a/part /tmp/full.a
   for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
   if [ -f .ab/old.tgz ]; then
-    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .ab/old.tgz -C /tmp/old
-    timeout ${AB_TIMEOUT:-260} python3 bench/ab_decode.py --dir /tmp/ntx --code /tmp/old . . --env '' NTX_DETERMINISTIC=0 NTX_DETERMINISTIC=1 \
+    rm -rf /tmp/old /tmp/mid && mkdir -p /tmp/old /tmp/mid && tar xzf .ab/old.tgz -C /tmp/old && tar xzf .ab/mid.tgz -C /tmp/mid
+    # 12d0660 (before the redesign) against 3d8e7d8 (after it, no kernel changed): the A/A; then this checkout
+    timeout ${AB_TIMEOUT:-300} python3 bench/ab_decode.py --dir /tmp/ntx --code /tmp/old /tmp/mid . . \
+      --env '' '' NTX_DETERMINISTIC=0 NTX_DETERMINISTIC=1 \
       --rounds ${AB_ROUNDS:-2} --batches 1 16 64 --json "$L/ab_decode.json" 2>&1 | tee "$L/ab_decode.log" | tail -24
   fi
   timeout ${USERPATH_TIMEOUT:-330} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
