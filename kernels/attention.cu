@@ -8,16 +8,12 @@
 // Writes round as the host cache does: f16 round-to-nearest, Q8_0 as gguf.quants.quantize.
 //
 // kv_append<Q8>: row r's k and v (f32, row strides ldk, ldv) go to the cache at (slot[r], pos[r]).
-// attn_decode<ND, Q8> (the captured decode step's): RoPE, cache append, attn_partial and attn_combine
-//   in one launch (below). The separate kernels serve eager steps and NTX_ATTN_ONE_LAUNCH=0:
 // rope_kv: RoPE of q and k in place, and (f16 caches) k, v appended to the cache, in one launch.
-// attn_partial<ND, Q8>: one warp per (row, head, split). Row r's positions 0..pos[r] are cut into
-//   n_splits splits of ceil((pos[r] + 1) / n_splits) positions, so a short context spreads over
-//   many warps as well as a long one; each warp runs an online softmax over its split, 8 positions
-//   per step, and writes the split's max m, sum l and unnormalised output o. Empty splits write
-//   m = -inf. Lane l holds dims l*ND .. l*ND+ND-1 (ND = head_dim / 32), loaded as one vector.
-// attn_combine: one warp per (row, head) merges the non-empty splits into out (N, n_heads * head_dim)
-//   and, with has_q, writes out quantized for the int8 matvecs (quant_act.cuh, prepended).
+// attn_decode<ND, Q8, FUSED>: attention of rows of one query each (decode tokens, verify rows) over
+//   fixed position splits (sl positions, from the configured context alone), merged in split
+//   order in the same launch; FUSED also does RoPE and the cache append (below).
+// attn_chunk<HD, Q8>: a prefill chunk's rows on tensor cores (f16 q and P; below).
+// ND = head_dim / 32: lane l holds dims l*ND .. l*ND+ND-1 of a head row, loaded as one vector.
 // head_dim is a multiple of 32, at most 256.
 
 #define KV_BLOCK 16  // positions per block (kv_cache.BLOCK_SIZE)
@@ -105,15 +101,6 @@ __global__ void kv_append(const float* __restrict__ k, int ldk, const float* __r
     }
 }
 
-#define MAXD 8
-
-// Positions per split for a row of len positions: an even share of n_splits, and at least 8
-// when there are many (row, head) pairs: for one row a floor of 8 leaves fewer warps, each with
-// more dependent work; for many rows no floor gives many warps with one position each.
-__device__ __forceinline__ int split_len(int len, int n_splits, int pairs) {
-    return max(pairs >= 256 ? 8 : 1, (len + n_splits - 1) / n_splits);
-}
-
 // RoPE of one row's n_heads q heads and n_kv k heads (k right after q, row stride ld), then
 // (with write: f16 caches; a Q8 cache takes kv_append<1> after it) k and v to the cache at
 // (slot[r], pos[r]). Threads: rows × (q pairs + k pairs + v pairs). Angles as in rope.cu
@@ -148,9 +135,9 @@ __global__ void rope_kv(float* q, int ld, const float* __restrict__ v, int ldv, 
         double s, c;
         sincos((double)pos[r] * freqs[p], &s, &c);
         const float cf = (float)c, sf = (float)s;
-        const float x0 = x[ia], x1 = x[ib];
-        a = x0 * cf - x1 * sf;
-        b = x0 * sf + x1 * cf;
+        const float2 y = rope_rot(x[ia], x[ib], cf, sf);
+        a = y.x;
+        b = y.y;
         x[ia] = a;
         x[ib] = b;
     } else {  // the unrotated tail (rope_dim < head_dim)
@@ -222,334 +209,265 @@ __device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end
     return mn;
 }
 
-template <int ND, int Q8>
-__global__ void __launch_bounds__(128) attn_partial(
-        const float* __restrict__ q, int ldq, const u8* __restrict__ kc, const u8* __restrict__ vc,
-        const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
-        float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ po, int N, int n_heads, int n_kv,
-        int n_splits, float scale) {
-    PDL_ENTRY
-    constexpr int HD = 32 * ND;
-    const int warp = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    const int split = blockIdx.y;
-    if (warp >= N * n_heads) return;
-    const int r = warp / n_heads, h = warp % n_heads;
-    const int kvh = h / (n_heads / n_kv);
-    const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
-    const int t0 = split * sl, t1 = min(len, t0 + sl);
-    if (t0 >= t1) {
-        if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
-        return;
-    }
-    float qv[ND], o[ND];
-    const float* qr = q + (long long)r * ldq + (long long)h * HD + lane * ND;
-#pragma unroll
-    for (int i = 0; i < ND; ++i) { qv[i] = qr[i] * scale; o[i] = 0.f; }
-    float m = -INFINITY, l = 0.f;
-    const int* tab = tables + (long long)slot[r] * max_blocks;
-    const int rb = kv_row_bytes<Q8>(HD);
-    // CH positions per step: their K loads (then V loads) are independent and issued together.
-    constexpr int CH = 8;
-    for (int t = t0; t < t1; t += CH) {
-        float s[CH];
-#pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            s[j] = 0.f;
-            if (t + j < t1) {
-                float kv[ND];
-                load_row<ND, Q8>(kc + kv_row(tab, t + j, n_kv, kvh, rb), lane, kv);
-#pragma unroll
-                for (int i = 0; i < ND; ++i) s[j] = fmaf(qv[i], kv[i], s[j]);
-            }
-        }
-        const float mn = online_rescale<CH, ND>(s, t, t1, m, l, o);
-#pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            if (t + j < t1) {
-                const float p = __expf(s[j] - mn);
-                l += p;
-                float vv[ND];
-                load_row<ND, Q8>(vc + kv_row(tab, t + j, n_kv, kvh, rb), lane, vv);
-#pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[i], o[i]);
-            }
-        }
-        m = mn;
-    }
-    if (lane == 0) { pm[pidx] = m; pl[pidx] = l; }
-    float* orow = po + pidx * HD + lane * ND;
-#pragma unroll
-    for (int i = 0; i < ND; ++i) orow[i] = o[i];
-}
+// ---- decode attention over fixed position splits ------------------------------------------
+// attn_decode<ND, Q8, FUSED>: causal GQA attention of rows that each hold one query (a decode
+// token, or one row of a verify step) over positions 0 .. pos[r] of the row's slot.
+// Positions are cut into splits of sl positions, sl set by the configured context alone
+// (backends/cuda/attention.py split_len), never by the number of rows or the row's position;
+// every split's partial, and the merge of the splits in the order 0, 1, 2, ..., are then the
+// same arithmetic whatever else the step holds: a row's bits depend on its own data, position
+// and sl only.
+// Grid: x a column per (row, kv head, block of hb q heads of its group), y a stride over the
+// splits: block y takes splits y, y + gridDim.y, ... (which block computes a split changes no
+// bit of it; the launcher sizes gridDim.y from the rows so the GPU fills). Blocks of a column
+// past its last non-empty split leave at once. A block has hb × pw warps: warp (hh, p) takes q
+// head hh against the p-th of pw equal pieces of the split (K and V of the group read once,
+// by the block, through L1), an online softmax CH positions per step, lane l holding dims
+// l*ND .. l*ND+ND-1; the pieces merge in shared memory in the order 0, 1, ... into the split's
+// max m, sum l and unnormalised output o (pm, pl, po: (row, head, split)). The last block of
+// a column to finish (cnt counts them; that block resets it, so graph replays find it zero)
+// merges the splits of its heads into out (N, n_heads * head_dim), and with has_q writes out
+// quantized for the int8 matvecs (quant_act.cuh).
+// FUSED (the decode step's RoPE + cache append + attention in one launch): rows of qkv (stride
+// ld) hold q then k, not rotated; v at row stride ldv. q and the new k are rotated in
+// registers (qkv is not written) with the row's angles (in double, as rope.cu), k and v are
+// rounded as the cache holds them (f16, or Q8_0 as gguf rounds) and the column's first head
+// writes them at (slot, pos); the piece holding pos uses those values where the other mode
+// reads them back from the cache, at the same place in its sums, so the two modes give the
+// same bits. Not FUSED: qkv holds q alone (rotated), and the cache holds position pos already
+// (kv_append or rope_kv before it); v and freqs are unused.
 
-// The merge weights of `active` (≤ 64) splits of one (row, head) whose partials start at base:
-// lane i's splits i and i + 32 get w0, w1 = exp(m - M) (M the largest m), and every lane gets
-// L = the sum of w * l. CG: read through L2 only (partials written earlier by this same grid).
-template <bool CG>
-__device__ __forceinline__ void split_weights(const float* pm, const float* pl, long long base, int active, int lane,
-                                              float& w0, float& w1, float& L) {
-    auto ld = [](const float* p) { return CG ? __ldcg(p) : *p; };
-    const float m0 = lane < active ? ld(pm + base + lane) : -INFINITY;
-    const float m1 = lane + 32 < active ? ld(pm + base + lane + 32) : -INFINITY;
-    float M = fmaxf(m0, m1);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    w0 = lane < active ? __expf(m0 - M) : 0.f;
-    w1 = lane + 32 < active ? __expf(m1 - M) : 0.f;
-    L = (lane < active ? w0 * ld(pl + base + lane) : 0.f) + (lane + 32 < active ? w1 * ld(pl + base + lane + 32) : 0.f);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-}
-
-// One 128-thread block per (row, head): the four warps take splits w, w + 4, ... (each lane its
-// dims lane + 32 i), the split weights exp(m_s - M) computed once per split by the lanes, and the
-// warps' sums meet in shared memory.
-__global__ void __launch_bounds__(128) attn_combine(
-        const float* __restrict__ pm, const float* __restrict__ pl, const float* __restrict__ po,
-        float* __restrict__ out, const int* __restrict__ pos, int N, int n_heads, int head_dim, int n_splits,
-        signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
-    PDL_ENTRY
-    const int rh = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = rh / n_heads;
-    const int len = pos[r] + 1, sl = split_len(len, n_splits, N * n_heads);
-    const int active = (len + sl - 1) / sl;  // the non-empty splits (≤ n_splits ≤ 64)
-    const long long base = (long long)rh * n_splits;
-    float w0, w1, L;
-    split_weights<false>(pm, pl, base, active, lane, w0, w1, L);
-    const int nd = head_dim >> 5;
-    float acc[MAXD];
-#pragma unroll
-    for (int i = 0; i < MAXD; ++i) acc[i] = 0.f;
-#pragma unroll 4
-    for (int s = warp; s < active; s += 4) {
-        const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31);
-        const float* os = po + (base + s) * head_dim;
-#pragma unroll
-        for (int i = 0; i < MAXD; ++i) if (i < nd) acc[i] = fmaf(w, os[lane + 32 * i], acc[i]);
-    }
-    __shared__ float part[4][256];
-#pragma unroll
-    for (int i = 0; i < MAXD; ++i) if (i < nd) part[warp][lane + 32 * i] = acc[i];
-    __syncthreads();
-    if (warp) return;
-    const float inv = 1.0f / L;
-    const long long row0 = (long long)rh * head_dim;  // (r, h) → r * n_heads * hd + h * hd
-#pragma unroll
-    for (int i = 0; i < MAXD; ++i) {
-        if (i < nd) {
-            const int d = lane + 32 * i;
-            const float v = (part[0][d] + part[1][d] + part[2][d] + part[3][d]) * inv;
-            out[row0 + d] = v;
-            if (has_q) quant32(v, qh, ql, qd, qs, row0 + d, (row0 >> 5) + i);  // one 32-group per i
-        }
-    }
-}
-
-// ---- the decode step's attention in one launch --------------------------------------------
-// attn_decode<ND> = rope_kv + attn_partial + attn_combine: grid and warps as attn_partial (a warp
-// per (row, head, split)), rows of qkv holding q then k (row stride ld), v at row stride ldv.
-// A warp rotates its q head in registers (the angles of its row in a per-warp table; q is not
-// written back). The warps whose split holds the new position (pos[r]) rotate its k head too and
-// take k and v from registers, rounded through f16 as the cache holds them; the first q head of
-// each kv group also writes them to the cache. Every other position comes from the cache
-// (written by earlier steps, never by this launch). Partials go to the scratch as attn_partial's;
-// the last block of each grid column to finish (cnt[blockIdx.x] counts them; that block resets
-// it, so graph replays find it zero) merges every split of its four heads as attn_combine does.
-// Blocks past the last non-empty split of their rows return at once (a grid sized for the
-// longest context is mostly such blocks while contexts are short).
-
-// attn_decode's positions per split: at least 8 (a warp loads 8 positions at once, so up to 8
-// cost about what one does, and the merge, in one block, reads fewer splits).
-__device__ __forceinline__ int decode_split_len(int len, int n_splits) {
-    return max(8, (len + n_splits - 1) / n_splits);
-}
+#define MAX_SPLITS 128  // attention.py MAX_SPLITS: the merge's lanes hold 4 splits each
+#define DECODE_WARPS 8  // most warps of an attn_decode block
 
 // Element d of the head in s (head_dim floats) after RoPE with the angles cs[p] = (cos, sin) of
-// pair p (rope.cu's pairing and arithmetic).
+// pair p (rope.cu's pairing, common.cuh's rope_rot).
 __device__ __forceinline__ float rope_elem(const float* s, const float2* cs, int d, int rope_dim, int neox) {
     if (d >= rope_dim) return s[d];  // the unrotated tail
     const int half = rope_dim / 2;
     const int p = neox ? (d < half ? d : d - half) : d >> 1;
     const int ia = neox ? p : 2 * p, ib = neox ? p + half : 2 * p + 1;
-    const float x0 = s[ia], x1 = s[ib], cf = cs[p].x, sf = cs[p].y;
-    return d == ia ? x0 * cf - x1 * sf : x0 * sf + x1 * cf;
+    const float2 r = rope_rot(s[ia], s[ib], cs[p].x, cs[p].y);
+    return d == ia ? r.x : r.y;
 }
 
-template <int ND, int Q8>
-__global__ void __launch_bounds__(128) attn_decode(
+// The merge weights of `active` (≤ MAX_SPLITS) splits of one (row, head) whose partials start
+// at base: lane i's splits i + 32 k get w[k] = exp(m - M) (M the largest m), and every lane
+// gets L = the sum of w * l (each lane its own splits in order, then a fixed butterfly: the
+// same order for the same `active`). Read through L2 (written by other blocks of this grid).
+__device__ __forceinline__ void split_weights(const float* pm, const float* pl, long long base, int active, int lane,
+                                              float (&w)[4], float& L) {
+    float mk[4], M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int s = lane + 32 * k;
+        mk[k] = s < active ? __ldcg(pm + base + s) : -INFINITY;
+        M = fmaxf(M, mk[k]);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    L = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int s = lane + 32 * k;
+        w[k] = s < active ? __expf(mk[k] - M) : 0.f;
+        if (s < active) L = fmaf(w[k], __ldcg(pl + base + s), L);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+}
+
+template <int ND, int Q8, int FUSED>
+__global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
         const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u8* kc, u8* vc,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
         const double* __restrict__ freqs, float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
-        int N, int n_heads, int n_kv, int n_splits, float scale, int rope_dim, int neox,
+        int N, int n_heads, int n_kv, int hb, int sl, int max_splits, float scale, int rope_dim, int neox,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
-    // Before pdl_wait, only what no kernel of this step writes: slot and pos (set before the
-    // step), the angles, and the cached positions (earlier steps); q, k, v, the scratch and the
-    // counters come after it. At short contexts the whole split is loaded during the matvec.
+    // FUSED: before pdl_wait only what no kernel of this step writes: slot and pos (set before
+    // the step), the angles, and the cached positions (earlier steps); q, k, v, the scratch and
+    // the counters come after it. Not FUSED: the cache row at pos comes from the kernel before.
     pdl_launch_next();
+    if constexpr (!FUSED) pdl_wait();
     constexpr int HD = 32 * ND;
     constexpr int CH = ND >= 8 ? 4 : 8;  // positions per step, their K and V loads issued together
-    __shared__ float sq[4][HD], sk[4][HD];
-    __shared__ float2 scs[4][HD / 2];
+    __shared__ float sx[DECODE_WARPS][HD];    // a warp's q head, then its new k head, before RoPE; then its piece's o
+    __shared__ float sml[DECODE_WARPS][2];    // a piece's m and l
+    __shared__ float2 scs[HD / 2];            // the row's angles (FUSED)
     __shared__ int last;
     const int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int warp = blockIdx.x * 4 + wib, split = blockIdx.y;
-    // The grid has n_splits splits for the longest context; a block past the last non-empty split
-    // of all its rows (its four warps may be different rows) has nothing to do and leaves at
-    // once, and the merge waits for the `need` blocks before it only.
-    int need = 0;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        const int wg = blockIdx.x * 4 + w;
-        if (wg < N * n_heads) {
-            const int ln = pos[wg / n_heads] + 1, sw = decode_split_len(ln, n_splits);
-            need = max(need, (ln + sw - 1) / sw);
-        }
-    }
-    if (split >= need) return;
-    const bool live = warp < N * n_heads;
-    const int r = live ? warp / n_heads : 0, h = warp % n_heads, group = n_heads / n_kv, kvh = h / group;
-    const int p_now = pos[r], len = p_now + 1, sl = decode_split_len(len, n_splits);
-    const int t0 = split * sl, t1 = min(len, t0 + sl);
-    const bool has_new = t1 == len;  // this split ends at the new position
-    const int tc = has_new ? t1 - 1 : t1;  // cached positions [t0, tc)
+    const int pw = (blockDim.x >> 5) / hb, hh = wib % hb, piece_i = wib / hb;
+    const int group = n_heads / n_kv, hgroups = group / hb;
+    const int col = blockIdx.x, r = col / (n_kv * hgroups), kvh = (col / hgroups) % n_kv;
+    const int h = kvh * group + (col % hgroups) * hb + hh;
+    const int p_now = pos[r], len = p_now + 1, active = (len + sl - 1) / sl;
+    if ((int)blockIdx.y >= active) return;
+    const int need = min((int)gridDim.y, active);  // the column's blocks with work
+    const int piece = sl / pw;
     const int* tab = tables + (long long)slot[r] * max_blocks;
     const int rb = kv_row_bytes<Q8>(HD);
     float kv[CH][ND], vv[CH][ND];
-    auto load_chunk = [&](int t) {
+    auto load_chunk = [&](int t, int t_end) {
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
-            const long long o_ = kv_row(tab, min(t + j, tc - 1), n_kv, kvh, rb);  // past tc: a valid row, never used
+            const long long o_ = kv_row(tab, min(t + j, t_end - 1), n_kv, kvh, rb);  // past t_end: a valid row, never used
             load_row<ND, Q8>(kc + o_, lane, kv[j]);
             load_row<ND, Q8>(vc + o_, lane, vv[j]);
         }
     };
-    float2* cs = scs[wib];
-    if (live && t0 < t1) {
-        if (t0 < tc) load_chunk(t0);
-        for (int p = lane; p < rope_dim / 2; p += 32) {
+    // The first split's first chunk (FUSED: during the previous kernel; the row at pos, not yet
+    // written, is replaced below).
+    int a = blockIdx.y * sl + piece_i * piece, b = min(len, a + piece);
+    if (a < b) load_chunk(a, b);
+    if constexpr (FUSED) {
+        for (int p = threadIdx.x; p < rope_dim / 2; p += blockDim.x) {
             double sn, c;
             sincos((double)p_now * freqs[p], &sn, &c);
-            cs[p] = make_float2((float)c, (float)sn);
+            scs[p] = make_float2((float)c, (float)sn);
+        }
+        __syncthreads();
+        pdl_wait();
+    }
+    float qv[ND];
+    {
+        const float* qr = qkv + (long long)r * ld + (long long)h * HD + lane * ND;
+        if constexpr (FUSED) {
+#pragma unroll
+            for (int i = 0; i < ND; ++i) sx[wib][lane * ND + i] = qr[i];
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < ND; ++i) qv[i] = rope_elem(sx[wib], scs, lane * ND + i, rope_dim, neox) * scale;
+            __syncwarp();
+        } else {
+#pragma unroll
+            for (int i = 0; i < ND; ++i) qv[i] = qr[i] * scale;
         }
     }
-    pdl_wait();
-    if (live) {
-        const long long pidx = ((long long)r * n_heads + h) * n_splits + split;
-        if (t0 >= t1) {
-            if (lane == 0) { pm[pidx] = -INFINITY; pl[pidx] = 0.f; }
-        } else {
-            const float* qr = qkv + (long long)r * ld + (long long)h * HD + lane * ND;
+    for (int s = blockIdx.y; s < active; s += gridDim.y) {
+        if (s != (int)blockIdx.y) {
+            a = s * sl + piece_i * piece;
+            b = min(len, a + piece);
+            if (a < b) load_chunk(a, b);
+        }
+        // FUSED: the new k and v as the cache holds them, in the piece that holds pos; the
+        // group's first head writes them to the cache.
+        float kn[ND], vn[ND];
+        const bool has_new = FUSED && a <= p_now && p_now < b;
+        if (has_new) {
             const float* kr = qkv + (long long)r * ld + (long long)(n_heads + kvh) * HD + lane * ND;
             const float* vr = v + (long long)r * ldv + (long long)kvh * HD + lane * ND;
-            float qx[ND], kx[ND], vn[ND];
 #pragma unroll
-            for (int i = 0; i < ND; ++i) {
-                qx[i] = qr[i];
-                kx[i] = has_new ? kr[i] : 0.f;
-                vn[i] = has_new ? vr[i] : 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < ND; ++i) { sq[wib][lane * ND + i] = qx[i]; sk[wib][lane * ND + i] = kx[i]; }
+            for (int i = 0; i < ND; ++i) { sx[wib][lane * ND + i] = kr[i]; vn[i] = vr[i]; }
             __syncwarp();
-            float qv[ND], o[ND], kn[ND];
 #pragma unroll
-            for (int i = 0; i < ND; ++i) { qv[i] = rope_elem(sq[wib], cs, lane * ND + i, rope_dim, neox) * scale; o[i] = 0.f; }
-            if (has_new) {  // the new k, v as the cache holds them; the group's first head writes them
-                const long long dst = kv_row(tab, p_now, n_kv, kvh, rb);
-                const bool write = h % group == 0;
+            for (int i = 0; i < ND; ++i) kn[i] = rope_elem(sx[wib], scs, lane * ND + i, rope_dim, neox);
+            __syncwarp();
+            const long long dst = kv_row(tab, p_now, n_kv, kvh, rb);
+            const bool write = h % group == 0;
+            if constexpr (Q8) {
+                q8_store_warp<ND>(kn, lane, kc + dst, write);
+                q8_store_warp<ND>(vn, lane, vc + dst, write);
+            } else {
+                u16* kd = (u16*)(kc + dst) + lane * ND;
+                u16* vd = (u16*)(vc + dst) + lane * ND;
 #pragma unroll
-                for (int i = 0; i < ND; ++i) kn[i] = rope_elem(sk[wib], cs, lane * ND + i, rope_dim, neox);
-                if constexpr (Q8) {
-                    q8_store_warp<ND>(kn, lane, kc + dst, write);
-                    q8_store_warp<ND>(vn, lane, vc + dst, write);
-                } else {
-                    u16* kd = (u16*)(kc + dst) + lane * ND;
-                    u16* vd = (u16*)(vc + dst) + lane * ND;
-#pragma unroll
-                    for (int i = 0; i < ND; ++i) {
-                        const u16 kh = f2h(kn[i]), vh = f2h(vn[i]);
-                        kn[i] = h2f(kh);
-                        vn[i] = h2f(vh);
-                        if (write) { kd[i] = kh; vd[i] = vh; }
-                    }
+                for (int i = 0; i < ND; ++i) {
+                    const u16 kh = f2h(kn[i]), vh = f2h(vn[i]);
+                    kn[i] = h2f(kh);
+                    vn[i] = h2f(vh);
+                    if (write) { kd[i] = kh; vd[i] = vh; }
                 }
             }
-            float m = -INFINITY, l = 0.f;
-            for (int t = t0; t < tc; t += CH) {  // chunk t is loaded (the first before the wait)
-                float sc[CH];
+        }
+        float m = -INFINITY, l = 0.f, o[ND];
 #pragma unroll
-                for (int j = 0; j < CH; ++j) {
-                    sc[j] = 0.f;
-                    if (t + j < tc)
+        for (int i = 0; i < ND; ++i) o[i] = 0.f;
+        for (int t = a; t < b; t += CH) {  // chunk t is loaded
+            if (has_new && p_now - t < CH) {
 #pragma unroll
-                        for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[j][i], sc[j]);
-                }
-                const float mn = online_rescale<CH, ND>(sc, t, tc, m, l, o);
+                for (int j = 0; j < CH; ++j)
+                    if (t + j == p_now)
 #pragma unroll
-                for (int j = 0; j < CH; ++j) {
-                    if (t + j < tc) {
-                        const float p = __expf(sc[j] - mn);
-                        l += p;
-#pragma unroll
-                        for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[j][i], o[i]);
-                    }
-                }
-                m = mn;
-                if (t + CH < tc) load_chunk(t + CH);
+                        for (int i = 0; i < ND; ++i) { kv[j][i] = kn[i]; vv[j][i] = vn[i]; }
             }
-            if (has_new) {
-                float sn = 0.f;
+            float sc[CH];
 #pragma unroll
-                for (int i = 0; i < ND; ++i) sn = fmaf(qv[i], kn[i], sn);
+            for (int j = 0; j < CH; ++j) {
+                sc[j] = 0.f;
+                if (t + j < b)
 #pragma unroll
-                for (int off = 16; off; off >>= 1) sn += __shfl_xor_sync(0xffffffffu, sn, off);
-                const float mn = fmaxf(m, sn), corr = __expf(m - mn), p = __expf(sn - mn);
-                l = l * corr + p;
-#pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vn[i], o[i] * corr);
-                m = mn;
+                    for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[j][i], sc[j]);
             }
-            if (lane == 0) { pm[pidx] = m; pl[pidx] = l; }
+            const float mn = online_rescale<CH, ND>(sc, t, b, m, l, o);
+#pragma unroll
+            for (int j = 0; j < CH; ++j) {
+                if (t + j < b) {
+                    const float p = __expf(sc[j] - mn);
+                    l += p;
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[j][i], o[i]);
+                }
+            }
+            m = mn;
+            if (t + CH < b) load_chunk(t + CH, b);
+        }
+        // The split's pieces merge in order (piece 0 is never empty: the split holds a position).
+        if (lane == 0) { sml[wib][0] = m; sml[wib][1] = l; }
+#pragma unroll
+        for (int i = 0; i < ND; ++i) sx[wib][lane * ND + i] = o[i];
+        __syncthreads();
+        if (piece_i == 0) {
+            float M = -INFINITY;
+            for (int p = 0; p < pw; ++p) M = fmaxf(M, sml[p * hb + hh][0]);
+            float L = 0.f, acc[ND];
+#pragma unroll
+            for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+            for (int p = 0; p < pw; ++p) {
+                const int w_ = p * hb + hh;
+                const float wt = __expf(sml[w_][0] - M);  // an empty piece: exp(-inf) = 0, its o and l 0
+                L = fmaf(wt, sml[w_][1], L);
+#pragma unroll
+                for (int i = 0; i < ND; ++i) acc[i] = fmaf(wt, sx[w_][lane * ND + i], acc[i]);
+            }
+            const long long pidx = ((long long)r * n_heads + h) * max_splits + s;
+            if (lane == 0) { pm[pidx] = M; pl[pidx] = L; }
             float* orow = po + pidx * HD + lane * ND;
 #pragma unroll
-            for (int i = 0; i < ND; ++i) orow[i] = o[i];
+            for (int i = 0; i < ND; ++i) orow[i] = acc[i];
         }
+        __syncthreads();  // sx and sml serve the next split
     }
     // The last block of this column merges the splits of its heads. The barrier orders the
     // block's writes before thread 0's fence (cumulative), which orders them before its count.
-    __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        last = atomicAdd(cnt + blockIdx.x, 1) == need - 1;
+        last = atomicAdd(cnt + col, 1) == need - 1;
         if (last) {
             __threadfence();
-            cnt[blockIdx.x] = 0;
+            cnt[col] = 0;
         }
     }
     __syncthreads();
-    if (!last || !live) return;
-    const int active = (len + sl - 1) / sl;
-    const long long pbase = (long long)warp * n_splits;
-    float w0, w1, L;
-    split_weights<true>(pm, pl, pbase, active, lane, w0, w1, L);
-    float acc[ND];
-#pragma unroll
-    for (int i = 0; i < ND; ++i) acc[i] = 0.f;
-#pragma unroll 4
-    for (int sp = 0; sp < active; ++sp) {
-        const float w = __shfl_sync(0xffffffffu, sp < 32 ? w0 : w1, sp & 31);
-        const float* os = po + (pbase + sp) * HD;
-#pragma unroll
-        for (int i = 0; i < ND; ++i) acc[i] = fmaf(w, __ldcg(os + lane + 32 * i), acc[i]);
-    }
+    if (!last) return;
+    // Warp (hh, p) merges head hh's dim groups i = p, p + pw, ... (lane + 32 i: one 32-group of
+    // the quantized output each); each dim's sum runs over the splits in order.
+    const long long pbase = ((long long)r * n_heads + h) * max_splits;
+    float w[4], L;
+    split_weights(pm, pl, pbase, active, lane, w, L);
     const float inv = 1.0f / L;
-    const long long row0 = (long long)warp * HD;  // (r, h) → r * n_heads * hd + h * hd
-#pragma unroll
-    for (int i = 0; i < ND; ++i) {
-        const float val = acc[i] * inv;
-        out[row0 + lane + 32 * i] = val;
-        if (has_q) quant32(val, qh, ql, qd, qs, row0 + lane + 32 * i, (row0 >> 5) + i);  // one 32-group per i
+    const long long row0 = ((long long)r * n_heads + h) * HD;  // (r, h) → r * n_heads * hd + h * hd
+    for (int i = piece_i; i < ND; i += pw) {
+        const int d = lane + 32 * i;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int sp = 0; sp < active; ++sp) {
+            const int k = sp >> 5;
+            const float wk = k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
+            acc = fmaf(__shfl_sync(0xffffffffu, wk, sp & 31), __ldcg(po + (pbase + sp) * HD + d), acc);
+        }
+        const float val = acc * inv;
+        out[row0 + d] = val;
+        if (has_q) quant32(val, qh, ql, qd, qs, row0 + d, (row0 >> 5) + i);
     }
 }
 

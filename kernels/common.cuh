@@ -19,6 +19,13 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// RoPE of the pair (x0, x1) by the angle of cosine c, sine s: each product and each sum rounded
+// on its own (no FMA contraction), as the numpy reference computes it, so that every kernel
+// that rotates (rope.cu, rope_kv, attn_decode) gives the same bits.
+__device__ __forceinline__ float2 rope_rot(float x0, float x1, float c, float s) {
+    return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+}
+
 // Two floats as an f16 pair (lo in the low half), and the f16 tensor-core multiply
 // D = A·B + D (m16n8k16, f32 accumulators; fragment layouts in attention.cu's attn_chunk).
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }

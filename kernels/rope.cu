@@ -16,7 +16,7 @@ __global__ void rope(float* x, const int* __restrict__ pos, const double* __rest
     float cf = (float)c, sf = (float)s;
     float* p = x + (long long)r * ld + (long long)h * head_dim;
     int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-    float a = p[ia], b = p[ib];
-    p[ia] = a * cf - b * sf;
-    p[ib] = a * sf + b * cf;
+    const float2 x = rope_rot(p[ia], p[ib], cf, sf);
+    p[ia] = x.x;
+    p[ib] = x.y;
 }

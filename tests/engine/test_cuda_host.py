@@ -24,13 +24,13 @@ def test_chunk_tiles(lens):
     assert last == sorted(last, reverse=True)
 
 
-def test_chunk_heads():
+def test_group_heads():
     base = dict(n_layers=1, d_model=64, d_ff=64, n_heads=8, n_kv_heads=2, head_dim=64, vocab_size=10,
                 context_length=64, rms_eps=1e-5, rope_base=1e4, rope_dim=64, rope_neox=False, rope_scale=1.0,
                 tied_output=True)
     for heads, kv, want in ((8, 2, 4), (32, 8, 4), (9, 3, 3), (4, 4, 1), (64, 8, 8), (32, 2, 8), (24, 2, 6)):
         cfg = LlamaConfig(**{**base, "n_heads": heads, "n_kv_heads": kv})
-        assert cuda.chunk_heads(cfg) == want
+        assert cuda.group_heads(cfg) == want
 
 
 @pytest.mark.parametrize("sms", (1, 16, 132, 1000))

@@ -2,7 +2,7 @@
 
 One module per concern: nvrtc (compiling and launching, programmatic dependent launch),
 settings (the tuning knobs, read once), launch (one checked launcher per kernel, and which
-kernel serves each matrix and batch width), attention (the attention launchers and a step's splits), weights (the device layout of a layer and the one
+kernel serves each matrix and batch width), attention (the attention launchers and the splits of a row's positions), weights (the device layout of a layer and the one
 weights object every plan uses), kv (the paged KV cache, f16 or q8_0), ops (the op set model.forward calls,
 with the arena that makes a pass capturable), graphs (model.forward captured per bucket), warm (the kernels a model needs, compiled at load).
 `backends/cpu.py` is the reference every op is tested against (tests/gpu).
@@ -16,8 +16,9 @@ from __future__ import annotations
 from ntransformerd.engine.backends.cuda.graphs import StepGraphs
 from ntransformerd.engine.backends.cuda.kv import CUDA_KV_DTYPES, CudaKVCache, CudaKVLayer, DeviceTables
 from ntransformerd.engine.backends.cuda.attention import (  # noqa: F401 (the backend's surface)
-    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, attention_, attention_chunk_, attention_decode_, attention_scratch,
-    attention_splits, chunk_heads, chunk_tiles, kv_append_, kv_args, rope_kv_, step_splits)
+    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, DECODE_ND, MAX_SPLITS, AttentionScratch, attention_, attention_chunk_,
+    attention_decode_, attention_scratch, chunk_tiles, decode_kernel, decode_launch, group_heads, kv_append_, kv_args,
+    max_splits, rope_kv_, split_len)
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
     CHUNKED_MAX_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
     MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, Choice, QAct, argmax, bucket_of, choose,

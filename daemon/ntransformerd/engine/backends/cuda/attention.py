@@ -1,41 +1,95 @@
-"""Attention launchers: the decode step's split attention (attn_partial + attn_combine, or
-attn_decode in one launch), the cache append, and a prefill chunk's tensor-core attention
-(attn_chunk); the choice of splits for a step. kernels/attention.cu holds the kernels.
+"""Attention launchers: decode and verify rows (attn_decode: fixed position splits merged in
+one launch, with RoPE and the cache append fused in or not), the cache append, and a prefill
+chunk's tensor-core attention (attn_chunk). kernels/attention.cu holds the kernels.
+
+A row of one query (a decode token, a verify row) is cut into splits of split_len(max_ctx)
+positions, a function of the cache's configured context alone, and its splits merge in split
+order: its bits depend on its own data and position, never on how many rows share the step,
+whether the step is captured, or whether RoPE and the append ran in the same launch. Prefill
+chunks (a segment of at least CHUNK_ROWS tokens) run attn_chunk instead, whose f16 tensor-core
+products round differently: a prompt's rows are computed by attn_chunk whichever step holds them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from ntransformerd.engine.backends.cuda.launch import QAct, qact_args
 from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, kernel, n_blocks
-from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 from ntransformerd.engine.gguf_file import LlamaConfig
 
 
-ATTN_ND = (1, 2, 4, 8)  # head_dim / 32: the attn_partial instances
+ATTN_ND = (1, 2, 4, 8)  # head_dim / 32 of the q8_0 attn_decode instances (a lane's values within one Q8_0 block)
+DECODE_ND = tuple(range(1, 9))  # head_dim / 32 of the f16 ones: any multiple of 32 up to 256
+MIN_SPLIT = 128  # positions per split up to MAX_SPLITS × MIN_SPLIT of context
+MAX_SPLITS = 128  # kernels/attention.cu MAX_SPLITS: the merge's lanes hold 4 splits each
+DECODE_WARPS = 8  # kernels/attention.cu DECODE_WARPS: warps of an attn_decode block
+DECODE_BLOCKS = 1024  # blocks an attn_decode launch aims at (more rows: each block takes more splits)
+DECODE_ROWS = 64  # rows of the scratch a captured step shares (graphs.MAX_DECODE_ROWS); more run in turns
 
 
-def attention_splits(n_rows: int, n_heads: int, max_pos: int, head_dim: int = 128) -> int:
-    """How many splits a row's positions are cut into (at most 64, see attn_partial): for a few
-    rows, enough that each split holds ~16 positions of the longest row; for a prefill chunk
-    (rows × heads fill the GPU already) ~64 positions each, so that no warp walks a long
-    history alone, within 256 MB of partial results."""
-    per = 16 if n_rows * n_heads < 4096 else 64
-    room = max(1, (256 << 20) // (n_rows * n_heads * (head_dim + 2) * 4))
-    return max(1, min(64, -(-(max_pos + 1) // per), room))
+def split_len(max_ctx: int) -> int:
+    """Positions per attention split of a cache of max_ctx positions: MIN_SPLIT, doubled until
+    at most MAX_SPLITS splits cover max_ctx (128 up to 16k, 1024 at 128k). A function of the
+    configured context alone, so a row's sums never depend on the step's rows or on its position."""
+    if max_ctx < 1:
+        raise ValueError(f"attention: max_ctx {max_ctx} must be positive")
+    sl = MIN_SPLIT
+    while -(-max_ctx // sl) > MAX_SPLITS:
+        sl *= 2
+    return sl
 
 
-def step_splits(n_rows: int, max_ctx: int, cfg: LlamaConfig, s: CudaSettings = DEFAULT) -> int:
-    """Attention splits per (row, head) of a step of n_rows rows (not a prefill chunk's tensor-core
-    attention), the same whether the step is captured or eager and whatever the rows' positions,
-    so a row's sums depend on its own position alone (a verify step of k + 1 tokens gives what
-    the same rows give in any step of that shape). The grid is sized for the longest context, so
-    a step of many rows takes fewer; the partials' scratch caps them too (attention_splits)."""
-    return min(64 if n_rows <= 2 else s.batched_splits, max_ctx,
-               attention_splits(n_rows, cfg.n_heads, max_ctx - 1, cfg.head_dim))
+def max_splits(max_ctx: int) -> int:
+    """Splits of a row at the full context: the partials a (row, head) needs room for."""
+    return -(-max_ctx // split_len(max_ctx))
+
+
+def group_heads(cfg: LlamaConfig) -> int:
+    """q heads per attn_decode and attn_chunk block: the most (≤ 8) that share one kv head and
+    divide its group (the block reads that kv head's K and V once for all of them)."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    return max(d for d in range(1, 9) if group % d == 0)
+
+
+def decode_launch(n: int, cfg: LlamaConfig, max_ctx: int) -> tuple[tuple[int, int], tuple[int]]:
+    """(grid, block) of attn_decode for n rows: a column per (row, kv head, block of
+    group_heads q heads), and as many blocks per column (each taking every so-many-th split) as
+    fill DECODE_BLOCKS, at most a row's splits. Which block computes a split changes no bit of
+    it, so the grid may follow the row count; the splits themselves do not."""
+    hb = group_heads(cfg)
+    cols = n * cfg.n_heads // hb
+    ys = min(max_splits(max_ctx), max(1, -(-DECODE_BLOCKS // cols)))
+    return (cols, ys), (32 * hb * max(1, DECODE_WARPS // hb),)
+
+
+def decode_kernel(cfg: LlamaConfig, q8: bool, fused: bool) -> str:
+    """The attn_decode instance for this head_dim, cache type and mode."""
+    return f"attn_decode<{cfg.head_dim // 32},{int(q8)},{int(fused)}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionScratch:
+    """attn_decode's split partials (max, sum, output) for `rows` rows of a cache of `splits`
+    splits per row, and its per-column counters (zero; each launch leaves them zero). One serves
+    every launch on its stream, one after another; a launch of more rows runs them in turns."""
+    rows: int
+    splits: int
+    pm: object
+    pl: object
+    po: object
+    cnt: object
+
+
+def attention_scratch(rows: int, cfg: LlamaConfig, max_ctx: int) -> AttentionScratch:
+    """The scratch for up to `rows` rows at a time over a cache of max_ctx positions."""
+    ms = max_splits(max_ctx)
+    s = rows * cfg.n_heads * ms
+    return AttentionScratch(rows, ms, cp.empty((s,), cp.float32), cp.empty((s,), cp.float32),
+                            cp.empty((s, cfg.head_dim), cp.float32), cp.zeros((rows * cfg.n_heads,), cp.int32))
 
 
 def kv_args(kv_layer) -> tuple:
@@ -57,25 +111,49 @@ def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig | None = None, *, n:
         np.int32(kv_layer.head_dim)))
 
 
-def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, n_splits: int,
-               ldq: int, ldk: int, ldv: int, out, scratch: tuple, append: bool = True, q_out: QAct | None = None):
-    """Append k, v at (slot, pos) (unless already there: append=False) then causal GQA attention
-    of q's rows; writes out (n, H*hd), and with q_out that output quantized too."""
+def _check_head_dim(cfg: LlamaConfig, what: str) -> None:
     if cfg.head_dim % 32 or cfg.head_dim > 256:
-        raise ValueError(f"attention: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
-    if not 1 <= n_splits <= 64:
-        raise ValueError(f"attention: {n_splits} splits, expected 1 to 64")
+        raise ValueError(f"{what}: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+
+
+def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int,
+                 out, scratch: AttentionScratch, q_out: QAct | None, what: str):
+    """attn_decode over n rows, scratch.rows at a time (a row's bits do not depend on its turn)."""
+    _check_head_dim(cfg, what)
+    check_array(pos, cp.int32, 1, f"{what} positions")
+    max_ctx = kv_layer.table.max_ctx
+    sl, ms = split_len(max_ctx), max_splits(max_ctx)
+    if scratch.splits != ms or scratch.cnt.size < scratch.rows * cfg.n_heads or scratch.po.shape[1] != cfg.head_dim:
+        raise ValueError(f"{what}: scratch for {scratch.splits} splits of head_dim {scratch.po.shape[1]}, "
+                         f"the cache needs {ms} of {cfg.head_dim} (attention_scratch(rows, cfg, max_ctx))")
+    if q_out is not None and n > scratch.rows:
+        raise ValueError(f"{what}: a quantized output is written for at most {scratch.rows} rows")
+    name = decode_kernel(cfg, kv_layer.q8, fused)
+    for r0 in range(0, n, scratch.rows):
+        m = min(scratch.rows, n - r0)
+
+        def part(a):  # this turn's rows
+            return a if m == n else a[r0:r0 + m]
+
+        grid, block = decode_launch(m, cfg, max_ctx)
+        kernel("attention", name)(grid, block, (
+            part(x), np.int32(ld), part(v) if v is not None else np.intp(0), np.int32(ldv), *kv_args(kv_layer),
+            part(slots), part(pos), freqs if freqs is not None else np.intp(0), scratch.pm, scratch.pl, scratch.po,
+            scratch.cnt, part(out), np.int32(m), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
+            np.int32(group_heads(cfg)), np.int32(sl), np.int32(ms), np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim),
+            np.int32(cfg.rope_neox), *qact_args(q_out, m, cfg.q_dim, what)))
+    return out
+
+
+def attention_(q, k, v, kv_layer, slots, pos, cfg: LlamaConfig, *, n: int, ldq: int, ldk: int, ldv: int, out,
+               scratch: AttentionScratch, append: bool = True, q_out: QAct | None = None):
+    """Append k, v at (slot, pos) (unless already there: append=False) then causal GQA attention
+    of q's rows (rotated already; one query per row); writes out (n, H*hd), and with q_out that
+    output quantized too."""
     if append:
         kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ldk, ldv=ldv)
-    pm, pl, po = scratch[:3]
-    warps = n * cfg.n_heads
-    kernel("attention", f"attn_partial<{cfg.head_dim // 32},{_q8(kv_layer)}>")((n_blocks(warps, 4), n_splits), (128,), (
-        q, np.int32(ldq), *kv_args(kv_layer), slots, pos, pm, pl, po, np.int32(n), np.int32(cfg.n_heads),
-        np.int32(cfg.n_kv_heads), np.int32(n_splits), np.float32(1.0 / math.sqrt(cfg.head_dim))))
-    kernel("attention", "attn_combine")((warps,), (128,), (  # a block per (row, head)
-        pm, pl, po, out, pos, np.int32(n), np.int32(cfg.n_heads), np.int32(cfg.head_dim), np.int32(n_splits),
-        *qact_args(q_out, n, cfg.q_dim, "attention")))
-    return out
+    return _attn_decode(False, q, ldq, None, 0, kv_layer, slots, pos, None, cfg, n=n, out=out, scratch=scratch,
+                        q_out=q_out, what="attention")
 
 
 def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, ld: int, ldv: int):
@@ -93,39 +171,18 @@ def rope_kv_(qkv, v, pos, slots, freqs, kv_layer, cfg: LlamaConfig, *, n: int, l
         kv_append_(k, v, kv_layer, slots, pos, cfg, n=n, ldk=ld, ldv=ldv)
 
 
-def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int, n_splits: int, ld: int,
-                      ldv: int, out, scratch: tuple, q_out: QAct | None = None):
-    """The decode step's attention in one launch (attn_decode: rope_kv_ + attention_): rows of
-    qkv (row stride ld) hold q then k, rows of v stride ldv; q and k are rotated in registers
-    (qkv is not written), k and v go to the cache at (slot, pos), and out (n, H*hd) gets the
-    attention output, with q_out quantized too. scratch: attention_scratch(n, cfg, n_splits, counters=True)."""
-    if cfg.head_dim % 32 or cfg.head_dim > 256:
-        raise ValueError(f"attention_decode: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
-    if not 1 <= n_splits <= 64:
-        raise ValueError(f"attention_decode: {n_splits} splits, expected 1 to 64")
-    check_array(pos, cp.int32, 1, "attention_decode positions")
-    if len(scratch) != 4:
-        raise ValueError("attention_decode: the scratch needs its counters (attention_scratch(..., counters=True))")
-    pm, pl, po, cnt = scratch
-    warps = n * cfg.n_heads
-    if cnt.size < n_blocks(warps, 4) or pm.size < warps * n_splits:
-        raise ValueError(f"attention_decode: scratch too small for {n} rows, {n_splits} splits")
-    kernel("attention", f"attn_decode<{cfg.head_dim // 32},{_q8(kv_layer)}>")((n_blocks(warps, 4), n_splits), (128,), (
-        qkv, np.int32(ld), v, np.int32(ldv), *kv_args(kv_layer), slots, pos, freqs, pm, pl, po, cnt, out, np.int32(n),
-        np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(n_splits),
-        np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim), np.int32(cfg.rope_neox),
-        *qact_args(q_out, n, cfg.q_dim, "attention")))
-    return out
+def attention_decode_(qkv, v, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int, ld: int, ldv: int, out,
+                      scratch: AttentionScratch, q_out: QAct | None = None):
+    """The decode step's attention in one launch (attn_decode fused: rope_kv_ + attention_, the
+    same bits): rows of qkv (row stride ld) hold q then k, rows of v stride ldv; q and k are
+    rotated in registers (qkv is not written), k and v go to the cache at (slot, pos), and out
+    (n, H*hd) gets the attention output, with q_out quantized too."""
+    return _attn_decode(True, qkv, ld, v, ldv, kv_layer, slots, pos, freqs, cfg, n=n, out=out, scratch=scratch,
+                        q_out=q_out, what="attention_decode")
 
 
 CHUNK_ROWS = 16  # rows per attn_chunk tile; a segment this long makes attention a prefill chunk's
 CHUNK_HEAD_DIMS = (64, 128)  # the attn_chunk instances
-
-
-def chunk_heads(cfg: LlamaConfig) -> int:
-    """q heads per attn_chunk block: the most (≤ 8) that share one kv head and divide its group."""
-    group = cfg.n_heads // cfg.n_kv_heads
-    return max(d for d in range(1, 9) if group % d == 0)
 
 
 def chunk_tiles(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -147,7 +204,7 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
     tile (chunk_tiles); f16 q and P, f32 accumulation. Writes out (n, H*hd)."""
     if cfg.head_dim not in CHUNK_HEAD_DIMS:
         raise ValueError(f"attention_chunk: head_dim {cfg.head_dim} not in {CHUNK_HEAD_DIMS}")
-    hb = chunk_heads(cfg)
+    hb = group_heads(cfg)
     t = cp.asarray(tiles)  # (2, T) int32 (already on the device from CudaOps)
     kernel("attention", f"attn_chunk<{cfg.head_dim},{_q8(kv_layer)}>")((tiles.shape[1], cfg.n_heads // hb), (32 * hb,), (
         q, np.int32(ldq), *kv_args(kv_layer), slots, pos, t[0], t[1], out, np.int32(out.shape[1]),
@@ -155,19 +212,10 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
     return out
 
 
-def attention_scratch(n: int, cfg: LlamaConfig, n_splits: int, *, counters: bool = False) -> tuple:
-    """Split partials (max, sum, output) for n rows; with counters, also attn_decode's per-column
-    counters (zero; each launch leaves them zero)."""
-    s = n * cfg.n_heads * n_splits
-    parts = (cp.empty((s,), cp.float32), cp.empty((s,), cp.float32), cp.empty((s, cfg.head_dim), cp.float32))
-    return parts + (cp.zeros((n_blocks(n * cfg.n_heads, 4),), cp.int32),) if counters else parts
-
-
 def kernel_names() -> list[tuple[str, str]]:
-    """Every attention kernel instance (for precompile)."""
-    names = [("attention", "kv_append<0>"), ("attention", "kv_append<1>"), ("attention", "rope_kv"),
-             ("attention", "attn_combine")]
-    names += [("attention", f"{k}<{nd},{q8}>") for nd in ATTN_ND for k in ("attn_partial", "attn_decode")
-              for q8 in (0, 1)]
+    """Every attention kernel instance a launcher here can pick (for precompile)."""
+    names = [("attention", "kv_append<0>"), ("attention", "kv_append<1>"), ("attention", "rope_kv")]
+    names += [("attention", f"attn_decode<{nd},{q8},{fused}>") for nd in DECODE_ND for q8 in (0, 1)
+              for fused in (0, 1) if not q8 or nd in ATTN_ND]
     names += [("attention", f"attn_chunk<{hd},{q8}>") for hd in CHUNK_HEAD_DIMS for q8 in (0, 1)]
     return names

@@ -30,6 +30,7 @@ import types
 import numpy as np
 
 from ntransformerd.engine import model as llama
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda import launch as K
 from ntransformerd.engine.backends.cuda import nvrtc, sampling
 from ntransformerd.engine.backends.cuda.kv import CudaKVCache
@@ -41,7 +42,7 @@ from ntransformerd.engine.sampler import TopLogits
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 TOKENS = (1, 2, 4, 8, 16)
 MAX_ROWS = K.MATVEC_MAX_ROWS  # rows × tokens of a bucket, except…
-MAX_DECODE_ROWS = 64  # …one token per row: up to this many rows
+MAX_DECODE_ROWS = A.DECODE_ROWS  # …one token per row: up to this many rows
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +88,7 @@ class StepGraphs:
         self.pdl = self.s.pdl if pdl is None else pdl
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._buckets: dict[tuple, _Bucket] = {}
+        self._scratch: A.AttentionScratch | None = None
 
     @property
     def captured(self) -> types.MappingProxyType:
@@ -112,10 +114,6 @@ class StepGraphs:
         t = len(segments[0].tokens)
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
 
-    def n_splits(self, n: int) -> int:
-        """Attention splits per (row, head) of an n-row bucket (attention.step_splits)."""
-        return K.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
-
     # ---- capture --------------------------------------------------------------------------------
 
     def covers_piece(self, segments, layers) -> bool:
@@ -124,6 +122,13 @@ class StepGraphs:
             return False
         t = len(segments[0].tokens)
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
+
+    def _attention_scratch(self) -> A.AttentionScratch:
+        """The attention scratch every bucket shares (made with the first): MAX_DECODE_ROWS rows
+        at the cache's full context. Steps run one after another on one stream, so one serves all."""
+        if self._scratch is None:
+            self._scratch = A.attention_scratch(MAX_DECODE_ROWS, self.cfg, self.kv.max_ctx)
+        return self._scratch
 
     def _pass(self, b: _Bucket):
         if b.piece:
@@ -143,7 +148,7 @@ class StepGraphs:
         b = self._buckets.get(key)
         if b is not None:
             return b
-        arena = Arena(self.cfg, r, t, n_splits=self.n_splits(r * t))
+        arena = Arena(self.cfg, r, t, scratch=self._attention_scratch())
         # The batch's structure (R segments of T tokens) is what the ops read from it; every value
         # (tokens, slots, positions) comes from the arena's io rows, set before each replay.
         batch = Batch.of([Segment(self.kv.scratch_slot, 0, np.zeros(t, np.int64)) for _ in range(r)])

@@ -22,6 +22,7 @@ import contextlib
 import numpy as np
 
 from ntransformerd.engine.backends.cpu import rope_frequencies
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda import launch as K
 from ntransformerd.engine.backends.cuda.nvrtc import cp
 from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
@@ -38,15 +39,15 @@ def _ld(x) -> int:
 
 class Arena:
     """Fixed device buffers for one bucket of `rows` rows × `tokens` per row: the outputs of
-    every op of a pass, the step's io (token, slot, position of each row), the attention
-    scratch. Buffers are keyed by what makes them (op, piece, shape), never by call order, so
-    a layer's h and the next layer's h share one buffer, and the whole pass needs a few dozen."""
+    every op of a pass, the step's io (token, slot, position of each row), and the attention
+    scratch (shared by every bucket of the engine: graphs.StepGraphs makes one). Buffers are
+    keyed by what makes them (op, piece, shape), never by call order, so a layer's h and the
+    next layer's h share one buffer, and the whole pass needs a few dozen."""
 
-    def __init__(self, cfg: LlamaConfig, rows: int, tokens: int, *, n_splits: int):
+    def __init__(self, cfg: LlamaConfig, rows: int, tokens: int, *, scratch: A.AttentionScratch):
         self.cfg, self.rows, self.tokens, self.n = cfg, rows, tokens, rows * tokens
         self.io = cp.zeros((3, self.n), cp.int32)  # token, slot, position of each row
-        self.n_splits = n_splits
-        self.scratch = K.attention_scratch(self.n, cfg, n_splits, counters=True)
+        self.scratch = scratch
         self._bufs: dict[tuple, object] = {}
         self._owner: dict[int, tuple] = {}  # buffer pointer → key
         self._qact: dict[tuple, K.QAct] = {}  # keys whose readers want the quantized form too
@@ -117,7 +118,7 @@ class CudaOps:
         self.cfg, self.settings = cfg, settings
         self.freqs = cp.asarray(rope_frequencies(cfg, freq_factors))  # (rope_dim/2,) float64
         self.arena: Arena | None = None
-        self._batch = None  # (batch, slots, positions, tiles, splits) of the eager step in flight
+        self._batch = None  # (batch, slots, positions, tiles) of the eager step in flight
         self._refreshed = None  # (batch, device tables) last brought up to date
 
     # ---- outputs ------------------------------------------------------------------------------
@@ -136,12 +137,12 @@ class CudaOps:
     # ---- the step's rows ----------------------------------------------------------------------
 
     def _rows(self, batch: Batch, kv_layer):
-        """Slots, positions, prefill-attention tiles (or None) and attention splits of the step's
-        rows on the device: the arena's io (graphs.py brings the block tables up to date before
-        a replay), or made once per eager step, the device block tables of its slots refreshed
-        once per step and cache."""
+        """Slots, positions and prefill-attention tiles (or None) of the step's rows on the
+        device: the arena's io (graphs.py brings the block tables up to date before a replay),
+        or made once per eager step, the device block tables of its slots refreshed once per
+        step and cache."""
         if self.arena is not None:
-            return self.arena.slots_dev, self.arena.pos_dev, None, self.arena.n_splits
+            return self.arena.slots_dev, self.arena.pos_dev, None
         done = self._refreshed
         if done is None or done[0] is not batch or done[1] is not kv_layer.tables:
             for seg in batch.segments:  # held already where the engine reserved the step (a no-op then)
@@ -151,10 +152,9 @@ class CudaOps:
         if self._batch is None or self._batch[0] is not batch:
             c = self.cfg
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
-            chunk = c.head_dim in K.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= K.CHUNK_ROWS
-            tiles = cp.asarray(K.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
-            splits = None  # attention(): a count that depends on the rows alone, not their positions
-            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles, splits)
+            chunk = c.head_dim in A.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= A.CHUNK_ROWS
+            tiles = cp.asarray(A.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
+            self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles)
         return self._batch[1:]
 
     @staticmethod
@@ -239,31 +239,34 @@ class CudaOps:
         row's (slot, position), then causal GQA attention over the cache; q, k, v may be column
         views of one matmul output. (N, H * hd)."""
         c, s = self.cfg, self.settings
-        slots, pos, tiles, n_splits = self._rows(batch, kv_layer)
+        slots, pos, tiles = self._rows(batch, kv_layer)
         n = q.shape[0]
         out = self._out(("attention",), (n, c.q_dim))
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
-        if n_splits is None:  # by the row count alone, as a captured step (attention.step_splits)
-            n_splits = K.step_splits(n, kv_layer.table.max_ctx, c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if (fused and one_token and tiles is None and n <= K.MATVEC_MAX_ROWS
                 and K.bucket_of(n) <= s.attn_one_launch_max_bucket):
-            scratch = self.arena.scratch if self.arena is not None else K.attention_scratch(n, c, n_splits, counters=True)
-            return K.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, n_splits=n_splits, ld=_ld(q),
-                                       ldv=_ld(v), out=out, scratch=scratch, q_out=q_out)
+            return A.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, ld=_ld(q), ldv=_ld(v), out=out,
+                                       scratch=self._scratch(n, kv_layer), q_out=q_out)
         appended = False
         if fused:
-            K.rope_kv_(q, v, pos, slots, self.freqs, kv_layer, c, n=n, ld=_ld(q), ldv=_ld(v))
+            A.rope_kv_(q, v, pos, slots, self.freqs, kv_layer, c, n=n, ld=_ld(q), ldv=_ld(v))
             appended = True
         elif rope is not None:
             K.rope_(q, pos, self.freqs, c, c.n_heads, n=n, ld=_ld(q))
             K.rope_(k, pos, self.freqs, c, c.n_kv_heads, n=n, ld=_ld(k))
         if tiles is not None:  # a prefill chunk: tensor cores
             if not appended:
-                K.kv_append_(k, v, kv_layer, slots, pos, c, n=n, ldk=_ld(k), ldv=_ld(v))
-            return K.attention_chunk_(q, kv_layer, slots, pos, tiles, c, ldq=_ld(q), out=out)
-        scratch = self.arena.scratch[:3] if self.arena is not None else K.attention_scratch(n, c, n_splits)
-        return K.attention_(q, k, v, kv_layer, slots, pos, c, n=n, n_splits=n_splits, ldq=_ld(q), ldk=_ld(k),
-                            ldv=_ld(v), out=out, scratch=scratch, append=not appended, q_out=q_out)
+                A.kv_append_(k, v, kv_layer, slots, pos, c, n=n, ldk=_ld(k), ldv=_ld(v))
+            return A.attention_chunk_(q, kv_layer, slots, pos, tiles, c, ldq=_ld(q), out=out)
+        return A.attention_(q, k, v, kv_layer, slots, pos, c, n=n, ldq=_ld(q), ldk=_ld(k), ldv=_ld(v), out=out,
+                            scratch=self._scratch(n, kv_layer), append=not appended, q_out=q_out)
+
+    def _scratch(self, n: int, kv_layer) -> A.AttentionScratch:
+        """The arena's shared attention scratch, or (eager) one for up to DECODE_ROWS rows at a
+        time from CuPy's pool."""
+        if self.arena is not None:
+            return self.arena.scratch
+        return A.attention_scratch(min(n, A.DECODE_ROWS), self.cfg, kv_layer.table.max_ctx)

@@ -44,15 +44,13 @@ class CudaSettings:
     # groups (no tail wave, no block start per group).
     mvq_persistent: bool = SETTINGS["mvq_persistent"].default
     # Up to this batch bucket the decode step's attention (one token per row) is one launch
-    # (attn_decode: RoPE, cache append, split attention, merge) instead of three.
+    # (attn_decode fused: RoPE, cache append, split attention, merge) instead of two or three;
+    # both give the same bits.
     attn_one_launch_max_bucket: int = SETTINGS["attn_one_launch_max_bucket"].default
     # Captured steps use programmatic dependent launch (each kernel may start while the previous
     # one drains; attn_decode loads the cache then) up to this many rows.
     pdl: bool = SETTINGS["pdl"].default
     pdl_max_bucket: int = 32
-    # Attention splits per (row, head) in buckets of more than 2 rows: the one-launch attention's
-    # grid is sized for the longest context, so with many rows fewer splits waste fewer blocks.
-    batched_splits: int = 16
 
     # Every row's matvecs on one kernel family whose sum order follows the weight's shape alone
     # (launch.choose), prefill chunks too: a request's output does not depend on the rows that
