@@ -1,4 +1,4 @@
-"""Host-side planning of the CUDA backend that needs no GPU: prefill attention tiles and heads."""
+"""Host-side planning of the CUDA backend that needs no GPU: attention splits, grids and tiles, heads."""
 import numpy as np
 import pytest
 
@@ -31,6 +31,67 @@ def test_group_heads():
     for heads, kv, want in ((8, 2, 4), (32, 8, 4), (9, 3, 3), (4, 4, 1), (64, 8, 8), (32, 2, 8), (24, 2, 6)):
         cfg = LlamaConfig(**{**base, "n_heads": heads, "n_kv_heads": kv})
         assert cuda.group_heads(cfg) == want
+
+
+def _cfg(**kw) -> LlamaConfig:
+    base = dict(n_layers=1, d_model=4096, d_ff=64, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=10,
+                context_length=8192, rms_eps=1e-5, rope_base=1e4, rope_dim=128, rope_neox=False, rope_scale=1.0,
+                tied_output=True)
+    return LlamaConfig(**{**base, **kw})
+
+
+CONTEXTS = (1, 2, 15, 16, 127, 128, 129, 4096, 8192, 16383, 16384, 16385, 20000, 32768, 65536, 131072, 131073, 1 << 20)
+
+
+def test_split_len_follows_the_context_alone():
+    """A decode row's splits: 128 positions up to 16k of context, then doubled so that at most
+    MAX_SPLITS cover it (1024 at 128k); growing with max_ctx, never with anything else."""
+    assert cuda.split_len(4096) == cuda.split_len(16384) == 128
+    assert cuda.split_len(131072) == 1024
+    prev = 0
+    for ctx in CONTEXTS:
+        sl = cuda.split_len(ctx)
+        assert sl >= prev and sl % 128 == 0 and sl & (sl - 1) == 0
+        assert 1 <= cuda.max_splits(ctx) <= cuda.MAX_SPLITS
+        assert cuda.max_splits(ctx) * sl >= ctx > (cuda.max_splits(ctx) - 1) * sl
+        prev = sl
+    with pytest.raises(ValueError, match="max_ctx"):
+        cuda.split_len(0)
+
+
+@pytest.mark.parametrize("heads,kv,hd", ((32, 8, 128), (64, 8, 128), (8, 2, 64), (9, 3, 96), (4, 4, 128),
+                                         (2, 1, 32), (6, 2, 256), (24, 2, 64)))
+@pytest.mark.parametrize("max_ctx", (64, 4096, 8192, 16384, 131072))
+def test_decode_launch_takes_the_same_splits_for_any_row_count(heads, kv, hd, max_ctx):
+    """What fixes a row's sums in attn_decode (its instance, split length, heads per block, warps
+    per block: the pieces of a split) is the same for 1 row and 64; only the columns (one per row
+    and head block) and how many blocks share a column's splits follow the row count."""
+    cfg = _cfg(n_heads=heads, n_kv_heads=kv, head_dim=hd, d_model=heads * hd, rope_dim=hd)
+    hb = cuda.group_heads(cfg)
+    fixed = set()
+    for n in range(1, cuda.DECODE_ROWS + 1):
+        (cols, ys), (threads,) = cuda.decode_launch(n, cfg, max_ctx)
+        assert cols == n * heads // hb and 1 <= ys <= cuda.max_splits(max_ctx)
+        assert threads % (32 * hb) == 0 and threads <= 32 * 8
+        fixed.add((threads, cuda.split_len(max_ctx), cuda.decode_kernel(cfg, False, True)))
+    assert len(fixed) == 1
+    assert cuda.split_len(max_ctx) % (fixed.pop()[0] // (32 * hb)) == 0  # whole pieces per warp
+
+
+def test_every_attention_instance_is_precompiled():
+    """Each attn_decode instance a launcher can pick (every head_dim the kernels take, each cache
+    type the cache allows for it, fused or not) is one kernel_names() lists."""
+    names = set(cuda.kernel_names())
+    for hd in range(32, 257, 32):
+        cfg = _cfg(head_dim=hd, d_model=32 * hd, rope_dim=hd)
+        for q8 in (False, True):
+            if q8 and hd not in (32, 64, 128, 256):  # kv.Q8_HEAD_DIMS: the cache refuses the rest
+                continue
+            for fused in (False, True):
+                assert ("attention", cuda.decode_kernel(cfg, q8, fused)) in names
+    for hd in cuda.CHUNK_HEAD_DIMS:
+        for q8 in (0, 1):
+            assert ("attention", f"attn_chunk<{hd},{q8}>") in names
 
 
 @pytest.mark.parametrize("sms", (1, 16, 132, 1000))
