@@ -16,7 +16,7 @@ __global__ void rope(float* x, const int* __restrict__ pos, const double* __rest
     float cf = (float)c, sf = (float)s;
     float* p = x + (long long)r * ld + (long long)h * head_dim;
     int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-    const float2 x = rope_rot(p[ia], p[ib], cf, sf);
-    p[ia] = x.x;
-    p[ib] = x.y;
+    const float2 y = rope_rot(p[ia], p[ib], cf, sf);
+    p[ia] = y.x;
+    p[ib] = y.y;
 }

@@ -146,15 +146,15 @@ def test_attention(head_dim, n_heads, n_kv, lens, dtype):
 
 
 @pytest.mark.parametrize("one_launch", (True, False))
-@pytest.mark.parametrize("n_splits", (1, 7, 64))
+@pytest.mark.parametrize("max_ctx", (3008, 40000))  # splits of 128 positions, of 512
 @pytest.mark.parametrize("head_dim,n_heads,n_kv,rope_dim,neox", ((64, 8, 2, 64, False), (128, 32, 8, 128, False),
                                                                  (128, 4, 4, 64, True), (32, 2, 1, 32, True),
                                                                  (256, 6, 2, 96, False), (96, 9, 3, 96, True)))
 @pytest.mark.parametrize("dtype", ("f16", "q8_0"))
-def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_splits, one_launch, dtype):
+def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, max_ctx, one_launch, dtype):
     """The captured step's path on a stacked q|k|v buffer: attention_decode_ (RoPE, cache append,
     attention and the merge of the splits in one launch), or RoPE + append (rope_kv_) then
-    attention_; over any number of splits, writing the output quantized too. Against the CPU
+    attention_; over splits of any length (from the cache's context), writing the output quantized too. Against the CPU
     reference's rope + attention, and the quantized output against quantizing it; the one-launch
     kernel run twice (its split counters must come back to zero) gives the same output. A q8_0
     cache: v (not rotated) stored bit for bit as the host rounds it; k within a quant step (the
@@ -168,8 +168,9 @@ def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_split
         with pytest.raises(ValueError, match="kv_dtype"):
             cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=64, dtype=dtype)
         return
-    ref_kv = KVCache(cfg, n_slots=n_slots, max_ctx=3008, dtype=dtype)
-    kv = cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=3008, dtype=dtype)
+    blocks = sum(-(-(start + 1) // 16) for start, _ in lens)
+    ref_kv = KVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=blocks)
+    kv = cuda.CudaKVCache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=blocks)
     history(kv, ref_kv, lens, rng)
     for s, (start, _) in enumerate(lens):  # the launchers below are called directly: the engine's reserve
         kv.reserve(s, start + 1)
@@ -189,20 +190,21 @@ def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, n_split
     ld = qkv.shape[1]
     out = cp.full((n, cfg.q_dim), np.nan, cp.float32)
     qa = cuda.QAct(n, cfg.q_dim)
-    scratch = cuda.attention_scratch(n, cfg, n_splits, counters=one_launch)
+    scratch = cuda.attention_scratch(n, cfg, max_ctx)
     if one_launch:
         for _ in range(2):
             first = out.copy()
             out.fill(np.nan)
             cuda.attention_decode_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, ops.freqs, cfg, n=n,
-                                   n_splits=n_splits, ld=ld, ldv=ld, out=out, scratch=scratch, q_out=qa)
+                                   ld=ld, ldv=ld, out=out, scratch=scratch, q_out=qa)
         cp.testing.assert_array_equal(out, first)
-        assert not scratch[3].any()
+        assert not scratch.cnt.any()
         np.testing.assert_array_equal(dq.get(), qkv)  # q and k rotated in registers only
     else:
         cuda.rope_kv_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], pos, slots, ops.freqs, kv.layer(0), cfg, n=n, ld=ld, ldv=ld)
         cuda.attention_(dq, dq[:, cfg.q_dim:], dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, cfg, n=n,
-                        n_splits=n_splits, ldq=ld, ldk=ld, ldv=ld, out=out, scratch=scratch, append=False, q_out=qa)
+                        ldq=ld, ldk=ld, ldv=ld, out=out, scratch=scratch, append=False, q_out=qa)
+        assert not scratch.cnt.any()
         assert rel(dq[:, :cfg.q_dim].get(), ref_ops.rope(q, table, n_heads)) < 1e-6
     # per (row, head): a short row's outputs must not hide a long row's error
     got = out.get().reshape(n, n_heads, head_dim)
