@@ -133,6 +133,13 @@ def check_resident(d: dict) -> None:
         assert figure(f["prefill"]["tok_s"]) and set(f["decode_b1_sampled"]) == {"device_top", "host_rows"}
 
 
+def check_attention_gpu(d: dict) -> None:
+    assert {(x["kv"], x["context"], x["batch"]) for x in d["attention"]} == {
+        (kv, c, b) for kv in ("f16", "q8_0") for c in (16, 200) for b in (1, 3)}
+    assert all(figure(x["fused_us"]) and figure(x["unfused_us"]) for x in d["attention"])
+    assert [x["depth"] for x in d["e2e"]["steps"]] == [0, 100] and all(figure(x["tok_s"]) for x in d["e2e"]["steps"])
+
+
 def check_ab_decode(d: dict) -> None:
     assert len(d["variants"]) == 2 and d["rows"], d
     for row in d["rows"]:
@@ -290,7 +297,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
        "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling,
        "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence}
-GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
+GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "attention_gpu.py": check_attention_gpu, "ncu_step.py": check_ncu_step,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality,
