@@ -9,9 +9,9 @@
 //
 // kv_append<Q8>: row r's k and v (f32, row strides ldk, ldv) go to the cache at (slot[r], pos[r]).
 // rope_kv: RoPE of q and k in place, and (f16 caches) k, v appended to the cache, in one launch.
-// attn_decode<ND, Q8, FUSED>: attention of rows of one query each (decode tokens, verify rows) over
+// attn_decode<ND, Q8, HB>: attention of rows of one query each (decode tokens, verify rows) over
 //   fixed position splits (sl positions, from the configured context alone), merged in split
-//   order in the same launch; FUSED also does RoPE and the cache append (below).
+//   order in the same launch; fused, RoPE and the cache append too (below).
 // attn_chunk<HD, Q8>: a prefill chunk's rows on tensor cores (f16 q and P; below).
 // ND = head_dim / 32: lane l holds dims l*ND .. l*ND+ND-1 of a head row, loaded as one vector.
 // head_dim is a multiple of 32, at most 256.
@@ -210,35 +210,35 @@ __device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end
 }
 
 // ---- decode attention over fixed position splits ------------------------------------------
-// attn_decode<ND, Q8, FUSED>: causal GQA attention of rows that each hold one query (a decode
+// attn_decode<ND, Q8, HB>: causal GQA attention of rows that each hold one query (a decode
 // token, or one row of a verify step) over positions 0 .. pos[r] of the row's slot.
 // Positions are cut into splits of sl positions, sl set by the configured context alone
 // (backends/cuda/attention.py split_len), never by the number of rows or the row's position;
 // every split's partial, and the merge of the splits in the order 0, 1, 2, ..., are then the
 // same arithmetic whatever else the step holds: a row's bits depend on its own data, position
 // and sl only.
-// Grid: x a column per (row, kv head, block of hb q heads of its group), y a stride over the
-// splits: block y takes splits y, y + gridDim.y, ... (which block computes a split changes no
-// bit of it; the launcher sizes gridDim.y from the rows so the GPU fills). Blocks of a column
-// past its last non-empty split leave at once. A block has hb × pw warps: warp (hh, p) takes q
-// head hh against the p-th of pw equal pieces of the split (K and V of the group read once,
-// by the block, through L1), an online softmax CH positions per step, lane l holding dims
-// l*ND .. l*ND+ND-1; the pieces merge in shared memory in the order 0, 1, ... into the split's
-// max m, sum l and unnormalised output o (pm, pl, po: (row, head, split)). The last block of
-// a column to finish (cnt counts them; that block resets it, so graph replays find it zero)
-// merges the splits of its heads into out (N, n_heads * head_dim), and with has_q writes out
-// quantized for the int8 matvecs (quant_act.cuh).
-// FUSED (the decode step's RoPE + cache append + attention in one launch): rows of qkv (stride
-// ld) hold q then k, not rotated; v at row stride ldv. q and the new k are rotated in
-// registers (qkv is not written) with the row's angles (in double, as rope.cu), k and v are
-// rounded as the cache holds them (f16, or Q8_0 as gguf rounds) and the column's first head
-// writes them at (slot, pos); the piece holding pos uses those values where the other mode
-// reads them back from the cache, at the same place in its sums, so the two modes give the
-// same bits. Not FUSED: qkv holds q alone (rotated), and the cache holds position pos already
-// (kv_append or rope_kv before it); v and freqs are unused.
+// Grid: x a column per (row, kv head, HB q heads of its group), y a stride over the splits:
+// block y takes splits y, y + gridDim.y, ... (which block computes a split changes no bit of
+// it; the launcher sizes gridDim.y from the rows so that the GPU fills). Blocks of a column past
+// its last non-empty split leave at once. Warp w of a block takes the w-th of DECODE_WARPS
+// equal pieces of the split for all HB heads: each K and V row it loads serves every head, an
+// online softmax CH positions per step, lane l holding dims l*ND .. l*ND+ND-1. The pieces merge
+// in shared memory in the order 0, 1, ... into each head's split max m, sum l and unnormalised
+// output o (pm, pl, po: (row, head, split)). The last block of a column to finish (cnt counts
+// them; that block resets it, so graph replays find it zero) merges the splits of its heads
+// into out (N, n_heads * head_dim), and with has_q writes out quantized for the int8 matvecs
+// (quant_act.cuh).
+// fused (the decode step's RoPE + cache append + attention in one launch): rows of qkv (stride
+// ld) hold q then k, not rotated; v at row stride ldv. q and the new k are rotated in registers
+// (qkv is not written) with the row's angles (in double, as rope.cu), k and v are rounded as
+// the cache holds them (f16, or Q8_0 as gguf rounds) and the group's first column writes them
+// at (slot, pos); the piece holding pos uses those values where the other mode reads them back
+// from the cache, at the same place in its sums, so the two modes give the same bits. Not
+// fused: qkv holds q alone (rotated), and the cache holds position pos already (kv_append or
+// rope_kv before it); v and freqs are unused.
 
 #define MAX_SPLITS 128  // attention.py MAX_SPLITS: the merge's lanes hold 4 splits each
-#define DECODE_WARPS 8  // most warps of an attn_decode block
+#define DECODE_WARPS 8  // warps of an attn_decode block: the pieces of a split
 
 // Element d of the head in s (head_dim floats) after RoPE with the angles cs[p] = (cos, sin) of
 // pair p (rope.cu's pairing, common.cuh's rope_rot).
@@ -277,33 +277,34 @@ __device__ __forceinline__ void split_weights(const float* pm, const float* pl, 
     for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
 }
 
-template <int ND, int Q8, int FUSED>
+template <int ND, int Q8, int HB>
 __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
         const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u8* kc, u8* vc,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
         const double* __restrict__ freqs, float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
-        int N, int n_heads, int n_kv, int hb, int sl, int max_splits, float scale, int rope_dim, int neox,
+        int N, int n_heads, int n_kv, int sl, int max_splits, float scale, int rope_dim, int neox, int fused,
         signed char* qh, signed char* ql, float* qd, float* qs, int has_q) {
-    // FUSED: before pdl_wait only what no kernel of this step writes: slot and pos (set before
+    // fused: before pdl_wait only what no kernel of this step writes: slot and pos (set before
     // the step), the angles, and the cached positions (earlier steps); q, k, v, the scratch and
-    // the counters come after it. Not FUSED: the cache row at pos comes from the kernel before.
+    // the counters come after it. Not fused: the cache row at pos comes from the kernel before.
     pdl_launch_next();
-    if constexpr (!FUSED) pdl_wait();
-    constexpr int HD = 32 * ND;
-    constexpr int CH = ND >= 8 ? 4 : 8;  // positions per step, their K and V loads issued together
-    __shared__ float sx[DECODE_WARPS][HD];    // a warp's q head, then its new k head, before RoPE; then its piece's o
-    __shared__ float sml[DECODE_WARPS][2];    // a piece's m and l
-    __shared__ float2 scs[HD / 2];            // the row's angles (FUSED)
+    if (!fused) pdl_wait();
+    constexpr int HD = 32 * ND, W = DECODE_WARPS;
+    // positions per step, their K and V loads issued together (fewer where the heads' registers are many)
+    constexpr int CH = HB * ND >= 64 ? 2 : HB * ND >= 16 || ND >= 8 ? 4 : 8;
+    __shared__ float sx[HB + 1][HD];   // fused: the column's q heads and the new k head, before RoPE
+    __shared__ float so[W][HD];        // the pieces' o of one head, for the merge
+    __shared__ float sml[W][HB][2];    // the pieces' m and l
+    __shared__ float2 scs[HD / 2];     // fused: the row's angles
     __shared__ int last;
-    const int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int pw = (blockDim.x >> 5) / hb, hh = wib % hb, piece_i = wib / hb;
-    const int group = n_heads / n_kv, hgroups = group / hb;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = n_heads / n_kv, hgroups = group / HB;
     const int col = blockIdx.x, r = col / (n_kv * hgroups), kvh = (col / hgroups) % n_kv;
-    const int h = kvh * group + (col % hgroups) * hb + hh;
+    const int h0 = kvh * group + (col % hgroups) * HB;  // the column's first q head
     const int p_now = pos[r], len = p_now + 1, active = (len + sl - 1) / sl;
     if ((int)blockIdx.y >= active) return;
     const int need = min((int)gridDim.y, active);  // the column's blocks with work
-    const int piece = sl / pw;
+    const int piece = sl / W;
     const int* tab = tables + (long long)slot[r] * max_blocks;
     const int rb = kv_row_bytes<Q8>(HD);
     float kv[CH][ND], vv[CH][ND];
@@ -315,55 +316,53 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
             load_row<ND, Q8>(vc + o_, lane, vv[j]);
         }
     };
-    // The first split's first chunk (FUSED: during the previous kernel; the row at pos, not yet
+    // The first split's first chunk (fused: during the previous kernel; the row at pos, not yet
     // written, is replaced below).
-    int a = blockIdx.y * sl + piece_i * piece, b = min(len, a + piece);
+    int a = blockIdx.y * sl + w * piece, b = min(len, a + piece);
     if (a < b) load_chunk(a, b);
-    if constexpr (FUSED) {
+    float qv[HB][ND];
+    if (fused) {
         for (int p = threadIdx.x; p < rope_dim / 2; p += blockDim.x) {
             double sn, c;
             sincos((double)p_now * freqs[p], &sn, &c);
             scs[p] = make_float2((float)c, (float)sn);
         }
-        __syncthreads();
         pdl_wait();
-    }
-    float qv[ND];
-    {
-        const float* qr = qkv + (long long)r * ld + (long long)h * HD + lane * ND;
-        if constexpr (FUSED) {
+        const float* row = qkv + (long long)r * ld;
+        for (int e = threadIdx.x; e < (HB + 1) * HD; e += blockDim.x)  // q heads h0 .., then k head kvh
+            sx[e / HD][e % HD] = row[(e < HB * HD ? (long long)h0 * HD : (long long)(n_heads + kvh) * HD - HB * HD) + e];
+        __syncthreads();
 #pragma unroll
-            for (int i = 0; i < ND; ++i) sx[wib][lane * ND + i] = qr[i];
-            __syncwarp();
+        for (int hh = 0; hh < HB; ++hh)
 #pragma unroll
-            for (int i = 0; i < ND; ++i) qv[i] = rope_elem(sx[wib], scs, lane * ND + i, rope_dim, neox) * scale;
-            __syncwarp();
-        } else {
+            for (int i = 0; i < ND; ++i) qv[hh][i] = rope_elem(sx[hh], scs, lane * ND + i, rope_dim, neox) * scale;
+    } else {
 #pragma unroll
-            for (int i = 0; i < ND; ++i) qv[i] = qr[i] * scale;
+        for (int hh = 0; hh < HB; ++hh) {
+            const float* qr = qkv + (long long)r * ld + (long long)(h0 + hh) * HD + lane * ND;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) qv[hh][i] = qr[i] * scale;
         }
     }
     for (int s = blockIdx.y; s < active; s += gridDim.y) {
         if (s != (int)blockIdx.y) {
-            a = s * sl + piece_i * piece;
+            a = s * sl + w * piece;
             b = min(len, a + piece);
             if (a < b) load_chunk(a, b);
         }
-        // FUSED: the new k and v as the cache holds them, in the piece that holds pos; the
-        // group's first head writes them to the cache.
+        // fused: the new k and v as the cache holds them, in the piece that holds pos; the
+        // group's first column writes them to the cache.
         float kn[ND], vn[ND];
-        const bool has_new = FUSED && a <= p_now && p_now < b;
+        const bool has_new = fused && a <= p_now && p_now < b;
         if (has_new) {
-            const float* kr = qkv + (long long)r * ld + (long long)(n_heads + kvh) * HD + lane * ND;
             const float* vr = v + (long long)r * ldv + (long long)kvh * HD + lane * ND;
 #pragma unroll
-            for (int i = 0; i < ND; ++i) { sx[wib][lane * ND + i] = kr[i]; vn[i] = vr[i]; }
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < ND; ++i) kn[i] = rope_elem(sx[wib], scs, lane * ND + i, rope_dim, neox);
-            __syncwarp();
+            for (int i = 0; i < ND; ++i) {
+                kn[i] = rope_elem(sx[HB], scs, lane * ND + i, rope_dim, neox);
+                vn[i] = vr[i];
+            }
             const long long dst = kv_row(tab, p_now, n_kv, kvh, rb);
-            const bool write = h % group == 0;
+            const bool write = h0 % group == 0;
             if constexpr (Q8) {
                 q8_store_warp<ND>(kn, lane, kc + dst, write);
                 q8_store_warp<ND>(vn, lane, vc + dst, write);
@@ -379,9 +378,14 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
                 }
             }
         }
-        float m = -INFINITY, l = 0.f, o[ND];
+        float m[HB], l[HB], o[HB][ND];
 #pragma unroll
-        for (int i = 0; i < ND; ++i) o[i] = 0.f;
+        for (int hh = 0; hh < HB; ++hh) {
+            m[hh] = -INFINITY;
+            l[hh] = 0.f;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) o[hh][i] = 0.f;
+        }
         for (int t = a; t < b; t += CH) {  // chunk t is loaded
             if (has_new && p_now - t < CH) {
 #pragma unroll
@@ -390,52 +394,73 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
 #pragma unroll
                         for (int i = 0; i < ND; ++i) { kv[j][i] = kn[i]; vv[j][i] = vn[i]; }
             }
-            float sc[CH];
+            float sc[HB][CH];
 #pragma unroll
-            for (int j = 0; j < CH; ++j) {
-                sc[j] = 0.f;
-                if (t + j < b)
+            for (int hh = 0; hh < HB; ++hh)
 #pragma unroll
-                    for (int i = 0; i < ND; ++i) sc[j] = fmaf(qv[i], kv[j][i], sc[j]);
-            }
-            const float mn = online_rescale<CH, ND>(sc, t, b, m, l, o);
+                for (int j = 0; j < CH; ++j) {
+                    sc[hh][j] = 0.f;
 #pragma unroll
-            for (int j = 0; j < CH; ++j) {
-                if (t + j < b) {
-                    const float p = __expf(sc[j] - mn);
-                    l += p;
-#pragma unroll
-                    for (int i = 0; i < ND; ++i) o[i] = fmaf(p, vv[j][i], o[i]);
+                    for (int i = 0; i < ND; ++i) sc[hh][j] = fmaf(qv[hh][i], kv[j][i], sc[hh][j]);
                 }
+#pragma unroll
+            for (int off = 16; off; off >>= 1)
+#pragma unroll
+                for (int hh = 0; hh < HB; ++hh)
+#pragma unroll
+                    for (int j = 0; j < CH; ++j) sc[hh][j] += __shfl_xor_sync(0xffffffffu, sc[hh][j], off);
+#pragma unroll
+            for (int hh = 0; hh < HB; ++hh) {
+                float mn = m[hh];
+#pragma unroll
+                for (int j = 0; j < CH; ++j) if (t + j < b) mn = fmaxf(mn, sc[hh][j]);
+                const float corr = __expf(m[hh] - mn);
+                l[hh] *= corr;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) o[hh][i] *= corr;
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    if (t + j < b) {
+                        const float p = __expf(sc[hh][j] - mn);
+                        l[hh] += p;
+#pragma unroll
+                        for (int i = 0; i < ND; ++i) o[hh][i] = fmaf(p, vv[j][i], o[hh][i]);
+                    }
+                }
+                m[hh] = mn;
             }
-            m = mn;
             if (t + CH < b) load_chunk(t + CH, b);
         }
-        // The split's pieces merge in order (piece 0 is never empty: the split holds a position).
-        if (lane == 0) { sml[wib][0] = m; sml[wib][1] = l; }
+        // The split's pieces merge in order, head by head (piece 0 is never empty: the split
+        // holds a position; an empty one has m = -inf, so weight 0, and l, o zero).
+        if (lane == 0)
 #pragma unroll
-        for (int i = 0; i < ND; ++i) sx[wib][lane * ND + i] = o[i];
-        __syncthreads();
-        if (piece_i == 0) {
-            float M = -INFINITY;
-            for (int p = 0; p < pw; ++p) M = fmaxf(M, sml[p * hb + hh][0]);
-            float L = 0.f, acc[ND];
+            for (int hh = 0; hh < HB; ++hh) { sml[w][hh][0] = m[hh]; sml[w][hh][1] = l[hh]; }
 #pragma unroll
-            for (int i = 0; i < ND; ++i) acc[i] = 0.f;
-            for (int p = 0; p < pw; ++p) {
-                const int w_ = p * hb + hh;
-                const float wt = __expf(sml[w_][0] - M);  // an empty piece: exp(-inf) = 0, its o and l 0
-                L = fmaf(wt, sml[w_][1], L);
+        for (int hh = 0; hh < HB; ++hh) {
 #pragma unroll
-                for (int i = 0; i < ND; ++i) acc[i] = fmaf(wt, sx[w_][lane * ND + i], acc[i]);
+            for (int i = 0; i < ND; ++i) so[w][lane * ND + i] = o[hh][i];
+            __syncthreads();
+            if (w == hh % W) {
+                float M = -INFINITY;
+                for (int p = 0; p < W; ++p) M = fmaxf(M, sml[p][hh][0]);
+                float L = 0.f, acc[ND];
+#pragma unroll
+                for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+                for (int p = 0; p < W; ++p) {
+                    const float wt = __expf(sml[p][hh][0] - M);
+                    L = fmaf(wt, sml[p][hh][1], L);
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) acc[i] = fmaf(wt, so[p][lane * ND + i], acc[i]);
+                }
+                const long long pidx = ((long long)r * n_heads + h0 + hh) * max_splits + s;
+                if (lane == 0) { pm[pidx] = M; pl[pidx] = L; }
+                float* orow = po + pidx * HD + lane * ND;
+#pragma unroll
+                for (int i = 0; i < ND; ++i) orow[i] = acc[i];
             }
-            const long long pidx = ((long long)r * n_heads + h) * max_splits + s;
-            if (lane == 0) { pm[pidx] = M; pl[pidx] = L; }
-            float* orow = po + pidx * HD + lane * ND;
-#pragma unroll
-            for (int i = 0; i < ND; ++i) orow[i] = acc[i];
+            __syncthreads();  // so (and, after the last head, sml) serve again
         }
-        __syncthreads();  // sx and sml serve the next split
     }
     // The last block of this column merges the splits of its heads. The barrier orders the
     // block's writes before thread 0's fence (cumulative), which orders them before its count.
@@ -449,20 +474,21 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
     }
     __syncthreads();
     if (!last) return;
-    // Warp (hh, p) merges head hh's dim groups i = p, p + pw, ... (lane + 32 i: one 32-group of
-    // the quantized output each); each dim's sum runs over the splits in order.
+    // Warp w merges head w % HB's dim groups i = w / HB, w / HB + W / HB, ... (lane + 32 i: one
+    // 32-group of the quantized output each); each dim's sum runs over the splits in order.
+    const int hh = w % HB, h = h0 + hh;
     const long long pbase = ((long long)r * n_heads + h) * max_splits;
-    float w[4], L;
-    split_weights(pm, pl, pbase, active, lane, w, L);
+    float wts[4], L;
+    split_weights(pm, pl, pbase, active, lane, wts, L);
     const float inv = 1.0f / L;
     const long long row0 = ((long long)r * n_heads + h) * HD;  // (r, h) → r * n_heads * hd + h * hd
-    for (int i = piece_i; i < ND; i += pw) {
+    for (int i = w / HB; i < ND; i += W / HB) {
         const int d = lane + 32 * i;
         float acc = 0.f;
 #pragma unroll 8
         for (int sp = 0; sp < active; ++sp) {
             const int k = sp >> 5;
-            const float wk = k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
+            const float wk = k == 0 ? wts[0] : k == 1 ? wts[1] : k == 2 ? wts[2] : wts[3];
             acc = fmaf(__shfl_sync(0xffffffffu, wk, sp & 31), __ldcg(po + (pbase + sp) * HD + d), acc);
         }
         const float val = acc * inv;

@@ -67,28 +67,29 @@ def test_decode_launch_takes_the_same_splits_for_any_row_count(heads, kv, hd, ma
     per block: the pieces of a split) is the same for 1 row and 64; only the columns (one per row
     and head block) and how many blocks share a column's splits follow the row count."""
     cfg = _cfg(n_heads=heads, n_kv_heads=kv, head_dim=hd, d_model=heads * hd, rope_dim=hd)
-    hb = cuda.group_heads(cfg)
+    hb = cuda.decode_heads(cfg)
+    assert hb in (1, 2, 4, 8) and (heads // kv) % hb == 0
     fixed = set()
     for n in range(1, cuda.DECODE_ROWS + 1):
         (cols, ys), (threads,) = cuda.decode_launch(n, cfg, max_ctx)
         assert cols == n * heads // hb and 1 <= ys <= cuda.max_splits(max_ctx)
-        assert threads % (32 * hb) == 0 and threads <= 32 * 8
-        fixed.add((threads, cuda.split_len(max_ctx), cuda.decode_kernel(cfg, False, True)))
+        assert threads == 32 * 8
+        fixed.add((threads, cuda.split_len(max_ctx), cuda.decode_kernel(cfg, False)))
     assert len(fixed) == 1
-    assert cuda.split_len(max_ctx) % (fixed.pop()[0] // (32 * hb)) == 0  # whole pieces per warp
+    assert cuda.split_len(max_ctx) % (fixed.pop()[0] // 32) == 0  # whole pieces per warp
 
 
 def test_every_attention_instance_is_precompiled():
     """Each attn_decode instance a launcher can pick (every head_dim the kernels take, each cache
-    type the cache allows for it, fused or not) is one kernel_names() lists."""
+    type the cache allows for it, every group size up to 16) is one kernel_names() lists."""
     names = set(cuda.kernel_names())
-    for hd in range(32, 257, 32):
-        cfg = _cfg(head_dim=hd, d_model=32 * hd, rope_dim=hd)
-        for q8 in (False, True):
-            if q8 and hd not in (32, 64, 128, 256):  # kv.Q8_HEAD_DIMS: the cache refuses the rest
-                continue
-            for fused in (False, True):
-                assert ("attention", cuda.decode_kernel(cfg, q8, fused)) in names
+    for hd in (32, 64, 96, 128, 256):
+        for group in range(1, 17):
+            cfg = _cfg(head_dim=hd, d_model=8 * group * hd, rope_dim=hd, n_heads=8 * group, n_kv_heads=8)
+            for q8 in (False, True):
+                if q8 and hd not in (32, 64, 128, 256):  # kv.Q8_HEAD_DIMS: the cache refuses the rest
+                    continue
+                assert ("attention", cuda.decode_kernel(cfg, q8)) in names
     for hd in cuda.CHUNK_HEAD_DIMS:
         for q8 in (0, 1):
             assert ("attention", f"attn_chunk<{hd},{q8}>") in names

@@ -23,10 +23,11 @@ from ntransformerd.engine.gguf_file import LlamaConfig
 
 
 ATTN_ND = (1, 2, 4, 8)  # head_dim / 32 of the q8_0 attn_decode instances (a lane's values within one Q8_0 block)
-DECODE_ND = tuple(range(1, 9))  # head_dim / 32 of the f16 ones: any multiple of 32 up to 256
+DECODE_ND = (1, 2, 3, 4, 8)  # head_dim / 32 of the f16 ones: head_dim 32, 64, 96, 128, 256
 MIN_SPLIT = 128  # positions per split up to MAX_SPLITS × MIN_SPLIT of context
 MAX_SPLITS = 128  # kernels/attention.cu MAX_SPLITS: the merge's lanes hold 4 splits each
-DECODE_WARPS = 8  # kernels/attention.cu DECODE_WARPS: warps of an attn_decode block
+DECODE_WARPS = 8  # kernels/attention.cu DECODE_WARPS: warps of an attn_decode block, each a piece of a split
+DECODE_HEADS = (1, 2, 4, 8)  # q heads per attn_decode warp (decode_heads)
 DECODE_BLOCKS = 1024  # blocks an attn_decode launch aims at (more rows: each block takes more splits)
 DECODE_ROWS = 64  # rows of the scratch a captured step shares (graphs.MAX_DECODE_ROWS); more run in turns
 
@@ -49,26 +50,32 @@ def max_splits(max_ctx: int) -> int:
 
 
 def group_heads(cfg: LlamaConfig) -> int:
-    """q heads per attn_decode and attn_chunk block: the most (≤ 8) that share one kv head and
-    divide its group (the block reads that kv head's K and V once for all of them)."""
+    """q heads per attn_chunk block: the most (≤ 8) that share one kv head and divide its group
+    (the block stages that kv head's K and V once for all of them)."""
     group = cfg.n_heads // cfg.n_kv_heads
     return max(d for d in range(1, 9) if group % d == 0)
 
 
+def decode_heads(cfg: LlamaConfig) -> int:
+    """q heads per attn_decode warp: the most (a power of two ≤ 8) that share one kv head and
+    divide its group; each K and V row the warp loads serves all of them."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    return max(d for d in DECODE_HEADS if group % d == 0)
+
+
 def decode_launch(n: int, cfg: LlamaConfig, max_ctx: int) -> tuple[tuple[int, int], tuple[int]]:
-    """(grid, block) of attn_decode for n rows: a column per (row, kv head, block of
-    group_heads q heads), and as many blocks per column (each taking every so-many-th split) as
-    fill DECODE_BLOCKS, at most a row's splits. Which block computes a split changes no bit of
-    it, so the grid may follow the row count; the splits themselves do not."""
-    hb = group_heads(cfg)
-    cols = n * cfg.n_heads // hb
+    """(grid, block) of attn_decode for n rows: a column per (row, kv head, decode_heads q
+    heads), and as many blocks per column (each taking every so-many-th split) as fill
+    DECODE_BLOCKS, at most a row's splits. Which block computes a split changes no bit of it, so
+    the grid may follow the row count; the splits themselves do not."""
+    cols = n * cfg.n_heads // decode_heads(cfg)
     ys = min(max_splits(max_ctx), max(1, -(-DECODE_BLOCKS // cols)))
-    return (cols, ys), (32 * hb * max(1, DECODE_WARPS // hb),)
+    return (cols, ys), (32 * DECODE_WARPS,)
 
 
-def decode_kernel(cfg: LlamaConfig, q8: bool, fused: bool) -> str:
-    """The attn_decode instance for this head_dim, cache type and mode."""
-    return f"attn_decode<{cfg.head_dim // 32},{int(q8)},{int(fused)}>"
+def decode_kernel(cfg: LlamaConfig, q8: bool) -> str:
+    """The attn_decode instance for this head_dim, cache type and heads per warp (either mode)."""
+    return f"attn_decode<{cfg.head_dim // 32},{int(q8)},{decode_heads(cfg)}>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +119,9 @@ def kv_append_(k, v, kv_layer, slots, pos, cfg: LlamaConfig | None = None, *, n:
 
 
 def _check_head_dim(cfg: LlamaConfig, what: str) -> None:
-    if cfg.head_dim % 32 or cfg.head_dim > 256:
-        raise ValueError(f"{what}: head_dim {cfg.head_dim} must be a multiple of 32, at most 256")
+    if cfg.head_dim % 32 or cfg.head_dim // 32 not in DECODE_ND:
+        raise ValueError(f"{what}: head_dim {cfg.head_dim} is not one of the kernels' "
+                         f"{', '.join(str(32 * nd) for nd in DECODE_ND)}")
 
 
 def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, freqs, cfg: LlamaConfig, *, n: int,
@@ -128,7 +136,7 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
                          f"the cache needs {ms} of {cfg.head_dim} (attention_scratch(rows, cfg, max_ctx))")
     if q_out is not None and n > scratch.rows:
         raise ValueError(f"{what}: a quantized output is written for at most {scratch.rows} rows")
-    name = decode_kernel(cfg, kv_layer.q8, fused)
+    name = decode_kernel(cfg, kv_layer.q8)
     for r0 in range(0, n, scratch.rows):
         m = min(scratch.rows, n - r0)
 
@@ -139,9 +147,9 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
         kernel("attention", name)(grid, block, (
             part(x), np.int32(ld), part(v) if v is not None else np.intp(0), np.int32(ldv), *kv_args(kv_layer),
             part(slots), part(pos), freqs if freqs is not None else np.intp(0), scratch.pm, scratch.pl, scratch.po,
-            scratch.cnt, part(out), np.int32(m), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
-            np.int32(group_heads(cfg)), np.int32(sl), np.int32(ms), np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim),
-            np.int32(cfg.rope_neox), *qact_args(q_out, m, cfg.q_dim, what)))
+            scratch.cnt, part(out), np.int32(m), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(sl),
+            np.int32(ms), np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim),
+            np.int32(cfg.rope_neox), np.int32(fused), *qact_args(q_out, m, cfg.q_dim, what)))
     return out
 
 
@@ -215,7 +223,7 @@ def attention_chunk_(q, kv_layer, slots, pos, tiles, cfg: LlamaConfig, *, ldq: i
 def kernel_names() -> list[tuple[str, str]]:
     """Every attention kernel instance a launcher here can pick (for precompile)."""
     names = [("attention", "kv_append<0>"), ("attention", "kv_append<1>"), ("attention", "rope_kv")]
-    names += [("attention", f"attn_decode<{nd},{q8},{fused}>") for nd in DECODE_ND for q8 in (0, 1)
-              for fused in (0, 1) if not q8 or nd in ATTN_ND]
+    names += [("attention", f"attn_decode<{nd},{q8},{hb}>") for nd in DECODE_ND for q8 in (0, 1) for hb in DECODE_HEADS
+              if not q8 or nd in ATTN_ND]
     names += [("attention", f"attn_chunk<{hd},{q8}>") for hd in CHUNK_HEAD_DIMS for q8 in (0, 1)]
     return names
