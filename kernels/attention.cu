@@ -190,25 +190,6 @@ template <int ND, int Q8> __device__ __forceinline__ void load_row(const u8* row
     }
 }
 
-// One step of the online softmax over positions t .. t+CH-1, those before t_end real: the lanes' partial scores
-// summed across the warp (every lane gets them), then l and o rescaled from the running max m
-// to the new one, which is returned (m itself is left for the caller to update).
-template <int CH, int ND>
-__device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end, float m, float& l, float (&o)[ND]) {
-#pragma unroll
-    for (int off = 16; off; off >>= 1)
-#pragma unroll
-        for (int j = 0; j < CH; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
-    float mn = m;
-#pragma unroll
-    for (int j = 0; j < CH; ++j) if (t + j < t_end) mn = fmaxf(mn, s[j]);
-    const float corr = __expf(m - mn);
-    l *= corr;
-#pragma unroll
-    for (int i = 0; i < ND; ++i) o[i] *= corr;
-    return mn;
-}
-
 // ---- decode attention over fixed position splits ------------------------------------------
 // attn_decode<ND, Q8, HB>: causal GQA attention of rows that each hold one query (a decode
 // token, or one row of a verify step) over positions 0 .. pos[r] of the row's slot.
@@ -237,7 +218,7 @@ __device__ __forceinline__ float online_rescale(float (&s)[CH], int t, int t_end
 // fused: qkv holds q alone (rotated), and the cache holds position pos already (kv_append or
 // rope_kv before it); v and freqs are unused.
 
-#define MAX_SPLITS 128  // attention.py MAX_SPLITS: the merge's lanes hold 4 splits each
+#define MAX_SPLITS 128  // attention.py MAX_SPLITS: the most splits a row has (the merge's lanes hold 4 each)
 #define DECODE_WARPS 8  // warps of an attn_decode block: the pieces of a split
 
 // Element d of the head in s (head_dim floats) after RoPE with the angles cs[p] = (cos, sin) of
@@ -256,10 +237,10 @@ __device__ __forceinline__ float rope_elem(const float* s, const float2* cs, int
 // gets L = the sum of w * l (each lane its own splits in order, then a fixed butterfly: the
 // same order for the same `active`). Read through L2 (written by other blocks of this grid).
 __device__ __forceinline__ void split_weights(const float* pm, const float* pl, long long base, int active, int lane,
-                                              float (&w)[4], float& L) {
-    float mk[4], M = -INFINITY;
+                                              float (&w)[MAX_SPLITS / 32], float& L) {
+    float mk[MAX_SPLITS / 32], M = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
         const int s = lane + 32 * k;
         mk[k] = s < active ? __ldcg(pm + base + s) : -INFINITY;
         M = fmaxf(M, mk[k]);
@@ -268,7 +249,7 @@ __device__ __forceinline__ void split_weights(const float* pm, const float* pl, 
     for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     L = 0.f;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
         const int s = lane + 32 * k;
         w[k] = s < active ? __expf(mk[k] - M) : 0.f;
         if (s < active) L = fmaf(w[k], __ldcg(pl + base + s), L);
@@ -291,7 +272,7 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
     if (!fused) pdl_wait();
     constexpr int HD = 32 * ND, W = DECODE_WARPS;
     // positions per step, their K and V loads issued together (fewer where the heads' registers are many)
-    constexpr int CH = HB * ND >= 64 ? 2 : HB * ND >= 16 || ND >= 8 ? 4 : 8;
+    constexpr int CH = HB * ND >= 64 ? 2 : HB * ND >= 16 || ND >= 4 ? 4 : 8;
     __shared__ float sx[HB + 1][HD];   // fused: the column's q heads and the new k head, before RoPE
     __shared__ float so[W][HD];        // the pieces' o of one head, for the merge
     __shared__ float sml[W][HB][2];    // the pieces' m and l
@@ -478,7 +459,7 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
     // 32-group of the quantized output each); each dim's sum runs over the splits in order.
     const int hh = w % HB, h = h0 + hh;
     const long long pbase = ((long long)r * n_heads + h) * max_splits;
-    float wts[4], L;
+    float wts[MAX_SPLITS / 32], L;
     split_weights(pm, pl, pbase, active, lane, wts, L);
     const float inv = 1.0f / L;
     const long long row0 = ((long long)r * n_heads + h) * HD;  // (r, h) → r * n_heads * hd + h * hd
@@ -487,8 +468,9 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
         float acc = 0.f;
 #pragma unroll 8
         for (int sp = 0; sp < active; ++sp) {
-            const int k = sp >> 5;
-            const float wk = k == 0 ? wts[0] : k == 1 ? wts[1] : k == 2 ? wts[2] : wts[3];
+            float wk = 0.f;  // wts[sp / 32], kept in registers
+#pragma unroll
+            for (int k = 0; k < MAX_SPLITS / 32; ++k) wk = k == sp >> 5 ? wts[k] : wk;
             acc = fmaf(__shfl_sync(0xffffffffu, wk, sp & 31), __ldcg(po + (pbase + sp) * HD + d), acc);
         }
         const float val = acc * inv;
