@@ -131,9 +131,10 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
     check_array(pos, cp.int32, 1, f"{what} positions")
     max_ctx = kv_layer.table.max_ctx
     sl, ms = split_len(max_ctx), max_splits(max_ctx)
-    if scratch.splits != ms or scratch.cnt.size < scratch.rows * cfg.n_heads or scratch.po.shape[1] != cfg.head_dim:
-        raise ValueError(f"{what}: scratch for {scratch.splits} splits of head_dim {scratch.po.shape[1]}, "
-                         f"the cache needs {ms} of {cfg.head_dim} (attention_scratch(rows, cfg, max_ctx))")
+    if scratch.splits != ms or scratch.po.shape != (scratch.rows * cfg.n_heads * ms, cfg.head_dim):
+        raise ValueError(f"{what}: the scratch holds {scratch.po.shape} partials, the cache's {ms} splits of "
+                         f"{scratch.rows} rows need {(scratch.rows * cfg.n_heads * ms, cfg.head_dim)} "
+                         "(attention_scratch(rows, cfg, max_ctx))")
     if q_out is not None and n > scratch.rows:
         raise ValueError(f"{what}: a quantized output is written for at most {scratch.rows} rows")
     name = decode_kernel(cfg, kv_layer.q8)
