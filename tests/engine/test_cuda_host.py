@@ -79,6 +79,14 @@ def test_decode_launch_takes_the_same_splits_for_any_row_count(heads, kv, hd, ma
     assert cuda.split_len(max_ctx) % (fixed.pop()[0] // 32) == 0  # whole pieces per warp
 
 
+def test_scratch_bytes():
+    """The shared scratch of the 8B at Llama 3's 8192: 64 splits of (max, sum, 128 outputs) per
+    (row, head), and a counter per (row, head); 68 MB for 64 rows, at most twice that."""
+    cfg = _cfg()
+    assert cuda.scratch_bytes(64, cfg, 8192) == 64 * 32 * (64 * 130 + 1) * 4
+    assert cuda.scratch_bytes(64, cfg, 131072) == cuda.scratch_bytes(64, cfg, 16384)  # MAX_SPLITS from 16k on
+
+
 def test_every_attention_instance_is_precompiled():
     """Each attn_decode instance a launcher can pick (every head_dim the kernels take, each cache
     type the cache allows for it, every group size up to 16) is one kernel_names() lists."""

@@ -91,6 +91,11 @@ class AttentionScratch:
     cnt: object
 
 
+def scratch_bytes(rows: int, cfg: LlamaConfig, max_ctx: int) -> int:
+    """Device bytes of attention_scratch(rows, cfg, max_ctx) (the engine's: graphs.StepGraphs)."""
+    return rows * cfg.n_heads * (max_splits(max_ctx) * (cfg.head_dim + 2) + 1) * 4
+
+
 def attention_scratch(rows: int, cfg: LlamaConfig, max_ctx: int) -> AttentionScratch:
     """The scratch for up to `rows` rows at a time over a cache of max_ctx positions."""
     ms = max_splits(max_ctx)

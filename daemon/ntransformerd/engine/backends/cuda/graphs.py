@@ -124,10 +124,13 @@ class StepGraphs:
         return all(len(s.tokens) == t for s in segments) and self.bucket(len(segments), t) is not None
 
     def _attention_scratch(self) -> A.AttentionScratch:
-        """The attention scratch every bucket shares (made with the first): MAX_DECODE_ROWS rows
-        at the cache's full context. Steps run one after another on one stream, so one serves all."""
+        """The attention scratch every bucket shares (made with the first), for the most rows a
+        bucket of this cache's slots has (a verify bucket up to MAX_ROWS) at its full context;
+        steps run one after another on one stream, so one serves all."""
         if self._scratch is None:
-            self._scratch = A.attention_scratch(MAX_DECODE_ROWS, self.cfg, self.kv.max_ctx)
+            slots = next((r for r in ROWS if r >= self.kv.n_slots), ROWS[-1])
+            rows = min(MAX_DECODE_ROWS, max(MAX_ROWS, slots))
+            self._scratch = A.attention_scratch(rows, self.cfg, self.kv.max_ctx)
         return self._scratch
 
     def _pass(self, b: _Bucket):
