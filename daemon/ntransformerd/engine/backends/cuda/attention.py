@@ -6,8 +6,9 @@ A row of one query (a decode token, a verify row) is cut into splits of split_le
 positions, a function of the cache's configured context alone, and its splits merge in split
 order: its bits depend on its own data and position, never on how many rows share the step,
 whether the step is captured, or whether RoPE and the append ran in the same launch. Prefill
-chunks (a segment of at least CHUNK_ROWS tokens) run attn_chunk instead, whose f16 tensor-core
-products round differently: a prompt's rows are computed by attn_chunk whichever step holds them.
+segments of at least CHUNK_ROWS tokens run attn_chunk instead, whose f16 tensor-core products
+round differently: the one exemption. Which of the two a prompt's rows take follows how the
+prompt is cut into chunks, never the other rows of the step.
 """
 
 from __future__ import annotations
