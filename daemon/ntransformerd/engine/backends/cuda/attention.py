@@ -8,7 +8,7 @@ order: its bits depend on its own data and position, never on how many rows shar
 whether the step is captured, or whether RoPE and the append ran in the same launch. Prefill
 segments of at least CHUNK_ROWS tokens run attn_chunk instead, whose f16 tensor-core products
 round differently: the one exemption. Which of the two a prompt's rows take follows how the
-prompt is cut into chunks, never the other rows of the step.
+scheduler cuts the prompt into chunks.
 """
 
 from __future__ import annotations
