@@ -206,6 +206,17 @@ def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, max_ctx
                         ldq=ld, ldk=ld, ldv=ld, out=out, scratch=scratch, append=False, q_out=qa)
         assert not scratch.cnt.any()
         assert rel(dq[:, :cfg.q_dim].get(), ref_ops.rope(q, table, n_heads)) < 1e-6
+    # one row at a time (a scratch of one row): the same bits, the quantized output too
+    turns, qt = cp.full((n, cfg.q_dim), np.nan, cp.float32), cuda.QAct(n, cfg.q_dim)
+    one = cuda.attention_scratch(1, cfg, max_ctx)
+    if one_launch:
+        cuda.attention_decode_(dq, dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, ops.freqs, cfg, n=n, ld=ld,
+                               ldv=ld, out=turns, scratch=one, q_out=qt)
+    else:
+        cuda.attention_(dq, dq[:, cfg.q_dim:], dq[:, cfg.q_dim + cfg.kv_dim:], kv.layer(0), slots, pos, cfg, n=n,
+                        ldq=ld, ldk=ld, ldv=ld, out=turns, scratch=one, append=False, q_out=qt)
+    cp.testing.assert_array_equal(turns, out)
+    assert same_qact(qt, qa)
     # per (row, head): a short row's outputs must not hide a long row's error
     got = out.get().reshape(n, n_heads, head_dim)
     want = ref.reshape(n, n_heads, head_dim)

@@ -141,8 +141,6 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
         raise ValueError(f"{what}: the scratch holds {scratch.po.shape} partials, the cache's {ms} splits of "
                          f"{scratch.rows} rows need {(scratch.rows * cfg.n_heads * ms, cfg.head_dim)} "
                          "(attention_scratch(rows, cfg, max_ctx))")
-    if q_out is not None and n > scratch.rows:
-        raise ValueError(f"{what}: a quantized output is written for at most {scratch.rows} rows")
     name = decode_kernel(cfg, kv_layer.q8)
     for r0 in range(0, n, scratch.rows):
         m = min(scratch.rows, n - r0)
@@ -156,7 +154,8 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
             part(slots), part(pos), freqs if freqs is not None else np.intp(0), scratch.pm, scratch.pl, scratch.po,
             scratch.cnt, part(out), np.int32(m), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(sl),
             np.int32(ms), np.float32(1.0 / math.sqrt(cfg.head_dim)), np.int32(cfg.rope_dim),
-            np.int32(cfg.rope_neox), np.int32(fused), *qact_args(q_out, m, cfg.q_dim, what)))
+            np.int32(cfg.rope_neox), np.int32(fused),
+            *qact_args(q_out if q_out is None or m == n else q_out.part(r0, r0 + m), m, cfg.q_dim, what)))
     return out
 
 
