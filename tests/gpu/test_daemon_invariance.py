@@ -1,5 +1,5 @@
 """The same answer whatever else runs, on the GPU, through the daemon (issue 35's acceptance): the
-six reference prompts and the code edit, 64 greedy tokens each, give the ids they give alone
+six reference prompts and the code edit, 64 greedy tokens each (the daemon with `--deterministic`), give the ids they give alone
 when the seven run at once (mixed lengths), with every draft source, from the prefix cache, and
 after their KV was spilled to host RAM and restored; a sampled request (fixed seed) gives what it
 gives alone. "Alone" is the same daemon serving one request at a time without speculation.
@@ -71,7 +71,7 @@ def _skip_layers(mode: str, n_layers: int) -> str:
 def gpu_daemon():
     model = _model()
     d = DaemonProcess("--backend", "cuda", "--model", model, "--max-ctx", "2048", "--max-batch", "8",
-                      "--prefill-chunk", "256", "--kv-spill", "256MiB")
+                      "--prefill-chunk", "256", "--kv-spill", "256MiB", "--deterministic")
     try:
         yield d.wait_ready(timeout=300)
     finally:
@@ -127,7 +127,7 @@ def test_after_a_spill_and_sampled_alone_equals_among_others(gpu_daemon):
     """A pool of few blocks makes finished prompts spill to host RAM; their repeats restore."""
     model = _model()
     d = DaemonProcess("--backend", "cuda", "--model", model, "--max-ctx", "2048", "--max-batch", "8",
-                      "--prefill-chunk", "256", "--kv-blocks", "40", "--kv-spill", "256MiB")
+                      "--prefill-chunk", "256", "--kv-blocks", "40", "--kv-spill", "256MiB", "--deterministic")
     try:
         sock = d.wait_ready(timeout=300).socket
         prompts = _prompts()
