@@ -1,8 +1,9 @@
-"""The same answer whatever else runs, on the GPU, through the daemon (issue 35's acceptance): the
-six reference prompts and the code edit, 64 greedy tokens each (the daemon with `--deterministic`), give the ids they give alone
-when the seven run at once (mixed lengths), with every draft source, from the prefix cache, and
-after their KV was spilled to host RAM and restored; a sampled request (fixed seed) gives what it
-gives alone. "Alone" is the same daemon serving one request at a time without speculation.
+"""The same answer whatever else runs, on the GPU, through the daemon with `--deterministic` (issue
+35's acceptance): the six reference prompts and the code edit, 64 greedy tokens each, give the ids
+they give alone when the seven run at once (mixed lengths), with every draft source, from the
+prefix cache, and after their KV was spilled to host RAM and restored; a sampled request (fixed
+seed) gives what it gives alone. "Alone" is the same daemon serving one request at a time without
+speculation.
 
 The model: NTX_FULL_MODEL (bench/session_round.sh's PHASE=checks puts the default model there),
 else the default model where installed, else the carried 4-layer real-weights slice (fewer
