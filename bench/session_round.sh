@@ -104,6 +104,13 @@ else
   if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
     timeout ${KL_TIMEOUT:-200} python3 bench/kl_divergence.py --model $model --engines exact,cpu,cuda,hybrid \
       --texts .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 --threads 16 --chunks ${KL_CHUNKS:-6} 2>&1 | tee "$L/kl_gpu.log" | tail -14
+    # llama.cpp's rows: its GPU (-ngl 99) and CPU (-ngl 0) runs of the same file against its F32 run
+    if [ -x $llama/llama-perplexity ]; then
+      [ -f /tmp/smollm2-f32.gguf ] || python3 -m ntransformerd.tools.ntx_model quantize $model /tmp/smollm2-f32.gguf \
+        --type f32 --quiet
+      CHUNKS=${KL_CHUNKS:-6} timeout ${KLD_TIMEOUT:-120} bash bench/llamacpp/kld.sh $llama $model /tmp/smollm2-f32.gguf \
+        .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 2>&1 | tee "$L/kl_llama.log"
+    fi
   fi
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
