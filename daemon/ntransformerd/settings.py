@@ -502,8 +502,9 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
             "odirect, mmap, or nvme:SERIAL (a drive staged by ntx-admin); the cpu backend computes layers where "
             "they lie: file or mmap", EVERYWHERE),
     Setting("deterministic", Boolean(), False, "a request's output does not depend on which requests share its "
-            "steps: every row's matmuls on one kernel whose sums follow the weight alone (the cuda backend; its "
-            "cost at batch 1 / 16 / 64 is measured in bench/RESULTS.md)", EVERYWHERE, env="NTX_DETERMINISTIC"),
+            "steps: every row's matmuls on one kernel whose sums follow the weight alone, and beside a GPU no "
+            "streamed layer on the host (host_compute auto set aside) (the cuda backend; its cost at batch "
+            "1 / 16 / 64 is measured in bench/RESULTS.md)", EVERYWHERE, env="NTX_DETERMINISTIC"),
     Setting("max_vram_layers", Integer(0, 1 << 20, "layers"), None, "keep at most N layers resident on the device",
             TOOL, shown="no limit"),
     Setting("stream_depth", Integer(1, 16, "slots"), 2, "device slots in the layer stream", TOOL),

@@ -545,7 +545,10 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
                          f"CUDA_VISIBLE_DEVICES={ids[0]}")
     if backend.is_host and not tiers.wanted(config):
         return None
-    if not tiers.host_compute(config) or backend.is_host:  # a host main device: the assumed figures
+    if tiers.host_compute(config) and not tiers.host_computes(config, kind):
+        log.info("deterministic: every streamed layer runs on the GPU (host_compute auto set aside: the host "
+                 "rounds differently)")
+    if not tiers.host_computes(config, kind) or backend.is_host:  # a host main device: the assumed figures
         return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]),
                                 layer_bytes=sizes)
     # Host compute beside a GPU: the tiers first, then the figures measured for them (or cached),
