@@ -7,7 +7,7 @@
 
 capacity: a KV pool of what --slots contiguous slots of --ctx positions held (kv_blocks = slots x
 ctx / 16), --requests requests of --prompt prompt tokens and --generate generated ones, greedy,
-through the engine's decode loop (engine/decode.py: Sequence, step) composed as the scheduler
+through the engine's decode loop (engine/generation/decode.py: Sequence, step) composed as the scheduler
 composes a step (every decoding row, then prompt chunks from a budget of prefill_chunk tokens).
 A request is admitted when a slot is free and the pool has the blocks of its whole length
 beside those of the running ones. Paged: max_batch = requests, so every request runs at once
@@ -32,10 +32,10 @@ import time
 import numpy as np
 
 import common
-from ntransformerd.engine import decode
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.kv_cache import BLOCK_SIZE
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE
+from ntransformerd.engine.generation.sampler import SamplingParams
 from ntransformerd.server.prefix_cache import PrefixCache
 
 
@@ -138,7 +138,7 @@ def spill(path: str, a, rng) -> dict:
                                               deterministic=a.deterministic))
     if not hasattr(e.kv, "spill_limit"):
         raise SystemExit(f"the {e.backend_name} backend's KV cache has no host pool to spill to "
-                         "(engine/kv_cache.py: a paged KVCache has)")
+                         "(engine/runtime/kv_cache.py: a paged KVCache has)")
     e.kv.spill_limit = 4 * pool * BLOCK_SIZE * e.kv.blocks.block_bytes // BLOCK_SIZE
     vocab = e.cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)

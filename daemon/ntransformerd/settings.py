@@ -51,9 +51,9 @@ from ntx_system import config_file
 from ntx_system.config_file import ConfigError
 
 from ntransformerd import dirs
-from ntransformerd.engine.kv_cache import KV_DTYPES as STORED_KV_DTYPES
-from ntransformerd.engine.layer_skip import parse_skip
-from ntransformerd.engine.speculative_mode import Mode, repeated_layers
+from ntransformerd.engine.runtime.kv_cache import KV_DTYPES as STORED_KV_DTYPES
+from ntransformerd.engine.calibration.layer_skip import parse_skip
+from ntransformerd.engine.generation.speculative_mode import Mode, repeated_layers
 
 
 BINARY = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ntransformerd.engine import tiers
-from ntransformerd.engine.engine import EngineConfig
+from ntransformerd.engine.runtime.engine import EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 
 

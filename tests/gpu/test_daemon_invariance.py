@@ -42,7 +42,7 @@ def _model() -> str:
     if full and os.path.exists(full):
         return full
     try:
-        from ntransformerd.engine.engine import default_model_path
+        from ntransformerd.engine.runtime.engine import default_model_path
         return default_model_path()
     except FileNotFoundError:
         pass

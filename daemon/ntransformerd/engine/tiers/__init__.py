@@ -8,7 +8,7 @@ planner.py decides (explainably), placement.py which streamed layers the host co
 step shape (from measured figures), multi.py spreads the layers over several devices, sources.py
 is where bytes come from (one interface for every placement), pipeline.py is the slot ring,
 cpu_stream.py the stream on a device that is host memory. Nothing here imports a backend: the
-engine asks its backend (engine/devices.py: Backend) for layer sizes and free memory, hands
+engine asks its backend (engine/runtime/devices.py: Backend) for layer sizes and free memory, hands
 the plan to the backend's load, and opens the storage source the plan reads (open_storage).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ntransformerd.engine import kv_cache
+from ntransformerd.engine.runtime import kv_cache
 from ntransformerd.engine.tiers.multi import MultiPlan, parse_budgets, parse_devices, plan_devices
 from ntransformerd.engine.tiers.placement import STEP_ROWS, Figures, with_schedule
 from ntransformerd.engine.tiers.planner import (HOST, PINNED, SKIP, STORAGE, TIERS, VRAM, KVPool, Plan, PlanError,
