@@ -30,6 +30,7 @@ import types
 import numpy as np
 
 from ntransformerd.engine.runtime import model as llama
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda import launch as K
 from ntransformerd.engine.backends.cuda import nvrtc, sampling
 from ntransformerd.engine.backends.cuda.kv import CudaKVCache
@@ -114,7 +115,7 @@ class StepGraphs:
 
     def n_splits(self, n: int) -> int:
         """Attention splits per (row, head) of an n-row bucket (attention.step_splits)."""
-        return K.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
+        return A.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
 
     # ---- capture --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ntransformerd.engine.backends.cuda import launch as K
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda.nvrtc import cp, device_alloc
 from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE, BlockTable, KVCache, default_blocks, row_bytes, row_width
@@ -109,7 +109,7 @@ class CudaKVLayer:
         kv_dim = self.n_kv * self.head_dim
         k = cp.ascontiguousarray(cp.asarray(k, cp.float32)).reshape(n, kv_dim)
         v = cp.ascontiguousarray(cp.asarray(v, cp.float32)).reshape(n, kv_dim)
-        K.kv_append_(k, v, self, cp.asarray(np.asarray(slots, np.int32)), cp.asarray(np.asarray(positions, np.int32)),
+        A.kv_append_(k, v, self, cp.asarray(np.asarray(slots, np.int32)), cp.asarray(np.asarray(positions, np.int32)),
                      n=n, ldk=kv_dim, ldv=kv_dim)
 
     def write(self, slot: int, start: int, k, v) -> None:
