@@ -29,7 +29,7 @@ def log(msg: str) -> None:
 
 
 def plan_row(model, config, label: str) -> dict:
-    from ntransformerd.engine.engine import plan_for, resolved
+    from ntransformerd.engine.runtime.engine import plan_for, resolved
     config, _ = resolved(config)
     plan = plan_for(model, config)
     row = {"plan": label, "kv_dtype": config.kv_dtype, "max_ctx": config.max_ctx, "max_batch": config.max_batch,
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     args = p.parse_args()
     common.require_gpu(__file__)
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
 
     if args.smoke:

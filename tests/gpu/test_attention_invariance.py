@@ -14,7 +14,7 @@ cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
 from ntransformerd.engine.gguf_file import LlamaConfig  # noqa: E402
-from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
 
 MAX_CTX = 4096 + 64  # splits of 128 positions, 33 of them
 ROWS = (1, 2, 16, 64)

@@ -28,8 +28,8 @@ from ntransformerd.engine.backends.cuda.nvrtc import cp
 from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 from ntransformerd.engine.backends.cuda.weights import Stacked
 from ntransformerd.engine.gguf_file import LlamaConfig
-from ntransformerd.engine.model import Batch
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.model import Batch
+from ntransformerd.engine.generation.sampler import TopLogits
 
 
 def _ld(x) -> int:
