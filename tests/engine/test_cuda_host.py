@@ -71,7 +71,7 @@ def test_decode_launch_takes_the_same_splits_for_any_row_count(heads, kv, hd, ma
     assert hb in (1, 2, 4, 8) and (heads // kv) % hb == 0
     fixed = set()
     for n in range(1, cuda.DECODE_ROWS + 1):
-        (cols, ys), (threads,) = cuda.decode_launch(n, cfg, max_ctx)
+        (cols, ys), (threads,) = cuda.decode_launch(n, cfg, max_ctx, 132)
         assert cols == n * heads // hb and 1 <= ys <= cuda.max_splits(max_ctx)
         assert threads == 32 * 8
         fixed.add((threads, cuda.split_len(max_ctx), cuda.decode_kernel(cfg, False)))

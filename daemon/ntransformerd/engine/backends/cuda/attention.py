@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ntransformerd.engine.backends.cuda.launch import QAct, qact_args
+from ntransformerd.engine.backends.cuda.launch import QAct, qact_args, sm_count
 from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, kernel, n_blocks
 from ntransformerd.engine.gguf_file import LlamaConfig
 
@@ -29,7 +29,8 @@ MIN_SPLIT = 128  # positions per split up to MAX_SPLITS × MIN_SPLIT of context
 MAX_SPLITS = 128  # kernels/attention.cu MAX_SPLITS: the merge's lanes hold 4 splits each
 DECODE_WARPS = 8  # kernels/attention.cu DECODE_WARPS: warps of an attn_decode block, each a piece of a split
 DECODE_HEADS = (1, 2, 4, 8)  # q heads per attn_decode warp (decode_heads)
-DECODE_BLOCKS = 1024  # blocks an attn_decode launch aims at (more rows: each block takes more splits)
+DECODE_BLOCKS_PER_SM = 4  # blocks per SM an attn_decode launch aims at: ~2 rounds of the 8B's (2 fit an SM);
+# more rows: each block takes more splits; fewer: the blocks past a short context leave in few rounds
 DECODE_ROWS = 64  # rows of the scratch a captured step shares (graphs.MAX_DECODE_ROWS); more run in turns
 
 
@@ -64,13 +65,14 @@ def decode_heads(cfg: LlamaConfig) -> int:
     return max(d for d in DECODE_HEADS if group % d == 0)
 
 
-def decode_launch(n: int, cfg: LlamaConfig, max_ctx: int) -> tuple[tuple[int, int], tuple[int]]:
-    """(grid, block) of attn_decode for n rows: a column per (row, kv head, decode_heads q
-    heads), and as many blocks per column (each taking every so-many-th split) as fill
-    DECODE_BLOCKS, at most a row's splits. Which block computes a split changes no bit of it, so
-    the grid may follow the row count; the splits themselves do not."""
+def decode_launch(n: int, cfg: LlamaConfig, max_ctx: int, sms: int) -> tuple[tuple[int, int], tuple[int]]:
+    """(grid, block) of attn_decode for n rows on a GPU of `sms` SMs: a column per (row, kv
+    head, decode_heads q heads), and as many blocks per column (each taking every so-many-th
+    split) as make DECODE_BLOCKS_PER_SM per SM, at most a row's splits. Which block computes a
+    split changes no bit of it, so the grid may follow the row count and the GPU; the splits
+    themselves do not."""
     cols = n * cfg.n_heads // decode_heads(cfg)
-    ys = min(max_splits(max_ctx), max(1, -(-DECODE_BLOCKS // cols)))
+    ys = min(max_splits(max_ctx), max(1, -(-DECODE_BLOCKS_PER_SM * sms // cols)))
     return (cols, ys), (32 * DECODE_WARPS,)
 
 
@@ -148,7 +150,7 @@ def _attn_decode(fused: bool, x, ld: int, v, ldv: int, kv_layer, slots, pos, fre
         def part(a):  # this turn's rows
             return a if m == n else a[r0:r0 + m]
 
-        grid, block = decode_launch(m, cfg, max_ctx)
+        grid, block = decode_launch(m, cfg, max_ctx, sm_count())
         kernel("attention", name)(grid, block, (
             part(x), np.int32(ld), part(v) if v is not None else np.intp(0), np.int32(ldv), *kv_args(kv_layer),
             part(slots), part(pos), freqs if freqs is not None else np.intp(0), scratch.pm, scratch.pl, scratch.po,
