@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         shape, contexts, batches, max_ctx, steps, depth = (8, 2, 64), [16, 200], [1, 3], 256, 4, 100
     else:
-        shape, contexts, batches, max_ctx, steps, depth = (32, 8, 128), a.contexts, a.batches, a.max_ctx, a.steps, a.depth
+        shape, contexts, batches, max_ctx = (32, 8, 128), a.contexts, a.batches, a.max_ctx
+        steps, depth = a.steps, a.depth
     if max(contexts) > max_ctx:
         ap.error(f"--contexts up to {max(contexts)} need --max-ctx at least that")
     dev = cp.cuda.runtime.getDeviceProperties(0)

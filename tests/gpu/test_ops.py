@@ -154,8 +154,8 @@ def test_attention(head_dim, n_heads, n_kv, lens, dtype):
 def test_decode_attention_fused(head_dim, n_heads, n_kv, rope_dim, neox, max_ctx, one_launch, dtype):
     """The captured step's path on a stacked q|k|v buffer: attention_decode_ (RoPE, cache append,
     attention and the merge of the splits in one launch), or RoPE + append (rope_kv_) then
-    attention_; over splits of any length (from the cache's context), writing the output quantized too. Against the CPU
-    reference's rope + attention, and the quantized output against quantizing it; the one-launch
+    attention_; over splits of any length (from the cache's context), writing the output quantized
+    too, all rows in one launch or one at a time. Against the CPU reference's rope + attention, and the quantized output against quantizing it; the one-launch
     kernel run twice (its split counters must come back to zero) gives the same output. A q8_0
     cache: v (not rotated) stored bit for bit as the host rounds it; k within a quant step (the
     two sides' f32 RoPE may differ by an ulp before rounding)."""

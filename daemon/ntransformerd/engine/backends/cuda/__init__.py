@@ -16,9 +16,9 @@ from __future__ import annotations
 from ntransformerd.engine.backends.cuda.graphs import StepGraphs
 from ntransformerd.engine.backends.cuda.kv import CUDA_KV_DTYPES, CudaKVCache, CudaKVLayer, DeviceTables
 from ntransformerd.engine.backends.cuda.attention import (  # noqa: F401 (the backend's surface)
-    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, DECODE_ND, DECODE_ROWS, MAX_SPLITS, AttentionScratch, attention_, attention_chunk_,
-    attention_decode_, attention_scratch, chunk_tiles, decode_heads, decode_kernel, decode_launch, group_heads, kv_append_, kv_args,
-    max_splits, rope_kv_, scratch_bytes, split_len)
+    ATTN_ND, CHUNK_HEAD_DIMS, CHUNK_ROWS, DECODE_ND, DECODE_ROWS, MAX_SPLITS, AttentionScratch, attention_,
+    attention_chunk_, attention_decode_, attention_scratch, chunk_tiles, decode_heads, decode_kernel, decode_launch,
+    group_heads, kv_append_, kv_args, max_splits, rope_kv_, scratch_bytes, split_len)
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
     CHUNKED_MAX_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
     MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, Choice, QAct, argmax, bucket_of, choose,
