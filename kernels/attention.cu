@@ -258,8 +258,10 @@ __device__ __forceinline__ void split_weights(const float* pm, const float* pl, 
     for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
 }
 
+// Two blocks per SM where that fits without (more than a few bytes of) spills, the 8B's shape
+// among them: 16 warps keep the memory busy; the larger shapes take the registers they need.
 template <int ND, int Q8, int HB>
-__global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
+__global__ void __launch_bounds__(32 * DECODE_WARPS, (HB * ND == 16 || HB * ND <= 4) && ND <= 4 ? 2 : 1) attn_decode(
         const float* __restrict__ qkv, int ld, const float* __restrict__ v, int ldv, u8* kc, u8* vc,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ slot, const int* __restrict__ pos,
         const double* __restrict__ freqs, float* pm, float* pl, float* po, int* cnt, float* __restrict__ out,
@@ -455,27 +457,38 @@ __global__ void __launch_bounds__(32 * DECODE_WARPS) attn_decode(
     }
     __syncthreads();
     if (!last) return;
-    // Warp w merges head w % HB's dim groups i = w / HB, w / HB + W / HB, ... (lane + 32 i: one
-    // 32-group of the quantized output each); each dim's sum runs over the splits in order.
-    const int hh = w % HB, h = h0 + hh;
+    // Warp w merges head w % HB's dim groups i = w / HB + k * WS (lane + 32 i: one 32-group of
+    // the quantized output each), all its groups' loads of a split issued together; each dim's
+    // sum runs over the splits in order.
+    constexpr int WS = W / HB, NI = (ND + WS - 1) / WS;  // warps per head, dim groups per warp
+    const int hh = w % HB, h = h0 + hh, i0 = w / HB;
     const long long pbase = ((long long)r * n_heads + h) * max_splits;
     float wts[MAX_SPLITS / 32], L;
     split_weights(pm, pl, pbase, active, lane, wts, L);
+    float acc[NI];
+#pragma unroll
+    for (int k = 0; k < NI; ++k) acc[k] = 0.f;
+#pragma unroll 4
+    for (int sp = 0; sp < active; ++sp) {
+        float wk = 0.f;  // wts[sp / 32], kept in registers
+#pragma unroll
+        for (int k = 0; k < MAX_SPLITS / 32; ++k) wk = k == sp >> 5 ? wts[k] : wk;
+        const float wt = __shfl_sync(0xffffffffu, wk, sp & 31);
+        const float* os = po + (pbase + sp) * HD + lane;
+#pragma unroll
+        for (int k = 0; k < NI; ++k)
+            if (i0 + k * WS < ND) acc[k] = fmaf(wt, __ldcg(os + 32 * (i0 + k * WS)), acc[k]);
+    }
     const float inv = 1.0f / L;
     const long long row0 = ((long long)r * n_heads + h) * HD;  // (r, h) → r * n_heads * hd + h * hd
-    for (int i = w / HB; i < ND; i += W / HB) {
-        const int d = lane + 32 * i;
-        float acc = 0.f;
-#pragma unroll 8
-        for (int sp = 0; sp < active; ++sp) {
-            float wk = 0.f;  // wts[sp / 32], kept in registers
 #pragma unroll
-            for (int k = 0; k < MAX_SPLITS / 32; ++k) wk = k == sp >> 5 ? wts[k] : wk;
-            acc = fmaf(__shfl_sync(0xffffffffu, wk, sp & 31), __ldcg(po + (pbase + sp) * HD + d), acc);
+    for (int k = 0; k < NI; ++k) {
+        const int i = i0 + k * WS;
+        if (i < ND) {  // warp-uniform: quant32 takes the whole warp
+            const float val = acc[k] * inv;
+            out[row0 + lane + 32 * i] = val;
+            if (has_q) quant32(val, qh, ql, qd, qs, row0 + lane + 32 * i, (row0 >> 5) + i);
         }
-        const float val = acc * inv;
-        out[row0 + d] = val;
-        if (has_q) quant32(val, qh, ql, qd, qs, row0 + d, (row0 >> 5) + i);
     }
 }
 
