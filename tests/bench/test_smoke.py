@@ -262,6 +262,14 @@ def check_kv_capacity(d: dict) -> None:
     assert figure(s["ratio"]) and figure(s["ttft_prefill_seconds"]), s
 
 
+def check_kv_spill(d: dict) -> None:
+    rows = d["rows"]
+    assert [r["chat_tokens"] for r in rows] == [64, 128, 256] and d["passed"] is True, d
+    for r in rows:  # restored = never spilled, bit for bit, and turn 2's ids alike
+        assert r["blocks_equal"] is True and r["ids_equal"] is True and r["turn2_ids"] == d["generate"], r
+        assert all(figure(r[k]) for k in ("spill_seconds", "restore_seconds", "reprefill_seconds")), r
+
+
 def check_user_path(d: dict) -> None:
     rows = {r["row"]: r for r in d["rows"]}
     assert set(rows) == {"8b:32", "8b:1", "8b:1 off", "8b:1 noisy", "8b:1 off noisy"}, list(rows)
@@ -283,7 +291,7 @@ def check_kl_divergence(d: dict) -> None:
 
 
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
-       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
+       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity, "kv_spill.py": check_kv_spill,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
@@ -305,7 +313,7 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "serving_gpu.py",
+    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "kv_spill.py", "serving_gpu.py",
                   "kl_divergence.py")
     args = ["--dir", str(tmp_path)] if script in own_models else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
