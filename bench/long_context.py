@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the long level's histories: one prefilled once and continued 4 ways (default), or 4")
     p.add_argument("--budget", default="24GiB", help="vram_budget (default 24GiB)")
     p.add_argument("--context", type=int, help="positions per sequence (default 32768; --quick 8192)")
-    p.add_argument("--tokens", type=int, default=16, help="greedy tokens per request (default 16)")
+    p.add_argument("--tokens", type=int, help="greedy tokens per request (default 16; --quick 64)")
     p.add_argument("--rounds", type=int, default=2, help="long levels, and short ones before and after (default 2)")
     p.add_argument("--chunk", type=int, default=512, help="prefill_chunk (default 512)")
     p.add_argument("--host-compute", default="off", help="the daemon's host_compute (default off: one plan)")
@@ -140,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         s = Setup("tiny", 256, None if backend == "cpu" else "1GiB", 8, 32, short=24)
         a.rounds = 1
     elif a.quick:
-        s = Setup("llama3-8b", a.context or 8192, a.budget, a.tokens, a.chunk)
+        s = Setup("llama3-8b", a.context or 8192, a.budget, a.tokens or 64, a.chunk)
     else:
-        s = Setup("llama3-70b", a.context or 32768, a.budget, a.tokens, a.chunk)
+        s = Setup("llama3-70b", a.context or 32768, a.budget, a.tokens or 16, a.chunk)
     t = time.perf_counter()
     path = common.synthetic(a.dir, s.shape, "q4_k_m")
     log(f"{path} ready in {time.perf_counter() - t:.1f} s")
     out = {"model": os.path.basename(path), "backend": backend, "budget": s.budget, "context": s.context,
            "history": a.history, "tokens": s.tokens, "smoke": a.smoke, "plans": planner_rows(path, s, backend)}
+    if out["plans"][0]["context_length"] < s.context:
+        raise SystemExit(f"{path} holds {out['plans'][0]['context_length']} positions, not {s.context}: a file made "
+                         "before the llama3 shapes' context became 131072; remove it and run again")
 
     blocks = 4 * -(-s.context // 16)
     flags = ["--backend", backend, "--model", path, "--max-batch", "4", "--max-ctx", str(s.context),
