@@ -66,6 +66,13 @@ def same_bytes(a: list, b: list) -> bool:
         for (ka, va), (kb, vb) in zip(a, b) for x, y in ((ka, kb), (va, vb)))
 
 
+def poison(engine: Engine, ids, like: list) -> None:
+    """Blocks `ids` (back in the pool) overwritten with a byte pattern: the restore takes the
+    lowest free ids, often the same ones, and one that loaded nothing would not show otherwise."""
+    engine.kv.load_blocks(ids, [tuple(np.full(x.nbytes, 0x5A, np.uint8).view(x.dtype).reshape(x.shape) for x in kv)
+                                for kv in like])
+
+
 def chat_row(e: Engine, chat: list[int], question: list[int], n_gen: int) -> dict:
     """One chat spilled and restored, against prefilled again (module docstring)."""
     a = e.open()
@@ -80,11 +87,13 @@ def chat_row(e: Engine, chat: list[int], question: list[int], n_gen: int) -> dic
     kept = greedy(e, b, question, n_gen)
     e.close(b)
     e.park(a)
+    ids = e.kv.blocks.tables[a, :blocks(n)].copy()
     t = time.perf_counter()
     if not e.kv.spill(a):
         raise SystemExit(f"the chat's {blocks(n)} blocks did not fit the host pool ({e.kv.spill_limit} bytes)")
     sync(e)
     spill_s = time.perf_counter() - t
+    poison(e, ids, before)
     t = time.perf_counter()
     e.reopen(a, keep=n)
     sync(e)

@@ -27,6 +27,13 @@ def blocks_of(engine: Engine, slot: int) -> list:
     return engine.kv.save_blocks(table.tables[slot, :table.held[slot]].copy())
 
 
+def poison(engine: Engine, ids, like: list) -> None:
+    """Blocks `ids` (back in the pool) overwritten: the restore takes the lowest free ids, often
+    the same ones, and one that loaded nothing would not show otherwise."""
+    engine.kv.load_blocks(ids, [tuple(np.full(x.nbytes, 0x5A, np.uint8).view(x.dtype).reshape(x.shape) for x in kv)
+                                for kv in like])
+
+
 def same_bytes(a: list, b: list) -> bool:
     return all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
                for (ka, va), (kb, vb) in zip(a, b, strict=True) for x, y in ((ka, kb), (va, vb)))
@@ -34,7 +41,8 @@ def same_bytes(a: list, b: list) -> bool:
 
 def spill_round_trip(engine: Engine, chat: list[int], question: list[int], n_gen: int) -> dict:
     """Turn 1 (`chat`) prefilled; turn 2 (`question`, then n_gen greedy ids) run from its blocks
-    shared by reference; the chat parked, spilled, reopened (restored); turn 2 again."""
+    shared by reference; the chat parked, spilled (the blocks it let go overwritten), reopened
+    (restored); turn 2 again."""
     e = engine
     e.kv.spill_limit = 1 << 30
     a = e.open()
@@ -46,8 +54,10 @@ def spill_round_trip(engine: Engine, chat: list[int], question: list[int], n_gen
     kept = greedy(e, b, question, n_gen)
     e.close(b)
     e.park(a)
+    ids = e.kv.blocks.tables[a, :len(before[0][0])].copy()
     assert e.kv.spill(a) and e.kv.kept(a) >= n and int(e.kv.blocks.held[a]) == 0
     spilled = int(e.kv.blocks.stats["spilled"])
+    poison(e, ids, before)
     e.reopen(a, keep=n)
     after = blocks_of(e, a)
     restored = greedy(e, a, question, n_gen)

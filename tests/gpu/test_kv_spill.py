@@ -30,6 +30,13 @@ def blocks_of(engine: Engine, slot: int) -> list:
     return engine.kv.save_blocks(table.tables[slot, :table.held[slot]].copy())
 
 
+def poison(engine: Engine, ids, like: list) -> None:
+    """Blocks `ids` (back in the pool) overwritten: the restore takes the lowest free ids, often
+    the same ones, and one that loaded nothing would not show otherwise."""
+    engine.kv.load_blocks(ids, [tuple(np.full(x.nbytes, 0x5A, np.uint8).view(x.dtype).reshape(x.shape) for x in kv)
+                                for kv in like])
+
+
 def same_bytes(a: list, b: list) -> bool:
     return all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
                for (ka, va), (kb, vb) in zip(a, b, strict=True) for x, y in ((ka, kb), (va, vb)))
@@ -50,8 +57,10 @@ def test_restored_kv_is_the_never_spilled_kv(real_slice, kv_dtype):
     kept = greedy(e, b, question, 12)
     e.close(b)
     e.park(a)
+    ids = e.kv.blocks.tables[a, :len(before[0][0])].copy()
     assert e.kv.spill(a) and int(e.kv.blocks.held[a]) == 0 and e.kv.kept(a) >= len(chat)
     assert e.kv.blocks.stats["spilled"] == -(-len(chat) // BLOCK_SIZE) == len(before[0][0])
+    poison(e, ids, before)  # the blocks it let go overwritten: a restore must bring the bytes back
     e.reopen(a, keep=len(chat))  # restored into fresh blocks
     assert same_bytes(blocks_of(e, a), before), "restored KV blocks differ from the never-spilled ones"
     assert greedy(e, a, question, 12) == kept
