@@ -44,8 +44,11 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
         sys.path.insert(0, os.path.join(os.path.abspath(code), d))
     import cupy as cp
     import numpy as np
-    from ntransformerd.engine.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
+    try:
+        from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+    except ImportError:  # a checkout from before engine/ was grouped (runtime/, generation/, calibration/)
+        from ntransformerd.engine.engine import Engine, EngineConfig
 
     extra = {}
     if "deterministic" in EngineConfig.__dataclass_fields__:  # its variable, read as ntx-model reads it

@@ -3,7 +3,7 @@ outlines-core and xgrammar, each where it imports. Per library: building its vie
 vocabulary, compiling a large JSON schema (and a small one), and the mask per generated token
 while a valid document of that schema is fed through it, token by token; then what a mask adds
 to a decode step of the cpu backend at batch 1 and 16 (ours: llguidance, the mask applied to
-the row before sampling, engine/constraints.py).
+the row before sampling, engine/generation/constraints.py).
 
     python bench/constraint_libraries.py [--json bench/out/constraint_libraries.json]
     python bench/constraint_libraries.py --smoke       # a small schema, few tokens: does it run?
@@ -50,7 +50,7 @@ def instance(n_props: int) -> str:
     doc = {f"p{i}": {"id": f"P{i}-{i % 1000:03d}", "kind": ["alpha", "beta", "gamma"][i % 3], "score": (i % 7) - 3.5,
                      "tags": ["x", f"tag {i}"], "parts": [{"name": f"part {i}", "ok": i % 2 == 0, "weight": None}]}
            for i in range(n_props)}
-    return json.dumps(doc)  # one line, ", " and ": ": the layout of engine/constraints.py's JSON_LAYOUT
+    return json.dumps(doc)  # one line, ", " and ": ": the layout of engine/generation/constraints.py's JSON_LAYOUT
 
 
 SMALL = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
@@ -71,7 +71,7 @@ def summary(xs: list[float]) -> dict:
 
 def run_llguidance(tok, vocab: int, schema: dict, ids: list[int]) -> dict:
     import llguidance
-    from ntransformerd.engine import constraints
+    from ntransformerd.engine.generation import constraints
 
     comp, t_vocab = timed(lambda: constraints.Compiler(tok, vocab))
     small, t_small = timed(lambda: comp.compile("json_schema", json.dumps(SMALL)))
@@ -178,8 +178,8 @@ def run_xgrammar(tok, vocab: int, schema: dict, ids: list[int], eog: list[int]) 
 def step_overhead(engine, tok, schema: dict, ids: list[int], batches, steps: int) -> list[dict]:
     """A decode step of the cpu backend at batch B against B masks computed and applied to their
     rows (the constrained rows' share of a step)."""
-    from ntransformerd.engine import constraints
-    from ntransformerd.engine.sampler import Sampler, SamplingParams
+    from ntransformerd.engine.generation import constraints
+    from ntransformerd.engine.generation.sampler import Sampler, SamplingParams
 
     comp = constraints.compiler_for(tok, engine.cfg.vocab_size)
     out = []
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.torch_standin:
         sys.path.append(a.torch_standin)
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     n = 3 if a.smoke else a.properties
     engine = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=16, max_ctx=512))
     tok, vocab = engine.tokenizer, engine.cfg.vocab_size

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from ntransformerd.engine.backends.host import native
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.gguf_file import GGUFModel
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")

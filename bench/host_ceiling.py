@@ -74,9 +74,9 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
     loop as on a GPU), streaming on its own thread as beside a device."""
     from host_share import InstantStep
     from ntransformerd import main as daemon_main
-    from ntransformerd.engine.sampler import Drawn
-    from ntransformerd.engine.engine import Engine
-    from ntransformerd.engine.tiers.runs import Pipeline
+    from ntransformerd.engine.generation.sampler import Drawn
+    from ntransformerd.engine.runtime.engine import Engine
+    from ntransformerd.engine.tiers.step_pipeline import Pipeline
     from ntransformerd.server.scheduler import Scheduler
 
     attach = Scheduler.attach
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from serving_gpu import serve_level, timed_level
 
-    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.engine.runtime.engine import default_model_path
     path = a.model or default_model_path()
     if a.smoke:
         a.clients, a.max_tokens, a.repeats = [1, 2], 8, 1

@@ -29,8 +29,8 @@ import numpy as np
 
 import common
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
-from ntransformerd.engine.sampler import Drawn, SamplingParams, TopLogits, sample_rows
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.generation.sampler import Drawn, SamplingParams, TopLogits, sample_rows
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
 from ntx_proto.states import RequestState

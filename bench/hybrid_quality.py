@@ -8,7 +8,7 @@ Two engines on the same file: every layer resident on the GPU (its captured step
 hybrid plan where half the layers are streamed and the host computes some of them at every step
 shape (made-up figures that make the host and the link alike, measured at 1 and 512 rows, so the
 placement gives the host layers in decode steps and prefill chunks alike). Reports:
-1. perplexity (engine/perplexity.py, ctx --ctx, --chunks chunks of the text) of both and the
+1. perplexity (engine/calibration/perplexity.py, ctx --ctx, --chunks chunks of the text) of both and the
    hybrid's relative difference (the goal: within 0.1%);
 2. greedy ids of the six reference prompts (tests/golden/forward_smollm2.json: the default
    model's ids, which its slices share), --tokens each, through Engine.generate on both: the
@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
 import common  # noqa: E402
 from ntransformerd.engine import tiers  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path, generate  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.perplexity import perplexity, text_tokens  # noqa: E402
-from ntransformerd.engine.sampler import SamplingParams  # noqa: E402
+from ntransformerd.engine.calibration.perplexity import perplexity, text_tokens  # noqa: E402
+from ntransformerd.engine.generation.sampler import SamplingParams  # noqa: E402
 from ntransformerd.engine.tiers.placement import Figures  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -10,8 +10,8 @@
     .venv/bin/python bench/kl_divergence.py --smoke          # a tiny synthetic model, seconds
 
 Every run scores the same token ids (our tokenizer; it equals llama.cpp's) in the same chunks
-(engine/perplexity.py: ctx --ctx, the second half of each chunk scored), and every comparison
-is engine/perplexity.py's: KL(base ‖ run) per scored token, its mean and 99th percentile, and
+(engine/calibration/perplexity.py: ctx --ctx, the second half of each chunk scored), and every comparison
+is engine/calibration/perplexity.py's: KL(base ‖ run) per scored token, its mean and 99th percentile, and
 how often both runs rank the same token first.
 
 Runs (a name per row of the table):
@@ -51,9 +51,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
 import common  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.perplexity import Base, KLMeter, Recorder, perplexity, text_tokens  # noqa: E402
+from ntransformerd.engine.calibration.perplexity import Base, KLMeter, Recorder, perplexity, text_tokens  # noqa: E402
 from ntransformerd.tools.quantize import quantize_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -7,7 +7,7 @@
 
 capacity: a KV pool of what --slots contiguous slots of --ctx positions held (kv_blocks = slots x
 ctx / 16), --requests requests of --prompt prompt tokens and --generate generated ones, greedy,
-through the engine's decode loop (engine/decode.py: Sequence, step) composed as the scheduler
+through the engine's decode loop (engine/generation/decode.py: Sequence, step) composed as the scheduler
 composes a step (every decoding row, then prompt chunks from a budget of prefill_chunk tokens).
 A request is admitted when a slot is free and the pool has the blocks of its whole length
 beside those of the running ones. Paged: max_batch = requests, so every request runs at once
@@ -23,6 +23,7 @@ in full: the time to the first token of each, their ratio, and whether the greed
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import tempfile
@@ -31,10 +32,10 @@ import time
 import numpy as np
 
 import common
-from ntransformerd.engine import decode
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.kv_cache import BLOCK_SIZE
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE
+from ntransformerd.engine.generation.sampler import SamplingParams
 from ntransformerd.server.prefix_cache import PrefixCache
 
 
@@ -90,7 +91,8 @@ def capacity(path: str, a, prompts: list[list[int]]) -> dict:
     solo_ids = None
     for name, max_batch in (("paged", len(prompts)), ("slots", a.slots)):
         e = Engine.load(path, config=EngineConfig(backend=a.backend, max_batch=max_batch, max_ctx=a.ctx,
-                                                  kv_blocks=pool, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype))
+                                                  kv_blocks=pool, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype,
+                                                  deterministic=a.deterministic))
         drive(e, prompts[:1], 2, 1)  # warm: kernels compiled, steps captured
         run = drive(e, prompts, a.generate, max_batch)
         if solo_ids is None:
@@ -132,10 +134,11 @@ def spill(path: str, a, rng) -> dict:
     turn2_len = a.chat + reply + question
     pool = blocks(turn2_len + reply) + 2  # the chat, or the other sequence, not both
     e = Engine.load(path, config=EngineConfig(backend=a.backend, max_batch=2, max_ctx=turn2_len + reply + BLOCK_SIZE,
-                                              kv_blocks=pool, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype))
+                                              kv_blocks=pool, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype,
+                                              deterministic=a.deterministic))
     if not hasattr(e.kv, "spill_limit"):
         raise SystemExit(f"the {e.backend_name} backend's KV cache has no host pool to spill to "
-                         "(engine/kv_cache.py: a paged KVCache has)")
+                         "(engine/runtime/kv_cache.py: a paged KVCache has)")
     e.kv.spill_limit = 4 * pool * BLOCK_SIZE * e.kv.blocks.block_bytes // BLOCK_SIZE
     vocab = e.cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo", type=int, default=32, help="requests whose ids are compared with their solo run")
     p.add_argument("--chunk", type=int, default=512, help="prefill_chunk")
     p.add_argument("--chat", type=int, default=4096, help="tokens of the spilled chat's turn 1")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="the deterministic setting (default on: ids equal to solo runs are its promise)")
     a = p.parse_args(argv)
     a.backend = a.backend or ("cpu" if a.smoke else "cuda")
     if a.backend == "cuda":
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     del e
     prompts = [[int(x) for x in rng.integers(1, vocab, a.prompt)] for _ in range(a.requests)]
     result = dict(model=os.path.basename(path), backend=backend, kv_dtype=kv_dtype, smoke=a.smoke,
+                  deterministic=a.deterministic,
                   capacity=capacity(path, a, prompts), spill=spill(path, a, rng))
     common.write_json(a.json, result)
     return 0

@@ -1,5 +1,5 @@
 """What a quantized KV cache costs: perplexity of the default model at a long context with the
-cache stored as f16, q8_0 and q4_0 (engine/kv_cache.py), on the fast CPU backend.
+cache stored as f16, q8_0 and q4_0 (engine/runtime/kv_cache.py), on the fast CPU backend.
 
     .venv/bin/python bench/kv_quality.py                     # ctx 8192, the first 2 chunks (16384 tokens)
     .venv/bin/python bench/kv_quality.py --ctx 2048 --chunks 4 --types f32,f16,q8_0
@@ -7,7 +7,7 @@ cache stored as f16, q8_0 and q4_0 (engine/kv_cache.py), on the fast CPU backend
 
 The text is every license in /usr/share/common-licenses (the regular files, sorted by name,
 joined by newlines; the symlinks are other names of them): ~52k tokens of English no one on the
-team wrote. Perplexity is llama-perplexity's (engine/perplexity.py): chunks of ctx tokens from
+team wrote. Perplexity is llama-perplexity's (engine/calibration/perplexity.py): chunks of ctx tokens from
 an empty cache, the second half of each scored, so every scored token sees at least ctx/2
 tokens through the cache. Each type runs in its own engine (backend cpu, one sequence,
 prefill_chunk 512); the table gives its bytes per token of context, the cache of one full
@@ -25,9 +25,9 @@ import sys
 import time
 
 import common
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
-from ntransformerd.engine.kv_cache import bytes_per_token
-from ntransformerd.engine.perplexity import LICENSES, licenses_text, perplexity, text_tokens
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.runtime.kv_cache import bytes_per_token
+from ntransformerd.engine.calibration.perplexity import LICENSES, licenses_text, perplexity, text_tokens
 
 TYPES = "f16,q8_0,q4_0"
 

@@ -25,9 +25,9 @@ import time
 import numpy as np
 
 import common
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.kv_cache import BLOCK_SIZE
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE
 
 
 def log(msg: str) -> None:

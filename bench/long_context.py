@@ -68,7 +68,7 @@ def planner_rows(path: str, s: Setup, backend: str) -> list[dict]:
     """The planner's plans (no GPU needed) for the default pool in q8_0 and f16: what kv_blocks
     costs in resident layers against the pool the planner would choose."""
     from ntransformerd.engine import tiers
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(path)
     sizes = [model.layer_bytes(i) for i in range(model.config.n_layers)]

@@ -131,8 +131,8 @@ def profile(dec: StepGraphs, kv, batch: int, bw: float, rec: Recorder) -> dict:
 
 def profile_prefill(ops, cfg, weights, kv, rec: Recorder, n: int = 512) -> dict:
     """One n-token prefill chunk through model.forward, timed op by op the same way."""
-    from ntransformerd.engine import model as llama
-    from ntransformerd.engine.model import Batch, Segment
+    from ntransformerd.engine.runtime import model as llama
+    from ntransformerd.engine.runtime.model import Batch, Segment
     rng = np.random.default_rng(0)
     runs = []
     for r in range(3):

@@ -4,7 +4,7 @@ makes, and the layer-skip calibration table (cosine per layer, perplexity with k
     .venv/bin/python bench/quality.py --json bench/out/quality.json [--ctx 256] [--chunks 8]
     .venv/bin/python bench/quality.py --smoke --dir /tmp/ntx-smoke     # a tiny synthetic model, 2 short chunks
 
-Perplexity is llama-perplexity's (engine/perplexity.py) on /usr/share/common-licenses/GPL-3.
+Perplexity is llama-perplexity's (engine/calibration/perplexity.py) on /usr/share/common-licenses/GPL-3.
 Every type is requantized from the Q4_1 file (the only copy of the model there is), so a type
 finer than Q4_1 measures Q4_1's own loss plus its rounding. The calibration is saved beside
 the model, where `--skip-layers auto` and `N` read it. `--smoke` measures a tiny synthetic model
@@ -21,9 +21,9 @@ import time
 from threadpoolctl import threadpool_limits
 
 import common
-from ntransformerd.engine import layer_skip
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
-from ntransformerd.engine.perplexity import perplexity, text_tokens
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.calibration.perplexity import perplexity, text_tokens
 from ntransformerd.tools.quantize import FTYPES, quantize_file
 
 TEXT = "/usr/share/common-licenses/GPL-3"

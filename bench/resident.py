@@ -22,12 +22,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
 import common  # noqa: E402
-from ntransformerd.engine import model as llama  # noqa: E402
+from ntransformerd.engine.runtime import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
 from ntransformerd.engine.backends.cuda import StepGraphs, cp  # noqa: E402 (cp is None without CuPy)
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.model import Batch, Segment  # noqa: E402
-from ntransformerd.engine.sampler import Sampler, SamplingParams  # noqa: E402
+from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.generation.sampler import Sampler, SamplingParams  # noqa: E402
 
 
 def gpu_time(fn, reps: int = 20, warm: int = 3) -> float:

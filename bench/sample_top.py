@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     from ntransformerd.engine.backends import cuda
     from ntransformerd.engine.backends.cuda import StepGraphs, cp
     from ntransformerd.engine.gguf_file import GGUFModel
-    from ntransformerd.engine.sampler import Sampler, SamplingParams, TopLogits
+    try:
+        from ntransformerd.engine.generation.sampler import Sampler, SamplingParams, TopLogits
+    except ImportError:  # a checkout from before engine/ was grouped
+        from ntransformerd.engine.sampler import Sampler, SamplingParams, TopLogits
     from resident import sampled_rates
     steps, reps = (4, 5) if a.smoke else (a.steps, 200)
 

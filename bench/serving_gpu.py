@@ -46,8 +46,8 @@ def engine_rates(path: str, batches: list[int], steps: int, backend: str) -> dic
     """The engine's own decode rate (tok/s) per (batch, sampled), in this process: one engine,
     B sequences, each step drawing every row's next id as the daemon's steps do (Engine.step's
     sample: on the device where the backend draws there), its SampleRows made once."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
-    from ntransformerd.engine.sampler import SampleRows, Sampler, SamplingParams
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+    from ntransformerd.engine.generation.sampler import SampleRows, Sampler, SamplingParams
     e = Engine.load(path, config=EngineConfig(backend=backend, max_batch=max(batches), max_ctx=512))
     rates = {}
     try:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             common.stop_daemon(proc)
         if a.batched_bench or a.smoke:
-            from ntransformerd.engine.engine import default_model_path
+            from ntransformerd.engine.runtime.engine import default_model_path
             small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
             npl = [1, 2] if a.smoke else [1, 16]
             alone = engine_rates(small, npl, 8 if a.smoke else 40, a.backend)  # the engine's own bound on it

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The end-of-round device calls, back to back (files in /tmp last while the machine stays warm):
 #   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
-#                 llama-batched-bench) built in the background;
+#                 llama-batched-bench, llama-perplexity) built in the background (NO_LLAMA=1: not);
 #   PHASE=cost:   the model's first half kept (as stash) and bench/ab_decode.py (the redesign's A/A
 #                 against .ab/old.tgz, `git archive` of the code before it; the deterministic mode's
 #                 cost at B = 1/16/64), then user_path's rows at depth (8b:32, 8b:16, 8b:0);
@@ -47,7 +47,7 @@ export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system:
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
 if [ "${PHASE:-tests}" = tests ]; then
-  [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
+  [ -n "$NO_LLAMA" ] || [ -x $llama/llama-batched-bench ] || ( setsid nohup bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
   timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 \
     ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
@@ -58,8 +58,8 @@ import sys; sys.path.insert(0, 'bench'); import common
 for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
   [ -f bench/attention_gpu.py ] && timeout ${ATTN_TIMEOUT:-90} python3 bench/attention_gpu.py \
     --json "$L/attention_gpu.json" 2>&1 | tee "$L/attention_gpu.log" | tail -40
-  for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
-  tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
+  [ -n "$NO_LLAMA" ] || for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
+  [ -n "$NO_LLAMA" ] || tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
 elif [ "$PHASE" = cost ]; then  # the model's first half kept; the invariant mode's cost and the redesign's A/A
   # (bench/ab_decode.py: the checkout before the redesign, .ab/old.tgz, against this one, deterministic off and on);
   # then the user-path rows that this round's kernels move (depth: all resident, 16 and 0 resident)
@@ -106,6 +106,13 @@ else
   if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
     timeout ${KL_TIMEOUT:-200} python3 bench/kl_divergence.py --model $model --engines exact,cpu,cuda,hybrid \
       --texts .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 --threads 16 --chunks ${KL_CHUNKS:-6} 2>&1 | tee "$L/kl_gpu.log" | tail -14
+    # llama.cpp's rows: its GPU (-ngl 99) and CPU (-ngl 0) runs of the same file against its F32 run
+    if [ -x $llama/llama-perplexity ]; then
+      [ -f /tmp/smollm2-f32.gguf ] || python3 -m ntransformerd.tools.ntx_model quantize $model /tmp/smollm2-f32.gguf \
+        --type f32 --quiet
+      CHUNKS=${KL_CHUNKS:-6} timeout ${KLD_TIMEOUT:-120} bash bench/llamacpp/kld.sh $llama $model /tmp/smollm2-f32.gguf \
+        .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 2>&1 | tee "$L/kl_llama.log"
+    fi
   fi
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3

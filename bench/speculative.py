@@ -32,9 +32,10 @@ import time
 from threadpoolctl import threadpool_limits
 
 import common
-from ntransformerd.engine import layer_skip, speculative as sp
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.generation import speculative as sp
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path, generate
+from ntransformerd.engine.generation.sampler import SamplingParams
 from ntransformerd.tools.quantize import quantize_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))

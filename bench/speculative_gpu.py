@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "daemon"))
 
 import common  # noqa: E402
 from ntransformerd.engine.backends.cuda import cp  # noqa: E402 (None without CuPy)
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)

@@ -71,7 +71,7 @@ def budget_for(path: str, resident: int, max_ctx: int) -> tuple[int, int]:
     rest: the plan's fixed, KV and workspace bytes, those layers and two streaming slots."""
     from ntransformerd.engine import tiers
     from ntransformerd.engine.backends import cuda
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(path)
     n = model.config.n_layers

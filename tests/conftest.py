@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from ntransformerd.engine.engine import default_model_path as find
+    from ntransformerd.engine.runtime.engine import default_model_path as find
 
     try:
         return find()
@@ -48,7 +48,7 @@ def default_model(default_model_path):
 
 @pytest.fixture(scope="session")
 def default_engine(default_model):
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 
     return Engine(default_model, config=EngineConfig(backend="cpu-ref", max_batch=8, max_ctx=1024))
 
@@ -76,6 +76,6 @@ def synth_model(synth_dir):
 def kv_owner_check(monkeypatch):
     """Every KV write in every in-process test checks its owner (kv_cache.BlockTable.check_owners):
     the slot is live and holds the blocks written alone."""
-    from ntransformerd.engine import kv_cache
+    from ntransformerd.engine.runtime import kv_cache
 
     monkeypatch.setattr(kv_cache.BlockTable, "check_owners", True)

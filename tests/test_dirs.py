@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ntransformerd import dirs
-from ntransformerd.engine import figures, layer_skip
+from ntransformerd.engine.calibration import figures, layer_skip
 from ntransformerd.engine.backends.host import native
 
 

@@ -106,7 +106,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
     graph = _edges(_modules())
-    assert "ntransformerd.engine.model" in graph["ntransformerd.engine.backends.cuda.graphs"]
+    assert "ntransformerd.engine.runtime.model" in graph["ntransformerd.engine.backends.cuda.graphs"]
     assert "ntransformerd.engine.tiers.planner" in graph["ntransformerd.engine.tiers"]
 
 

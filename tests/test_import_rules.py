@@ -5,9 +5,9 @@ daemon (ntransformerd) imports the API from ntx_proto, never the client library 
 the engine opens no device, so engine/ imports nothing of ntx_system (the daemon brings the NVMe
 drive up and hands its engine the opened source).
 
-Inside the engine, its folders keep to their sides (engine/devices.py): tiers/ (the planner and
+Inside the engine, its folders keep to their sides (engine/runtime/devices.py): tiers/ (the planner and
 the streams) never imports a backend, and a backend never imports a private name of tiers/. What
-the two sides share is declared in engine/devices.py (the Backend, Ops, Weights and KV
+the two sides share is declared in engine/runtime/devices.py (the Backend, Ops, Weights and KV
 protocols); what a backend needs from the planner (a plan, a storage source) is handed over by
 the engine.
 
@@ -113,7 +113,7 @@ def test_the_rules_catch_each_kind_of_violation(tmp_path):
     (root / "tiers" / "stream.py").write_text("from ..backends.gpu import weights\n")  # line 1: relative
     (root / "tiers" / "other.py").write_text("from ntransformerd.engine import backends\n")  # line 1: the registry
     (root / "backends" / "gpu" / "weights.py").write_text(
-        "from ntransformerd.engine.tiers.pipeline import LayerStream\n"  # public: allowed
+        "from ntransformerd.engine.tiers.layer_stream import LayerStream\n"  # public: allowed
         "from ntransformerd.engine.tiers.planner import VRAM, _int\n"  # line 2: a private name
         "from ntransformerd.engine.tiers import _helpers\n"  # line 3: a private module
         "from ...tiers.sources import _align\n")  # line 4: relative, private

@@ -13,10 +13,11 @@ import tomllib
 import pytest
 
 from ntransformerd import config, dirs, settings
-from ntransformerd.engine import backends, kv_cache
+from ntransformerd.engine import backends
+from ntransformerd.engine.runtime import kv_cache
 from ntransformerd.engine.backends.cuda.settings import ENV_SETTINGS, CudaSettings
-from ntransformerd.engine.engine import EngineConfig
-from ntransformerd.engine.speculative_mode import Mode
+from ntransformerd.engine.runtime.engine import EngineConfig
+from ntransformerd.engine.generation.speculative_mode import Mode
 from ntransformerd.settings import DAEMON, FILE, MODEL, SETTINGS, Choice, Integer, Number, SettingError, Size
 from ntransformerd.tools import ntx_model
 from ntx_system.service import ServiceConfig

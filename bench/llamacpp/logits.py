@@ -1,4 +1,4 @@
-"""llama.cpp's logits of the scored rows, chunk by chunk, as engine/perplexity.py scores them.
+"""llama.cpp's logits of the scored rows, chunk by chunk, as engine/calibration/perplexity.py scores them.
 
     /tmp/llama-venv/bin/python bench/llamacpp/logits.py MODEL.gguf TOKENS.npy CTX OUTDIR [--threads N] [--gpu-layers N]
 

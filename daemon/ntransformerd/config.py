@@ -26,8 +26,8 @@ from ntx_system.config_file import ConfigError
 
 from ntransformerd import settings
 from ntransformerd.engine import backends
-from ntransformerd.engine.engine import EngineConfig
-from ntransformerd.engine.speculative_mode import Mode
+from ntransformerd.engine.runtime.engine import EngineConfig
+from ntransformerd.engine.generation.speculative_mode import Mode
 from ntransformerd.settings import DAEMON, FILE, SettingError, field
 
 DEFAULT_CONFIG_FILE = config_file.DEFAULT_PATH
@@ -60,19 +60,19 @@ class DaemonConfig:
     max_batch: int = field("max_batch")  # sequences decoded together (KV-cache slots)
     max_ctx: int = field("max_ctx")  # positions per sequence (capped by the model)
     kv_dtype: str = field("kv_dtype")  # auto: the backend's own (backends.settle); one it cannot store is refused
-    kv_blocks: int = field("kv_blocks")  # KV pool in blocks (engine/kv_cache.py); 0: the plan's choice
+    kv_blocks: int = field("kv_blocks")  # KV pool in blocks (engine/runtime/kv_cache.py); 0: the plan's choice
     kv_spill: int = field("kv_spill")  # bytes of host RAM for spilled KV blocks (0: off)
     prefill_chunk: int = field("prefill_chunk")  # prompt tokens per step across all prefilling requests
     # Threads of the CPU backend's steps (the cpu backend's team; cpu-ref's BLAS threads), and of
     # the host's share beside a GPU. 0: every CPU the daemon may run on.
     cpu_threads: int = field("cpu_threads")
-    host_compute: str = field("host_compute")  # off | auto: engine/tiers/placement.py, from engine/figures.py's rates
+    host_compute: str = field("host_compute")  # off | auto: engine/tiers/placement.py, from engine/calibration/figures.py's rates
     link_cap: float | None = field("link_cap")  # bytes/s ("6.5GB/s" given) the stream's copies are paced to
     storage: str = field("storage")  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)
     deterministic: bool = field("deterministic")  # a request's output independent of the rows sharing its steps
-    speculative: Mode = field("speculative")  # engine/speculative.py: the mode of requests that do not say
+    speculative: Mode = field("speculative")  # engine/generation/speculative.py: the mode of requests that do not say
     draft: str = field("draft")  # the draft model of speculative "draft"
-    skip_layers: str = field("skip_layers")  # engine/layer_skip.py: resolved against the model's calibration
+    skip_layers: str = field("skip_layers")  # engine/calibration/layer_skip.py: resolved against the model's calibration
     # ---- serving ---------------------------------------------------------------------------------
     max_queue: int = field("max_queue")  # requests waiting for a slot before RESOURCE_EXHAUSTED
     # keep finished sequences' KV in free slots and start prompts from the longest shared prefix

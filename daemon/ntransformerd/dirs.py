@@ -1,7 +1,7 @@
 """Where ntransformer keeps what it computes once: the one place these directories are resolved.
 
     state_dir()   what is measured once per model, plan and machine: the step-cost tables
-                  (speculative.py), the host and link figures (figures/, engine/figures.py) and
+                  (speculative.py), the host and link figures (figures/, engine/calibration/figures.py) and
                   the layer-skip calibrations (layer_skip.py), all of which can be measured again
     cache_dir()   the CPU kernels compiled for this machine (cpu-kernels/, backends/host/native.py)
 

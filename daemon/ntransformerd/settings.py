@@ -51,9 +51,9 @@ from ntx_system import config_file
 from ntx_system.config_file import ConfigError
 
 from ntransformerd import dirs
-from ntransformerd.engine.kv_cache import KV_DTYPES as STORED_KV_DTYPES
-from ntransformerd.engine.layer_skip import parse_skip
-from ntransformerd.engine.speculative_mode import Mode, repeated_layers
+from ntransformerd.engine.runtime.kv_cache import KV_DTYPES as STORED_KV_DTYPES
+from ntransformerd.engine.calibration.layer_skip import parse_skip
+from ntransformerd.engine.generation.speculative_mode import Mode, repeated_layers
 
 
 BINARY = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -502,8 +502,9 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
             "odirect, mmap, or nvme:SERIAL (a drive staged by ntx-admin); the cpu backend computes layers where "
             "they lie: file or mmap", EVERYWHERE),
     Setting("deterministic", Boolean(), False, "a request's output does not depend on which requests share its "
-            "steps: every row's matmuls on one kernel whose sums follow the weight alone (the cuda backend; its "
-            "cost at batch 1 / 16 / 64 is measured in bench/RESULTS.md)", EVERYWHERE, env="NTX_DETERMINISTIC"),
+            "steps: every row's matmuls on one kernel whose sums follow the weight alone, and beside a GPU no "
+            "streamed layer on the host (host_compute auto set aside) (the cuda backend; its cost at batch "
+            "1 / 16 / 64 is measured in bench/RESULTS.md)", EVERYWHERE, env="NTX_DETERMINISTIC"),
     Setting("max_vram_layers", Integer(0, 1 << 20, "layers"), None, "keep at most N layers resident on the device",
             TOOL, shown="no limit"),
     Setting("stream_depth", Integer(1, 16, "slots"), 2, "device slots in the layer stream", TOOL),

@@ -10,10 +10,10 @@ import re
 import numpy as np
 import pytest
 
-from ntransformerd.engine import constraints, speculative
-from ntransformerd.engine.constraints import InvalidConstraint
-from ntransformerd.engine.engine import Engine, EngineConfig, generate
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.generation import constraints, speculative
+from ntransformerd.engine.generation.constraints import InvalidConstraint
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, generate
+from ntransformerd.engine.generation.sampler import SamplingParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 20},

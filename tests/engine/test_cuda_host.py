@@ -4,7 +4,7 @@ import pytest
 
 from ntransformerd.engine.backends import cuda
 from ntransformerd.engine.gguf_file import LlamaConfig
-from ntransformerd.engine.model import Batch, Segment
+from ntransformerd.engine.runtime.model import Batch, Segment
 
 
 @pytest.mark.parametrize("lens", ([(0, 83)], [(0, 16), (37, 40), (5, 1)], [(700, 33), (0, 7)], [(9, 1)] * 5))

@@ -10,9 +10,10 @@ import types
 
 import pytest
 
-from ntransformerd.engine import backends, devices
+from ntransformerd.engine import backends
+from ntransformerd.engine.runtime import devices
 from ntransformerd.engine.backends import cuda
-from ntransformerd.engine.kv_cache import KVLayer
+from ntransformerd.engine.runtime.kv_cache import KVLayer
 from ntransformerd.settings import SettingError
 
 graphs = importlib.import_module("ntransformerd.engine.backends.cuda.graphs")  # the package's `graphs` is a function

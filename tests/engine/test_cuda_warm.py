@@ -2,7 +2,7 @@
 from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.cuda import warm
-from ntransformerd.engine.backends.cuda.launch import kernel_names
+from ntransformerd.engine.backends.cuda.warm import kernel_names
 
 
 def test_a_model_compiles_its_own_types_and_every_untyped_kernel():

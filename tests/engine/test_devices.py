@@ -1,4 +1,4 @@
-"""The declared device interfaces (engine/devices.py) against each backend, and the registry
+"""The declared device interfaces (engine/runtime/devices.py) against each backend, and the registry
 that resolves backend names (engine/backends/__init__.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import logging
 import numpy as np
 import pytest
 
-from ntransformerd.engine import backends, devices
+from ntransformerd.engine import backends
+from ntransformerd.engine.runtime import devices
 from ntransformerd.engine.backends import cpu, cuda
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import HOST, PINNED, SKIP, STORAGE, VRAM, Plan

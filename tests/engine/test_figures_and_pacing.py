@@ -1,4 +1,4 @@
-"""The figures a hybrid plan is placed from (engine/figures.py) and the emulated slower link
+"""The figures a hybrid plan is placed from (engine/calibration/figures.py) and the emulated slower link
 (LayerStream's link_cap): host rates from the real host backend on a synthetic model, their
 cache, and copies paced to the cap on the CPU's stream."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine import backends
-from ntransformerd.engine.tiers import pipeline
-from ntransformerd.engine.tiers.pipeline import Device, LayerStream, parse_rate
+from ntransformerd.engine.tiers import layer_stream as pipeline
+from ntransformerd.engine.tiers.layer_stream import Device, LayerStream, parse_rate
 from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
 from ntransformerd.engine.tiers.planner import Plan
 
@@ -64,13 +64,13 @@ def test_parse_rate(text, bps):
 
 @pytest.mark.parametrize("bad", ["fast", "0GB/s", "-3GB/s", True])
 def test_a_bad_link_cap_says_what_it_takes(bad):
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     with pytest.raises(ValueError, match="link_cap = .*: .*rate.* such as \"6.5GB/s\""):
         EngineConfig(link_cap=bad).validate()
 
 
 def test_the_engine_paces_its_streamed_layers(synth_model, clock):
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q8_0"))
     config = EngineConfig(backend="cpu-ref", max_ctx=32, max_batch=1, max_vram_layers=0, link_cap="5MB/s")
@@ -95,7 +95,7 @@ def _host_available() -> bool:
 
 @pytest.mark.skipif(not _host_available(), reason="the host kernels (backends/host) are not built")
 def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
-    from ntransformerd.engine import figures as fig
+    from ntransformerd.engine.calibration import figures as fig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
     rates = fig.host_rates(model, layers=[1, 2], threads=1, rows=(1, 4), repeats=2)
@@ -137,7 +137,7 @@ def test_the_hybrid_host_device_uses_cpu_threads(synth_model):
     """A host device beside the main one records its steps with EngineConfig.cpu_threads."""
     if not _host_available():
         pytest.skip("the host kernels (backends/host) are not built")
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
     config = EngineConfig(backend="cpu", max_ctx=32, max_batch=2, max_vram_layers=1, host_compute="auto",
@@ -162,7 +162,7 @@ def test_daemon_keys_name_themselves(tmp_path, key, value, words):
 
 def test_daemon_keys_reach_the_engine_config(tmp_path):
     from ntransformerd import config
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     c = config.load(["--host-compute", "auto", "--link-cap", "6.5GB/s", "--socket", str(tmp_path / "s.sock")])
     assert (c.host_compute, c.link_cap) == ("auto", 6.5e9)  # bytes per second, parsed once
     assert EngineConfig(host_compute=c.host_compute, link_cap=c.link_cap).link_cap == 6.5e9
@@ -183,7 +183,7 @@ def test_a_step_wholly_on_a_recorded_main_device(synth_model):
     device (2 rows here) runs as the main device's recorded pass, with the one-device result."""
     if not _host_available():
         pytest.skip("the host kernels (backends/host) are not built")
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     model = GGUFModel(synth_model("small", "q4_k_m"))
     hybrid = Engine(model, config=EngineConfig(backend="cpu", max_ctx=32, max_batch=2, max_vram_layers=1,

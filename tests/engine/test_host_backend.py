@@ -20,8 +20,8 @@ from ntransformerd.engine.backends import cpu as ref
 from ntransformerd.engine.backends import host
 from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.model import Batch, Segment, forward
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.model import Batch, Segment, forward
+from ntransformerd.engine.generation.sampler import TopLogits
 from ntransformerd.tools.synth import Shape, synthesize
 
 pytestmark = pytest.mark.skipif(not host.available(), reason="no C compiler for the CPU kernels")
@@ -192,7 +192,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 
 @pytest.fixture(scope="module")
 def fast_engine(default_model):
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     return Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=1024))
 
 
@@ -205,7 +205,7 @@ def test_perplexity_within_a_percent_of_the_exact_run(fast_engine):
     import json
     import math
 
-    from ntransformerd.engine.perplexity import perplexity
+    from ntransformerd.engine.calibration.perplexity import perplexity
     with open(os.path.join(GOLDEN, "perplexity_smollm2.json")) as f:
         g = json.load(f)
     if not os.path.exists(g["text"]):
@@ -262,7 +262,7 @@ def test_the_host_as_two_devices_gives_one_devices_bits(small_model):
     """The host-as-device path: layer 0 on one host device, layer 1 and the head on another,
     each running its pieces as recorded steps, the activation handed over (and the old buffer
     poisoned) between them; every step's logits are the one-device engine's bits."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.engine.tiers.multi import MultiPlan
     from ntransformerd.engine.tiers.planner import VRAM, Plan
 

@@ -1,4 +1,4 @@
-"""The paged KV cache (engine/kv_cache.py) and the host kernels that read it (kernels/cpu/attention.c):
+"""The paged KV cache (engine/runtime/kv_cache.py) and the host kernels that read it (kernels/cpu/attention.c):
 blocks from one pool, block tables, quantized rows (q8_0, q4_0), and greedy ids on the real model
 against the contiguous slots × max_ctx cache this one replaced (tests/golden/make_kv_golden.py)."""
 
@@ -16,10 +16,10 @@ from gguf import quants as gguf_quants
 from ntransformerd.engine.backends import cpu as ref
 from ntransformerd.engine.backends import host
 from ntransformerd.engine.backends.host import native
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
-from ntransformerd.engine.kv_cache import BLOCK_SIZE, KV_TYPES, BlockTable, KVCache, KVPoolFull, bytes_per_token
-from ntransformerd.engine.model import Batch, Segment, forward
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE, KV_TYPES, BlockTable, KVCache, KVPoolFull, bytes_per_token
+from ntransformerd.engine.runtime.model import Batch, Segment, forward
 from ntransformerd.tools.synth import Shape, synthesize
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
@@ -428,7 +428,7 @@ def test_q8_0_perplexity_close_to_f16(default_model):
     difference is the cache's alone; the fast backend's 8-bit activations add noise of about half
     a percent per 512-token chunk): q8_0 keys and values cost less than 0.3% of f16's perplexity.
     bench/kv_quality.py measures ctx 8192 and q4_0 on the fast backend."""
-    from ntransformerd.engine.perplexity import perplexity, text_tokens
+    from ntransformerd.engine.calibration.perplexity import perplexity, text_tokens
 
     if not os.path.isdir(LICENSES):
         pytest.skip(f"{LICENSES} is missing")

@@ -10,8 +10,9 @@ import types
 
 import pytest
 
-from ntransformerd.engine import kv_cache, tiers
-from ntransformerd.engine.engine import EngineConfig
+from ntransformerd.engine import tiers
+from ntransformerd.engine.runtime import kv_cache
+from ntransformerd.engine.runtime.engine import EngineConfig
 from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.quants import QUANT_BLOCKS
 from ntransformerd.engine.tiers.planner import VRAM, PlanError

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.kv_cache import BLOCK_SIZE
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE
 
 
 def greedy(engine: Engine, slot: int, prompt: list[int], n: int) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine.backends import cpu
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
@@ -142,7 +142,7 @@ def test_f16_kv_cache_close_to_f32(default_model):
 
 
 def test_context_full_is_an_error(default_model):
-    from ntransformerd.engine.engine import ContextFull
+    from ntransformerd.engine.runtime.engine import ContextFull
     e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=8))
     s = e.open()
     e.prefill(s, [1, 2, 3, 4, 5, 6])

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from ntransformerd.engine.perplexity import (Base, KLMeter, Recorder, chunk_nll, kl_divergence, kl_rows, perplexity,
+from ntransformerd.engine.calibration.perplexity import (Base, KLMeter, Recorder, chunk_nll, kl_divergence, kl_rows, perplexity,
                                            text_tokens, top_tokens)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "perplexity_smollm2.json")
@@ -57,7 +57,7 @@ def test_chunk_nll_is_the_log_softmax_of_the_target():
 
 
 def test_chunking_scores_the_second_half_of_each_chunk(synth_model):
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 
     e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu", max_batch=1, max_ctx=64, prefill_chunk=24))
     tokens = list(np.random.default_rng(1).integers(0, e.cfg.vocab_size, 3 * 32 + 5))
@@ -114,7 +114,7 @@ def test_top_tokens_ranks_ties_by_id_like_argmax():
 
 @pytest.fixture(scope="module")
 def kl_engines(synth_model):
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 
     path = synth_model("tiny", "q8_0")
     cfg = dict(max_batch=1, max_ctx=64, prefill_chunk=24)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ntransformerd.engine.sampler import (
+from ntransformerd.engine.generation.sampler import (
     FAULT_INF, FAULT_NAN, InvalidLogits, NoAllowedToken, SampleRows, SamplingParams, Sampler, StopMatcher, TopLogits,
     apply_penalties, candidates, prompt_logprobs, sample_rows, token_logprobs,
 )

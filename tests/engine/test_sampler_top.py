@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntransformerd.engine.sampler import TOP_MAX, InvalidLogits, SamplingParams, Sampler, TopLogits, top_sorted
+from ntransformerd.engine.generation.sampler import TOP_MAX, InvalidLogits, SamplingParams, Sampler, TopLogits, top_sorted
 
 V = 2000
 

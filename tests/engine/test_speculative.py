@@ -12,10 +12,10 @@ import types
 import numpy as np
 import pytest
 
-from ntransformerd.engine import speculative as sp
-from ntransformerd.engine.decode import Sequence
-from ntransformerd.engine.engine import Engine, EngineConfig, generate
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.generation import speculative as sp
+from ntransformerd.engine.generation.decode import Sequence
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, generate
+from ntransformerd.engine.generation.sampler import SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 # A PCIe-bound stream's shape (a 16-token step costs little more than one), fixed so draft lengths

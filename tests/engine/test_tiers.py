@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import model_plan, planner
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan, PlanError, plan_tiers

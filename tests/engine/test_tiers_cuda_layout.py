@@ -200,7 +200,7 @@ def test_a_skipped_layer_is_not_loaded(fake, synth_model):
 def test_plan_on_fake_gpu(fake, synth_model, monkeypatch):
     from ntransformerd.engine import tiers
     from ntransformerd.engine.backends import cuda
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     monkeypatch.setattr(cuda, "vram_free", lambda: 80 << 30)
     model = GGUFModel(synth_model("small", "q4_k_m"))
     p = tiers.cuda_plan(cuda, model, EngineConfig(backend="cuda", max_vram_layers=1, max_ctx=64))

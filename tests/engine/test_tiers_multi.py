@@ -188,7 +188,7 @@ def test_cli_plan_devices(synth_model, capsys):
 def test_engine_loads_several_devices(synth_model):
     """Several devices are one engine: on a host backend, simulated devices with a share each
     (tests/engine/test_tiers_multi_pipeline.py runs them); a repeated device is refused."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     with pytest.raises(ValueError, match="distinct"):
         EngineConfig(devices="0,0").validate()
     e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu-ref", devices="0,1", max_ctx=64))

@@ -1,4 +1,4 @@
-"""The one way an engine runs (tiers/runs.py): model.forward over the plan's runs, on simulated
+"""The one way an engine runs (tiers/step_pipeline.py): model.forward over the plan's runs, on simulated
 CPU devices: layers [0, b) on device 0, [b, c) on device 1, ..., the activation handed over
 between them with the old buffer poisoned; bit-identical to the one-device run."""
 
@@ -9,15 +9,15 @@ import inspect
 import numpy as np
 import pytest
 
-from ntransformerd.engine import engine as engine_module
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime import engine as engine_module
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine import tiers
-from ntransformerd.engine.tiers import runs
+from ntransformerd.engine.tiers import step_pipeline as runs
 from ntransformerd.engine.tiers.multi import MultiPlan, plan_devices
 from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.engine.tiers.planner import HOST, PINNED, SKIP, STORAGE, VRAM, Plan
-from ntransformerd.engine.tiers.runs import DeviceKV, Run, layout_of, runs_of
+from ntransformerd.engine.tiers.step_pipeline import DeviceKV, Run, layout_of, runs_of
 
 
 def _run(engine, prompt=(1, 2, 3, 4, 5, 6, 7), steps=3):

@@ -1,4 +1,4 @@
-"""The slot ring (tiers/pipeline.py) on its own: layers are byte patterns, the device is host
+"""The slot ring (tiers/layer_stream.py) on its own: layers are byte patterns, the device is host
 memory, and a logging device stands in for CUDA events, so passes over any layer list and the
 ordering of their copies are checked on the CPU."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntransformerd.engine.tiers.pipeline import Device, LayerStream
+from ntransformerd.engine.tiers.layer_stream import Device, LayerStream
 
 NBYTES = 64
 

@@ -148,7 +148,7 @@ def test_figures_refuse_nonsense(bad):
 
 def test_the_config_asks_for_host_compute(synth_model):
     from ntransformerd.engine import tiers
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     with pytest.raises(ValueError, match="host_compute = 'on': use off or auto"):
         EngineConfig(host_compute="on").validate()

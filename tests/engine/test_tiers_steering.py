@@ -1,4 +1,4 @@
-"""The placement follows the steps (placement.Steering inside tiers/runs.py's Pipeline), on two CPU
+"""The placement follows the steps (placement.Steering inside tiers/step_pipeline.py's Pipeline), on two CPU
 "devices": the main one streams three layers over a link capped at 0.2 GB/s, the host beside it
 computes what the placement gives it. The host is slowed mid-run (each layer 30 ms more, three
 times the link's time, as on a host whose memory a neighbour saturates), then recovers; the
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from ntransformerd.engine import figures as figures_module
+from ntransformerd.engine.calibration import figures as figures_module
 from ntransformerd.engine import tiers
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.placement import Figures, Steering
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ntransformerd.engine.tokenizer import Detokenizer, Tokenizer, TokenizerError
+from ntransformerd.engine.generation.tokenizer import Detokenizer, Tokenizer, TokenizerError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 

@@ -32,7 +32,7 @@ SMALL_CTX = 40  # the engine whose context ends mid-generation
 
 def cases():
     """(name, SamplingParams) of every case."""
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.generation.sampler import SamplingParams
 
     return [
         ("greedy", SamplingParams.greedy(max_tokens=N, ignore_eos=True)),
@@ -53,13 +53,13 @@ def prompts(engine) -> dict[str, list[int]]:
 
 def flat_costs():
     """A PCIe-bound stream's cost shape, fixed so that draft lengths do not depend on timing."""
-    from ntransformerd.engine import speculative as sp
+    from ntransformerd.engine.generation import speculative as sp
     return sp.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
 
 
 def engines():
     """(the engine every case runs on, one whose context ends at SMALL_CTX positions)."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     big = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=8, max_ctx=1024, prefill_chunk=128))
     small = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=SMALL_CTX, prefill_chunk=16))
     return big, small
@@ -71,8 +71,8 @@ def result(ids, texts, finish) -> dict:
 
 def solo(engine, ids, params, mode: str | None) -> dict:
     """engine.generate, or speculative.generate with `mode`'s draft."""
-    from ntransformerd.engine import speculative as sp
-    from ntransformerd.engine.engine import generate
+    from ntransformerd.engine.generation import speculative as sp
+    from ntransformerd.engine.runtime.engine import generate
 
     if mode is None:
         events = list(generate(engine, ids, params))
@@ -90,7 +90,7 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
     """Every request of `work` queued at once on the daemon's scheduler (in this process, one
     iteration at a time), `rounds` times over (a second round meets the prefix cache)."""
     from ntransformerd.config import DaemonConfig
-    from ntransformerd.engine.speculative import Mode
+    from ntransformerd.engine.generation.speculative import Mode
     from ntransformerd.server.scheduler import Scheduler
     from ntransformerd.server.systemd import Notifier
     from ntx_proto.states import RequestState
@@ -132,7 +132,7 @@ def outputs(big, small) -> dict:
                          rounds=2 if prefix_cache else 1)
             path = f"scheduler/prefix_cache={'on' if prefix_cache else 'off'}/speculation={'on' if speculate else 'off'}"
             got[path] = {f"{n}#{k // len(work)}": r for k, (n, r) in enumerate(zip(names * 2, res))}
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.generation.sampler import SamplingParams
     full = SamplingParams.greedy(max_tokens=SMALL_CTX, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=SMALL_CTX, ignore_eos=True)
     ids = ps["numbers"]

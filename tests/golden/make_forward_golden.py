@@ -85,7 +85,7 @@ def run_llama(path: str, prompt_ids: list[int], n: int) -> tuple[np.ndarray, lis
 def main() -> int:
     import llama_cpp
 
-    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.engine.runtime.engine import default_model_path
     from ntransformerd.tools.quantize import quantize_file
 
     src = default_model_path()

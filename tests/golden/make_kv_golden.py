@@ -22,8 +22,8 @@ import sys
 
 import numpy as np
 
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
-from ntransformerd.engine.perplexity import licenses_text
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.calibration.perplexity import licenses_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "kv_layout_smollm2.json")

@@ -73,7 +73,7 @@ def main() -> int:
     if not args.ref_python:
         ap.error("--ref-python is required")
 
-    from ntransformerd.engine.engine import default_model_path
+    from ntransformerd.engine.runtime.engine import default_model_path
     from ntransformerd.tools.quantize import quantize_file
 
     src = default_model_path()

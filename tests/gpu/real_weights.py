@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from ntransformerd.engine.engine import Engine, default_model_path
+from ntransformerd.engine.runtime.engine import Engine, default_model_path
 
 CARRIED = (os.environ.get("NTX_REAL_SLICE"),
            os.path.join(os.path.dirname(__file__), "..", "..", ".gpu-data", "smollm2-4l.gguf"))

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 

@@ -1,8 +1,9 @@
-"""The same answer whatever else runs, on the GPU, through the daemon (issue 35's acceptance): the
-six reference prompts and the code edit, 64 greedy tokens each, give the ids they give alone
-when the seven run at once (mixed lengths), with every draft source, from the prefix cache, and
-after their KV was spilled to host RAM and restored; a sampled request (fixed seed) gives what it
-gives alone. "Alone" is the same daemon serving one request at a time without speculation.
+"""The same answer whatever else runs, on the GPU, through the daemon with `--deterministic` (issue
+35's acceptance): the six reference prompts and the code edit, 64 greedy tokens each, give the ids
+they give alone when the seven run at once (mixed lengths), with every draft source, from the
+prefix cache, and after their KV was spilled to host RAM and restored; a sampled request (fixed
+seed) gives what it gives alone. "Alone" is the same daemon serving one request at a time without
+speculation.
 
 The model: NTX_FULL_MODEL (bench/session_round.sh's PHASE=checks puts the default model there),
 else the default model where installed, else the carried 4-layer real-weights slice (fewer
@@ -41,7 +42,7 @@ def _model() -> str:
     if full and os.path.exists(full):
         return full
     try:
-        from ntransformerd.engine.engine import default_model_path
+        from ntransformerd.engine.runtime.engine import default_model_path
         return default_model_path()
     except FileNotFoundError:
         pass
@@ -71,7 +72,7 @@ def _skip_layers(mode: str, n_layers: int) -> str:
 def gpu_daemon():
     model = _model()
     d = DaemonProcess("--backend", "cuda", "--model", model, "--max-ctx", "2048", "--max-batch", "8",
-                      "--prefill-chunk", "256", "--kv-spill", "256MiB")
+                      "--prefill-chunk", "256", "--kv-spill", "256MiB", "--deterministic")
     try:
         yield d.wait_ready(timeout=300)
     finally:
@@ -127,7 +128,7 @@ def test_after_a_spill_and_sampled_alone_equals_among_others(gpu_daemon):
     """A pool of few blocks makes finished prompts spill to host RAM; their repeats restore."""
     model = _model()
     d = DaemonProcess("--backend", "cuda", "--model", model, "--max-ctx", "2048", "--max-batch", "8",
-                      "--prefill-chunk", "256", "--kv-blocks", "40", "--kv-spill", "256MiB")
+                      "--prefill-chunk", "256", "--kv-blocks", "40", "--kv-spill", "256MiB", "--deterministic")
     try:
         sock = d.wait_ready(timeout=300).socket
         prompts = _prompts()

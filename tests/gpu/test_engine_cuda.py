@@ -8,7 +8,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_top_rows_kernel_matches_host(v, n):
     the n-th resolved to the lowest ids (rows 1-5, coarse values; row 0 has none), NaNs counted and
     never chosen; output poisoned first."""
     from ntransformerd.engine.backends import cuda
-    from ntransformerd.engine.sampler import TopLogits
+    from ntransformerd.engine.generation.sampler import TopLogits
     n = min(n, v)
     rng = np.random.default_rng()
     x = np.round(rng.standard_normal((6, v)) * 2, 1).astype(np.float32)  # coarse: ties at the n-th
@@ -73,8 +73,8 @@ def test_top_rows_kernel_matches_host(v, n):
 def test_generate_samples_on_device_as_on_host(tmp_path, params):
     """engine.generate asks a decode step for the sampler's most likely ids alone (picked on the
     GPU by top_rows); with the same seed it must produce what sampling from whole rows does."""
-    from ntransformerd.engine import engine as eng
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.runtime import engine as eng
+    from ntransformerd.engine.generation.sampler import SamplingParams
     path = str(tmp_path / "small-q8_0.gguf")
     synthesize(path, shape="small", ftype="q8_0", seed=5)
     e = Engine(GGUFModel(path), config=EngineConfig(backend="cuda", max_batch=1, max_ctx=256))

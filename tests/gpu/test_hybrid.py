@@ -1,4 +1,4 @@
-"""A GPU and the host in one step (tiers/runs.py): the host computes some streamed layers at
+"""A GPU and the host in one step (tiers/step_pipeline.py): the host computes some streamed layers at
 small step shapes, the GPU replays its resident stretches as captured pieces and the steps it
 runs alone as whole captured steps, and each layer's KV positions follow it between the devices.
 Against an all-resident GPU engine fed the same tokens (random weights: the logits are compared,
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine import tiers
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.engine.tiers.planner import PINNED, VRAM
-from ntransformerd.engine.tiers.runs import DeviceKV
+from ntransformerd.engine.tiers.step_pipeline import DeviceKV
 
 CONFIG = dict(backend="cuda", max_batch=4, max_ctx=128, prefill_chunk=40, kv_dtype="f16")
 

@@ -13,12 +13,12 @@ cp = pytest.importorskip("cupy")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants as gguf_quants  # noqa: E402
 
-from ntransformerd.engine import model as llama  # noqa: E402
+from ntransformerd.engine.runtime import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cuda  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig  # noqa: E402
-from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
-from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.runtime.kv_cache import KVCache  # noqa: E402
+from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 from .real_weights import greedy, real_slice, teacher_forced  # noqa: E402,F401 (real_slice: a fixture)

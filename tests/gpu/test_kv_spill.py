@@ -8,9 +8,9 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.kv_cache import BLOCK_SIZE  # noqa: E402
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE  # noqa: E402
 
 from .real_weights import real_slice  # noqa: E402,F401 (a fixture)
 

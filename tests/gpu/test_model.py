@@ -5,11 +5,11 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from ntransformerd.engine import model as llama  # noqa: E402
+from ntransformerd.engine.runtime import model as llama  # noqa: E402
 from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
-from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
-from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.runtime.kv_cache import KVCache  # noqa: E402
+from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
 TYPES = ("q8_0", "q4_k_m", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",

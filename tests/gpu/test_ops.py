@@ -7,8 +7,8 @@ cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
 from ntransformerd.engine.gguf_file import LlamaConfig  # noqa: E402
-from ntransformerd.engine.kv_cache import KVCache  # noqa: E402
-from ntransformerd.engine.model import Batch, Segment  # noqa: E402
+from ntransformerd.engine.runtime.kv_cache import KVCache  # noqa: E402
+from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
 
 SIZES = (7, 83, 769, 5125, 576, 1536, 4096, 14336)
 

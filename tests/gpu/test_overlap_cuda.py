@@ -6,8 +6,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from ntransformerd.config import DaemonConfig  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
-from ntransformerd.engine.sampler import SamplingParams  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.generation.sampler import SamplingParams  # noqa: E402
 from ntransformerd.server.scheduler import Scheduler  # noqa: E402
 from ntransformerd.server.systemd import Notifier  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402

@@ -8,8 +8,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from ntransformerd.engine.backends.cuda import sampling  # noqa: E402
-from ntransformerd.engine.engine import Engine, EngineConfig  # noqa: E402
-from ntransformerd.engine.sampler import (FAULT_INF, FAULT_NAN, FAULT_NO_FINITE, SampleRows, Sampler,  # noqa: E402
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
+from ntransformerd.engine.generation.sampler import (FAULT_INF, FAULT_NAN, FAULT_NO_FINITE, SampleRows, Sampler,  # noqa: E402
                                           SamplingParams, sample_rows)
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan
 

@@ -281,7 +281,7 @@ def _marks(console: str, kind: str) -> dict[str, str]:
 def _vm_budgets(model: str, max_ctx: int) -> tuple[int, int, int]:
     """(vram, pinned, storage layers): no layer resident, one pinned, the rest on the drive."""
     from ntransformerd.engine import tiers
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     m = GGUFModel(model)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)
@@ -307,7 +307,7 @@ def guest() -> Iterator[dict]:
         os.chmod(model_dir, 0o755)
         os.chmod(work, 0o755)
         if os.environ.get("NTX_VM_DEFAULT_MODEL") == "1":
-            from ntransformerd.engine.engine import default_model_path
+            from ntransformerd.engine.runtime.engine import default_model_path
             model, timeout_s = default_model_path(), 3000
         else:
             model, timeout_s = os.path.join(model_dir, "eight.gguf"), 1500

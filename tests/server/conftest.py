@@ -91,7 +91,7 @@ def daemon():
 @pytest.fixture(scope="session")
 def engine():
     """The same model in this process, for solo reference runs."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     return Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=1024, prefill_chunk=128))
 
 
@@ -109,7 +109,7 @@ def solo():
 
 def solo_ids(engine, prompt_ids, max_tokens: int, **kw) -> list[int]:
     """What engine.generate gives alone, greedy."""
-    from ntransformerd.engine.engine import generate
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.runtime.engine import generate
+    from ntransformerd.engine.generation.sampler import SamplingParams
     params = SamplingParams.greedy(max_tokens=max_tokens, **kw)
     return [ev.token for ev in generate(engine, prompt_ids, params)]

@@ -13,9 +13,9 @@ import pytest
 
 from ntransformerd import config, dirs, settings
 from ntransformerd.engine import backends, tiers
-from ntransformerd.engine.engine import EngineConfig, resolved
+from ntransformerd.engine.runtime.engine import EngineConfig, resolved
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.generation.speculative import Mode
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.tools import ntx_model
 from ntx_system.service import Refused, ServiceConfig
@@ -391,8 +391,8 @@ def test_the_daemon_serves_a_quantized_paged_kv_cache_as_configured(new_daemon):
     """kv_dtype q8_0 and a kv_blocks pool from the daemon's flags reach the engine: its greedy
     ids equal an in-process engine of the same settings, and a pool too small for a request is
     an error naming kv_blocks, the daemon serving on."""
-    from ntransformerd.engine.engine import Engine, EngineConfig, generate
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig, generate
+    from ntransformerd.engine.generation.sampler import SamplingParams
     from ntx_client import Client, NtxError
     d = new_daemon("--kv-dtype", "q8_0", "--kv-blocks", "8", "--max-batch", "2", "--max-ctx", "512").wait_ready()
     try:

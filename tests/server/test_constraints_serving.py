@@ -15,7 +15,7 @@ import sys
 import grpc
 import pytest
 
-from ntransformerd.engine import chat, constraints
+from ntransformerd.engine.generation import chat, constraints
 from ntx_client import Client, NtxError
 from ntx_client import client as client_lib
 from ntx_client.errors import RequestTooLarge

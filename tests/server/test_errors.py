@@ -172,7 +172,7 @@ def test_fuzzed_requests_leave_the_daemon_serving(channel, daemon):
 
 def test_model_info_reports_the_engine_tier_plan(default_model):
     """With a layer cap the CPU engine streams; GetModel/Status show the planner's tiers."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     from ntransformerd.server.servicer import model_info
 
     e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=1, max_ctx=64, max_vram_layers=10))

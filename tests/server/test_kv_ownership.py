@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine import constraints
-from ntransformerd.engine import speculative as sp
-from ntransformerd.engine.decode import generate
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.sampler import SamplingParams
+from ntransformerd.engine.generation import constraints
+from ntransformerd.engine.generation import speculative as sp
+from ntransformerd.engine.generation.decode import generate
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.generation.sampler import SamplingParams
 from ntransformerd.server.callers import Caller
 from ntransformerd.server.errors import InvalidRequest, ServiceError
 from ntransformerd.server.scheduler import Scheduler

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import types
 
-from ntransformerd.engine import kv_cache, tiers
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine import tiers
+from ntransformerd.engine.runtime import kv_cache
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.server.servicer import kv_status
 from ntx_client import cli

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from ntx_client import Client, NtxError
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.perplexity import perplexity
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.calibration.perplexity import perplexity
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "golden", "forward_smollm2.json")
 TOL = 1e-4

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from ntransformerd.engine import tiers
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers.placement import Figures
 from ntransformerd.server.servicer import placements

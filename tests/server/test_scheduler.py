@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine import decode
-from ntransformerd.engine.decode import generate
-from ntransformerd.engine.engine import Engine, EngineConfig, Launch, Ran
-from ntransformerd.engine.sampler import SamplingParams, TopLogits, sample_rows
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.generation.decode import generate
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, Launch, Ran
+from ntransformerd.engine.generation.sampler import SamplingParams, TopLogits, sample_rows
+from ntransformerd.engine.generation.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.scheduler import Output, Request, Scheduler
 from ntransformerd.server.systemd import Notifier
@@ -95,7 +95,7 @@ class FakeEngine:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model):
-    from ntransformerd.engine.tokenizer import Tokenizer
+    from ntransformerd.engine.generation.tokenizer import Tokenizer
     return Tokenizer.from_metadata(default_model.metadata)
 
 
@@ -351,7 +351,7 @@ def test_watchdog_is_pinged_only_while_iterations_get_through(tokenizer):
 
 
 def test_the_speculation_cost_table_is_measured_when_first_needed(tokenizer, monkeypatch):
-    from ntransformerd.engine import speculative
+    from ntransformerd.engine.generation import speculative
     calls = []
 
     def step_costs(engine, draft_engine=None):

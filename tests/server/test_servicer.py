@@ -68,7 +68,7 @@ def test_the_model_has_a_slug_id_and_answers_to_its_file_names(daemon):
 
 def test_model_info_says_whether_the_engine_is_deterministic(synth_model):
     """EngineConfig.deterministic → EngineReport → ModelInfo.deterministic (the daemon's Status)."""
-    from ntransformerd.engine.engine import Engine, EngineConfig
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig
     for on in (False, True):
         e = Engine.load(synth_model("tiny", "q8_0"), config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=64,
                                                                          deterministic=on))

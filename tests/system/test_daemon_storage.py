@@ -74,7 +74,7 @@ def drive(tmp_path_factory):
 def _budgets(model_path):
     """vram/pinned budgets that leave no layer resident, one pinned and the rest on storage."""
     from ntransformerd.engine import tiers
-    from ntransformerd.engine.engine import EngineConfig
+    from ntransformerd.engine.runtime.engine import EngineConfig
     from ntransformerd.engine.gguf_file import GGUFModel
     m = GGUFModel(model_path)
     layer = max(m.layer_bytes(i) for i in range(m.config.n_layers)) + (1 << 16)

@@ -86,8 +86,8 @@ def test_run_seed_is_repeatable(capsys):
 def test_run_goes_through_the_daemons_loop(default_model, capsys, monkeypatch, sampled):
     """`ntx-model run` generates through the scheduler's loop (as a daemon serving one client),
     and gives what the engine's one-sequence loop gives: greedy, and sampled with a seed."""
-    from ntransformerd.engine.engine import Engine, EngineConfig, generate
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.runtime.engine import Engine, EngineConfig, generate
+    from ntransformerd.engine.generation.sampler import SamplingParams
     from ntransformerd.server.scheduler import Scheduler
     iterations = []
     real = Scheduler.iterate
@@ -262,7 +262,7 @@ def test_plan_without_prompt(capsys):
 
 
 def test_one_default_temperature_and_chat_penalty():
-    from ntransformerd.engine.sampler import SamplingParams
+    from ntransformerd.engine.generation.sampler import SamplingParams
     from ntransformerd.tools.ntx_model import _sampling, build_parser
     from ntx_client import cli
     from ntx_client.client import CHAT_REPETITION_PENALTY, DEFAULT_TEMPERATURE

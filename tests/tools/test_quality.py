@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from ntransformerd.engine import layer_skip
+from ntransformerd.engine.calibration import layer_skip
 from ntransformerd.tools.ntx_model import main
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "

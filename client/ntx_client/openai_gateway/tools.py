@@ -4,7 +4,7 @@ and the model's output read back as tool calls.
 The tools, the assistant's earlier calls and the tools' results go to the daemon as they are
 (proto Chat), and the model's chat template shows them to the model: a template that reads
 `tools` in its own way, any other in the generic format (README "The OpenAI API", the daemon's
-engine/chat.py: SmolLM2's own). Whichever it is, the model's calls are read in one shape, the
+engine/generation/chat.py: SmolLM2's own). Whichever it is, the model's calls are read in one shape, the
 generic format's, which the constraint forces:
 
     <tool_call>[{"name": "<function name>", "arguments": {<its arguments>}}, ...]</tool_call>
@@ -35,7 +35,7 @@ from ntx_client.openai_gateway.errors import APIError, bad_request, shown
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_CALLS = 8  # calls in one reply with parallel_tool_calls: a small model may repeat a call until max_tokens
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the daemon's generic format (engine/chat.py)
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the daemon's generic format (engine/generation/chat.py)
 MAX_DIGITS = 16  # digits in a row in a forced call's JSON (the daemon's bound for a json_schema, proto Constraint)
 # The model's own format breaks the list of calls over lines ("<tool_call>[\n{...}\n]</tool_call>"),
 # which the daemon's one-line JSON would refuse: a call's JSON takes llama.cpp's bound on

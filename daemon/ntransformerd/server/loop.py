@@ -16,9 +16,9 @@ import logging
 import threading
 import time
 
-from ntransformerd.engine import speculative
-from ntransformerd.engine.decode import DraftFault, Row
-from ntransformerd.engine.sampler import InvalidLogits, RequestCannotGoOn
+from ntransformerd.engine.generation import speculative
+from ntransformerd.engine.generation.decode import DraftFault, Row
+from ntransformerd.engine.generation.sampler import InvalidLogits, RequestCannotGoOn
 from ntransformerd.server import policy
 from ntransformerd.server.errors import (DeadlineExceeded, EngineFailed, InvalidRequest, ModelFault, ServiceError,
                                          ShuttingDown)

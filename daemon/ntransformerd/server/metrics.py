@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 
-from ntransformerd.engine.speculative import StepCosts
+from ntransformerd.engine.generation.speculative import StepCosts
 from ntx_proto.states import RequestState
 
 RATE_WINDOW_S = 5.0  # tokens/s and steps/s in Status are over the steps of the last seconds

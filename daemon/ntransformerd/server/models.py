@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 
 from ntransformerd.config import SPELLING, ConfigError
-from ntransformerd.engine import layer_skip, speculative
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, plan_for, resolved
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.generation import speculative
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path, plan_for, resolved
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.engine.tiers import STORAGE
 from ntransformerd.server import errors

@@ -12,8 +12,8 @@ import queue
 import time
 from collections.abc import Iterator
 
-from ntransformerd.engine import decode
-from ntransformerd.engine.decode import Text
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.generation.decode import Text
 from ntransformerd.server.errors import Cancelled, ServiceError
 from ntransformerd.server.streaming import Output
 from ntx_proto.states import RequestState

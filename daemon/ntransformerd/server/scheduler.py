@@ -37,7 +37,7 @@ When a step's KV blocks cannot be reserved (kv_cache.KVPoolFull), the youngest l
 (policy.victim) gives its slot back and waits at the head of the queue to recompute its prompt
 and what it has generated (Scheduler.preempt); its stream goes on where it was.
 
-Each Request is a decode.Sequence (engine/decode.py, the loop `ntx-model run` drives too), so a
+Each Request is a decode.Sequence (engine/generation/decode.py, the loop `ntx-model run` drives too), so a
 request's output is the one it would get alone (up to the engine's batch-invariance; see
 tests/engine/test_decode_identity.py). The daemon's serving state is its own
 (server/lifecycle.py); the scheduler reads it to admit, and reports a broken model through it.
@@ -57,8 +57,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ntransformerd.engine import decode
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.generation.speculative import Mode
 from ntransformerd.server.errors import Draining, InvalidRequest, NotReady, QueueFull, ShuttingDown, shown
 from ntransformerd.server.loop import Loop
 from ntransformerd.server.metrics import RequestStatus, SchedulerStatus

@@ -5,10 +5,10 @@
     KVSlots       the slots the prefix cache hands out and keeps: open, close, park, reopen,
                   copy_prefix, kept, free_slots
     ServedEngine  all of that, the model and its tokenizer, the steps the decode loop runs
-                  (step, launch: engine/decode.py calls them), chat prompts, and the report
-                  Status shows (engine/report.py)
+                  (step, launch: engine/generation/decode.py calls them), chat prompts, and the report
+                  Status shows (engine/runtime/report.py)
 
-engine/engine.py's Engine answers all of it; a test double answers what its test uses. server/
+engine/runtime/engine.py's Engine answers all of it; a test double answers what its test uses. server/
 never probes an engine for what it might have: what it calls is declared here.
 """
 
@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
-from ntransformerd.engine.report import EngineReport
+from ntransformerd.engine.runtime.report import EngineReport
 
 
 class KVPool(Protocol):

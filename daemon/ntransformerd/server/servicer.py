@@ -17,11 +17,11 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from ntransformerd.engine import constraints
+from ntransformerd.engine.generation import constraints
 from ntransformerd.engine.backends import BACKENDS
-from ntransformerd.engine.report import EngineReport, KVReport
-from ntransformerd.engine.sampler import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.runtime.report import EngineReport, KVReport
+from ntransformerd.engine.generation.sampler import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
+from ntransformerd.engine.generation.speculative import Mode
 from ntransformerd.server import errors
 from ntransformerd.server.callers import Caller
 from ntransformerd.server.scheduler import Scheduler, SchedulerStatus
@@ -236,7 +236,7 @@ def speculative_mode(text: str) -> Mode | None:
 
 
 def constraint_of(request: pb.GenerateRequest, engine):
-    """The request's compiled constraint (engine/constraints.py), None without one; a schema,
+    """The request's compiled constraint (engine/generation/constraints.py), None without one; a schema,
     regex or grammar over MAX_CONSTRAINT_BYTES, or one the compiler refuses, is InvalidRequest
     naming the field and the limit, or with the compiler's message."""
     c = request.constraint
@@ -274,7 +274,7 @@ def logprobs_pb(tokenizer, entries) -> list[pb.TokenLogprob]:
 
 
 def chat_of(chat: pb.Chat) -> dict:
-    """A Chat as engine/chat.py takes it (OpenAI's shapes): tokenize()'s messages= and tools=."""
+    """A Chat as engine/generation/chat.py takes it (OpenAI's shapes): tokenize()'s messages= and tools=."""
     messages = []
     for m in chat.messages:
         d = {"role": m.role, "content": m.content}

@@ -8,8 +8,8 @@ the loop's thread measures and sets the cost table.
 
 from __future__ import annotations
 
-from ntransformerd.engine import speculative
-from ntransformerd.engine.speculative import Mode
+from ntransformerd.engine.generation import speculative
+from ntransformerd.engine.generation.speculative import Mode
 from ntransformerd.server.errors import InvalidRequest
 from ntransformerd.server.metrics import SpeculationStatus
 

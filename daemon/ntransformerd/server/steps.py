@@ -18,8 +18,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from ntransformerd.engine import decode, kv_cache
-from ntransformerd.engine.decode import Row
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.runtime import kv_cache
+from ntransformerd.engine.generation.decode import Row
 from ntransformerd.server.metrics import Metrics
 from ntransformerd.server.request import Request
 from ntransformerd.server.streaming import Streamer

@@ -18,12 +18,14 @@ import numpy as np
 
 from ntransformerd import settings
 from ntransformerd.config import DaemonConfig
-from ntransformerd.engine import layer_skip, speculative, tiers
+from ntransformerd.engine import tiers
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.generation import speculative
 from ntransformerd.engine.backends import device_free
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path, generate, plan_for, resolved
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path, generate, plan_for, resolved
 from ntransformerd.engine.gguf_file import GGUFError, GGUFModel
-from ntransformerd.engine.sampler import SamplingParams
-from ntransformerd.engine.tokenizer import Tokenizer
+from ntransformerd.engine.generation.sampler import SamplingParams
+from ntransformerd.engine.generation.tokenizer import Tokenizer
 from ntransformerd.server.scheduler import Scheduler
 from ntransformerd.server.systemd import Notifier
 from ntransformerd.settings import MODEL, SETTINGS, SettingError

@@ -16,12 +16,13 @@ import time
 
 import numpy as np
 
-from ntransformerd.engine import layer_skip, speculative
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.generation import speculative
 from ntransformerd.engine.backends import BACKENDS
 from ntransformerd.settings import SETTINGS
-from ntransformerd.engine.engine import Engine, EngineConfig, default_model_path
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig, default_model_path
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.perplexity import BASE_TOP, Base, Recorder, kl_divergence, perplexity, text_tokens
+from ntransformerd.engine.calibration.perplexity import BASE_TOP, Base, Recorder, kl_divergence, perplexity, text_tokens
 from ntransformerd.tools.atomic import atomic_output, check_input, check_output
 
 

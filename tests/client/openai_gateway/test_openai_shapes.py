@@ -14,7 +14,7 @@ import pytest
 
 from ntx_client import Client
 from ntx_client.openai_gateway import tools as tools_
-from ntransformerd.engine import chat
+from ntransformerd.engine.generation import chat
 
 API_KEY = "sk-test-shapes"
 CTX = 1024

@@ -15,8 +15,8 @@ import pydantic
 import pytest
 from pydantic import BaseModel, Field
 
-from ntransformerd.engine.engine import Engine, EngineConfig
-from ntransformerd.engine.perplexity import perplexity
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
+from ntransformerd.engine.calibration.perplexity import perplexity
 
 API_KEY = "sk-test-structured"
 

@@ -13,9 +13,9 @@ import gguf
 import openai
 import pytest
 
-from ntransformerd.engine.chat import CHATML_TEMPLATE, ChatTemplate
+from ntransformerd.engine.generation.chat import CHATML_TEMPLATE, ChatTemplate
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.tokenizer import Tokenizer
+from ntransformerd.engine.generation.tokenizer import Tokenizer
 from ntx_client import Client
 
 API_KEY = "sk-test-tools-template"

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntransformerd.engine.backends import cpu
-from ntransformerd.engine.devices import Backend
+from ntransformerd.engine.runtime.devices import Backend
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
-from ntransformerd.engine.kv_cache import KV_DTYPES as HOST_KV_DTYPES
+from ntransformerd.engine.runtime.kv_cache import KV_DTYPES as HOST_KV_DTYPES
 from ntransformerd.engine.tiers.planner import HOST, VRAM
 from ntransformerd.settings import SettingError
 

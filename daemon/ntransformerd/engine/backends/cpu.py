@@ -18,12 +18,12 @@ from gguf import GGMLQuantizationType as Q
 from threadpoolctl import ThreadpoolController
 
 from ntransformerd.engine.gguf_file import LAYER_TENSORS, GGUFModel, LlamaConfig
-from ntransformerd.engine.kv_cache import KVCache, KVLayer
-from ntransformerd.engine.model import Batch
+from ntransformerd.engine.runtime.kv_cache import KVCache, KVLayer
+from ntransformerd.engine.runtime.model import Batch
 from ntransformerd.engine.quants import dequantize
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.generation.sampler import TopLogits
 from ntransformerd.engine.tiers.cpu_stream import HostStream
-from ntransformerd.engine.tiers.pipeline import Device
+from ntransformerd.engine.tiers.layer_stream import Device
 from ntransformerd.engine.tiers.planner import HOST, VRAM, Plan
 from ntransformerd.engine.tiers.sources import HostMemory, Source
 

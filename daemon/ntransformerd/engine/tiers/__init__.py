@@ -8,7 +8,7 @@ planner.py decides (explainably), placement.py which streamed layers the host co
 step shape (from measured figures), multi.py spreads the layers over several devices, sources.py
 is where bytes come from (one interface for every placement), pipeline.py is the slot ring,
 cpu_stream.py the stream on a device that is host memory. Nothing here imports a backend: the
-engine asks its backend (engine/devices.py: Backend) for layer sizes and free memory, hands
+engine asks its backend (engine/runtime/devices.py: Backend) for layer sizes and free memory, hands
 the plan to the backend's load, and opens the storage source the plan reads (open_storage).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ntransformerd.engine import kv_cache
+from ntransformerd.engine.runtime import kv_cache
 from ntransformerd.engine.tiers.multi import MultiPlan, parse_budgets, parse_devices, plan_devices
 from ntransformerd.engine.tiers.placement import STEP_ROWS, Figures, with_schedule
 from ntransformerd.engine.tiers.planner import (HOST, PINNED, SKIP, STORAGE, TIERS, VRAM, KVPool, Plan, PlanError,
@@ -145,6 +145,15 @@ def host_compute(config) -> bool:
     return getattr(config, "host_compute", "off") == "auto"
 
 
+def host_computes(config, backend: str) -> bool:
+    """Does the host compute streamed layers beside `backend` ('cpu' | 'cuda')? As the config asks,
+    except beside a GPU with the `deterministic` setting: the host's kernels round differently
+    from the GPU's and the placement moves with the steps and differs by step shape, so a row's
+    bits would follow where its layers ran; there every layer runs on the GPU (the hybrid's gain
+    is the setting's cost: bench/RESULTS.md)."""
+    return host_compute(config) and not (backend == "cuda" and getattr(config, "deterministic", False))
+
+
 def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram_available: int | None = None,
                layer_bytes: list[int] | None = None, figures: Figures | None = None) -> Plan:
     """The plan for `model` under `config` (EngineConfig) on `backend` ('cpu' | 'cuda'); where the
@@ -165,7 +174,7 @@ def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram
     pool = _with_trade(pool, model.config, plan, plan_with)
     pool = dataclasses.replace(pool, against=_against(model, config, backend, pool, layer_bytes, limit, plan_with))
     plan = dataclasses.replace(plan, kv=pool)
-    if host_compute(config):
+    if host_computes(config, backend):
         plan = with_schedule(plan, figures or Figures.assumed(), STEP_ROWS + (config.prefill_chunk,))
     return plan
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.tiers.pipeline import Device, LayerStream
+from ntransformerd.engine.tiers.layer_stream import Device, LayerStream
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, Plan
 from ntransformerd.engine.tiers.sources import HostMemory, LayerReads, MmapSource, Source, plan_reads
 

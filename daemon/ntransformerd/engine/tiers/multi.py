@@ -5,8 +5,8 @@
 
 Pipeline parallelism. Device d runs one contiguous range of layers [start_d, stop_d): first its
 resident layers, then its streamed ones, which it copies over its own PCIe link through its own
-slot ring (tiers/pipeline.py, one LayerStream per device). After its range the activation (rows
-x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (tiers/runs.py: Handoff,
+slot ring (tiers/layer_stream.py, one LayerStream per device). After its range the activation (rows
+x d_model floats: 8 KiB per token for a 70B) is handed to device d+1 (tiers/step_pipeline.py: Handoff,
 the one device-to-device step); the embedding lives on the first device, the output on the last.
 Budgets apply per device (`vram_budget` one size for every device, or a list). Resident layers
 fill each device in turn (so uneven sizes get shares proportional to what they can hold); the
@@ -19,7 +19,7 @@ prefetches only `depth` layers ahead, so the links take turns: the bound is the 
 overlap (the MAX over links) only if a streamed layer's bytes were striped over several links
 and gathered with a peer copy to the device that computes it; `explain()` prints both.
 
-The engine runs such a plan as it runs every plan (tiers/runs.py: one device per range, its
+The engine runs such a plan as it runs every plan (tiers/step_pipeline.py: one device per range, its
 share loaded through its backend, model.forward over the runs). On a host backend every
 "device" is host memory and the hand-off a host copy (the source poisoned afterwards in tests);
 the output is bit-identical to the one-device run (tests/engine/test_tiers_multi_pipeline.py).

@@ -16,7 +16,7 @@ Streamed layers from pinned RAM are copied inside the graph (weights.CudaWeights
 acquire and release are capturable); a plan with storage layers runs every pass eagerly.
 
 A piece is a stretch of resident layers alone, from hidden states handed in to hidden states
-out (`run_piece`): what a step over several devices (tiers/runs.py) runs on this GPU between
+out (`run_piece`): what a step over several devices (tiers/step_pipeline.py) runs on this GPU between
 the host's layers. Its graph reads the hidden states from its arena's input buffer (the residual
 stream is updated in place, so the output is that buffer) and touches no streaming slot, so it
 replays without waiting for the stream's copies.
@@ -29,14 +29,15 @@ import types
 
 import numpy as np
 
-from ntransformerd.engine import model as llama
+from ntransformerd.engine.runtime import model as llama
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda import launch as K
 from ntransformerd.engine.backends.cuda import nvrtc, sampling
 from ntransformerd.engine.backends.cuda.kv import CudaKVCache
 from ntransformerd.engine.backends.cuda.nvrtc import cp
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps
-from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.model import Batch, Segment
+from ntransformerd.engine.generation.sampler import TopLogits
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 TOKENS = (1, 2, 4, 8, 16)
@@ -114,7 +115,7 @@ class StepGraphs:
 
     def n_splits(self, n: int) -> int:
         """Attention splits per (row, head) of an n-row bucket (attention.step_splits)."""
-        return K.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
+        return A.step_splits(n, self.kv.max_ctx, self.cfg, self.s)
 
     # ---- capture --------------------------------------------------------------------------------
 

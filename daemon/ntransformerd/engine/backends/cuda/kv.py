@@ -1,4 +1,4 @@
-"""The KV cache on the GPU: engine/kv_cache.py's paged layout in device memory.
+"""The KV cache on the GPU: engine/runtime/kv_cache.py's paged layout in device memory.
 
 The slot and block bookkeeping is the host cache's own (kv_cache.KVCache: BlockTable, reserve,
 trim, kept); the layers (CudaKVLayer) hold k and v as CuPy arrays of the same layout, (n_blocks
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ntransformerd.engine.backends.cuda import launch as K
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda.nvrtc import cp, device_alloc
 from ntransformerd.engine.gguf_file import LlamaConfig
-from ntransformerd.engine.kv_cache import BLOCK_SIZE, BlockTable, KVCache, default_blocks, row_bytes, row_width
+from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE, BlockTable, KVCache, default_blocks, row_bytes, row_width
 
 CUDA_KV_DTYPES = ("f16", "q8_0")  # what the kernels read; the first is the default
 Q8_HEAD_DIMS = (32, 64, 128, 256)  # q8_0 rows: head_dim / 32 values per lane (attention.ATTN_ND) within one block
@@ -109,7 +109,7 @@ class CudaKVLayer:
         kv_dim = self.n_kv * self.head_dim
         k = cp.ascontiguousarray(cp.asarray(k, cp.float32)).reshape(n, kv_dim)
         v = cp.ascontiguousarray(cp.asarray(v, cp.float32)).reshape(n, kv_dim)
-        K.kv_append_(k, v, self, cp.asarray(np.asarray(slots, np.int32)), cp.asarray(np.asarray(positions, np.int32)),
+        A.kv_append_(k, v, self, cp.asarray(np.asarray(slots, np.int32)), cp.asarray(np.asarray(positions, np.int32)),
                      n=n, ldk=kv_dim, ldv=kv_dim)
 
     def write(self, slot: int, start: int, k, v) -> None:

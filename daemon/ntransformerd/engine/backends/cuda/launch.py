@@ -27,9 +27,7 @@ bench/RESULTS.md has the measured figures (bench/ab_decode.py --deterministic).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import multiprocessing
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -364,8 +362,8 @@ def top_rows(logits, n: int, *, stream=None, out=None):
     return h[:, :n], h[:, n:2 * n].view(np.float32), h[:, 2 * n]
 
 
-def kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
-    """Every kernel instance the backend can launch under settings s (for precompile)."""
+def matvec_kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
+    """The instances of this module's launchers under settings s (warm.kernel_names adds attention's)."""
     types = (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
     names = [("quant", f"dequant_rows<{t},{h}>") for t in types for h in ("true", "false")]
     for b in MATVEC_BUCKETS:
@@ -379,23 +377,4 @@ def kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
         names += [("quant", f"matvec_generic<{t},{b}>") for t in types if t not in (8, 12, 14)]
     names += [("quant", "quantize_rows"), ("norm", "rms_norm"), ("rope", "rope"), ("activation", "swiglu"),
               ("sample", "argmax_rows"), ("sample", "top_rows")]
-    from ntransformerd.engine.backends.cuda import attention  # it imports this module
-
-    return names + attention.kernel_names()
-
-
-def _compile_one(key: tuple[str, str]) -> str:
-    kernel(*key)
-    return key[1]
-
-
-def precompile(jobs: int = 16) -> int:
-    """Compile every kernel in parallel processes; CuPy's disk cache then serves later loads."""
-    names = kernel_names()
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
-        for _ in ex.map(_compile_one, names):
-            pass
-    return len(names)
-
-
+    return names

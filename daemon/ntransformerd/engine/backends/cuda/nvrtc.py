@@ -1,7 +1,7 @@
 """Compiling and launching our kernels: NVRTC through CuPy, and programmatic dependent launch.
 
 Kernels are compiled on first use (kernels/<family>.cu with kernels/common.cuh and the family's
-headers prepended; CuPy caches the binaries on disk; launch.precompile builds them all in
+headers prepended; CuPy caches the binaries on disk; warm.precompile builds them all in
 parallel). Inside a captured step they may be launched with programmatic dependent launch
 (`pdl()`, through cuLaunchKernelEx), which every kernel of kernels/ is written to allow.
 """

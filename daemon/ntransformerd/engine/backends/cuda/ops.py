@@ -22,13 +22,14 @@ import contextlib
 import numpy as np
 
 from ntransformerd.engine.backends.cpu import rope_frequencies
+from ntransformerd.engine.backends.cuda import attention as A
 from ntransformerd.engine.backends.cuda import launch as K
 from ntransformerd.engine.backends.cuda.nvrtc import cp
 from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 from ntransformerd.engine.backends.cuda.weights import Stacked
 from ntransformerd.engine.gguf_file import LlamaConfig
-from ntransformerd.engine.model import Batch
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.model import Batch
+from ntransformerd.engine.generation.sampler import TopLogits
 
 
 def _ld(x) -> int:
@@ -46,7 +47,7 @@ class Arena:
         self.cfg, self.rows, self.tokens, self.n = cfg, rows, tokens, rows * tokens
         self.io = cp.zeros((3, self.n), cp.int32)  # token, slot, position of each row
         self.n_splits = n_splits
-        self.scratch = K.attention_scratch(self.n, cfg, n_splits, counters=True)
+        self.scratch = A.attention_scratch(self.n, cfg, n_splits, counters=True)
         self._bufs: dict[tuple, object] = {}
         self._owner: dict[int, tuple] = {}  # buffer pointer → key
         self._qact: dict[tuple, K.QAct] = {}  # keys whose readers want the quantized form too
@@ -151,8 +152,8 @@ class CudaOps:
         if self._batch is None or self._batch[0] is not batch:
             c = self.cfg
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
-            chunk = c.head_dim in K.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= K.CHUNK_ROWS
-            tiles = cp.asarray(K.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
+            chunk = c.head_dim in A.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= A.CHUNK_ROWS
+            tiles = cp.asarray(A.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
             splits = None  # attention(): a count that depends on the rows alone, not their positions
             self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles, splits)
         return self._batch[1:]
@@ -245,25 +246,25 @@ class CudaOps:
         q_out = self._q_out(out, c.q_dim)
         one_token = len(batch.tokens) == len(batch.segments)
         if n_splits is None:  # by the row count alone, as a captured step (attention.step_splits)
-            n_splits = K.step_splits(n, kv_layer.table.max_ctx, c, s)
+            n_splits = A.step_splits(n, kv_layer.table.max_ctx, c, s)
         # k right after q in one buffer: RoPE of both and the append are one launch
         fused = rope is not None and _ld(q) == _ld(k) and k.data.ptr == q.data.ptr + 4 * c.q_dim
         if (fused and one_token and tiles is None and n <= K.MATVEC_MAX_ROWS
                 and K.bucket_of(n) <= s.attn_one_launch_max_bucket):
-            scratch = self.arena.scratch if self.arena is not None else K.attention_scratch(n, c, n_splits, counters=True)
-            return K.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, n_splits=n_splits, ld=_ld(q),
+            scratch = self.arena.scratch if self.arena is not None else A.attention_scratch(n, c, n_splits, counters=True)
+            return A.attention_decode_(q, v, kv_layer, slots, pos, self.freqs, c, n=n, n_splits=n_splits, ld=_ld(q),
                                        ldv=_ld(v), out=out, scratch=scratch, q_out=q_out)
         appended = False
         if fused:
-            K.rope_kv_(q, v, pos, slots, self.freqs, kv_layer, c, n=n, ld=_ld(q), ldv=_ld(v))
+            A.rope_kv_(q, v, pos, slots, self.freqs, kv_layer, c, n=n, ld=_ld(q), ldv=_ld(v))
             appended = True
         elif rope is not None:
             K.rope_(q, pos, self.freqs, c, c.n_heads, n=n, ld=_ld(q))
             K.rope_(k, pos, self.freqs, c, c.n_kv_heads, n=n, ld=_ld(k))
         if tiles is not None:  # a prefill chunk: tensor cores
             if not appended:
-                K.kv_append_(k, v, kv_layer, slots, pos, c, n=n, ldk=_ld(k), ldv=_ld(v))
-            return K.attention_chunk_(q, kv_layer, slots, pos, tiles, c, ldq=_ld(q), out=out)
-        scratch = self.arena.scratch[:3] if self.arena is not None else K.attention_scratch(n, c, n_splits)
-        return K.attention_(q, k, v, kv_layer, slots, pos, c, n=n, n_splits=n_splits, ldq=_ld(q), ldk=_ld(k),
+                A.kv_append_(k, v, kv_layer, slots, pos, c, n=n, ldk=_ld(k), ldv=_ld(v))
+            return A.attention_chunk_(q, kv_layer, slots, pos, tiles, c, ldq=_ld(q), out=out)
+        scratch = self.arena.scratch[:3] if self.arena is not None else A.attention_scratch(n, c, n_splits)
+        return A.attention_(q, k, v, kv_layer, slots, pos, c, n=n, n_splits=n_splits, ldq=_ld(q), ldk=_ld(k),
                             ldv=_ld(v), out=out, scratch=scratch, append=not appended, q_out=q_out)

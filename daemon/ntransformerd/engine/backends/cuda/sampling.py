@@ -31,7 +31,7 @@ except ImportError:  # no CuPy: nothing here runs
     cupyx = None
 
 from ntransformerd.engine.backends.cuda.nvrtc import check_array, cp, kernel
-from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
+from ntransformerd.engine.generation.sampler import Drawn, SampleRows, sample_rows
 
 DRAW_MAX = 256  # the most candidates a row draws from on the device (draw_rows' block)
 FAULT_REDO = 9  # draw_rows: the host draws this row itself

@@ -23,7 +23,10 @@ import sys
 import time
 
 from ntransformerd import dirs
+from ntransformerd.engine.backends.cuda import attention
+from ntransformerd.engine.backends.cuda.launch import matvec_kernel_names
 from ntransformerd.engine.backends.cuda.nvrtc import cp, kernel, kernel_source
+from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,11 @@ def marker(names: list[tuple[str, str]]) -> str:
     return h.hexdigest()[:20]
 
 
+def kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
+    """Every kernel instance the backend can launch under settings s."""
+    return matvec_kernel_names(s) + attention.kernel_names()
+
+
 def _compile(key: tuple[str, str]) -> str:
     kernel(*key)
     return key[1]
@@ -66,7 +74,6 @@ def _compile(key: tuple[str, str]) -> str:
 def compile_for(types: set[int], *, jobs: int | None = None, quiet: bool = False) -> int:
     """Compile, in parallel, the instances a model of weight types `types` can launch, unless this
     machine's cache already holds them; returns how many were compiled (0: cached)."""
-    from ntransformerd.engine.backends.cuda.launch import kernel_names
     names = needed(kernel_names(), types)
     root = os.path.join(dirs.cache_dir(), "cuda-kernels")
     done = os.path.join(root, f"compiled-{marker(names)}")
@@ -89,4 +96,14 @@ def compile_for(types: set[int], *, jobs: int | None = None, quiet: bool = False
             f.write("\n".join(f"{a} {b}" for a, b in names) + "\n")
     except OSError as e:  # a read-only cache costs the next load the same compile, nothing worse
         log.warning("could not record the compiled kernels in %s: %s", root, e)
+    return len(names)
+
+
+def precompile(jobs: int = 16) -> int:
+    """Compile every instance kernel_names lists, whatever the model (compile_for compiles a
+    model's own at load)."""
+    names = kernel_names()
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for _ in ex.map(_compile, names, chunksize=max(1, len(names) // (4 * jobs))):
+            pass
     return len(names)

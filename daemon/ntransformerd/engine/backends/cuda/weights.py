@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from ntransformerd.engine.backends.cuda.nvrtc import cp, device_alloc
 from ntransformerd.engine.gguf_file import GGUFModel, TensorInfo
 from ntransformerd.engine.quants import BLOCK_DTYPES, dequantize
-from ntransformerd.engine.tiers.pipeline import Device, LayerStream
+from ntransformerd.engine.tiers.layer_stream import Device, LayerStream
 from ntransformerd.engine.tiers.planner import PINNED, STORAGE, VRAM, Plan
 from ntransformerd.engine.tiers.sources import HostMemory, Source, plan_reads
 

@@ -28,10 +28,10 @@ from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.backends.host.record import (BLOCK32_TYPES, FLOAT_TYPES, HostOps, Matrix, Tape,
                                                        header, model_consts, top_rows)
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
-from ntransformerd.engine.kv_cache import KVCache
-from ntransformerd.engine.model import Batch, forward, run_layers
-from ntransformerd.engine.model import head as llama_head
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.kv_cache import KVCache
+from ntransformerd.engine.runtime.model import Batch, forward, run_layers
+from ntransformerd.engine.runtime.model import head as llama_head
+from ntransformerd.engine.generation.sampler import TopLogits
 
 
 

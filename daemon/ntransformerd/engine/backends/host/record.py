@@ -22,8 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.host.native import Header, Instr, Library, ModelConsts
-from ntransformerd.engine.kv_cache import KV_TYPES, row_bytes
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.kv_cache import KV_TYPES, row_bytes
+from ntransformerd.engine.generation.sampler import TopLogits
 
 OP_EMBED, OP_RMS_NORM, OP_QUANT, OP_MATMUL, OP_SWIGLU, OP_ROWS, OP_ATTN_WRITE, OP_ATTN = range(1, 9)
 ROWS_ALL, ROWS_OUT = 0, 1

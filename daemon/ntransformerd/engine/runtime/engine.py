@@ -8,7 +8,7 @@
     engine.close(slot)
 
 `step` takes any mix of segments (decode tokens and prefill chunks of several sequences); each
-weight is read once per step for all of them. `generate` (engine/decode.py, the one decode loop)
+weight is read once per step for all of them. `generate` (engine/generation/decode.py, the one decode loop)
 drives one sequence on top.
 """
 
@@ -22,19 +22,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ntransformerd.engine import backends, kv_cache, tiers
-from ntransformerd.engine.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
-from ntransformerd.engine import figures
-from ntransformerd.engine.figures import measured_figures
+from ntransformerd.engine import backends, tiers
+from ntransformerd.engine.runtime import kv_cache
+from ntransformerd.engine.generation.decode import GenerationEvent, generate  # noqa: F401 - the engine's one-sequence loop
+from ntransformerd.engine.calibration import figures
+from ntransformerd.engine.calibration.figures import measured_figures
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.layer_skip import parse_skip
-from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.report import EngineReport, KVReport, PlacementReport, TierShare
-from ntransformerd.engine.sampler import Drawn, SampleRows, sample_rows
+from ntransformerd.engine.calibration.layer_skip import parse_skip
+from ntransformerd.engine.runtime.model import Batch, Segment
+from ntransformerd.engine.runtime.report import EngineReport, KVReport, PlacementReport, TierShare
+from ntransformerd.engine.generation.sampler import Drawn, SampleRows, sample_rows
 from ntransformerd.engine.tiers.sources import Source
 from ntransformerd.engine.tiers.placement import Steering, save_figures
-from ntransformerd.engine.tiers.runs import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
-from ntransformerd.engine.tokenizer import Tokenizer
+from ntransformerd.engine.tiers.step_pipeline import MAIN, Handoff, HomeKV, Layout, Pipeline, Stage, layout_of
+from ntransformerd.engine.generation.tokenizer import Tokenizer
 from ntransformerd.settings import SETTINGS, SettingError, field
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class EngineConfig:
     # from the rates measured at load: tiers/placement.py; assumed until measured).
     host_compute: str = field("host_compute")
     # The stream's host → device copies paced to this rate (bytes/s; "6.5GB/s" or "off" given):
-    # a slower link emulated (tiers/pipeline.py: LayerStream); None: the link's own.
+    # a slower link emulated (tiers/layer_stream.py: LayerStream); None: the link's own.
     link_cap: float | None = field("link_cap")
     # Each row's arithmetic fixed by its own data, not by the rows sharing its step (backends/cuda/
     # launch.choose): a request's output the same alone and in any batch, at the cost in bench/RESULTS.md.
@@ -164,8 +165,8 @@ class Engine:
     """A loaded model on its devices, with its KV cache, tokenizer and chat template.
 
     Every engine runs the same way: a plan places each layer on a device (tiers/), each device
-    loads its share through its backend (engine/devices.py: Backend), and a step is model.forward
-    over the plan's runs (tiers/runs.py: Pipeline). One device is one run: model.forward itself.
+    loads its share through its backend (engine/runtime/devices.py: Backend), and a step is model.forward
+    over the plan's runs (tiers/step_pipeline.py: Pipeline). One device is one run: model.forward itself.
     """
 
     def __init__(self, model: GGUFModel, *, config: EngineConfig = EngineConfig(), plan=PLAN_OF_CONFIG,
@@ -187,7 +188,7 @@ class Engine:
         layout = layout_of(self.plan, sizes)
         # The placement of a plan with the host beside the main device follows its steps.
         steering = Steering(self.plan) if len(layout.devices) == 2 and layout.devices[1].kind == tiers.HOST else None
-        # Each device's captured or recorded steps come with the pipeline (tiers/runs.py).
+        # Each device's captured or recorded steps come with the pipeline (tiers/step_pipeline.py).
         self.pipeline = Pipeline(self._stages(layout, poison), layout, self.cfg, Handoff(poison=poison),
                                  threads=config.cpu_threads, steering=steering)
         self.kv = self.pipeline.kv
@@ -318,7 +319,7 @@ class Engine:
     def chat_template(self):
         """The GGUF's chat template, compiled on first use (a broken one fails only chats)."""
         if self._chat_template is None:
-            from ntransformerd.engine.chat import ChatTemplate  # lazy: jinja2, for chats only (ntx-model --help stays quick)
+            from ntransformerd.engine.generation.chat import ChatTemplate  # lazy: jinja2, for chats only (ntx-model --help stays quick)
             self._chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         return self._chat_template
 
@@ -545,7 +546,10 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
                          f"CUDA_VISIBLE_DEVICES={ids[0]}")
     if backend.is_host and not tiers.wanted(config):
         return None
-    if not tiers.host_compute(config) or backend.is_host:  # a host main device: the assumed figures
+    if tiers.host_compute(config) and not tiers.host_computes(config, kind):
+        log.info("deterministic: every streamed layer runs on the GPU (host_compute auto set aside: the host "
+                 "rounds differently)")
+    if not tiers.host_computes(config, kind) or backend.is_host:  # a host main device: the assumed figures
         return tiers.model_plan(model, config, backend=kind, vram_free=backend.free_memory(ids[0]),
                                 layer_bytes=sizes)
     # Host compute beside a GPU: the tiers first, then the figures measured for them (or cached),

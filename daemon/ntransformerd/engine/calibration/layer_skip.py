@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ntransformerd import dirs
-from ntransformerd.engine import model as llama
-from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.perplexity import perplexity
+from ntransformerd.engine.runtime import model as llama
+from ntransformerd.engine.runtime.model import Batch, Segment
+from ntransformerd.engine.calibration.perplexity import perplexity
 
 AUTO_THRESHOLD = 0.03  # relative perplexity increase `auto` allows
 CACHE_VERSION = 1

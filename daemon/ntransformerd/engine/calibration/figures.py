@@ -33,10 +33,10 @@ import numpy as np
 from ntransformerd import dirs
 from ntransformerd.engine import backends
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.model import Batch, Segment, run_layers
+from ntransformerd.engine.runtime.model import Batch, Segment, run_layers
 from ntransformerd.engine.tiers.placement import Figures, load_figures, save_figures
 from ntransformerd.engine.tiers.planner import ASSUMED_H2D_BPS, SKIP, VRAM, Plan
-from ntransformerd.engine.tiers.runs import HomeKV
+from ntransformerd.engine.tiers.step_pipeline import HomeKV
 
 log = logging.getLogger(__name__)
 

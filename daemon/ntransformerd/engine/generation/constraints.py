@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
-from ntransformerd.engine.sampler import RequestCannotGoOn
+from ntransformerd.engine.generation.sampler import RequestCannotGoOn
 
 KINDS = ("json_schema", "regex", "grammar")
 # A schema, regex or grammar; a larger one is refused before compiling. The API's limit (proto

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
-from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime.model import Batch, Segment
+from ntransformerd.engine.generation.sampler import TopLogits
 
 Array = Any  # a device array: numpy on the host, CuPy on a GPU
 
@@ -58,7 +58,7 @@ class Weights(Protocol):
 
 
 class KVLayer(Protocol):
-    """One layer's keys and values, the device's arrays in the paged layout of engine/kv_cache.py
+    """One layer's keys and values, the device's arrays in the paged layout of engine/runtime/kv_cache.py
     (n_blocks, Hkv, BLOCK_SIZE, row), read through the cache's block tables by every attention
     path (a cuda layer: CuPy arrays with one scratch block more, the kernels reading a device
     copy of the tables). Rows come and go as float (n, Hkv, hd): the layer converts to and from

@@ -37,9 +37,9 @@ from collections.abc import Iterator, Sequence as Seq
 
 import numpy as np
 
-from ntransformerd.engine.sampler import (Drawn, InvalidLogits, SampleRows, Sampler, StopMatcher, prompt_logprobs,
+from ntransformerd.engine.generation.sampler import (Drawn, InvalidLogits, SampleRows, Sampler, StopMatcher, prompt_logprobs,
                                           token_logprobs)
-from ntransformerd.engine.tokenizer import Detokenizer
+from ntransformerd.engine.generation.tokenizer import Detokenizer
 
 
 class DraftFault(RuntimeError):

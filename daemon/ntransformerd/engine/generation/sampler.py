@@ -18,7 +18,7 @@ keeps a finite row finite, so the chain always has a candidate; should the penal
 a row out of range (logits near float32's limit), that token is the argmax of the unpenalised
 row (``unpenalised_fallback``).
 
-A constraint (engine/constraints.py) reaches the chain as a mask: a boolean row of the ids
+A constraint (engine/generation/constraints.py) reaches the chain as a mask: a boolean row of the ids
 that may come next, applied right after the ignore_eos ban, before the penalties and every
 filter, so greedy, sampled and speculative paths all draw from the masked row.
 

@@ -19,7 +19,7 @@ draw from after the same history, so sampled output keeps plain sampling's distr
 is the point-mass case: a draft token is kept while it is the target's argmax, so greedy output
 equals plain greedy output token for token.
 
-A constraint (engine/constraints.py) is part of that chain: p_j is masked by the constraint's
+A constraint (engine/generation/constraints.py) is part of that chain: p_j is masked by the constraint's
 state after t, d1 … d(j-1), a model draft draws from q masked the same way, and a deterministic
 draft is cut at its first token the constraint refuses, so every draft is allowed and the
 verified tokens respect the constraint exactly as plain decoding's do.
@@ -49,11 +49,12 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ntransformerd.engine import decode, layer_skip
-from ntransformerd.engine.engine import Engine, EngineConfig
+from ntransformerd.engine.calibration import layer_skip
+from ntransformerd.engine.generation import decode
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
-from ntransformerd.engine.sampler import draw_from
-from ntransformerd.engine.speculative_mode import OFF, Mode  # noqa: F401 - OFF: the mode's module, named here too
+from ntransformerd.engine.generation.sampler import draw_from
+from ntransformerd.engine.generation.speculative_mode import OFF, Mode  # noqa: F401 - OFF: the mode's module, named here too
 
 log = logging.getLogger("ntransformerd")
 MAX_DRAFT = 16
@@ -593,7 +594,7 @@ def _skip_layers(arg: str, path: str, n: int) -> tuple[int, ...]:
 class Speculator:
     """One draft source for an engine, its cost table, and the figures status reports.
 
-    The decode loop (engine/decode.py) calls: open(sequence) → SpecSeq; plan(seqs) → drafts;
+    The decode loop (engine/generation/decode.py) calls: open(sequence) → SpecSeq; plan(seqs) → drafts;
     one Engine.step with [t] + drafts per sequence and all_logits; accept(seq, rows, proposal)
     → tokens to emit (the loop then cuts the KV cache back to them); close(seq).
     """

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ntransformerd.engine import model as llama
-from ntransformerd.engine.devices import KV, Backend, Ops, Pieces, Steps, Weights
-from ntransformerd.engine.kv_cache import SlotTable
-from ntransformerd.engine.model import Batch, Segment
-from ntransformerd.engine.sampler import TopLogits
+from ntransformerd.engine.runtime import model as llama
+from ntransformerd.engine.runtime.devices import KV, Backend, Ops, Pieces, Steps, Weights
+from ntransformerd.engine.runtime.kv_cache import SlotTable
+from ntransformerd.engine.runtime.model import Batch, Segment
+from ntransformerd.engine.generation.sampler import TopLogits
 from ntransformerd.engine.tiers.multi import MultiPlan
 from ntransformerd.engine.tiers.placement import Observation
 from ntransformerd.engine.tiers.planner import HOST, SKIP, VRAM, Plan, resident_plan
