@@ -118,6 +118,32 @@ def level(sock: str, prompts: list[list[int]], tokens: int) -> dict:
             "cached_prompt_tokens": [r["usage"]["cached_prompt_tokens"] if r["usage"] else None for r in runs]}
 
 
+class Progress:
+    """The daemon's prefilled and generated token counts on stderr every `every` seconds while a
+    long level runs (a 32k prefill through a streamed 70B says nothing for a minute)."""
+
+    def __init__(self, sock: str, every: float = 20.0):
+        self.sock, self.every, self.done = sock, every, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def run(self) -> None:
+        from ntx_client import Client
+        t0 = time.perf_counter()
+        with Client(self.sock) as c:
+            while not self.done.wait(self.every):
+                st = c.status()
+                log(f"  … {time.perf_counter() - t0:.0f} s: {st.prefill_tokens_total} prompt tokens prefilled, "
+                    f"{st.tokens_generated_total} generated, {st.live_requests} live")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__file__, __doc__)
     p.add_argument("--dir", default="/tmp/ntx", help="where synthetic models are made (default /tmp/ntx)")
@@ -127,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="24GiB", help="vram_budget (default 24GiB)")
     p.add_argument("--context", type=int, help="positions per sequence (default 32768; --quick 8192)")
     p.add_argument("--tokens", type=int, help="greedy tokens per request (default 16; --quick 64)")
-    p.add_argument("--rounds", type=int, default=2, help="long levels, and short ones before and after (default 2)")
+    p.add_argument("--rounds", type=int, help="long levels (default 2; 1 with --history distinct)")
     p.add_argument("--chunk", type=int, default=512, help="prefill_chunk (default 512)")
     p.add_argument("--host-compute", default="off", help="the daemon's host_compute (default off: one plan)")
     a = p.parse_args(argv)
+    a.rounds = a.rounds or (1 if a.history == "distinct" else 2)
     backend = "cuda"
     if a.smoke and common.gpu_missing():
         backend = "cpu"  # the path without a GPU: the daemon on the cpu backend
@@ -219,8 +246,8 @@ def run(sock: str, s: Setup, a, out: dict) -> None:
     if a.history == "shared":
         base = ids(history)
         t = time.perf_counter()
-        with Client(sock) as c:  # prefilled once, kept by the prefix cache
-            r = c.complete(prompt_ids=base, max_tokens=1, temperature=0, ignore_eos=True, timeout=1800)
+        with Client(sock) as c, Progress(sock):  # prefilled once, kept by the prefix cache
+            c.complete(prompt_ids=base, max_tokens=1, temperature=0, ignore_eos=True, timeout=1800)
         out["history_prefill_s"] = time.perf_counter() - t
         log(f"history of {history} positions prefilled in {out['history_prefill_s']:.1f} s "
             f"({history / out['history_prefill_s']:.0f} tok/s)")
@@ -230,7 +257,8 @@ def run(sock: str, s: Setup, a, out: dict) -> None:
         else:
             prompts = [ids(history + TAIL) for _ in range(4)]
         t = time.perf_counter()
-        r = level(sock, prompts, s.tokens)
+        with Progress(sock):
+            r = level(sock, prompts, s.tokens)
         r["seconds"] = time.perf_counter() - t
         out["long"].append(r["tok_s"])
         out["long_levels"].append(r)
