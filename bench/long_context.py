@@ -17,7 +17,7 @@ all), beside the planner's rows for the default pool (kv_blocks 0) in q8_0 and f
 Levels, each --tokens greedy tokens (ignore_eos) for 4 requests sent at once, the decode rate
 measured from the streamed tokens while all four decode (tokens in the window from the last
 first token to the first last token, over its length):
-  short: 4 distinct prompts of 512 tokens; run before and after the long level (the median);
+  short: 4 distinct prompts of 512 tokens, before and after the long levels (the median of two);
   long: 4 sequences at CONTEXT positions. A 32k prompt through a streamed 70B prefills at a
   few hundred tokens per second at best (each 512-token chunk streams every non-resident
   layer), so 4 × 32k would take most of a 10-minute device call: by default (--history shared)
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{out['model']} (its context {out['plans'][0]['context_length']}), budget {s.budget}, q8_0 KV, "
           f"{rows['kv_blocks']} blocks = 4 x {s.context}: {rows['resident_layers']} layers resident "
           f"(at this pool: {', '.join(f'{k} {v}' for k, v in rows['resident_by_dtype'].items())})")
+    print("\n".join(line for line in out["plan"].splitlines() if "KV" in line or "resident" in line))
     for r in out["plans"][1:]:
         print(f"  planner, {r['plan']}: " + (f"{r['resident_layers']} resident, {r['kv_tokens']} positions "
                                              f"({r['kv_why']}); {r['trade']}" if "error" not in r else r["error"]))
