@@ -41,7 +41,7 @@ def blocks(n: int) -> int:
 def sync(engine: Engine) -> None:
     """Wait for the device's work (a GPU's copies and steps run behind the host)."""
     if not engine.backend.is_host:
-        from ntransformerd.engine.backends.cuda.nvrtc import cp  # optional: the gpu extra
+        from ntransformerd.engine.backends.cuda.nvrtc import cp  # lazy: optional, the [gpu] extra
         cp.cuda.Device().synchronize()
 
 
