@@ -49,23 +49,25 @@ def write_json(path: str, data) -> None:
 
 
 def synthetic(directory: str, shape: str = "tiny", ftype: str = "q8_0", *, seed: int = 0,
-              vocab: int | None = None, n_layers: int | None = None) -> str:
+              vocab: int | None = None, n_layers: int | None = None, context: int | None = None) -> str:
     """The synthetic model `shape` (synth.SHAPES: tiny, small, llama3-8b, llama3-70b) in `ftype`
     with random weights, written into directory if missing (as `ntx-model synth` writes it).
     vocab: keep only the first tokens of the default model's vocabulary (a smaller file, a
-    faster load); None keeps all 49152, which prompts of real token ids need. n_layers: other
-    than the shape's."""
+    faster load); None keeps all 49152, which prompts of real token ids need. n_layers, context
+    (the file's context_length): other than the shape's. The file is named by what differs from
+    the shape, so a name means one file: the llama3 shapes' context became 131072 (Llama 3.1) on
+    2026-12-05, and a file of theirs made before then, under the same name, says 8192 (remove it)."""
     # Imported here, not at the top: a script may first choose which checkout's ntransformerd
     # it imports (bench/ab_decode.py --code, bench/sample_top.py --code).
     from ntransformerd.tools import synth
 
     os.makedirs(directory, exist_ok=True)
     name = f"{shape}-{ftype}" + (f"-v{vocab}" if vocab else "") + (f"-l{n_layers}" if n_layers else "") + \
-        (f"-s{seed}" if seed else "")
+        (f"-c{context}" if context else "") + (f"-s{seed}" if seed else "")
     path = os.path.join(directory, name + ".gguf")
     if not os.path.exists(path):
         s = synth.SHAPES[shape]
-        s = dataclasses.replace(s, vocab=vocab or s.vocab, n_layers=n_layers or s.n_layers)
+        s = dataclasses.replace(s, vocab=vocab or s.vocab, n_layers=n_layers or s.n_layers, context=context or s.context)
         t = time.perf_counter()
         synth.synthesize(path, shape=s, ftype=ftype, seed=seed)
         print(f"synthesized {path} in {time.perf_counter() - t:.1f} s", flush=True)

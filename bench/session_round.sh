@@ -12,10 +12,12 @@
 #                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU);
-#   PHASE=long:   bench/kv_capacity.py (8B shape: 32 requests in 8 slots' worth of KV, a spilled
-#                 chat's turn 2; again on the default model where PHASE=checks left it) and
-#                 bench/long_context.py (70B shape at 24 GiB, max_ctx 32768): the 8B and 70B files
-#                 are made in the background at the end of PHASE=tests.
+#   PHASE=long:   bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
+#                 against prefilled again, bit for bit) and bench/long_context.py (70B shape, file context 131072, 24 GiB, q8_0 KV,
+#                 4 sequences of 32k at once through the daemon: 512 against 32k); CAPACITY=1 adds
+#                 bench/kv_capacity.py (8B shape) first. The 8B and 70B files are made in the
+#                 background at the end of PHASE=tests (a file of theirs made before 2026-12-05 says
+#                 context 8192: long_context.py stops and says so).
 #   PHASE=userpath: bench/user_path.py, the benchmark of record (the daemon over its socket and
 #                 ntx-model run against llama-bench -d, alternated), on the files PHASE=tests made;
 #                 PLANS="70b:24GiB" NOISY= OFF= CLI= TAG=_70b for the 70B row.
@@ -83,13 +85,13 @@ elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NO
 elif [ "$PHASE" = long ]; then
   for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done
   tail -3 /tmp/synth.log
-  timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx --json "$L/kv_capacity.json" 2>&1 \
-    | tee "$L/kv_capacity.log" | tail -16
-  # the same on the real model where PHASE=checks left it: greedy ids against solo runs mean something there
-  [ -f /tmp/smollm2.gguf ] && timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --model /tmp/smollm2.gguf \
-    --json "$L/kv_capacity_real.json" 2>&1 | tee "$L/kv_capacity_real.log" | tail -6
-  timeout ${LONG_TIMEOUT:-300} python3 bench/long_context.py --dir /tmp/ntx --json "$L/long_context.json" 2>&1 \
-    | tee "$L/long_context.log" | tail -16
+  [ -n "$CAPACITY" ] && timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx \
+    --json "$L/kv_capacity.json" 2>&1 | tee "$L/kv_capacity.log" | tail -16
+  # (PHASE=checks runs it on the default model: its context, 8192, takes the 4k chat)
+  timeout ${SPILL_TIMEOUT:-120} python3 bench/kv_spill.py --dir /tmp/ntx --json "$L/kv_spill_8b.json" 2>&1 \
+    | tee "$L/kv_spill_8b.log" | tail -10
+  timeout ${LONG_TIMEOUT:-420} python3 bench/long_context.py --dir /tmp/ntx ${LONG_ARGS-} --json "$L/long_context.json" \
+    2>&1 | tee "$L/long_context.log" | tail -40
 else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model

@@ -220,8 +220,12 @@ def check_host_ceiling(d: dict) -> None:
 
 def check_long_context(d: dict) -> None:
     plans = d["plans"]
-    assert len(plans) == 3 and all(0 <= p["resident_layers"] <= p["n_layers"] for p in plans), plans
-    assert [c["context"] for c in d["contexts"]] == [32, 160] and all(figure(c["tok_s"]) for c in d["contexts"]), d
+    assert [p["plan"] for p in plans] == ["the file", "default pool, q8_0 KV", "default pool, f16 KV"], plans
+    assert all(0 <= p["resident_layers"] for p in plans[1:]), plans
+    dp = d["daemon_plan"]
+    assert dp["kv_dtype"] == "q8_0" and dp["pool_tokens"] == 4 * d["context"] and d["plan"], dp
+    assert len(d["short"]) == 2 and len(d["long"]) == 1 and all(figure(x) for x in d["short"] + d["long"]), d
+    assert d["long_levels"][0]["cached_prompt_tokens"] == [d["context"] - 32 - d["tokens"] - 16] * 4, d["long_levels"]
     assert figure(d["long_vs_short"]), d
 
 
@@ -269,6 +273,14 @@ def check_kv_capacity(d: dict) -> None:
     assert figure(s["ratio"]) and figure(s["ttft_prefill_seconds"]), s
 
 
+def check_kv_spill(d: dict) -> None:
+    rows = d["rows"]
+    assert [r["chat_tokens"] for r in rows] == [64, 128, 256] and d["passed"] is True, d
+    for r in rows:  # restored = never spilled, bit for bit, and turn 2's ids alike
+        assert r["blocks_equal"] is True and r["ids_equal"] is True and r["turn2_ids"] == d["generate"], r
+        assert all(figure(r[k]) for k in ("spill_seconds", "restore_seconds", "reprefill_seconds")), r
+
+
 def check_user_path(d: dict) -> None:
     rows = {r["row"]: r for r in d["rows"]}
     assert set(rows) == {"8b:32", "8b:1", "8b:1 off", "8b:1 noisy", "8b:1 off noisy"}, list(rows)
@@ -290,18 +302,20 @@ def check_kl_divergence(d: dict) -> None:
 
 
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
-       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity,
+       "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity, "kv_spill.py": check_kv_spill,
        "relay.py": check_relay,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
        "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling,
-       "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence}
-GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "attention_gpu.py": check_attention_gpu, "ncu_step.py": check_ncu_step,
+       "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence,
+       "long_context.py": check_long_context}  # the cpu backend where there is no GPU
+GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
+       "attention_gpu.py": check_attention_gpu,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality,
-       "long_context.py": check_long_context, "wide_decode.py": check_wide_decode, "user_path.py": check_user_path}
+       "wide_decode.py": check_wide_decode, "user_path.py": check_user_path}
 VM = {"nvme_read.py": check_nvme_read}
 
 
@@ -312,8 +326,8 @@ def test_every_script_has_a_smoke_test():
 
 @pytest.mark.parametrize("script", sorted(CPU))
 def test_cpu_script_smoke(script, tmp_path):
-    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "serving_gpu.py",
-                  "kl_divergence.py")
+    own_models = ("quality.py", "speculative.py", "kv_quality.py", "kv_capacity.py", "kv_spill.py", "serving_gpu.py",
+                  "long_context.py", "kl_divergence.py")
     args = ["--dir", str(tmp_path)] if script in own_models else []  # their models' place
     CPU[script](_ran(*smoke(script, tmp_path, *args)))
 

@@ -480,6 +480,23 @@ def test_shared_blocks_are_counted_once_and_copied_before_a_write():
         t.share(1, 2, 40)
 
 
+def test_spill_moves_a_closed_slot_to_the_host_pool_now():
+    """BlockTable.spill: what a short pool does to a closed slot, asked for; a live slot refuses."""
+    t = BlockTable(n_slots=2, max_ctx=64, n_blocks=4, block_size=16)
+    t.owner, t.block_bytes, t.spill_limit = _Owner(), 100, 250
+    t.reserve(0, 20)
+    with pytest.raises(ValueError, match="only a closed slot's blocks spill"):
+        t.spill(0)
+    t.closed(0)
+    assert t.spill(0) and t.owner.saved == [[0, 1]] and t.free_blocks == 4 and t.kept(0) == 32
+    t.opened(0)
+    t.release(0, 20)
+    assert t.owner.loaded == [([0, 1], [0, 1])] and t.held[0] == 2 and t.stats["restored"] == 2
+    t.closed(0)
+    t.spill_limit = 100  # two blocks do not fit: dropped
+    assert not t.spill(0) and t.kept(0) == 0 and t.stats["dropped"] == 2
+
+
 def test_a_closed_slot_spills_to_the_host_pool_and_comes_back():
     t = BlockTable(n_slots=3, max_ctx=64, n_blocks=4, block_size=16)
     t.owner, t.block_bytes, t.spill_limit = _Owner(), 100, 250  # room for two blocks

@@ -71,6 +71,22 @@ def test_q8_0_keeps_as_many_layers_as_f16_at_half_the_context():
     assert q8.kv.tokens >= 32768
 
 
+def test_the_plan_says_what_the_kv_type_keeps_resident():
+    """The KV trade line: the plan's own type against the other (f16 or q8_0), each planned with
+    the pool the config would give it; a type whose pool leaves no room says it would not fit."""
+    q8, f16 = plan(M70, L70, kv_dtype="q8_0"), plan(M70, L70)
+    gain = len(q8.layers(VRAM)) - len(f16.layers(VRAM))
+    assert gain > 0 and q8.kv.against == ("f16", len(f16.layers(VRAM)))
+    assert f"each type with its own pool, q8_0 KV keeps +{gain} layers resident against f16" in q8.explain()
+    assert f"q8_0 KV would keep +{gain} layers resident against f16" in f16.explain()
+    assert q8.to_dict()["kv"]["against"] == {"dtype": "f16", "resident": len(f16.layers(VRAM)),
+                                             "trade": f"q8_0 KV keeps +{gain} layers resident against f16"}
+    # 4 sequences of 32k at once in q8_0 (21.25 GiB) leave no layer resident; in f16 (40 GiB) nothing fits
+    full = plan(M70, L70, kv_dtype="q8_0", kv_blocks=4 * 32768 // 16)
+    assert full.layers(VRAM) == [] and full.kv.against == ("f16", None)
+    assert "f16 KV would not fit" in full.explain()
+
+
 def test_the_default_pool():
     """Everything fits: every sequence's max_ctx (nothing waits). Every layer fits with at
     least one sequence's: the rest of the budget. Layers stream: a share of the budget, at least

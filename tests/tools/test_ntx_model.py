@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.gguf_file import GGUFModel
 from ntransformerd.tools.ntx_model import main
+from ntransformerd.tools.synth import SHAPES
 
 PROMPT = "The capital of France is"
 # type → a tensor type the requantized SmolLM2 must contain. Its 576-wide rows are not a multiple
@@ -136,6 +137,17 @@ def test_synth_command(tmp_path, capsys):
     assert main(["synth", str(out), "--shape", "tiny", "--type", "q4_k_m", "--quiet"]) == 0
     m = GGUFModel(out)
     assert m.config.n_layers == 2 and {Q.Q4_K, Q.Q6_K} <= {t.qtype for t in m.tensors.values()}
+    assert m.config.context_length == SHAPES["tiny"].context
+
+
+def test_synth_context(tmp_path, capsys):
+    """--context is the file's context_length; the Llama 3 shapes default to 3.1's 131072."""
+    out = tmp_path / "c.gguf"
+    assert main(["synth", str(out), "--shape", "tiny", "--context", "40000", "--quiet"]) == 0
+    assert GGUFModel(out).config.context_length == 40000
+    assert SHAPES["llama3-8b"].context == SHAPES["llama3-70b"].context == 131072
+    assert main(["synth", str(tmp_path / "z.gguf"), "--context", "0", "--quiet"]) == 2
+    assert "context 0" in capsys.readouterr().err and not (tmp_path / "z.gguf").exists()
 
 
 # ---- writing model files: nothing lost ------------------------------------------------------------

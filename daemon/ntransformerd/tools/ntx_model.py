@@ -307,7 +307,7 @@ def cmd_slice(args) -> int:
 def cmd_synth(args) -> int:
     check_output(args.output)
     with _writing(args.output, "synth", quiet=args.quiet) as (tmp, progress):
-        synthesize(tmp, shape=args.shape, ftype=args.type, seed=args.seed, progress=progress)
+        synthesize(tmp, shape=args.shape, ftype=args.type, seed=args.seed, context=args.context, progress=progress)
     return 0
 
 
@@ -411,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     s.add_argument("--type", choices=sorted(FTYPES), default="q8_0")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--context", type=int, metavar="N",
+                   help="the file's context_length (default: the shape's; 131072 for llama3-8b and llama3-70b)")
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=cmd_synth)
 

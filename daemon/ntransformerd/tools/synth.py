@@ -36,7 +36,7 @@ class Shape:
     n_heads: int
     n_kv_heads: int
     vocab: int = 49152  # the default model's tokenizer
-    context: int = 8192
+    context: int = 8192  # the GGUF's context_length: the positions a sequence may reach
     rope_base: float = 500000.0
     llama31_rope: bool = True  # write rope_freqs as Llama 3.1 does
 
@@ -45,8 +45,9 @@ SHAPES = {
     "tiny": Shape(n_layers=2, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, rope_base=10000.0,
                   llama31_rope=False),
     "small": Shape(n_layers=4, d_model=512, d_ff=1536, n_heads=8, n_kv_heads=2),
-    "llama3-8b": Shape(n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8),
-    "llama3-70b": Shape(n_layers=80, d_model=8192, d_ff=28672, n_heads=64, n_kv_heads=8),
+    # Llama 3.1's context: long-context work (bench/long_context.py) runs on these shapes
+    "llama3-8b": Shape(n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8, context=131072),
+    "llama3-70b": Shape(n_layers=80, d_model=8192, d_ff=28672, n_heads=64, n_kv_heads=8, context=131072),
 }
 
 WEIGHT_STD = 0.02
@@ -178,9 +179,14 @@ def _tokenizer_metadata(vocab: int | None = None) -> dict:
 
 
 def synthesize(out: str, *, shape: str | Shape = "tiny", ftype: str = "q8_0", seed: int = 0,
-               progress: Callable[[int, int], None] | None = None) -> int:
-    """Write a synthetic model; return its size in bytes."""
+               context: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+    """Write a synthetic model; return its size in bytes. context: its context_length (None:
+    the shape's)."""
     s = SHAPES[shape] if isinstance(shape, str) else shape
+    if context is not None:
+        if context < 1:
+            raise ValueError(f"context {context}: give a positive number of positions")
+        s = dataclasses.replace(s, context=context)
     if ftype not in FTYPES:
         raise ValueError(f"unknown type {ftype!r}; one of {', '.join(FTYPES)}")
     check_output(out)

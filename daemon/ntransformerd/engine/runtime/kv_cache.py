@@ -284,6 +284,16 @@ class BlockTable:
                 del self._idle[other]
                 self._evict(other)
 
+    def spill(self, slot: int) -> bool:
+        """A closed slot's blocks back to the pool now, as the pool takes them when it runs short:
+        saved to the host pool first where it has room (True), else dropped (False)."""
+        self._check(slot)
+        if slot not in self._idle:
+            raise ValueError(f"KV slot {slot} is live or holds no blocks: only a closed slot's blocks spill")
+        del self._idle[slot]
+        self._evict(slot)
+        return slot in self.spilled
+
     def _evict(self, slot: int) -> None:
         """A closed slot's blocks back to the pool: saved to the host pool first where it has room."""
         h = int(self.held[slot])
@@ -607,6 +617,12 @@ class KVCache(SlotTable):
     def free(self, slot: int) -> None:
         super().free(slot)
         self.blocks.forget(slot)
+
+    def spill(self, slot: int) -> bool:
+        """A PARKED slot's blocks to the host pool now (spill_limit permitting; False: dropped),
+        what the pool does when it runs short; reopening the slot restores them."""
+        self._expect(slot, SlotState.PARKED)
+        return self.blocks.spill(slot)
 
     def reserve(self, slot: int, n: int) -> None:
         """Room for positions [0, n) of `slot`, whose positions from its length on are written

@@ -171,7 +171,9 @@ def model_plan(model, config, *, backend: str, vram_free: int | None = None, ram
                           max_vram_layers=config.max_vram_layers, stream_depth=config.stream_depth)
 
     plan = plan_with(kv)
-    plan = dataclasses.replace(plan, kv=_with_trade(pool, model.config, plan, plan_with))
+    pool = _with_trade(pool, model.config, plan, plan_with)
+    pool = dataclasses.replace(pool, against=_against(model, config, backend, pool, layer_bytes, limit, plan_with))
+    plan = dataclasses.replace(plan, kv=pool)
     if host_computes(config, backend):
         plan = with_schedule(plan, figures or Figures.assumed(), STEP_ROWS + (config.prefill_chunk,))
     return plan
@@ -222,6 +224,23 @@ def _with_trade(pool: KVPool, cfg, plan: Plan, plan_with) -> KVPool:
         except (ValueError, PlanError):  # a head_dim the type cannot hold, or a budget it does not fit
             continue
     return dataclasses.replace(pool, resident=tuple(out))
+
+
+def _against(model, config, backend: str, pool: KVPool, layer_bytes: list[int], limit: float,
+             plan_with) -> tuple[str, int | None] | None:
+    """(the other KV type, the layers resident with it), planned as the config would plan that
+    type (its own pool: kv_pool sizes a pool by its bytes), None for layers where it would not
+    fit; f16 against any other type, q8_0 against f16. None where the model's head_dim does not
+    take the other type."""
+    other = "q8_0" if pool.dtype == "f16" else "f16"
+    try:
+        kv, _, _ = _kv_pool_work(model, config, backend, layer_bytes=layer_bytes, vram_limit=limit, dtype=other)
+    except ValueError:  # a head_dim q8_0 cannot hold
+        return None
+    try:
+        return other, len(plan_with(kv).layers(VRAM))
+    except PlanError:
+        return other, None
 
 
 def cuda_plan(module, model, config) -> Plan:

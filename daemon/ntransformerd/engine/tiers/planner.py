@@ -77,13 +77,18 @@ def mem_available(path: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+KV_BY_SIZE = ("q4_0", "q8_0", "f16", "f32")  # the KV types, fewest bytes per position first
+
+
 @dataclasses.dataclass(frozen=True)
 class KVPool:
     """The KV cache a plan sets aside on a device: `blocks` of `block_size` positions, each
     position `token_bytes` over the device's layers (kv_cache.bytes_per_token). max_ctx limits
     one sequence; the pool is shared by all of them (admission and growth count blocks).
     `resident`: layers the plan keeps resident at this pool with each KV type, (type, layers),
-    the pool's own type first: what a smaller type buys."""
+    the pool's own type first: what a smaller type buys. `against`: (the other type, layers
+    resident) with that type's own pool as the config would size it (f16 against q8_0 and the
+    others; None for layers: it would not fit), the trade the KV choice made."""
 
     dtype: str
     token_bytes: int
@@ -93,6 +98,20 @@ class KVPool:
     max_batch: int
     why: str = ""  # how the size was chosen
     resident: tuple[tuple[str, int], ...] = ()
+    against: tuple[str, int | None] | None = None
+
+    def trade(self) -> str:
+        """The KV choice's trade in layers, e.g. "q8_0 KV keeps +10 layers resident against f16",
+        "f16 KV would not fit"; "" where the plan does not know it."""
+        if self.against is None or not self.resident:
+            return ""
+        other, theirs = self.against
+        if theirs is None:
+            return f"{other} KV would not fit"
+        mine = self.resident[0][1]
+        if KV_BY_SIZE.index(self.dtype) < KV_BY_SIZE.index(other):
+            return f"{self.dtype} KV keeps {mine - theirs:+d} layers resident against {other}"
+        return f"{other} KV would keep {theirs - mine:+d} layers resident against {self.dtype}"
 
     @property
     def tokens(self) -> int:
@@ -105,7 +124,9 @@ class KVPool:
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "token_bytes": self.token_bytes, "blocks": self.blocks,
                 "block_size": self.block_size, "tokens": self.tokens, "bytes": self.bytes, "max_ctx": self.max_ctx,
-                "max_batch": self.max_batch, "why": self.why, "resident": dict(self.resident)}
+                "max_batch": self.max_batch, "why": self.why, "resident": dict(self.resident),
+                **({"against": {"dtype": self.against[0], "resident": self.against[1], "trade": self.trade()}}
+                   if self.against is not None else {})}
 
     def explain(self, indent: str = "  ") -> list[str]:
         full = self.tokens / max(1, self.max_ctx)
@@ -114,7 +135,8 @@ class KVPool:
                  f"{self.max_ctx}; {self.max_batch} sequences at once)" + (f": {self.why}" if self.why else "")]
         if self.resident:
             lines.append(f"{indent}KV trade       layers resident at this pool: "
-                         + ", ".join(f"{t} KV {n}" for t, n in self.resident))
+                         + ", ".join(f"{t} KV {n}" for t, n in self.resident)
+                         + (f"; each type with its own pool, {self.trade()}" if self.trade() else ""))
         return lines
 
 
