@@ -161,3 +161,27 @@ def test_greedy_alone_equals_among_eight_others(engine):
     among = _generate(engine, prompts, 32)
     assert among[0] == alone, f"alone {alone}\namong {among[0]}"
     assert _generate(engine, prompts[4:5], 32)[0] == among[4]  # a long prompt, prefilled alone
+
+
+def test_a_prompt_gives_the_same_bits_however_it_was_cut(engine):
+    """With the setting, a prompt's rows run the same attention kernel whether it comes whole
+    (a segment past attn_chunk's 16 rows), cut after a prefix (the prefix cache's case), or in one
+    step beside another prompt: its last logits and the next decode step are the same bits."""
+    rng = np.random.default_rng(7)
+    vocab = engine.cfg.vocab_size
+    prompt, other = _prompts(rng, vocab, (40, 23))
+    token = int(rng.integers(100, min(vocab, 40000)))
+    slots = [engine.open() for _ in range(4)]
+    try:
+        whole = engine.step([(slots[0], prompt)])[0]
+        engine.step([(slots[1], prompt[:7])])
+        cut = engine.step([(slots[1], prompt[7:])])[0]
+        beside = engine.step([(slots[3], other), (slots[2], prompt)])[1]
+        for got, how in ((cut, "cut after 7"), (beside, "beside another prompt")):
+            assert _same_bits(got, whole), (how, _first_difference(got, whole))
+        nxt = engine.step([(s, [token]) for s in slots[:3]])
+        for i in (1, 2):
+            assert _same_bits(nxt[i], nxt[0]), (i, _first_difference(nxt[i], nxt[0]))
+    finally:
+        for s in slots:
+            engine.close(s)

@@ -8,7 +8,9 @@ order: its bits depend on its own data and position, never on how many rows shar
 whether the step is captured, or whether RoPE and the append ran in the same launch. Prefill
 segments of at least CHUNK_ROWS tokens run attn_chunk instead, whose f16 tensor-core products
 round differently: the one exemption. Which of the two a prompt's rows take follows how the
-scheduler cuts the prompt into chunks.
+scheduler cuts the prompt into chunks (a prefix from the prefix cache, a chunk beside another
+request's), so with the `deterministic` setting every row runs attn_decode (ops.CudaOps._rows):
+a prompt's KV is then the same bits however it was cut, at the cost of prefill speed.
 """
 
 from __future__ import annotations

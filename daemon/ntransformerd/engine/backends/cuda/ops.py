@@ -152,7 +152,10 @@ class CudaOps:
         if self._batch is None or self._batch[0] is not batch:
             c = self.cfg
             slots = np.repeat([s.slot for s in batch.segments], np.diff(batch.offsets)).astype(np.int32)
-            chunk = c.head_dim in A.CHUNK_HEAD_DIMS and int(np.diff(batch.offsets).max()) >= A.CHUNK_ROWS
+            # the deterministic setting: every row on attn_decode, so a prompt's rows round alike
+            # however the scheduler cut it (a prefix from the cache, a chunk beside other rows)
+            chunk = (not self.settings.deterministic and c.head_dim in A.CHUNK_HEAD_DIMS
+                     and int(np.diff(batch.offsets).max()) >= A.CHUNK_ROWS)
             tiles = cp.asarray(A.chunk_tiles(batch.offsets, batch.positions)) if chunk else None
             self._batch = (batch, cp.asarray(slots), cp.asarray(batch.positions.astype(np.int32)), tiles)
         return self._batch[1:]
