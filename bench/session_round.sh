@@ -11,7 +11,7 @@
 #                 (tests/gpu/test_daemon_invariance.py), kv_capacity and kv_spill on the real model, bench/hybrid_quality.py on it
 #                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
-#                 this host's CPU);
+#                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
 #   PHASE=long:   bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
 #                 against prefilled again, bit for bit) and bench/long_context.py (70B shape, file context 131072, 24 GiB, q8_0 KV,
 #                 4 sequences of 32k at once through the daemon: 512 against 32k); CAPACITY=1 adds
@@ -119,6 +119,8 @@ else
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
       --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
   fi
+  [ "${SERVE:-1}" = 1 ] || { echo "phase checks done at $(( $(date +%s) - t0 )) s (SERVE=0: no serving rows)"; \
+    tar czf "$OUT/logs.tgz" -C "$OUT" logs; exit 0; }
   timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
     $( [ -x $llama/llama-batched-bench ] && echo --batched-bench $llama/llama-batched-bench ) \
     --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -16
