@@ -26,13 +26,15 @@ from ntransformerd.engine.kv_cache import KVCache
 
 
 class AttentionProbe:
-    """`rows` sequences of `positions` keys each (random, stored as `dtype`), one decode row
-    each at the last position: q (rows, H * hd) random."""
+    """`rows` sequences of `positions` keys each (random, stored as `dtype`), each with its last
+    `chunk` positions as query rows (1: a decode step; more: a prefill chunk or a verify step):
+    q (rows × chunk, H * hd) random."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: str, positions: int, rows: int = 1, seed: int = 0,
-                 lib: native.Library | None = None):
-        if positions < 1 or rows < 1:
-            raise ValueError(f"attention probe: positions {positions} and rows {rows} must be at least 1")
+    def __init__(self, cfg: LlamaConfig, *, dtype: str, positions: int, rows: int = 1, chunk: int = 1,
+                 seed: int = 0, lib: native.Library | None = None):
+        if positions < 1 or rows < 1 or not 1 <= chunk <= positions:
+            raise ValueError(f"attention probe: positions {positions} and rows {rows} must be at least 1, "
+                             f"chunk {chunk} from 1 to positions")
         self.lib = lib or native.load()
         self.cfg = dataclasses.replace(cfg, n_layers=1)
         c, rng = self.cfg, np.random.default_rng(seed)
@@ -46,14 +48,15 @@ class AttentionProbe:
                 layer.write(s, p0, k, v)
         self._rope = np.zeros((1, max(c.rope_dim // 2, 1)), np.float32)  # attention reads no rope table
         self.consts = model_consts(c, self._rope, self._rope, self.cache)
-        self._arrays = (np.zeros(rows, np.int64), np.full(rows, positions - 1, np.int64),
-                        np.arange(rows, dtype=np.int64), np.arange(rows, dtype=np.int64))
+        n = rows * chunk
+        self._arrays = (np.zeros(n, np.int64), np.tile(np.arange(positions - chunk, positions, dtype=np.int64), rows),
+                        np.repeat(np.arange(rows, dtype=np.int64), chunk), np.arange(n, dtype=np.int64))
         self.header = header(*self._arrays)
-        self.q = rng.standard_normal((rows, c.n_heads * c.head_dim), dtype=np.float32)
+        self.q = rng.standard_normal((n, c.n_heads * c.head_dim), dtype=np.float32)
         self.out = np.full_like(self.q, np.nan)
 
     def run(self, *, threads: int = 1, ref: bool = False) -> np.ndarray:
-        """The attention's output (rows, H * hd): by the kernel the steps run, or the reference."""
+        """The attention's output (rows × chunk, H * hd): by the kernel the steps run, or the reference."""
         layer = self.cache.layer(0)
         rc = self.lib.attention(ctypes.addressof(self.consts), ctypes.addressof(self.header), self.q.ctypes.data,
                                 self.out.ctypes.data, layer.k.ctypes.data, layer.v.ctypes.data, threads, int(ref))
