@@ -22,7 +22,7 @@ import numpy as np
 from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.backends.host.record import header, model_consts
 from ntransformerd.engine.gguf_file import LlamaConfig
-from ntransformerd.engine.kv_cache import KVCache
+from ntransformerd.engine.runtime.kv_cache import KVCache
 
 
 class AttentionProbe:
