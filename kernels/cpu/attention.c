@@ -14,6 +14,10 @@
 
 #include "attention.h"
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #define KT NTX_ATTN_KEYS
 
 /* ---- rows -------------------------------------------------------------------------------- */
@@ -119,6 +123,15 @@ void ntx_kv_load_rows(int type, const uint8_t *rows, int64_t n, int hd, float *o
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
+/* Two kernels of the same arithmetic. ntx_attn_group_ref (the first one written, kept as the
+ * reference the tests and bench/host_attention.py compare with) runs the score loop across
+ * query vectors, 16 lanes at a time: a decode step of a GQA model (4 query heads per KV head)
+ * leaves 12 of the 16 lanes empty. ntx_attn_group runs it across the tile's 16 keys, with the
+ * keys decoded into a transposed tile, so every lane is a real (key, query) pair and each key
+ * is decoded once for all the query heads of its group. Each score is still the same chain
+ * a = a + k_i q_i over i in order from 0 (contracted the same way by the same compiler flags),
+ * each tile of KT keys still updates the running max, sum and output in the same order, so
+ * the two kernels' outputs are the same bits. */
 
 /* exp(x) for x ≤ 0 (a score minus its running max), within 2 ulp; exp(0) is exactly 1. Cephes'
  * expf: x = n ln2 + r, |r| ≤ ln2 / 2, a degree-7 polynomial in r, times 2^n. Below -87 (where
@@ -159,11 +172,11 @@ int64_t ntx_attn_groups(const ntx_header *h, int64_t *starts) {
 
 int64_t ntx_attn_scratch(const ntx_model *md) {
     int64_t hd = up16(md->head_dim), nq = up16((int64_t)NTX_ATTN_ROWS * (md->n_heads / md->n_kv_heads));
-    return 2 * hd * nq + KT * nq + 4 * nq + 2 * KT * hd + 16;
+    return 2 * hd * nq + KT * nq + 4 * nq + 3 * KT * hd + 16; /* ntx_attn_group's or the reference's */
 }
 
-void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
-                    const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
+void ntx_attn_group_ref(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                        const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
     const int hd = md->head_dim, H = md->n_heads, g = H / md->n_kv_heads, type = md->kv_type;
     const int64_t nq = (r1 - r0) * g, NQ = up16(nq), HD = up16(hd), slot = h->slots[r0];
     const int64_t end = h->positions[r1 - 1] + 1; /* keys [0, end): the last row sees them all */
@@ -242,6 +255,143 @@ void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, fl
                 for (int t = 0; t < 16; t++) av[i0 + t] = a[t];
             }
         }
+    }
+    for (int64_t v = 0; v < nq; v++) {
+        float *o = out + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd;
+        for (int i = 0; i < hd; i++) o[i] = acc[v * HD + i] / l[v];
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* Eight rows of eight floats, transposed in registers. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
+/* Keys [k0, k0 + nk) of KV head kh decoded into kt (hd, KT): column k holds key k0 + k, the
+ * columns past nk zero. row: hd floats of scratch. */
+static void load_keys_t(const ntx_model *md, const void *kv_k, int64_t slot, int64_t k0, int nk, int kh, float *kt,
+                        float *row) {
+    const int hd = md->head_dim, type = md->kv_type;
+#if defined(__AVX2__) && defined(__F16C__)
+    if (type == NTX_F16 && nk == KT && hd % 8 == 0) { /* F16C: 8 values per conversion, 8×8 in registers */
+        const uint8_t *rows[KT];
+        for (int k = 0; k < KT; k++) rows[k] = ntx_kv_row(md, kv_k, slot, k0 + k, kh);
+        for (int i0 = 0; i0 < hd; i0 += 8)
+            for (int kb = 0; kb < KT; kb += 8) {
+                __m256 r[8];
+                for (int j = 0; j < 8; j++) r[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rows[kb + j] + 2 * i0)));
+                transpose8(r);
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(kt + (i0 + j) * KT + kb, r[j]);
+            }
+        return;
+    }
+#endif
+    for (int k = 0; k < KT; k++) {
+        if (k < nk)
+            kv_load(type, ntx_kv_row(md, kv_k, slot, k0 + k, kh), hd, row);
+        else
+            memset(row, 0, (size_t)hd * sizeof(float));
+        for (int i = 0; i < hd; i++) kt[i * KT + k] = row[i];
+    }
+}
+
+#define QB 4 /* query vectors whose scores are summed together: 2 × QB independent chains of 8 lanes */
+
+void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                    const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
+    const int hd = md->head_dim, H = md->n_heads, g = H / md->n_kv_heads, type = md->kv_type;
+    const int64_t nq = (r1 - r0) * g, NQ = (nq + QB - 1) / QB * QB, HD = up16(hd), slot = h->slots[r0];
+    const int64_t end = h->positions[r1 - 1] + 1; /* keys [0, end): the last row sees them all */
+    const float scale = md->attn_scale;
+    /* scratch: q (NQ, hd), scores (NQ, KT), m, l, corr, lim (NQ each), acc (NQ, HD), the keys
+     * transposed (hd, KT), the values (KT, HD), a decoded row (HD) */
+    float *qs = scratch, *s = qs + NQ * hd, *m = s + NQ * KT, *l = m + NQ, *corr = l + NQ, *lim = corr + NQ,
+          *acc = lim + NQ, *kt = acc + NQ * HD, *vt = kt + (int64_t)hd * KT, *row = vt + KT * HD;
+
+    for (int64_t v = 0; v < NQ; v++) { /* query vector v: row r0 + v / g, head kh * g + v % g */
+        if (v < nq)
+            memcpy(qs + v * hd, q + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd,
+                   (size_t)hd * sizeof(float));
+        else
+            memset(qs + v * hd, 0, (size_t)hd * sizeof(float));
+        m[v] = -INFINITY;
+        l[v] = 0.0f;
+        lim[v] = v < nq ? (float)h->positions[r0 + v / g] : -1.0f; /* padding sees nothing */
+    }
+    memset(acc, 0, (size_t)(NQ * HD) * sizeof(float));
+    if (HD != hd) /* the columns past hd stay zero */
+        for (int k = 0; k < KT; k++) memset(vt + k * HD + hd, 0, (size_t)(HD - hd) * sizeof(float));
+
+    for (int64_t k0 = 0; k0 < end; k0 += KT) {
+        const int nk = end - k0 < KT ? (int)(end - k0) : KT;
+        load_keys_t(md, kv_k, slot, k0, nk, kh, kt, row);
+        for (int64_t v0 = 0; v0 < NQ; v0 += QB) { /* scores of QB query vectors against the tile's keys */
+            float a[QB][KT] = {{0}};
+            const float *qv = qs + v0 * hd;
+            for (int i = 0; i < hd; i++) {
+                const float *ki = kt + i * KT;
+                for (int u = 0; u < QB; u++) {
+                    const float qi = qv[u * hd + i];
+#pragma omp simd
+                    for (int t = 0; t < KT; t++) a[u][t] += ki[t] * qi;
+                }
+            }
+            for (int u = 0; u < QB; u++) {
+                float *sv = s + (v0 + u) * KT;
+                const float lv = lim[v0 + u];
+#pragma omp simd
+                for (int t = 0; t < KT; t++) sv[t] = (float)(k0 + t) > lv ? -INFINITY : a[u][t] * scale;
+            }
+        }
+        /* online softmax, per query vector as the reference runs it across them */
+        for (int64_t v = 0; v < NQ; v++) {
+            float *sv = s + v * KT, mx = m[v];
+            for (int k = 0; k < nk; k++) mx = sv[k] > mx ? sv[k] : mx;
+#pragma omp simd
+            for (int k = 0; k < nk; k++) sv[k] = sv[k] == -INFINITY ? 0.0f : exp_le0(sv[k] - mx);
+            const float c = m[v] == -INFINITY ? 0.0f : exp_le0(m[v] - mx);
+            m[v] = mx;
+            corr[v] = c;
+            float lv = l[v] * c;
+            for (int k = 0; k < nk; k++) lv += sv[k];
+            l[v] = lv;
+        }
+        for (int k = 0; k < nk; k++) kv_load(type, ntx_kv_row(md, kv_v, slot, k0 + k, kh), hd, vt + k * HD);
+        for (int i0 = 0; i0 < HD; i0 += 16) /* acc = acc × corr + Σ_k p_k v_k, QB vectors × 16 values at a time */
+            for (int64_t v0 = 0; v0 < nq; v0 += QB) {
+                float a[QB][16];
+                for (int u = 0; u < QB; u++)
+#pragma omp simd
+                    for (int t = 0; t < 16; t++) a[u][t] = acc[(v0 + u) * HD + i0 + t] * corr[v0 + u];
+                for (int k = 0; k < nk; k++) {
+                    const float *vr = vt + k * HD + i0;
+                    for (int u = 0; u < QB; u++) {
+                        const float p = s[(v0 + u) * KT + k];
+#pragma omp simd
+                        for (int t = 0; t < 16; t++) a[u][t] += p * vr[t];
+                    }
+                }
+                for (int u = 0; u < QB; u++)
+#pragma omp simd
+                    for (int t = 0; t < 16; t++) acc[(v0 + u) * HD + i0 + t] = a[u][t];
+            }
     }
     for (int64_t v = 0; v < nq; v++) {
         float *o = out + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd;

@@ -57,4 +57,16 @@ int64_t ntx_attn_scratch(const ntx_model *md);
 void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
                     const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch);
 
+/* The same, bit for bit, by the first kernel's loop order (attention.c): the reference the new
+ * one is tested and timed against. */
+void ntx_attn_group_ref(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                        const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch);
+
+/* Attention of every row of h over one layer's cache on n_threads threads, as a step's
+ * NTX_OP_ATTN runs it (ref: by ntx_attn_group_ref): what tests, bench/host_attention.py and
+ * the figures at load (engine/figures.py) call outside a step. 0, or -2 where the scratch
+ * could not be allocated. */
+int ntx_attention(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                  const void *kv_v, int n_threads, int ref);
+
 #endif

@@ -296,3 +296,27 @@ double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads)
     }
     return (double)total;
 }
+
+int ntx_attention(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                  const void *kv_v, int n_threads, int ref) {
+    if (n_threads < 1) n_threads = 1;
+    int64_t per = ntx_attn_scratch(md), Hk = md->n_kv_heads;
+    float *scratch = malloc((size_t)(per * n_threads) * sizeof(float));
+    int64_t *groups = malloc((size_t)(h->n_rows + 1) * sizeof(int64_t));
+    if (!scratch || !groups) {
+        free(scratch);
+        free(groups);
+        return -2;
+    }
+    int64_t n_groups = ntx_attn_groups(h, groups);
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t it = 0; it < n_groups * Hk; it++) {
+        float *mine = scratch + omp_get_thread_num() * per;
+        int64_t gi = it / Hk;
+        (ref ? ntx_attn_group_ref : ntx_attn_group)(md, h, q, out, kv_k, kv_v, groups[gi], groups[gi + 1],
+                                                     (int)(it % Hk), mine);
+    }
+    free(scratch);
+    free(groups);
+    return 0;
+}

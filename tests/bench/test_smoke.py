@@ -124,6 +124,11 @@ def check_cpu_kernels(d: dict) -> None:
     assert all(figure(r["gb_s"]) for r in d["results"]), d["results"]
 
 
+def check_host_attention(d: dict) -> None:
+    assert [r["context"] for r in d["results"]] == [64, 300], d["results"]
+    assert all(r["same_bits"] is True and figure(r["ref_seconds"]) and figure(r["new_seconds"]) for r in d["results"])
+
+
 def check_resident(d: dict) -> None:
     assert [f["type"] for f in d["files"]] == ["q8_0", "q4_k_m"]
     for f in d["files"]:
@@ -308,8 +313,9 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
        "host_share.py": check_host_share, "host_ceiling.py": check_host_ceiling,
-       "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence,
-       "long_context.py": check_long_context}  # the cpu backend where there is no GPU
+        "host_attention.py": check_host_attention,
+        "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence,
+        "long_context.py": check_long_context}  # the cpu backend where there is no GPU
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "attention_gpu.py": check_attention_gpu,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,

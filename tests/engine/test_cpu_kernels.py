@@ -32,6 +32,8 @@ from gguf import quants as gguf_quants
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, SUPPORTED_TYPES
 
 from ntransformerd.engine.backends.host import native
+from ntransformerd.engine.backends.host.attention import AttentionProbe
+from ntransformerd.engine.gguf_file import LlamaConfig
 from ntransformerd.engine.quants import BLOCK_DTYPES, QUANT_BLOCKS, SUPPORTED_TYPES
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -380,3 +382,30 @@ def test_gemm_real_weights(lib, default_model, name):
     assert t.qtype in (Q.Q4_1, Q.Q8_0)
     got = dequantize_rows(lib, t.qtype, w, n, np.arange(w.shape[0]))
     assert np.array_equal(got.view(np.uint32), reference_dequant(t.qtype, w, n).view(np.uint32))
+
+
+# ---- attention (kernels/cpu/attention.c) ----------------------------------------------------------
+
+def _attn_cfg(n_heads: int, n_kv_heads: int, head_dim: int) -> LlamaConfig:
+    return LlamaConfig(n_layers=1, d_model=n_heads * head_dim, d_ff=64, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=head_dim, vocab_size=64, context_length=1 << 16, rms_eps=1e-5, rope_base=1e4,
+                       rope_dim=head_dim, rope_neox=False, rope_scale=1.0, tied_output=False)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "f32"])
+@pytest.mark.parametrize("heads, positions, rows, chunk", [
+    ((32, 8, 128), 1, 1, 1), ((32, 8, 128), 17, 2, 1), ((32, 8, 128), 1000, 1, 1), ((32, 8, 128), 83, 1, 16),
+    ((8, 8, 64), 300, 3, 1), ((12, 2, 96), 129, 2, 5), ((16, 1, 32), 769, 1, 3), ((4, 4, 256), 40, 1, 20)])
+def test_attention_is_the_reference_bit_for_bit(lib, dtype, heads, positions, rows, chunk):
+    """The kernel the steps run (scores across keys) gives the bits of the reference (scores
+    across query vectors) on fresh random caches: GQA ratios 1 to 16, head_dim 32 to 256,
+    decode rows and groups of up to 16 rows (a chunk of 20 is two groups), one thread or two."""
+    probe = AttentionProbe(_attn_cfg(*heads), dtype=dtype, positions=positions, rows=rows, chunk=chunk,
+                           seed=positions * 7 + rows, lib=lib)
+    ref = probe.run(ref=True)
+    assert np.isfinite(ref).all()
+    for threads in (1, 2):
+        new = probe.run(threads=threads)
+        bad = np.flatnonzero(new.view(np.uint32) != ref.view(np.uint32))
+        assert bad.size == 0, (f"{bad.size} of {new.size} differ (threads {threads}); first at {bad[0]}: "
+                               f"{new.flat[bad[0]]!r} vs {ref.flat[bad[0]]!r}")

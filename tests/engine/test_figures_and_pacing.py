@@ -114,15 +114,18 @@ def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
     monkeypatch.setattr(fig, "host_rates", lambda *a, **k: calls.append(1) or real(*a, rows=(1,), repeats=1, **{
         n: v for n, v in k.items() if n != "rows"}))
     host = backends.resolve("cpu")
-    first = fig.measured_figures(model, None, host, threads=1)
-    again = fig.measured_figures(model, None, host, threads=1)
+    first = fig.measured_figures(model, None, host, kv_dtype="f16", threads=1)
+    again = fig.measured_figures(model, None, host, kv_dtype="f16", threads=1)
     assert calls == [1] and again == first and first.measured and list(first.host_bps) == [1]
-    fig.measured_figures(model, None, host, threads=2)  # another thread count: measured again
+    assert 0 < first.host_attn_s < 1e-3  # seconds per position per layer: the host's attention was timed
+    fig.measured_figures(model, None, host, kv_dtype="f16", threads=2)  # another thread count: measured again
     assert calls == [1, 1]
+    fig.measured_figures(model, None, host, kv_dtype="q8_0", threads=1)  # another KV dtype: measured again
+    assert calls == [1, 1, 1]
 
 
 def test_figures_cache_round_trip_and_bad_files(tmp_path):
-    f = Figures(55e9, {1: 60e9, 16: 20e9}, {1: 3e12}, handoff_s=1e-5)
+    f = Figures(55e9, {1: 60e9, 16: 20e9}, {1: 3e12}, handoff_s=1e-5, host_attn_s=2e-9)
     path = str(tmp_path / "sub" / "f.json")
     save_figures(path, f)
     assert load_figures(path) == f

@@ -253,3 +253,85 @@ def test_a_probe_that_finds_the_host_still_slow_waits_longer_next_time():
             probes.append(k)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 2 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0], probes
+
+
+# ---- the context: the host's attention (Figures.host_attn_s) ----------------------------------------
+
+ATTN_S = 0.65e-6  # the host's attention per position per layer: issue 34's 8B (f16 KV), the first kernel
+
+
+def _eight_b(attn_s=ATTN_S):
+    """An 8B of 32 layers of 0.22 GB with 24 resident, the host reading 64 GB/s, the link 55."""
+    p = plan([VRAM] * 24 + [PINNED] * 8, 0.22e9)
+    return p, Figures(55 * GB, {1: 64 * GB, 16: 8 * GB}, {1: 3000 * GB}, host_attn_s=attn_s)
+
+
+def test_a_longer_context_gives_the_host_fewer_layers():
+    p, f = _eight_b()
+    hosted = [len(place_rows(p, f, 1, context).host_layers) for context in (0, 1024, 4096, 16384, 65536)]
+    assert hosted[0] > 0 and all(b <= a for a, b in zip(hosted, hosted[1:])) and hosted[-1] < hosted[0], hosted
+    # a host layer's time: its bytes at the host's rate and its attention over the context
+    one = pass_seconds(plan([PINNED], 0.22e9), {0}, f, 2, 1000)
+    assert one.host_seconds == pytest.approx(0.22e9 / f.host(2) + 2 * 1000 * ATTN_S)
+    s = with_schedule(p, f, (1, 16), context=4096).schedule
+    assert s.context == 4096 and "context 4096 positions" in s.explain()[0]
+    assert s.placements[0].host_layers == place_rows(p, f, 1, 4096).host_layers
+    # without the figure the context costs nothing: the placement at load, whatever the context
+    assert place_rows(p, dataclasses.replace(f, host_attn_s=0.0), 1, 65536).host_layers == \
+        place_rows(p, f, 1, 0).host_layers
+
+
+def _grow(st, contexts, attn_s=ATTN_S, host_bps=64 * GB, link_bps=55 * GB):
+    """Decode steps of one row at each context in turn, the host's time holding its attention
+    (what a real step shows); the host layers at each step."""
+    from ntransformerd.engine.tiers.placement import Observation
+    hosted = []
+    for c in contexts:
+        pl = st.schedule.placements[0]
+        hb = sum(st.plan.layer_bytes[i] for i in pl.host_layers)
+        lb = sum(st.plan.layer_bytes[i] for i, t in enumerate(pl.tiers) if t in (PINNED, STORAGE))
+        n = len(pl.host_layers)
+        st.observe(Observation(1, hb / host_bps + n * c * attn_s, hb, lb / link_bps, lb, keys=c, host_layers=n))
+        hosted.append(len(st.schedule.placements[0].host_layers))
+    return hosted
+
+
+def test_steering_does_not_take_a_longer_context_for_a_slower_host():
+    """Context from 1 to 4096, one position a step, on a host whose speed never changes: the
+    host's factor stays at 1, the placement gives the host fewer layers as the attention grows,
+    in at most 12 weighs (x1.25 from 256); the steering without the figure takes the growing
+    attention for a slower host."""
+    from ntransformerd.engine.tiers.placement import Steering
+    p, f = _eight_b()
+    st = Steering(with_schedule(p, f, (1, 16)), dwell=4, probe=32)
+    hosted = _grow(st, range(1, 4097))
+    assert 0.99 < st.host_scale < 1.01, st.status()
+    assert hosted[-1] < hosted[0] and hosted[-1] == len(place_rows(p, f, 1, 4096).host_layers), (hosted[0], hosted[-1])
+    assert 1 <= st.weighs <= 12 and st.changes <= st.weighs, st.status()
+    blind = Steering(with_schedule(p, dataclasses.replace(f, host_attn_s=0.0), (1, 16)), dwell=4, probe=32)
+    _grow(blind, range(1, 4097))
+    assert blind.host_scale < 0.9, blind.status()  # it reads a slow host
+
+
+def test_a_new_short_context_gives_the_host_its_layers_back():
+    from ntransformerd.engine.tiers.placement import Steering
+    p, f = _eight_b()
+    st = Steering(with_schedule(p, f, (1, 16)), dwell=4, probe=32)
+    long = _grow(st, [16384] * 8)
+    assert long[-1] < len(place_rows(p, f, 1, 0).host_layers)
+    short = _grow(st, range(1, 9))  # a new conversation: back at once (after the dwell)
+    assert short[-1] == len(place_rows(p, f, 1, 0).host_layers) and 0.99 < st.host_scale < 1.01
+
+
+def test_a_weigh_is_cheap():
+    """Making the placement again at every shape of an 80-layer plan (what each weigh does, here
+    on each context jump) takes milliseconds: the steering may do it on the step's thread."""
+    import time
+    from ntransformerd.engine.tiers.placement import Observation, Steering
+    p = plan([VRAM] * 40 + [PINNED] * 40, 0.5e9)
+    f = Figures(55 * GB, {1: 64 * GB, 16: 8 * GB}, {1: 3000 * GB}, host_attn_s=ATTN_S)
+    st = Steering(with_schedule(p, f, (1, 2, 4, 8, 16, 32, 512)), dwell=1)
+    t0 = time.process_time()
+    for c in (4096, 256, 4096):
+        st.observe(Observation(1, 0.0, 0, 0.0, 0, keys=c))
+    assert st.weighs == 3 and (time.process_time() - t0) / 3 < 0.5  # seconds: generous on a shared machine

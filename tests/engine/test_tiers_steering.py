@@ -113,7 +113,8 @@ def test_cached_figures_the_steps_contradict_are_replaced(model, tmp_path, monke
     config = EngineConfig(backend="cpu-ref", max_batch=2, max_ctx=256, prefill_chunk=8, max_vram_layers=1,
                           host_compute="auto", link_cap=LINK)
     base = tiers.model_plan(model, config, backend="cpu", figures=None)
-    path = figures_module.cache_path(model, base, gpu="", threads=config.cpu_threads, link_cap=config.link_cap)
+    path = figures_module.cache_path(model, base, gpu="", threads=config.cpu_threads, link_cap=config.link_cap,
+                                     kv_dtype=config.kv_dtype)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(wrong.to_dict(), f)

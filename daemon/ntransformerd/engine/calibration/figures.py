@@ -1,12 +1,14 @@
 """The rates a hybrid plan is placed from, measured at load (tiers/placement.py: Figures).
 
-    figures = measured_figures(model, plan, backend, config)   # cached per model, plan and machine
+    figures = measured_figures(model, plan, backend, kv_dtype="f16")   # cached per model, plan and machine
 
-Four figures, each over this model's own layers: the link (pinned host memory → device, a few
+Five figures, each over this model's own layers: the link (pinned host memory → device, a few
 layers' bytes copied), the host's rate per step shape (the cpu backend's recorded piece of a
 stretch of layers, `HostSteps.run(batch, x=..., layers=..., head=False)`, at rows 1, 4, 16, 64),
-the GPU's (one resident layer through the backend's ops at the same rows) and one hand-off of
-the activation (device → host → device). Rates are the median of a few runs after a warm-up,
+the GPU's (one resident layer through the backend's ops at the same rows), one hand-off of
+the activation (device → host → device), and the host's attention per position (one layer's
+decode attention over ATTN_POSITIONS positions of the KV dtype, backends/host/attention.py: what
+each position a row attends to adds to a host layer). Rates are the median of a few runs after a warm-up,
 in bytes of layer weights per second. The host's stretch is the plan's streamed layers (what
 the host may compute) up to HOST_SAMPLE_BYTES: one layer run again and again stays in a large
 last-level cache and times the cache, not RAM, while the host's real share of a step is read
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 MEASURE_ROWS = (1, 4, 16, 64)  # decode at batch 1, 4, 16; a verify step or chunk of 64 rows
 REPEATS = 3  # a first guess: the steps correct it (placement.Steering), so a quick one
 HOST_SAMPLE_BYTES = 1 << 30  # the host's timed stretch of layers at most: past any CPU's last-level cache
-VERSION = 2  # of what the figures measure: cached figures of another version are measured again
+ATTN_POSITIONS = 2048  # the host's attention is timed over this many positions of one sequence
+VERSION = 3  # of what the figures measure: cached figures of another version are measured again
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = REPEATS, sync: Callable[[], object] | None = None) -> float:
@@ -110,6 +113,17 @@ def host_rates(model: GGUFModel, *, layers: Sequence[int] = (0,), threads: int |
         x = np.random.default_rng(r).standard_normal((r, model.config.d_model), dtype=np.float32)
         out[r] = nbytes / median_seconds(lambda: steps.run(batch, x=x, layers=layers, head=False), repeats)
     return out
+
+
+def host_attention_seconds(cfg, *, kv_dtype: str, threads: int | None = None, positions: int = ATTN_POSITIONS,
+                           repeats: int = REPEATS) -> float:
+    """Seconds one layer's decode attention on the host adds per position a row attends to: one
+    row over `positions` positions of `kv_dtype`, every KV head, on the steps' thread count (a
+    few milliseconds, the probe's random cache included)."""
+    host = backends.resolve("cpu").module
+    threads = threads or host.default_threads()
+    probe = host.AttentionProbe(cfg, dtype=kv_dtype, positions=positions)
+    return probe.seconds(threads=threads, repeats=repeats) / positions
 
 
 def _plan_of(model: GGUFModel) -> Plan:
@@ -195,10 +209,11 @@ def machine() -> str:
     return f"{platform.node()}|{cpu}|{os.cpu_count()}"
 
 
-def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
+def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None,
+              kv_dtype: str) -> str:
     st = os.stat(model.path)
     parts = [VERSION, os.path.abspath(model.path), st.st_size, int(st.st_mtime), plan.tiers if plan else None,
-             plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap]
+             plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap, kv_dtype]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 
@@ -206,17 +221,20 @@ def gpu_name(backend) -> str:
     return "" if backend.is_host else str(backend.module.cp.cuda.runtime.getDeviceProperties(0)["name"])
 
 
-def cache_path(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None) -> str:
+def cache_path(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None,
+               kv_dtype: str) -> str:
     """Where the figures of `plan` on this machine are kept (the steps' corrections too)."""
-    return os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap) + ".json")
+    return os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap,
+                                               kv_dtype=kv_dtype) + ".json")
 
 
-def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: int | None = None,
+def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, kv_dtype: str, threads: int | None = None,
                      link_cap: float | None = None, use_cache: bool = True) -> Figures:
-    """The figures of `plan` on this machine: from the cache, else measured (and cached). On a
-    host backend there is no link: the host's rates only, the link assumed."""
+    """The figures of `plan` on this machine with the KV cache stored as `kv_dtype`: from the
+    cache, else measured (and cached). On a host backend there is no link: the host's rates
+    only, the link assumed."""
     gpu = gpu_name(backend)
-    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap)
+    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap, kv_dtype=kv_dtype)
     if use_cache:
         cached = load_figures(path)
         if cached is not None:
@@ -226,6 +244,7 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
     log.info("measuring the host's and the link's rates for this plan (seconds; kept in %s, corrected by the "
              "steps that run)", path)
     host = host_rates(model, layers=host_sample(model, plan), threads=threads)
+    attn = host_attention_seconds(model.config, kv_dtype=kv_dtype, threads=threads)
     handoff = 0.0
     if backend.is_host:
         link, gpu_bps = ASSUMED_H2D_BPS, {}
@@ -239,10 +258,10 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, threads: i
         except Exception as e:  # noqa: BLE001 - the plan still loads, on the figures it can have
             log.warning("measuring the link and the GPU failed (%s: %s): the link assumed, GPU compute not "
                         "counted", type(e).__name__, e)
-            return Figures(link_cap or ASSUMED_H2D_BPS, host, {}, measured=False)
+            return Figures(link_cap or ASSUMED_H2D_BPS, host, {}, measured=False, host_attn_s=attn)
     if link_cap is not None:
         link = min(link, link_cap)
-    figures = Figures(link, host, gpu_bps, handoff_s=handoff)
+    figures = Figures(link, host, gpu_bps, handoff_s=handoff, host_attn_s=attn)
     log.info("host compute figures measured in %.1f s: %s", time.perf_counter() - t0, figures.describe())
     if use_cache:
         try:

@@ -195,7 +195,7 @@ class Engine:
         if steering is not None:  # figures from the cache (a plan of the config's) are corrected there
             self.keep_figures(None if plan is not PLAN_OF_CONFIG else figures.cache_path(
                 model, dataclasses.replace(self.plan, schedule=None), gpu=figures.gpu_name(self.backend),
-                threads=config.cpu_threads, link_cap=config.link_cap))
+                threads=config.cpu_threads, link_cap=config.link_cap, kv_dtype=config.kv_dtype))
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
@@ -558,5 +558,6 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
                             vram_free=backend.free_memory(ids[0]), layer_bytes=sizes)
     if not plan.streamed:  # every layer resident: nothing for the host to take, nothing to measure
         return plan
-    figures = measured_figures(model, plan, backend, threads=config.cpu_threads, link_cap=config.link_cap)
+    figures = measured_figures(model, plan, backend, kv_dtype=config.kv_dtype, threads=config.cpu_threads,
+                               link_cap=config.link_cap)
     return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))

@@ -12,8 +12,11 @@ module picks the host's share that makes the pass shortest.
 
 A step's shape is its number of token rows: B for a decode step at batch B, R × T for R
 sequences verifying T tokens, the chunk length for a prefill chunk; the weights' cost depends on
-it, the attention's little. The figures are measured at load (the link, the host's rate and the
-GPU's per shape); `Figures.assumed` stands in, and says so, until they are.
+it. The host's attention also grows with the context, the positions each row attends to: a host
+layer costs its bytes at the host's rate plus rows × context × `Figures.host_attn_s`, so the
+longer the context the fewer layers the host takes (`with_schedule(..., context=)`). The figures
+are measured at load (the link, the host's rate and the GPU's per shape, the host's attention
+per position); `Figures.assumed` stands in, and says so, until they are.
 
 The pass is simulated as the slot ring runs it (`pass_seconds`): copies start when the pass
 begins and run `depth` streamed layers ahead of the GPU, each waiting for its slot's last user;
@@ -44,6 +47,11 @@ ASSUMED_HOST_BPS = 64.2e9
 # share of the pass.
 HYBRID_MARGIN = 0.05
 STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedule covers besides prefill
+# The steering places again when the context has moved by CONTEXT_STEP since the last placement;
+# below CONTEXT_FLOOR positions it counts as CONTEXT_FLOOR (there the attention costs little), so
+# a context growing from 0 to 4096 is weighed at most log(4096 / 256) / log(1.25) = 12 times.
+CONTEXT_STEP = 1.25
+CONTEXT_FLOOR = 256
 
 
 def _interpolate(table: Mapping[int, float], rows: int, beyond: float | None) -> float:
@@ -76,11 +84,12 @@ class Figures:
     disk_bps: float = ASSUMED_DISK_BPS  # storage reads, for a storage layer streamed or computed by the host
     handoff_s: float = 0.0  # one hand-off of the activation between the GPU and the host
     measured: bool = True
+    host_attn_s: float = 0.0  # the host's attention: seconds per position one row attends to, per layer
 
     def __post_init__(self):
-        if self.link_bps <= 0 or self.disk_bps <= 0 or self.handoff_s < 0:
+        if self.link_bps <= 0 or self.disk_bps <= 0 or self.handoff_s < 0 or self.host_attn_s < 0:
             raise ValueError(f"figures: link {self.link_bps} and disk {self.disk_bps} B/s must be positive, "
-                             f"hand-off {self.handoff_s} s not negative")
+                             f"hand-off {self.handoff_s} s and host attention {self.host_attn_s} s not negative")
         if not self.host_bps or any(r < 1 or b < 0 for r, b in self.host_bps.items()) or any(
                 r < 1 or b <= 0 for r, b in self.gpu_bps.items()):
             raise ValueError("figures: host rates by step rows (≥ 1) are needed, not negative; GPU rates positive")
@@ -100,19 +109,20 @@ class Figures:
     def to_dict(self) -> dict:
         return {"link_bps": self.link_bps, "host_bps": {str(r): b for r, b in self.host_bps.items()},
                 "gpu_bps": {str(r): b for r, b in self.gpu_bps.items()}, "disk_bps": self.disk_bps,
-                "handoff_s": self.handoff_s, "measured": self.measured}
+                "handoff_s": self.handoff_s, "measured": self.measured, "host_attn_s": self.host_attn_s}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Figures":
         return cls(float(d["link_bps"]), {int(r): float(b) for r, b in d["host_bps"].items()},
                    {int(r): float(b) for r, b in d.get("gpu_bps", {}).items()},
                    float(d.get("disk_bps", ASSUMED_DISK_BPS)), float(d.get("handoff_s", 0.0)),
-                   bool(d.get("measured", True)))
+                   bool(d.get("measured", True)), float(d.get("host_attn_s", 0.0)))
 
     def describe(self) -> str:
         host = ", ".join(f"{b / 1e9:.1f} GB/s at {r}" for r, b in sorted(self.host_bps.items()))
         return (f"{'measured' if self.measured else 'assumed, not measured'}: link {self.link_bps / 1e9:.1f} GB/s, "
-                f"host {host} rows" + ("" if self.gpu_bps else "; GPU compute not counted"))
+                f"host {host} rows, attention {self.host_attn_s * 1e9:.2f} ns per position per layer"
+                + ("" if self.gpu_bps else "; GPU compute not counted"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +137,12 @@ def _time(nbytes: float, rate: float) -> float:
     return nbytes / rate if rate > 0 else math.inf
 
 
-def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int) -> PassTime:
-    """One pass of a step of `rows` rows with the layers in `host` computed by the host and the
-    plan's other streamed layers brought over the link (module docstring)."""
+def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int, context: float = 0.0) -> PassTime:
+    """One pass of a step of `rows` rows, each attending to `context` positions, with the layers
+    in `host` computed by the host and the plan's other streamed layers brought over the link
+    (module docstring)."""
     gpu, cpu = figures.gpu(rows), figures.host(rows)
+    attn = rows * context * figures.host_attn_s  # each host layer's attention
     depth = max(plan.depth, 1)
     t = link_end = link_s = host_s = 0.0
     released: list[float] = []  # when each streamed position's slot was given back
@@ -141,7 +153,7 @@ def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int) -> Pas
         if (i in host) != on_host:
             on_host, handoffs, t = i in host, handoffs + 1, t + figures.handoff_s
         if i in host:
-            dt = _time(b, min(cpu, figures.disk_bps) if tier == STORAGE else cpu)
+            dt = _time(b, min(cpu, figures.disk_bps) if tier == STORAGE else cpu) + attn
             t, host_s = t + dt, host_s + dt
         elif tier in (PINNED, STORAGE):
             j = len(released)
@@ -181,11 +193,12 @@ class Placement:
         return [i for i, t in enumerate(self.tiers) if t == HOST]
 
 
-def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
-    """The fastest placement of the plan's streamed layers at a step of `rows` rows."""
+def place_rows(plan: Plan, figures: Figures, rows: int, context: float = 0.0) -> Placement:
+    """The fastest placement of the plan's streamed layers at a step of `rows` rows, each
+    attending to `context` positions."""
     streamed = plan.streamed
     m = len(streamed)
-    none = pass_seconds(plan, set(), figures, rows)
+    none = pass_seconds(plan, set(), figures, rows, context)
     best_key, best = (none.seconds, 0, none.handoffs), (set(), none)
     if m and figures.host(rows) > 0:
         for chunk in sorted({1 << e for e in range(m.bit_length())} | {m}):
@@ -193,7 +206,7 @@ def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
             for k in range(1, n + 1):
                 for phase in (0.0, 0.5):
                     host = {i for i, h in zip(streamed, spread(m, chunk, k, phase)) if h}
-                    pt = pass_seconds(plan, host, figures, rows)
+                    pt = pass_seconds(plan, host, figures, rows, context)
                     key = (round(pt.seconds, 12), len(host), pt.handoffs)
                     if key < best_key:
                         best_key, best = key, (host, pt)
@@ -207,10 +220,11 @@ def place_rows(plan: Plan, figures: Figures, rows: int) -> Placement:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The placement at each step shape, by increasing rows: a step of n rows runs the first
-    with rows ≥ n (any larger step: the last)."""
+    with rows ≥ n (any larger step: the last). Placed for rows attending to `context` positions."""
 
     placements: tuple[Placement, ...]
     figures: Figures
+    context: float = 0.0
 
     @property
     def host_layers(self) -> list[int]:
@@ -218,7 +232,7 @@ class Schedule:
         return sorted({i for p in self.placements for i in p.host_layers})
 
     def explain(self) -> list[str]:
-        lines = [f"  host compute   by step rows ({self.figures.describe()}):"]
+        lines = [f"  host compute   by step rows ({self.figures.describe()}; context {self.context:.0f} positions):"]
         for p in self.placements:
             hl = p.host_layers
             streamed = sum(1 for t in p.tiers if t in (PINNED, STORAGE))
@@ -230,19 +244,22 @@ class Schedule:
 
     def to_dict(self) -> dict:
         return {"figures": {"link_bps": self.figures.link_bps, "host_bps": dict(self.figures.host_bps),
-                            "gpu_bps": dict(self.figures.gpu_bps), "measured": self.figures.measured},
+                            "gpu_bps": dict(self.figures.gpu_bps), "measured": self.figures.measured,
+                            "host_attn_s": self.figures.host_attn_s},
+                "context": self.context,
                 "by_rows": [{"rows": p.rows, "host": p.host_layers, "seconds": p.time.seconds,
                              "streamed_seconds": p.streamed.seconds, "link_seconds": p.time.link_seconds,
                              "host_seconds": p.time.host_seconds, "handoffs": p.time.handoffs}
                             for p in self.placements]}
 
 
-def with_schedule(plan: Plan, figures: Figures, rows: Sequence[int]) -> Plan:
-    """The plan with its placement at each of the step shapes `rows` (plan.schedule)."""
+def with_schedule(plan: Plan, figures: Figures, rows: Sequence[int], *, context: float = 0.0) -> Plan:
+    """The plan with its placement at each of the step shapes `rows` (plan.schedule), for rows
+    attending to `context` positions."""
     if any(r < 1 for r in rows):
         raise ValueError(f"step rows {list(rows)}: each is at least 1")
-    placements = tuple(place_rows(plan, figures, r) for r in sorted(set(rows)))
-    return dataclasses.replace(plan, schedule=Schedule(placements, figures))
+    placements = tuple(place_rows(plan, figures, r, context) for r in sorted(set(rows)))
+    return dataclasses.replace(plan, schedule=Schedule(placements, figures, context))
 
 
 def save_figures(path: str, figures: Figures) -> None:
@@ -268,14 +285,17 @@ def load_figures(path: str) -> Figures | None:
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """One hybrid step as it ran: the host's pieces (wall time of its layers) and the link's
-    copies (their busy time), each with the layer bytes it moved."""
+    """One hybrid step as it ran: the host's pieces (wall time of its layers, how many) and the
+    link's copies (their busy time), each with the layer bytes it moved; and the positions its
+    rows attended to, summed over the rows (0: not told)."""
 
     rows: int
     host_seconds: float
     host_bytes: int
     link_seconds: float
     link_bytes: int
+    keys: int = 0
+    host_layers: int = 0
 
 
 class Steering:
@@ -285,11 +305,14 @@ class Steering:
     with its neighbours' load from minute to minute, and its attention grows with the context.
     Every hybrid step reports the rate its host pieces and its copies ran at (`observe`); each is
     folded into a factor on the load-time figure (an exponential average, `alpha` of the new
-    reading). When a factor has moved by more than `noise` since the placement was last weighed,
-    and at least `dwell` steps ran since (the placement does not flap on one slow step), the
-    placement at every step shape is made again from the corrected figures and taken where it
-    beats the current one, weighed on the same figures, by more than HYBRID_MARGIN at some shape
-    (hysteresis: a change must pay).
+    reading). The host's reading is its time against what the figures predict for that step,
+    its layers' bytes and their attention over the step's context, so a longer context is not
+    taken for a slower host. When a factor has moved by more than `noise` since the placement
+    was last weighed, or the context by CONTEXT_STEP, and at least `dwell` steps ran since (the
+    placement does not flap on one slow step), the placement at every step shape is made again
+    from the corrected figures at the step's context and taken where it beats the current one,
+    weighed on the same figures, by more than HYBRID_MARGIN at some shape (hysteresis: a change
+    must pay).
 
     A host that computes nothing (found slow, or placed out by figures from a busy moment) reports
     nothing: after `probe` steps without a host reading, its factor is moved halfway back towards
@@ -314,43 +337,59 @@ class Steering:
         self.alpha, self.noise, self.dwell = alpha, noise, dwell
         self.probe, self.max_probe, self._wait = probe, max_probe, probe
         self.host_scale = self.link_scale = 1.0
+        self.context = float(self.schedule.context)  # positions per row of the last step that said
         self._weighed = (1.0, 1.0)  # the factors the placement was last weighed with
+        self._placed_context = max(self.context, CONTEXT_FLOOR)  # and the context, floored
         self._since = 0  # steps since then
         self._unheard = 0  # steps since the host last reported
         self._probing = False
         self.changes = 0
+        self.weighs = 0  # placements made again (taken or not)
 
     def figures(self) -> Figures:
         """The load-time figures corrected by what the steps showed."""
         b = self.base
         return dataclasses.replace(
             b, link_bps=b.link_bps * self.link_scale,
-            host_bps={r: v * self.host_scale for r, v in b.host_bps.items()})
+            host_bps={r: v * self.host_scale for r, v in b.host_bps.items()},
+            host_attn_s=b.host_attn_s / self.host_scale)
 
-    def _fold(self, scale: float, expected_bps: float, nbytes: int, seconds: float) -> float:
-        if nbytes <= 0 or seconds <= 0 or expected_bps <= 0:
+    def _fold(self, scale: float, expected_seconds: float, seconds: float) -> float:
+        if seconds <= 0 or not 0 < expected_seconds < math.inf:
             return scale
-        seen = nbytes / seconds / expected_bps  # this step's rate against the figure at load
+        seen = expected_seconds / seconds  # this step's speed against the figures at load
         return math.exp((1 - self.alpha) * math.log(scale) + self.alpha * math.log(seen))
+
+    def _context_moved(self) -> bool:
+        """The context has moved by CONTEXT_STEP since the last placement, where the host's
+        attention counts at all."""
+        if self.base.host_attn_s <= 0:
+            return False
+        return abs(math.log(max(self.context, CONTEXT_FLOOR) / self._placed_context)) >= math.log(CONTEXT_STEP)
 
     def observe(self, obs: Observation) -> Schedule | None:
         """Fold one step in; the new schedule where the placement moves, else None."""
+        if obs.keys > 0:
+            self.context = obs.keys / obs.rows
         if obs.host_bytes > 0:
-            self.host_scale = self._fold(self.host_scale, self.base.host(obs.rows), obs.host_bytes,
-                                         obs.host_seconds)
+            host = self.base.host(obs.rows)
+            expected = (obs.host_bytes / host if host > 0 else math.inf) + \
+                obs.host_layers * obs.keys * self.base.host_attn_s
+            self.host_scale = self._fold(self.host_scale, expected, obs.host_seconds)
             self._unheard = 0
             if self._probing and self.host_scale >= self._weighed[0] / (1 + self.noise):
                 self._wait, self._probing = self.probe, False  # the probe found the host well again
         else:
             self._unheard += 1
-        self.link_scale = self._fold(self.link_scale, self.base.link_bps, obs.link_bytes, obs.link_seconds)
+        if obs.link_bytes > 0:
+            self.link_scale = self._fold(self.link_scale, obs.link_bytes / self.base.link_bps, obs.link_seconds)
         self._since += 1
         if self._since < self.dwell:
             return None
         limit = math.log1p(self.noise)
         drift = max(abs(math.log(self.host_scale / self._weighed[0])),
                     abs(math.log(self.link_scale / self._weighed[1])))
-        if drift <= limit:
+        if drift <= limit and not self._context_moved():
             if self._unheard < self._wait:
                 return None
             # A probe: the host silent for a while. Its factor goes halfway back to the figure at
@@ -366,20 +405,21 @@ class Steering:
     def _weigh(self) -> Schedule | None:
         """The placement made again from the corrected figures; the new schedule where it beats
         the current one (on the same figures) by HYBRID_MARGIN at some shape, else None."""
-        figures = self.figures()
+        figures, context = self.figures(), self.context
         self._weighed, self._since = (self.host_scale, self.link_scale), 0
-        best = tuple(place_rows(self.plan, figures, r) for r in self.rows)
+        self._placed_context, self.weighs = max(context, CONTEXT_FLOOR), self.weighs + 1
+        best = tuple(place_rows(self.plan, figures, r, context) for r in self.rows)
         pays = False
         for new, old in zip(best, self.schedule.placements):
             if new.tiers != old.tiers:
-                now = pass_seconds(self.plan, set(old.host_layers), figures, old.rows).seconds
+                now = pass_seconds(self.plan, set(old.host_layers), figures, old.rows, context).seconds
                 pays = pays or new.time.seconds < now * (1 - HYBRID_MARGIN)
         if not pays:
             return None
-        self.schedule = Schedule(best, figures)
+        self.schedule = Schedule(best, figures, context)
         self.changes += 1
         return self.schedule
 
     def status(self) -> str:
-        return (f"host at {self.host_scale:.2f}x and link at {self.link_scale:.2f}x of the figures at load; "
-                f"placement moved {self.changes} times")
+        return (f"host at {self.host_scale:.2f}x and link at {self.link_scale:.2f}x of the figures at load, "
+                f"context {self.context:.0f}; placement moved {self.changes} times in {self.weighs} weighs")

@@ -391,7 +391,7 @@ class Pipeline:
         self.stages, self.layout, self.cfg = list(stages), layout, cfg
         self.handoff = handoff or Handoff()
         self.steering, self.on_steer = steering, None
-        self._host_time = [0.0, 0]  # the host's pieces in this step: seconds, layer bytes
+        self._host_time = [0.0, 0, 0]  # the host's pieces in this step: seconds, layer bytes, layers
         self.step_times = [[0, 0.0] for _ in layout.schedule]  # per schedule entry: steps, seconds
         one = len(self.stages) == 1
         self.kv = self.stages[0].kv if one else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes())
@@ -452,6 +452,7 @@ class Pipeline:
             if self.layout.devices[d].kind == HOST:  # the host computes on this thread: done on return
                 self._host_time[0] += time.perf_counter() - t0
                 self._host_time[1] += sum(self.layout.devices[d].plan.layer_bytes[i] for i in ls)
+                self._host_time[2] += len(ls)
         head = self.stages[lo.head]
         if head is not cur:
             x = self.handoff.copy(x, cur, head)
@@ -506,14 +507,14 @@ class Pipeline:
                 if out is None:
                     out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
             if self.steering is not None:  # the host took no part: the steering counts its silence
-                self._host_time = [0.0, 0]
-                self._steer(len(batch.tokens), 0.0, 0)
+                self._host_time = [0.0, 0, 0]
+                self._steer(batch, 0.0, 0)
         else:
             head = self.stages[self.layout.head]
             main = self.stages[0]
             if self.steering is not None:
                 main.weights.link_busy()  # what earlier steps copied is not this step's
-                self._host_time = [0.0, 0]
+                self._host_time = [0.0, 0, 0]
             with contextlib.ExitStack() as stack:
                 for s in self.stages:
                     stack.enter_context(s.ops.step_context(batch))
@@ -521,7 +522,7 @@ class Pipeline:
                 with head.context():
                     out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
             if self.steering is not None:
-                self._steer(len(batch.tokens), *main.weights.link_busy())
+                self._steer(batch, *main.weights.link_busy())
         if several:
             self.kv.wrote(batch, groups)
         timing = self.step_times[self.layout.entry(len(batch.tokens))]
@@ -529,10 +530,12 @@ class Pipeline:
         timing[1] += time.perf_counter() - t0
         return out
 
-    def _steer(self, rows: int, link_seconds: float, link_bytes: int) -> None:
+    def _steer(self, batch: Batch, link_seconds: float, link_bytes: int) -> None:
         """Report a step over the main device and the host; follow the placement if it moves."""
-        host_seconds, host_bytes = self._host_time
-        new = self.steering.observe(Observation(rows, host_seconds, host_bytes, link_seconds, link_bytes))
+        host_seconds, host_bytes, host_layers = self._host_time
+        keys = int(batch.positions.sum()) + len(batch.positions)  # row at position p attends to p + 1
+        new = self.steering.observe(Observation(len(batch.tokens), host_seconds, host_bytes, link_seconds, link_bytes,
+                                                keys=keys, host_layers=host_layers))
         if new is not None:
             self.layout = self.layout.steered(new)
             if self.on_steer is not None:

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends.cpu import rope_frequencies
 from ntransformerd.engine.backends.host import native
+from ntransformerd.engine.backends.host.attention import AttentionProbe
 from ntransformerd.engine.backends.host.record import (BLOCK32_TYPES, FLOAT_TYPES, HostOps, Matrix, Tape,
                                                        header, model_consts, top_rows)
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig

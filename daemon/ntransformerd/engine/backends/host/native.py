@@ -172,6 +172,7 @@ class Library:
             "ntx_struct_sizes": (None, [_p]),
             "ntx_read_probe": (ctypes.c_double, [_p, _i64, _i32, _i32]),
             "ntx_attn_scratch": (_i64, [_p]),
+            "ntx_attention": (_i32, [_p, _p, _p, _p, _p, _p, _i32, _i32]),
             "ntx_kv_store_rows": (None, [_i32, _p, _i64, _i32, _p]),
             "ntx_kv_load_rows": (None, [_i32, _p, _i64, _i32, _p]),
         }
