@@ -190,3 +190,12 @@ def test_the_package_rules_catch_each_kind(tmp_path):
         "daemon/ntransformerd/tools/ntx_model.py:1: ntransformerd.tools.ntx_model imports ntx_client.cli",
         "proto/ntx_proto/paths.py:1: ntx_proto.paths imports ntx_client",
     ], got
+
+
+def test_the_engine_is_grouped_by_what_it_does():
+    """engine/ holds its groups (runtime/, generation/, calibration/, and the runtime's backends/
+    and tiers/) and the GGUF reader; a new module goes into the group of what it does."""
+    top = sorted(f for f in os.listdir(ENGINE) if f.endswith(".py"))
+    groups = sorted(d for d in os.listdir(ENGINE) if os.path.isfile(os.path.join(ENGINE, d, "__init__.py")))
+    assert top == ["__init__.py", "gguf_file.py", "quants.py"], top
+    assert groups == ["backends", "calibration", "generation", "runtime", "tiers"], groups
