@@ -118,8 +118,9 @@ def host_rates(model: GGUFModel, *, layers: Sequence[int] = (0,), threads: int |
 def host_attention_seconds(cfg, *, kv_dtype: str, threads: int | None = None, positions: int = ATTN_POSITIONS,
                            repeats: int = REPEATS) -> float:
     """Seconds one layer's decode attention on the host adds per position a row attends to: one
-    row over `positions` positions of `kv_dtype`, every KV head, on the steps' thread count (a
-    few milliseconds, the probe's random cache included)."""
+    row over `positions` positions of `kv_dtype`, every KV head, on the steps' thread count
+    (80-150 ms on a 2-core VM, most of it filling the probe's random cache; cached with the
+    other figures)."""
     host = backends.resolve("cpu").module
     threads = threads or host.default_threads()
     probe = host.AttentionProbe(cfg, dtype=kv_dtype, positions=positions)
