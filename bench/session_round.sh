@@ -25,7 +25,7 @@
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
 #                 PHASE=checks: carry .whl .gpu-full-b (with a copy of GPL-3)
-# Make the halves here: head -c N model > .gpu-full-a/part; tail -c +N+1 model > .gpu-full-b/part.
+# Make every carried folder in a fresh checkout with bench/make_carries.sh (the model halves: head -c / tail -c).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(dirname "$0")/out}; L=$OUT/logs; mkdir -p "$L" /tmp/ntx
