@@ -46,7 +46,7 @@ def load(model: GGUFModel, plan: Plan | None = None, *, source=None, poison: boo
     """The op set and the model's weights under `plan` (default: every layer resident)."""
     if not available():
         raise RuntimeError("the cuda backend needs CuPy and a visible NVIDIA GPU")
-    warm.compile_for({int(t.qtype) for t in model.tensors.values()})  # the kernels it can launch, before the first request
+    warm.compile_for({int(t.qtype) for t in model.tensors.values()}, model.config)  # what it can launch, before a request
     freq = model.dequantize("rope_freqs.weight") if "rope_freqs.weight" in model.tensors else None
     ops = CudaOps(model.config, freq, settings=settings or CudaSettings.from_env())
     return ops, CudaWeights(model, plan or resident_plan(model), source=source, poison=poison, link_cap=link_cap)

@@ -27,6 +27,7 @@ from ntransformerd.engine.backends.cuda import attention
 from ntransformerd.engine.backends.cuda.launch import matvec_kernel_names
 from ntransformerd.engine.backends.cuda.nvrtc import cp, kernel, kernel_source
 from ntransformerd.engine.backends.cuda.settings import DEFAULT, CudaSettings
+from ntransformerd.engine.gguf_file import LlamaConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,14 @@ TYPE_SUFFIX = {"q8_0": 8, "q4_k": 12, "q6_k": 14}  # the fused matvecs named by 
 TYPED = re.compile(r"^(dequant_rows|matvec_generic)<(\d+),")  # instances whose first argument is a GGML type id
 
 
-def needed(names: list[tuple[str, str]], types: set[int]) -> list[tuple[str, str]]:
+def needed(names: list[tuple[str, str]], types: set[int], cfg: LlamaConfig | None = None) -> list[tuple[str, str]]:
     """The instances of `names` a model with weight types `types` (GGML ids) can launch: every
-    one that is not tied to a weight type, and those tied to a type the model holds."""
+    one that is not tied to a weight type, and those tied to a type the model holds; with its
+    shape `cfg`, the attention instances of its head_dim and GQA group only (either KV type)."""
+    attn = None
+    if cfg is not None:
+        attn = ({attention.decode_kernel(cfg, q8) for q8 in (False, True)}
+                | {f"attn_chunk<{cfg.head_dim},{q8}>" for q8 in (0, 1)})
     out = []
     for family, name in names:
         m = TYPED.match(name)
@@ -44,6 +50,8 @@ def needed(names: list[tuple[str, str]], types: set[int]) -> list[tuple[str, str
             continue
         suffix = re.match(r"^\w+?_(q8_0|q4_k|q6_k)<", name)
         if suffix and TYPE_SUFFIX[suffix.group(1)] not in types:
+            continue
+        if attn is not None and name.startswith(("attn_decode<", "attn_chunk<")) and name not in attn:
             continue
         out.append((family, name))
     return out
@@ -71,10 +79,12 @@ def _compile(key: tuple[str, str]) -> str:
     return key[1]
 
 
-def compile_for(types: set[int], *, jobs: int | None = None, quiet: bool = False) -> int:
-    """Compile, in parallel, the instances a model of weight types `types` can launch, unless this
-    machine's cache already holds them; returns how many were compiled (0: cached)."""
-    names = needed(kernel_names(), types)
+def compile_for(types: set[int], cfg: LlamaConfig | None = None, *, jobs: int | None = None,
+                quiet: bool = False) -> int:
+    """Compile, in parallel, the instances a model of weight types `types` (and shape `cfg`) can
+    launch, unless this machine's cache already holds them; returns how many were compiled (0:
+    cached)."""
+    names = needed(kernel_names(), types, cfg)
     root = os.path.join(dirs.cache_dir(), "cuda-kernels")
     done = os.path.join(root, f"compiled-{marker(names)}")
     if os.path.exists(done):
