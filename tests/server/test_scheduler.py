@@ -48,12 +48,12 @@ class FakeEngine:
         return types.SimpleNamespace(free_slots=len(self.free), blocks_for=lambda n: 0, available=lambda: 0,
                                      kept=lambda slot: self.max_ctx)
 
-    def launch(self, items, *, sample, after=None, rows=None):
+    def launch(self, items, *, sample=None, all_logits=False, top=None, after=None, rows=None):
         """Engine.launch as a host backend runs it: at once, after's draws as the tokens."""
         if after is not None:
             ids = after.result().ids
-            items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
-        return Launch(Ran(self.step(items, sample=sample)))
+            items = [(slot, [int(ids[j])]) if j >= 0 else (slot, t) for (slot, t), j in zip(items, rows)]
+        return Launch(Ran(self.step(items, sample=sample, all_logits=all_logits, top=top)))
 
     @property
     def free_slots(self):
@@ -124,18 +124,24 @@ def test_queue_past_its_bound_is_queue_full(tokenizer):
         s.schedule([1, 2, 3], GREEDY, max_tokens=4)
 
 
-def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer, overlap):
+    """Overlapped, each step is finished one iteration later: the decoder's first token (its
+    prompt's last chunk) is still in flight when the long prompt's first chunk is launched, and
+    the long prompt's last chunk is finished an iteration later; its chunks follow one another
+    while the one before is in flight."""
     s, engine = make(tokenizer, max_batch=4, prefill_chunk=8)
+    s.overlap = overlap
     short = s.schedule([5, 6], GREEDY, max_tokens=30)
     iterate(s)  # short prefills and samples its first token
     long = s.schedule(list(range(10, 110)), GREEDY, max_tokens=2)
-    for _ in range(13):
+    for _ in range(13 + overlap):
         iterate(s)
     assert long.state == RequestState.DECODE and long.prefilled == 100
-    for step in engine.steps[1:14]:
+    for step in engine.steps[1 + overlap:14 + overlap]:
         assert (short.slot, 1) in step  # the decoder got its token in every step
         assert sum(n for slot, n in step if slot == long.slot) <= 8  # the prompt in chunks of 8
-    assert short.generated == 14
+    assert short.generated == 14 - overlap
 
 
 def test_batched_outputs_equal_solo_outputs(tokenizer):
@@ -277,6 +283,7 @@ def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
 def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer):
     faults = []
     s, engine = make(tokenizer, max_batch=2)
+    s.overlap = False  # the step a fault lands in is pinned by iteration: steps finished where they run
     s.on_fault = faults.append
     a = s.schedule([1, 2, 3], GREEDY, max_tokens=6)
     b = s.schedule([4, 5], SamplingParams(repetition_penalty=1.1, seed=1, ignore_eos=True), max_tokens=6)
@@ -298,7 +305,7 @@ def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer
     s.attach(FakeEngine(tokenizer, slots=2))  # a good load
     s.lifecycle.serving()
     d = s.schedule([1], GREEDY, max_tokens=2)
-    for _ in range(4):
+    for _ in range(6):  # overlapped again (attach): each step finished an iteration later
         iterate(s)
     assert len(_tokens(d)) == 2
 
@@ -307,8 +314,9 @@ def test_inf_logits_of_a_whole_row_are_a_model_fault_too(tokenizer):
     s, engine = make(tokenizer, max_batch=2)
     r = s.schedule([1, 2], SamplingParams(repetition_penalty=1.1, seed=1), max_tokens=3)  # whole rows
     engine.fault = lambda items, out: out.__setitem__((0, 5), np.inf)
-    iterate(s)
-    iterate(s)
+    iterate(s)  # launched (overlap: the fake is a device)
+    iterate(s)  # finished: the draw fails
+    iterate(s)  # retired
     with pytest.raises(errors.ModelFault, match=r"\+inf"):
         list(r.stream())
     assert s.lifecycle.state == ServingState.FAILED
@@ -578,3 +586,4 @@ def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks
     assert not preempted and got == solo
+
