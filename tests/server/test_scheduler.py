@@ -587,3 +587,61 @@ def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(
     assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks
     assert not preempted and got == solo
 
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_kind_of_step_goes_through_the_overlapped_pipeline_with_solo_outputs(default_model, monkeypatch,
+                                                                                   sampled):
+    """Prompt chunks, plain decode rows and speculating rows (n-gram, a prefix self-draft, a
+    skip self-draft) through the overlapped loop: verify steps and prompt chunks are launched
+    while another step is in flight (decode.launch with `after`), and every request's ids are
+    the ones it gets alone, synchronously (generate, with its own speculator of the same mode)."""
+    from ntransformerd.engine.generation import speculative
+    costs = speculative.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=5, max_ctx=256))
+    texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "The capital of France is",
+             "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+             "Once upon a time, once upon a time, there was a"]
+    modes = ["ngram", None, "ngram", "prefix:12", "skip:8,12,16"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    n = 14
+
+    def params(i):
+        if sampled:
+            return SamplingParams(temperature=0.9, top_k=40, seed=7 + i, max_tokens=n, ignore_eos=True)
+        return SamplingParams.greedy(max_tokens=n, ignore_eos=True)
+
+    def speculator(mode):
+        return None if mode is None else speculative.Speculator(
+            engine, speculative.make_draft(Mode.parse(mode), engine), costs=costs)
+    solo = [[ev.token for ev in generate(engine, p, params(i), speculator=speculator(m))]
+            for i, (p, m) in enumerate(zip(prompts, modes))]
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=5, prefix_cache=False, prefill_chunk=8),
+                  notifier=Notifier(environ={}))
+    s.attach(engine, costs=costs)
+    s.streamer.inline, s.overlap = False, True
+    s.lifecycle.serving()
+    launched = []  # per launch: (behind a step in flight, holds a verified draft, holds a prompt chunk)
+    real = decode.launch
+
+    def counting(engine_, rows, after=None, **kw):
+        chunk = any(not r.seq.decoding for r in rows)
+        out = real(engine_, rows, after, **kw)
+        launched.append((after is not None, any(r.draft is not None and r.draft.tokens for r in rows), chunk))
+        return out
+    monkeypatch.setattr(decode, "launch", counting)
+    try:
+        reqs = [s.schedule(p, params(i), max_tokens=n, speculative=None if m is None else Mode.parse(m))
+                for i, (p, m) in enumerate(zip(prompts, modes))]
+        for _ in range(3000):
+            if all(r.state == RequestState.DONE for r in reqs):
+                break
+            s.iterate()
+    finally:
+        s.stop()
+    got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
+    assert got == solo
+    assert any(flying and verify for flying, verify, _ in launched), "no verify step was launched behind another"
+    assert any(flying and chunk for flying, _, chunk in launched), "no prompt chunk was launched behind another step"
+    assert s.speculation.status().accepted > 0
