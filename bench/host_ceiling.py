@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", metavar="MODE", default="off",
                     help="the daemon's default speculative mode, so every request speculates (e.g. ngram); the "
                          f"stand-in's draws then cycle through {CYCLE} ids, which a draft can guess")
+    ap.add_argument("--cycle", type=int, default=CYCLE,
+                    help=f"with --speculative: the stand-in's draws cycle through this many ids (default {CYCLE}; "
+                         "0: a chain through the vocabulary that never repeats, so drafts find nothing)")
     ap.add_argument("--py-spy", type=int, metavar="S", default=0,
                     help="sample the daemon with py-spy for S seconds during the largest level's run")
     a = ap.parse_args(argv)
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     device = [] if a.device_ms is None else ["--device-ms", a.device_ms]
     speculating = a.speculative != "off"
     out["speculative"] = a.speculative
+    out["cycle"] = a.cycle if speculating else None
     if device:
         base, per_row = (float(x) for x in a.device_ms.split(","))
         out["device_ms"] = {"base": base, "per_row": per_row}
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "--max-queue", str(max(64, top)), "--max-ctx", "512",
                                              *(["--speculative", a.speculative] if speculating else [])],
                                          program=[sys.executable, os.path.abspath(__file__), "--serve", *device,
-                                                  *(["--cycle", str(CYCLE)] if speculating else [])])
+                                                  *(["--cycle", str(a.cycle)] if speculating else [])])
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)
         raise
