@@ -273,7 +273,8 @@ class Launched:
         elif self.kind == "draw":
             outs = [None] * len(self.live)
         else:
-            outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(self.live)]  # a verify row: (1, V)
+            # a verify row (its draft empty): (1, V)
+            outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(self.live)]
         for i, (r, o) in enumerate(zip(self.live, outs)):
             seq = r.seq
             if seq.slot < 0:
