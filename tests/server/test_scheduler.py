@@ -645,3 +645,24 @@ def test_every_kind_of_step_goes_through_the_overlapped_pipeline_with_solo_outpu
     assert any(flying and verify for flying, verify, _ in launched), "no verify step was launched behind another"
     assert any(flying and chunk for flying, _, chunk in launched), "no prompt chunk was launched behind another step"
     assert s.speculation.status().accepted > 0
+
+
+def test_the_cost_table_is_measured_with_no_step_in_flight(tokenizer, monkeypatch):
+    """ensure_costs runs the engine: on a device the step in flight is finished first (its
+    tokens streamed), so the measurement neither waits behind it nor runs beside it."""
+    from ntransformerd.engine.generation import speculative
+    s, engine = make(tokenizer, max_batch=2)
+    assert s.overlap  # the fake is a device: steps are launched and finished an iteration later
+    in_flight = []
+
+    def step_costs(engine_, draft_engine=None):
+        in_flight.append(s.runner.pending is not None)
+        return speculative.StepCosts({1: 1.0, 2: 1.1, 4: 1.5})
+    monkeypatch.setattr(speculative, "step_costs", step_costs)
+    a = s.schedule([1, 2, 3], GREEDY, max_tokens=20)
+    for _ in range(3):
+        iterate(s)
+    assert s.runner.pending is not None
+    s.schedule([4, 5], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
+    iterate(s)
+    assert in_flight == [False] and a.generated >= 2
