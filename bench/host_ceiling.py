@@ -3,6 +3,7 @@
     python3 bench/host_ceiling.py                          # default model, 1 16 64 clients, 64 tokens each
     python3 bench/host_ceiling.py --clients 16 --py-spy 5  # and where the daemon's time goes (py-spy top)
     python3 bench/host_ceiling.py --device-ms 2.24,0.16    # beside a stand-in device: the 8B on the H200
+    python3 bench/host_ceiling.py --device-ms 2.24,0.16 --speculative ngram   # every request speculating
     python3 bench/host_ceiling.py --smoke                  # tiny synthetic model: does it run?
 
 The whole daemon runs (the relay, the gRPC server, the scheduler loop, the streaming thread, as
@@ -15,6 +16,12 @@ tok/s = generated tokens / wall time, and the daemon's CPU µs per token (all it
 /proc). No device step can make the daemon stream faster than this: a GPU whose step of B rows
 takes S ms reaches B / S tok/s only where this ceiling stands above it (bench/serving_gpu.py
 compares the daemon with the engine alone on the device; this one needs no device).
+
+With --speculative MODE the daemon speculates by default (every request drafts and verifies);
+the stand-in's draws then follow a cycle of CYCLE ids, so that an n-gram draft finds what the
+"model" repeats and verify steps accept some of it (each row's peak follows its own token, in
+every row of an all-logits step too), and a launched step of any kind (a verify step, a prompt
+chunk) overlaps the host as a decode step does.
 """
 
 from __future__ import annotations
@@ -68,13 +75,16 @@ class SimLaunch:
         return self.drawn
 
 
-def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
+CYCLE = 16  # --speculative: the stand-in's draws cycle through this many ids
+
+
+def serve(argv: list[str], device_ms: tuple[float, float] | None, cycle: int = 0) -> int:
     """The daemon (ntransformerd.main with argv) whose engines' steps cost nothing, or take
     device_ms = (base, per row) ms on a stand-in device with launched steps (the overlapped
     loop as on a GPU), streaming on its own thread as beside a device."""
     from host_share import InstantStep
     from ntransformerd import main as daemon_main
-    from ntransformerd.engine.generation.sampler import Drawn
+    from ntransformerd.engine.generation.sampler import Drawn, TopLogits
     from ntransformerd.engine.runtime.engine import Engine
     from ntransformerd.engine.tiers.step_pipeline import Pipeline
     from ntransformerd.server.scheduler import Scheduler
@@ -86,10 +96,32 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
         """Draws as a device hands them over: ids at once (each row's top candidate), none of
         the host's sampling work (on a GPU the kernels draw; sampled rows cost the host nothing)."""
 
-        def __call__(self, batch, *, sample=None, **kw):
+        def _next(self, last: np.ndarray, n: int) -> np.ndarray:
+            """(rows, n) most likely ids after each row's token: a chain through the vocabulary, or
+            with `cycle` a short cycle of ids that repeats (a draft can guess it)."""
+            if cycle:
+                return 1000 + (last[:, None] - 1000 + 1 + np.arange(n)) % cycle
+            return (last[:, None] * 7 + 1 + np.arange(n)) % self.vocab
+
+        def _top(self, batch, n: int):
+            last = np.asarray([int(s.tokens[-1]) for s in batch.segments], np.int64)
+            return TopLogits(self._next(last, n), np.broadcast_to(self.vals[:n], (len(last), n)).copy(),
+                             np.zeros(len(last), np.int64), sort=False)
+
+        def __call__(self, batch, *, sample=None, all_logits=False, **kw):
             if sample is not None:
                 ids = self._top(batch, 1).ids[:, 0].astype(np.int64)
                 return Drawn(np.where(sample.draws, ids, -1), np.zeros(len(ids), np.int8))
+            if all_logits:  # every token's row, its peak after that token
+                toks = np.concatenate([np.asarray(s.tokens, np.int64) for s in batch.segments])
+                out = np.zeros((len(toks), self.vocab), np.float32)
+                out[np.arange(len(toks)), self._next(toks, 1)[:, 0]] = 1.0
+                return out
+            if kw.get("top") is None:  # each sequence's last row, its peak after its last token
+                last = np.asarray([int(s.tokens[-1]) for s in batch.segments], np.int64)
+                out = np.zeros((len(last), self.vocab), np.float32)
+                out[np.arange(len(last)), self._next(last, 1)[:, 0]] = 1.0
+                return out
             return super().__call__(batch, **kw)
 
     def instant(pipeline):
@@ -104,9 +136,16 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None) -> int:
             device.wait(device.queue(len(batch.segments)))
         return out
 
-    def launch(self, batch, *, sample, layers=None, after=None, rows=None):
-        drawn = instant(self)(batch, sample=sample, layers=layers)
-        return None if drawn is None else SimLaunch(drawn, device.queue(len(batch.segments)))
+    def launch(self, batch, *, sample=None, all_logits=False, top=None, layers=None, after=None, rows=None):
+        """Any step, launched: its result at once, its end on the stand-in device's clock; with
+        `after`, its rows' tokens are that step's draws (which the device holds)."""
+        if after is not None:
+            ids = after.drawn.ids
+            for seg, j in zip(batch.segments, rows):
+                if j >= 0:
+                    seg.tokens[-1] = ids[j]
+        out = instant(self)(batch, sample=sample, all_logits=all_logits, top=top, layers=layers)
+        return None if out is None else SimLaunch(out, device.queue(len(batch.segments)))
 
     def threaded_attach(self, engine, **kw):
         attach(self, engine, **kw)
@@ -145,11 +184,13 @@ def py_spy(pid: int, seconds: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve"]:  # --serve [--device-ms B,R] DAEMON-FLAGS: the daemon process
-        rest, device_ms = argv[1:], None
+    if argv[:1] == ["--serve"]:  # --serve [--device-ms B,R] [--cycle N] DAEMON-FLAGS: the daemon process
+        rest, device_ms, cycle = argv[1:], None, 0
         if rest[:1] == ["--device-ms"]:
             device_ms, rest = tuple(float(x) for x in rest[1].split(",")), rest[2:]
-        return serve(rest, device_ms)
+        if rest[:1] == ["--cycle"]:
+            cycle, rest = int(rest[1]), rest[2:]
+        return serve(rest, device_ms, cycle)
     ap = common.parser(__file__, __doc__)
     ap.add_argument("--model", help="the served file (default: the embedded default model)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
@@ -159,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a stand-in device: a step of n rows takes BASE + PER_ROW × n ms, launched steps "
                          "overlap the host as on a GPU (e.g. 2.24,0.16: the 8B Q4_K_M on the H200); the "
                          "figure is then the share of the device's rate n / step the daemon keeps")
+    ap.add_argument("--speculative", metavar="MODE", default="off",
+                    help="the daemon's default speculative mode, so every request speculates (e.g. ngram); the "
+                         f"stand-in's draws then cycle through {CYCLE} ids, which a draft can guess")
+    ap.add_argument("--cycle", type=int, default=CYCLE,
+                    help=f"with --speculative: the stand-in's draws cycle through this many ids (default {CYCLE}; "
+                         "0: a chain through the vocabulary that never repeats, so drafts find nothing)")
     ap.add_argument("--py-spy", type=int, metavar="S", default=0,
                     help="sample the daemon with py-spy for S seconds during the largest level's run")
     a = ap.parse_args(argv)
@@ -175,13 +222,18 @@ def main(argv: list[str] | None = None) -> int:
            "host": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "levels": []}
     d = tempfile.mkdtemp(prefix="ntx-ceiling-")
     device = [] if a.device_ms is None else ["--device-ms", a.device_ms]
+    speculating = a.speculative != "off"
+    out["speculative"] = a.speculative
+    out["cycle"] = a.cycle if speculating else None
     if device:
         base, per_row = (float(x) for x in a.device_ms.split(","))
         out["device_ms"] = {"base": base, "per_row": per_row}
     try:
         proc, sock = common.start_daemon(d, ["--backend", "cpu", "--model", path, "--max-batch", str(top),
-                                             "--max-queue", str(max(64, top)), "--max-ctx", "512"],
-                                         program=[sys.executable, os.path.abspath(__file__), "--serve", *device])
+                                             "--max-queue", str(max(64, top)), "--max-ctx", "512",
+                                             *(["--speculative", a.speculative] if speculating else [])],
+                                         program=[sys.executable, os.path.abspath(__file__), "--serve", *device,
+                                                  *(["--cycle", str(a.cycle)] if speculating else [])])
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)
         raise

@@ -53,3 +53,46 @@ def test_overlapped_steps_on_the_device_give_the_outputs_of_the_synchronous_loop
         assert engine.kv.free_slots == 8
     finally:
         engine.unload()
+
+
+def test_verify_steps_and_prompt_chunks_in_the_overlapped_loop_give_the_outputs_of_the_synchronous_loop(tmp_path):
+    """Speculating rows (n-gram) beside plain rows and prompts longer than a chunk: the
+    overlapped loop launches verify steps and chunks behind the step in flight (those kinds run at
+    once on a CUDA engine for now: Pipeline.launch launches draw steps only), and, on the
+    deterministic engine (a row's arithmetic its own whatever shares its step), every request's
+    ids are the synchronous loop's."""
+    from ntransformerd.engine.generation import speculative
+    from ntransformerd.engine.generation.speculative import Mode
+    path = str(tmp_path / "tiny.gguf")
+    synthesize(path, shape="tiny", ftype="q8_0", seed=0)
+    engine = Engine.load(path, config=EngineConfig(backend="cuda", max_batch=8, max_ctx=256, deterministic=True))
+    costs = speculative.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
+    try:
+        texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "The capital of France is",
+                 "The cat sat on the mat. The cat sat on the mat. The cat sat on the", "Dear diary",
+                 "a b c d e f g a b c d e f g a b c d", "Once upon a time, once upon a time,"]
+        prompts = [engine.tokenizer.encode(t) for t in texts]
+        params = [SamplingParams.greedy(max_tokens=30, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=30, ignore_eos=True)
+                  for i in range(len(texts))]
+        modes = [Mode.parse("ngram") if i % 3 != 1 else None for i in range(len(texts))]
+
+        def run(overlap: bool) -> list[list[int]]:
+            s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=8, prefix_cache=False, prefill_chunk=8),
+                          notifier=Notifier(environ={}))
+            s.attach(engine, costs=costs)
+            s.overlap = overlap
+            s.lifecycle.serving()
+            reqs = [s.schedule(p, q, max_tokens=q.max_tokens, speculative=m) for p, q, m in zip(prompts, params, modes)]
+            for _ in range(5000):
+                if all(r.state == RequestState.DONE for r in reqs):
+                    break
+                s.iterate()
+            s.stop()
+            return [[t for o in r.stream() for t in o.token_ids] for r in reqs]
+        want = run(False)
+        got = run(True)
+        assert got == want and all(len(g) == 30 for g in got)
+        assert engine.kv.free_slots == 8
+    finally:
+        engine.unload()

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ntransformerd.server import policy
-from ntransformerd.server.policy import Queued, Room, Row, Running, admits, compose, launches_ahead, victim
+from ntransformerd.server.policy import Queued, Room, Row, Running, admits, compose, victim
 
 ROOM = Room(max_batch=4, slots_open=4, blocks_free=10)
 
@@ -76,13 +76,34 @@ def test_a_prompt_whose_prefix_an_older_request_computes_waits_for_it():
 
 # ---- running ahead and preemption --------------------------------------------------------------------
 
-def test_a_step_runs_ahead_only_when_every_row_may_and_was_in_flight():
-    step = [decoding(1, runs_ahead=True), decoding(2, runs_ahead=True)]
-    assert launches_ahead(step, None) and launches_ahead(step, frozenset({1, 2, 3}))
-    assert not launches_ahead(step, frozenset({1}))  # 2 joined: the batch changed
-    assert not launches_ahead(step + [decoding(3, runs_ahead=False)], None)  # a row that needs the host
-    assert not launches_ahead(step + [prefilling(4, left=3, runs_ahead=True)], None)
-    assert not launches_ahead([], None)
+def test_overlapped_the_next_step_holds_what_does_not_wait_for_the_step_in_flight():
+    """A device runs step n while step n+1 is composed: a plain decode row in flight runs ahead
+    (its token the draw still on the device); a row in flight that needs its draws (a verified
+    draft, a prompt chunk) waits; nothing to run means: finish step n first."""
+    plain = [decoding(1, in_flight=True, runs_ahead=True), decoding(2, in_flight=True, runs_ahead=True)]
+    assert compose(plain, 8, overlap=True) == [Row(1, 1), Row(2, 1)]
+    assert compose(plain + [decoding(3)], 8, overlap=True) == [Row(1, 1), Row(2, 1), Row(3, 1)]  # 3 joins
+    spec = decoding(3, in_flight=True, host=True)
+    chunk = prefilling(4, left=20, in_flight=True)
+    assert compose(plain + [spec, chunk], 8, overlap=True) == [Row(1, 1), Row(2, 1)]  # 3 and 4 wait for their step
+    assert compose([spec, chunk], 8, overlap=True) == []  # nothing composed: finish the step in flight
+    assert compose([spec, chunk], 8) == [Row(3, 1), Row(4, 8)]  # no overlap: every step runs whole
+
+
+def test_overlapped_rows_that_need_the_host_take_turns_with_the_others():
+    """A step whose logits go to the host holds no request in flight (they would all wait for
+    it): host rows and the others alternate, and where every row needs the host, two halves do."""
+    p1, p2 = decoding(1, runs_ahead=False), decoding(2)
+    s3, s4, s5 = decoding(3, host=True), decoding(4, host=True), decoding(5, host=True)
+    assert compose([p1, p2, s3, s4], 8, overlap=True) == [Row(1, 1), Row(2, 1)]  # nothing in flight: the others first
+    flying = [decoding(1, in_flight=True, runs_ahead=True), decoding(2, in_flight=True, runs_ahead=True), s3, s4]
+    assert compose(flying, 8, overlap=True) == [Row(3, 1), Row(4, 1)]  # 1 and 2 are finished meanwhile
+    back = [p1, p2, decoding(3, in_flight=True, host=True), decoding(4, in_flight=True, host=True)]
+    assert compose(back, 8, overlap=True) == [Row(1, 1), Row(2, 1)]
+    assert compose([s3, s4, s5], 8, overlap=True) == [Row(3, 1), Row(4, 1)]  # the older half
+    assert compose([s3, decoding(4, in_flight=True, host=True), s5], 8, overlap=True) == [Row(3, 1), Row(5, 1)]
+    assert compose([s3], 8, overlap=True) == [Row(3, 1)]  # alone: nothing to alternate with
+    assert compose([s3, s4, s5], 8) == [Row(3, 1), Row(4, 1), Row(5, 1)]
 
 
 def test_the_youngest_yields_its_blocks_and_one_alone_yields_none():

@@ -48,12 +48,12 @@ class FakeEngine:
         return types.SimpleNamespace(free_slots=len(self.free), blocks_for=lambda n: 0, available=lambda: 0,
                                      kept=lambda slot: self.max_ctx)
 
-    def launch(self, items, *, sample, after=None, rows=None):
+    def launch(self, items, *, sample=None, all_logits=False, top=None, after=None, rows=None):
         """Engine.launch as a host backend runs it: at once, after's draws as the tokens."""
         if after is not None:
             ids = after.result().ids
-            items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
-        return Launch(Ran(self.step(items, sample=sample)))
+            items = [(slot, [int(ids[j])]) if j >= 0 else (slot, t) for (slot, t), j in zip(items, rows)]
+        return Launch(Ran(self.step(items, sample=sample, all_logits=all_logits, top=top)))
 
     @property
     def free_slots(self):
@@ -124,18 +124,24 @@ def test_queue_past_its_bound_is_queue_full(tokenizer):
         s.schedule([1, 2, 3], GREEDY, max_tokens=4)
 
 
-def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_long_prompt_is_chunked_and_decoders_advance_every_step(tokenizer, overlap):
+    """Overlapped, each step is finished one iteration later: the decoder's first token (its
+    prompt's last chunk) is still in flight when the long prompt's first chunk is launched, and
+    the long prompt's last chunk is finished an iteration later; its chunks follow one another
+    while the one before is in flight."""
     s, engine = make(tokenizer, max_batch=4, prefill_chunk=8)
+    s.overlap = overlap
     short = s.schedule([5, 6], GREEDY, max_tokens=30)
     iterate(s)  # short prefills and samples its first token
     long = s.schedule(list(range(10, 110)), GREEDY, max_tokens=2)
-    for _ in range(13):
+    for _ in range(13 + overlap):
         iterate(s)
     assert long.state == RequestState.DECODE and long.prefilled == 100
-    for step in engine.steps[1:14]:
+    for step in engine.steps[1 + overlap:14 + overlap]:
         assert (short.slot, 1) in step  # the decoder got its token in every step
         assert sum(n for slot, n in step if slot == long.slot) <= 8  # the prompt in chunks of 8
-    assert short.generated == 14
+    assert short.generated == 14 - overlap
 
 
 def test_batched_outputs_equal_solo_outputs(tokenizer):
@@ -277,6 +283,7 @@ def test_a_request_whose_sampling_raises_fails_alone(tokenizer):
 def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer):
     faults = []
     s, engine = make(tokenizer, max_batch=2)
+    s.overlap = False  # the step a fault lands in is pinned by iteration: steps finished where they run
     s.on_fault = faults.append
     a = s.schedule([1, 2, 3], GREEDY, max_tokens=6)
     b = s.schedule([4, 5], SamplingParams(repetition_penalty=1.1, seed=1, ignore_eos=True), max_tokens=6)
@@ -298,7 +305,7 @@ def test_invalid_logits_fail_their_requests_and_stop_serving_the_model(tokenizer
     s.attach(FakeEngine(tokenizer, slots=2))  # a good load
     s.lifecycle.serving()
     d = s.schedule([1], GREEDY, max_tokens=2)
-    for _ in range(4):
+    for _ in range(6):  # overlapped again (attach): each step finished an iteration later
         iterate(s)
     assert len(_tokens(d)) == 2
 
@@ -307,8 +314,9 @@ def test_inf_logits_of_a_whole_row_are_a_model_fault_too(tokenizer):
     s, engine = make(tokenizer, max_batch=2)
     r = s.schedule([1, 2], SamplingParams(repetition_penalty=1.1, seed=1), max_tokens=3)  # whole rows
     engine.fault = lambda items, out: out.__setitem__((0, 5), np.inf)
-    iterate(s)
-    iterate(s)
+    iterate(s)  # launched (overlap: the fake is a device)
+    iterate(s)  # finished: the draw fails
+    iterate(s)  # retired
     with pytest.raises(errors.ModelFault, match=r"\+inf"):
         list(r.stream())
     assert s.lifecycle.state == ServingState.FAILED
@@ -578,3 +586,83 @@ def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks
     assert not preempted and got == solo
+
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_kind_of_step_goes_through_the_overlapped_pipeline_with_solo_outputs(default_model, monkeypatch,
+                                                                                   sampled):
+    """Prompt chunks, plain decode rows and speculating rows (n-gram, a prefix self-draft, a
+    skip self-draft) through the overlapped loop: verify steps and prompt chunks are launched
+    while another step is in flight (decode.launch with `after`), and every request's ids are
+    the ones it gets alone, synchronously (generate, with its own speculator of the same mode)."""
+    from ntransformerd.engine.generation import speculative
+    costs = speculative.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=5, max_ctx=256))
+    texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "The capital of France is",
+             "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+             "Once upon a time, once upon a time, there was a"]
+    modes = ["ngram", None, "ngram", "prefix:12", "skip:8,12,16"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    n = 14
+
+    def params(i):
+        if sampled:
+            return SamplingParams(temperature=0.9, top_k=40, seed=7 + i, max_tokens=n, ignore_eos=True)
+        return SamplingParams.greedy(max_tokens=n, ignore_eos=True)
+
+    def speculator(mode):
+        return None if mode is None else speculative.Speculator(
+            engine, speculative.make_draft(Mode.parse(mode), engine), costs=costs)
+    solo = [[ev.token for ev in generate(engine, p, params(i), speculator=speculator(m))]
+            for i, (p, m) in enumerate(zip(prompts, modes))]
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=5, prefix_cache=False, prefill_chunk=8),
+                  notifier=Notifier(environ={}))
+    s.attach(engine, costs=costs)
+    s.streamer.inline, s.overlap = False, True
+    s.lifecycle.serving()
+    launched = []  # per launch: (behind a step in flight, holds a verified draft, holds a prompt chunk)
+    real = decode.launch
+
+    def counting(engine_, rows, after=None, **kw):
+        chunk = any(not r.seq.decoding for r in rows)
+        out = real(engine_, rows, after, **kw)
+        launched.append((after is not None, any(r.draft is not None and r.draft.tokens for r in rows), chunk))
+        return out
+    monkeypatch.setattr(decode, "launch", counting)
+    try:
+        reqs = [s.schedule(p, params(i), max_tokens=n, speculative=None if m is None else Mode.parse(m))
+                for i, (p, m) in enumerate(zip(prompts, modes))]
+        for _ in range(3000):
+            if all(r.state == RequestState.DONE for r in reqs):
+                break
+            s.iterate()
+    finally:
+        s.stop()
+    got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
+    assert got == solo
+    assert any(flying and verify for flying, verify, _ in launched), "no verify step was launched behind another"
+    assert any(flying and chunk for flying, _, chunk in launched), "no prompt chunk was launched behind another step"
+    assert s.speculation.status().accepted > 0
+
+
+def test_the_cost_table_is_measured_with_no_step_in_flight(tokenizer, monkeypatch):
+    """ensure_costs runs the engine: on a device the step in flight is finished first (its
+    tokens streamed), so the measurement neither waits behind it nor runs beside it."""
+    from ntransformerd.engine.generation import speculative
+    s, engine = make(tokenizer, max_batch=2)
+    assert s.overlap  # the fake is a device: steps are launched and finished an iteration later
+    in_flight = []
+
+    def step_costs(engine_, draft_engine=None):
+        in_flight.append(s.runner.pending is not None)
+        return speculative.StepCosts({1: 1.0, 2: 1.1, 4: 1.5})
+    monkeypatch.setattr(speculative, "step_costs", step_costs)
+    a = s.schedule([1, 2, 3], GREEDY, max_tokens=20)
+    for _ in range(3):
+        iterate(s)
+    assert s.runner.pending is not None
+    s.schedule([4, 5], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
+    iterate(s)
+    assert in_flight == [False] and a.generated >= 2

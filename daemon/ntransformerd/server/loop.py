@@ -146,6 +146,7 @@ class Loop:
             if not engine.free_slots and not self.prefix.evict():
                 return  # every slot is live: the measurement waits for one to end
             draft_engine = self.speculation.draft_engine
+        self.runner.finish_pending()  # the measurement's steps must not run beside (or wait behind) one in flight
         self.lifecycle.busy(f"measuring step costs for speculative decoding ({len(waiting)} requests wait)")
         try:
             costs = speculative.step_costs(engine, draft_engine)
@@ -271,13 +272,15 @@ class Loop:
     def compose(self) -> list[tuple[Request, Row]]:
         """This step's rows (policy.compose), once each prefilling request that may share a
         prefix has copied what another live request already computed of its prompt."""
+        flying = self.runner.in_flight or frozenset()
         if self.prefix.enabled:
             for r in self._live:
-                if r.state == RequestState.PREFILL and r.prefix_cache:
+                if r.state == RequestState.PREFILL and r.prefix_cache and r.id not in flying:
                     self._catch_up(r)
         by_id = {r.id: r for r in self._live}
-        rows = policy.compose([self._running(r) for r in self._live], self.config.prefill_chunk)
-        return [(by_id[row.key], by_id[row.key].seq.row(row.tokens)) for row in rows]
+        rows = policy.compose([self._running(r) for r in self._live], self.config.prefill_chunk, overlap=self.overlap)
+        return [(by_id[row.key], by_id[row.key].seq.row(row.tokens, self.runner.prompt_in_flight(by_id[row.key])))
+                for row in rows]
 
     def _catch_up(self, r: Request) -> None:
         try:
@@ -290,10 +293,9 @@ class Loop:
 
     def run(self, batch: list[tuple[Request, Row]]) -> None:
         """One step of the decode loop for the batch (server/steps.py); on a device (overlap)
-        launched behind the step in flight where policy.launches_ahead allows."""
-        ahead = self.overlap and policy.launches_ahead([self._running(r, ahead=True) for r, _ in batch],
-                                                      self.runner.in_flight)
-        self.runner.run(self.engine, batch, ahead=ahead)
+        launched behind the step in flight, which is finished after (policy.compose chose rows
+        whose composition does not wait for it)."""
+        self.runner.run(self.engine, batch, ahead=self.overlap)
 
     # ---- what the policy sees --------------------------------------------------------------
 
@@ -304,19 +306,25 @@ class Loop:
     def _room(self) -> policy.Room:
         return policy.Room(self.config.max_batch, self.prefix.slots_open, self.engine.kv.available())
 
-    def _running(self, r: Request, *, owed: bool = False, ahead: bool = False) -> policy.Running:
-        """r as the policy sees it; `owed`: with the blocks its positions still need, `ahead`:
-        whether its next step may run ahead (each asks the engine)."""
+    def _running(self, r: Request, *, owed: bool = False) -> policy.Running:
+        """r as the policy sees it; `owed`: with the blocks its positions still need."""
         seq, kv, n = r.seq, self.engine.kv, len(r.seq.history)
+        flying = self.runner.in_flight
+        in_flight = flying is not None and r.id in flying
+        queued = self.runner.prompt_in_flight(r) if in_flight else 0  # prompt positions in flight
+        left = max(0, len(seq.inputs) - seq.prefilled - queued)
         return policy.Running(
             key=r.id, decoding=r.state == RequestState.DECODE, ready=r.error is None and not r.finished,
             admitted_at=r.t_admitted or 0.0,
             owed_blocks=max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n))) if owed and seq.slot >= 0
             else 0,
-            left=max(0, len(seq.inputs) - seq.prefilled), prompt=r.prompt_ids, prefilled=seq.prefilled,
+            left=left, prompt=r.prompt_ids, prefilled=seq.prefilled + queued,
             scope=scope(r.caller, self.prefix.share) if self.prefix.enabled and r.prefix_cache else None,
-            runs_ahead=ahead and r.state == RequestState.DECODE and seq.runs_ahead()
-            and self.engine.length(seq.slot) < self.engine.max_ctx)
+            in_flight=in_flight,
+            runs_ahead=in_flight and (left > 0 if queued else (
+                self.runner.draws_ahead and r.state == RequestState.DECODE and seq.runs_ahead()
+                and self.engine.length(seq.slot) < self.engine.max_ctx)),
+            host=not seq.draws_anywhere() or seq.prompt_logprobs is not None)
 
     def _kv_tokens(self, r: Request) -> list[int]:
         """The token ids whose keys and values r's slot holds."""

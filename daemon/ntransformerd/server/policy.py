@@ -1,10 +1,12 @@
 """Who runs next: the scheduler's decisions, as pure functions of the queue and the running set.
 
     admits(head, running, room)         the queue's head joins the running set now, or waits
-    compose(running, prefill_chunk)     what the next step holds: a row for each decoding
-                                        request, then prompt chunks from one budget of
-                                        `prefill_chunk` tokens, oldest request first
-    launches_ahead(step, in_flight)     the step may be launched behind the one in flight
+    compose(running, prefill_chunk,     what the next step holds: a row for each decoding
+            overlap=…)                  request, then prompt chunks from one budget of
+                                        `prefill_chunk` tokens, oldest request first; on a
+                                        device (overlap) composed while the step in flight
+                                        runs, of the requests whose next step does not wait
+                                        for its draws (see `compose`)
     victim(running)                     who gives its KV blocks back when a step's cannot be
                                         reserved (kv_cache.KVPoolFull)
 
@@ -52,7 +54,10 @@ class Running:
     prompt: Sequence[int] = ()
     prefilled: int = 0
     scope: str | None = None  # its prefix-cache scope; None: it shares no prefix (cache off or declined)
-    runs_ahead: bool = False  # its next decode step may be launched before the last one's draw is back
+    in_flight: bool = False  # it has a row in the step in flight (launched, not finished)
+    runs_ahead: bool = False  # in flight: its next step may be launched before that one is finished (a decode
+    # row's token the draw where it is; a prompt's next chunk)
+    host: bool = False  # its rows need logits on the host (a draft verified, a constraint, log-probabilities)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,24 +103,42 @@ def waits_for_shared_prefill(r: Running, running: Sequence[Running]) -> bool:
     return False
 
 
-def compose(running: Sequence[Running], prefill_chunk: int) -> list[Row]:
+def compose(running: Sequence[Running], prefill_chunk: int, *, overlap: bool = False) -> list[Row]:
     """The next step: every ready decoding request's row, then ready prefilling requests' prompt
     chunks, oldest first, sharing `prefill_chunk` tokens so a long prompt cannot stall the
-    others; a request whose shared prefix an older one is computing waits."""
-    rows = [Row(r.key, 1) for r in running if r.decoding and r.ready]
+    others; a request whose shared prefix an older one is computing waits.
+
+    overlap (a device runs the step in flight while this one is composed): a request in the step
+    in flight waits for it unless its next step runs ahead of it (a plain decode row, its token
+    the draw still on the device; a prompt's next chunk, `left` and `prefilled` counting the
+    chunk in flight); and steps whose logits go to the host (`host` rows: a draft
+    verified, a constraint's mask) hold no request in flight (they would all wait for them next),
+    so such rows and the others take turns: the device runs one group's step while the host
+    finishes the other's and composes it again. With nothing in flight, a step of several rows of
+    which some need the host starts that alternation: the others alone, or, where every row
+    needs the host, the older half (a lone request steps alone). An empty list with a step in
+    flight: finish it first."""
+    flying = any(r.in_flight for r in running)
+    ready = [r for r in running if r.ready and not (overlap and r.in_flight and not r.runs_ahead)]
+    rows = [Row(r.key, 1) for r in ready if r.decoding]
     budget = prefill_chunk
-    for r in running:
-        if not r.decoding and r.ready and budget > 0 and not waits_for_shared_prefill(r, running):
+    for r in ready:
+        if not r.decoding and budget > 0 and not waits_for_shared_prefill(r, running):
             n = min(budget, r.left) if r.left else 1
             rows.append(Row(r.key, n))
             budget -= n
-    return rows
-
-
-def launches_ahead(step: Sequence[Running], in_flight: frozenset[int] | None) -> bool:
-    """Every row of the step decodes and may run ahead and, with a step in flight, was in it:
-    the step is launched behind it without waiting for its draws."""
-    return bool(step) and all(r.decoding and r.runs_ahead and (in_flight is None or r.key in in_flight) for r in step)
+    if not overlap:
+        return rows
+    by_key = {r.key: r for r in running}
+    host = [row for row in rows if by_key[row.key].host]
+    if not host:
+        return rows
+    if flying:
+        return [row for row in rows if not by_key[row.key].in_flight]
+    others = [row for row in rows if not by_key[row.key].host]
+    if others:
+        return others
+    return host[:(len(host) + 1) // 2]
 
 
 def victim(running: Sequence[Running]) -> int | None:
@@ -132,5 +155,5 @@ def measures_costs(*, queued_speculating: int, speculates_by_default: bool, runn
     return queued_speculating > 0 or (speculates_by_default and running == 0)
 
 
-__all__ = ["Queued", "Room", "Row", "Running", "admits", "common_prefix", "compose", "launches_ahead", "measures_costs",
-           "victim", "waits_for_shared_prefill"]
+__all__ = ["Queued", "Room", "Row", "Running", "admits", "common_prefix", "compose", "measures_costs", "victim",
+           "waits_for_shared_prefill"]

@@ -12,8 +12,9 @@ The request path, in the order it runs:
         compose()                the step's rows (policy.compose): one per decoding request +
                                  prefill chunks sharing `prefill_chunk` tokens, so a long prompt
                                  cannot stall the others
-        run()                    server/steps.py: drafts, one engine step, the draws (on the
-                                 device where every row allows), each request's accepted tokens
+        run()                    server/steps.py: drafts, one engine step (on a device launched
+                                 behind the one in flight), the draws (on the device where every
+                                 row allows), each request's accepted tokens
         streamer.send()          the tokens go to the streaming thread (server/streaming.py):
                                  detokenize, stop strings and the writes to the client's stream
                                  happen there, off the next step's critical path
@@ -24,14 +25,16 @@ owns the threads, the queue, the live set and the engine, and carries the decisi
 server/steps.py runs the steps; server/metrics.py counts what both do and makes the status;
 server/speculation.py keeps the speculators and the step-cost table.
 
-On a device (Scheduler.overlap), a batch of decode rows that can run ahead (no prefill chunk,
-speculation, log-probabilities, constraint or penalties: decode.Sequence.runs_ahead) is not run
-and waited for: decode.launch queues step n+1 behind step n still in flight, its tokens step n's
-draws where they are (on the device), and only then are step n's ids taken, its requests
-advanced and streamed (decode.Launched.finish). The host composes, launches and streams while
-the device computes; a request that ended in step n (EOS, length) had a position run in step
-n+1, which its sequence discards (Sequence.settle). A batch that changes otherwise (a request
-admitted, a prefill chunk, a row that needs the host) waits for the step in flight first.
+On a device (Scheduler.overlap) no step is run and waited for: decode.launch queues step n+1
+behind step n still in flight, and only then is step n finished (its draws or logits taken, its
+requests advanced and streamed: decode.Launched.finish), whatever either step holds (decode
+rows, drafts verified, prompt chunks). The host composes, drafts, launches and streams while the
+device computes. What step n+1 may hold while step n is in flight is policy.compose's: a plain
+decode row (decode.Sequence.runs_ahead) runs step n's draw for it where it is (on the device); a
+prompt's next chunk follows the chunk in flight; a request whose next step needs step n's
+outcome on the host (a verified draft's accepted tokens, a prompt's first draw) waits for it, so
+rows whose logits go to the host take turns with the others. A request that ended in step n
+(EOS, length) had a position run in step n+1, which its sequence discards (Sequence.settle).
 
 When a step's KV blocks cannot be reserved (kv_cache.KVPoolFull), the youngest live request
 (policy.victim) gives its slot back and waits at the head of the queue to recompute its prompt

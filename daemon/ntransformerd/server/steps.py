@@ -1,13 +1,14 @@
-"""The composed steps, run: one step of the decode loop for a batch (decode.step), or launched
-behind the step still in flight where the policy allows (decode.launch: policy.launches_ahead),
-that step's draws taken after; each request advanced, its tokens handed to the streaming
-thread, the step counted.
+"""The composed steps, run: one step of the decode loop for a batch (decode.step), or, on a
+device, launched behind the step still in flight (decode.launch), that step's rows advanced
+after; each request advanced, its tokens handed to the streaming thread, the step counted.
 
-On a device the host composes and launches step n+1 and streams step n while the device runs
-them; a batch that changes otherwise (a request admitted, a prefill chunk, a row that needs the
-host) first waits for the step in flight. A step whose KV blocks cannot be reserved
-(kv_cache.KVPoolFull) asks the scheduler to preempt a request; any other failure of a step fails
-its requests (it cannot tell whose row was at fault), never the loop.
+On a device the host composes and launches step n+1 and finishes step n (its draws or logits
+taken, its requests advanced and streamed) while the device runs step n+1, whatever either
+step holds: decode rows, drafts verified, prompt chunks. Which rows step n+1 may hold while step
+n is in flight is the policy's (policy.compose); an empty step means: finish step n first. A
+step whose KV blocks cannot be reserved (kv_cache.KVPoolFull) asks the scheduler to preempt a
+request; any other failure of a step fails its requests (it cannot tell whose row was at
+fault), never the loop.
 
 Thread rule: the scheduler thread's (it owns the engine).
 """
@@ -40,14 +41,27 @@ class StepRunner:
         self.pending: tuple[decode.Launched, Batch] | None = None  # the step in flight
 
     @property
+    def draws_ahead(self) -> bool:
+        """The step in flight draws where it runs: a next step may run its draws (decode.Launched)."""
+        return self.pending is not None and self.pending[0].draws_ahead
+
+    def prompt_in_flight(self, r: Request) -> int:
+        """Prompt positions of r's chunk in the step in flight (0: none)."""
+        if self.pending is not None:
+            for q, row in self.pending[1]:
+                if q is r and not row.seq.decoding:
+                    return len(row.tokens)
+        return 0
+
+    @property
     def in_flight(self) -> frozenset[int] | None:
         """The ids of the requests of the step in flight; None when there is none."""
         return None if self.pending is None else frozenset(r.id for r, _ in self.pending[1])
 
     def run(self, engine, batch: Batch, *, ahead: bool) -> None:
-        """One step for the batch; `ahead`: launched behind the step in flight, whose draws are
-        taken after. A batch that may not run ahead waits for the step in flight: that step is
-        finished instead, and the next iteration composes again."""
+        """One step for the batch; `ahead` (on a device): launched behind the step in flight,
+        which is finished after. Otherwise run now, once any step in flight is finished (that
+        step is finished instead, and the next iteration composes again)."""
         if ahead:
             self._launch(engine, batch)
             return

@@ -136,13 +136,15 @@ class Sequence:
             self.engine.close(self.slot)
             self.slot = -1
 
-    def row(self, budget: int) -> "Row | None":
-        """What it runs next: up to `budget` prompt tokens, or its last token; None when finished."""
+    def row(self, budget: int, ahead: int = 0) -> "Row | None":
+        """What it runs next: up to `budget` prompt tokens, or its last token; None when finished.
+        ahead: prompt positions of a step still in flight, which this chunk follows."""
         if self.finish is not None:
             return None
         if not self.decoding:
-            chunk = self.inputs[self.prefilled:self.prefilled + budget]
-            return Row(self, chunk) if chunk else None
+            at = self.prefilled + ahead
+            chunk = self.inputs[at:at + budget]
+            return Row(self, chunk, ahead=ahead) if chunk else None
         return Row(self, [self.history[-1]])
 
     def accept(self, tokens: Seq[int]) -> list[int]:
@@ -205,6 +207,7 @@ class Row:
 
     seq: Sequence
     tokens: list[int]  # a prompt chunk, or the last accepted token
+    ahead: int = 0  # a prompt chunk's positions after those of a step still in flight
     draft: object = None  # speculative.Proposal verified in this step
     accepted: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None  # per accepted token: (id, logprob, top ids, their logprobs)
@@ -215,7 +218,7 @@ class Row:
     @property
     def draws(self) -> bool:
         """It draws a token: a decode row, or the chunk that ends its prompt."""
-        return self.seq.decoding or self.seq.prefilled + len(self.tokens) >= len(self.seq.inputs)
+        return self.seq.decoding or self.seq.prefilled + self.ahead + len(self.tokens) >= len(self.seq.inputs)
 
     def fail(self, exc: BaseException, doing: str) -> None:
         self.error, self.doing = exc, doing
@@ -225,49 +228,27 @@ def step(engine, rows: Seq[Row]) -> None:
     """One step for `rows`: drafts for the speculating ones, one engine.step for all, then each
     sequence advances (Row.accepted). A row's own failure (its draft, its draw) is its
     Row.error; what engine.step raises is every row's and is raised."""
-    draft(rows)
-    live = [r for r in rows if r.error is None]
-    if not live:
-        return
-    for r in live:
-        r.seq.settle()  # a self-draft ran scratch positions on the slot
-    items = [(r.seq.slot, r.tokens + (r.draft.tokens if r.draft is not None else [])) for r in live]
-    drawing = [r for r in live if r.draws]
-    needs = [r.seq.need() for r in drawing]
-    top = max(needs) if needs and None not in needs else None
-    drawn: Drawn | None = None
-    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding and not r.seq.restarted for r in live)
-    if scoring or any(r.draft is not None and r.draft.tokens for r in live):  # every row of a draft or a scored prompt
-        flat = engine.step(items, all_logits=True)
-        ends = np.cumsum([len(t) for _, t in items])
-        outs = [flat[e - len(t):e] for (_, t), e in zip(items, ends)]
-    elif drawing and all(r.seq.draws_anywhere() for r in drawing):
-        sample = SampleRows.of([r.seq.sampler if r.draws else None for r in live], [r.seq.history for r in live])
-        try:
-            drawn = engine.step(items, top=top, sample=sample)
-        except BaseException:  # nothing was drawn: the uniforms go back, so a retried step draws the same
-            for r, u in zip(live, sample.uniform):
-                if u == u:
-                    r.seq.sampler.give_back(u)
-            raise
-        outs = [None] * len(live)
-    else:
-        if any(r.seq.speculator is not None for r in live):  # speculation verifies whole rows
-            top = None
-        out = engine.step(items, top=top)
-        outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(live)]  # a verify row: (1, V)
-    for i, (r, out) in enumerate(zip(live, outs)):
-        try:
-            advance(r, out, drawn, i)
-        except Exception as e:  # noqa: BLE001 - this row fails, the others go on
-            r.fail(e, "sampling its next token")
+    launch(engine, rows, now=True).finish()
+
+
+class _Ran:
+    """A step run at once (launch(now=True)): what engine.step returned."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def result(self):
+        return self.out
 
 
 class Launched:
-    """A step of decode rows launched ahead (launch): its draws come to the host at finish()."""
+    """A step launched (launch): its rows advance when it is finished (finish()), in launch order.
+    `draws_ahead`: its draws stay where it ran, so a next step may run them (Sequence.runs_ahead
+    rows) before they reach the host."""
 
-    def __init__(self, rows: Seq[Row], handle):
-        self.rows, self.handle = list(rows), handle
+    def __init__(self, rows: Seq[Row], live: Seq[Row], handle, *, kind: str, sample: SampleRows | None = None):
+        self.rows, self.live, self.handle, self.kind, self.sample = list(rows), list(live), handle, kind, sample
+        self.draws_ahead = kind == "draw"
 
     def finish(self, ahead: "Launched | None" = None) -> None:
         """Each row's sequence after the step (Row.accepted), as step() leaves it. A sequence that
@@ -275,40 +256,88 @@ class Launched:
         position the step ran for it is discarded; one gone from its slot (retired) is left
         alone. ahead: the step launched since, still in flight: its sequences keep its
         position. What the engine raises is every row's and is raised."""
-        drawn = self.handle.result()
-        later = {id(r.seq) for r in ahead.rows} if ahead is not None else set()
-        for i, r in enumerate(self.rows):
+        if self.handle is None:  # every row failed before the step (its draft)
+            return
+        try:
+            out = self.handle.result()
+        except BaseException:  # nothing was drawn: the uniforms go back, so a retried step draws the same
+            if self.sample is not None:
+                for r, u in zip(self.live, self.sample.uniform):
+                    if u == u:
+                        r.seq.sampler.give_back(u)
+            raise
+        later = {id(r.seq) for r in ahead.live} if ahead is not None else set()
+        if self.kind == "all":
+            ends = np.cumsum([len(r.tokens) + (len(r.draft.tokens) if r.draft is not None else 0) for r in self.live])
+            outs = [out[e - n:e] for r, e, n in zip(self.live, ends, np.diff(ends, prepend=0))]
+        elif self.kind == "draw":
+            outs = [None] * len(self.live)
+        else:
+            # a verify row (its draft empty): (1, V)
+            outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(self.live)]
+        for i, (r, o) in enumerate(zip(self.live, outs)):
             seq = r.seq
             if seq.slot < 0:
                 continue
             if seq.finish is None:
                 try:
-                    r.accepted = seq.accept([drawn.id(i)])
+                    advance(r, o, out if self.kind == "draw" else None, i)
                 except Exception as e:  # noqa: BLE001 - this row fails, the others go on
                     r.fail(e, "sampling its next token")
             seq.settle(1 if id(seq) in later else 0)
 
 
-def launch(engine, rows: Seq[Row], after: Launched | None = None) -> Launched:
-    """One decode step for `rows` (every sequence runs_ahead()) launched without waiting
-    (Engine.launch): with `after`, a step still in flight holding every row's sequence, each
-    row's token is after's draw for it, taken where it is (on the device); without, its last
-    accepted token. Its draws' uniforms are drawn now, in each sequence's order, and given back
-    if the launch fails."""
-    items = [(r.seq.slot, r.tokens) for r in rows]
-    sample = SampleRows.of([r.seq.sampler for r in rows], [r.seq.history for r in rows])
-    idx = None
-    if after is not None:
-        where = {id(r.seq): i for i, r in enumerate(after.rows)}
-        idx = [where[id(r.seq)] for r in rows]
-    try:
-        handle = engine.launch(items, sample=sample, after=None if after is None else after.handle, rows=idx)
-    except BaseException:
-        for r, u in zip(rows, sample.uniform):
-            if u == u:
-                r.seq.sampler.give_back(u)
-        raise
-    return Launched(rows, handle)
+def launch(engine, rows: Seq[Row], after: Launched | None = None, *, now: bool = False) -> Launched:
+    """One step for `rows` launched without waiting (Engine.launch): drafts for the speculating
+    rows, then one engine step for all, of the kind its rows need: every row's logits (a draft
+    verified, a prompt scored), draws where the logits are (every drawing row draws_anywhere), or
+    each row's last logits. With `after`, a step still in flight: a row whose sequence is in it
+    (Sequence.runs_ahead) runs after's draw for it, taken where it is (on the device), and keeps
+    the position after runs for it. Draws' uniforms are drawn now, in each sequence's order, and
+    given back if the step fails. now: engine.step runs it here (step(); no `after`)."""
+    if now and after is not None:
+        raise ValueError("launch: a step run now runs after no step in flight")
+
+    def run(items, **kw):
+        if now:
+            return _Ran(engine.step(items, **{k: v for k, v in kw.items() if k not in ("after", "rows")}))
+        return engine.launch(items, **kw)
+
+    draft(rows)
+    live = [r for r in rows if r.error is None]
+    if not live:
+        return Launched(rows, live, None, kind="none")
+    where = {} if after is None else {id(r.seq): i for i, r in enumerate(after.live)}
+    idx = [where.get(id(r.seq), -1) if r.seq.decoding else -1 for r in live]  # a prompt chunk runs its own tokens
+    if any(j >= 0 and not after.draws_ahead for j in idx):
+        raise ValueError("launch: a row runs ahead of a step that did not draw its token where it ran")
+    for r, j in zip(live, idx):
+        if j < 0:
+            r.seq.settle()  # a self-draft ran scratch positions on the slot
+    items = [(r.seq.slot, r.tokens + (r.draft.tokens if r.draft is not None else [])) for r in live]
+    drawing = [r for r in live if r.draws]
+    needs = [r.seq.need() for r in drawing]
+    top = max(needs) if needs and None not in needs else None
+    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding and not r.seq.restarted for r in live)
+    ahead = any(j >= 0 for j in idx)
+    rows_of, after_handle = (idx, after.handle) if ahead else (None, None)
+    if scoring or any(r.draft is not None and r.draft.tokens for r in live):  # every row of a draft or a scored prompt
+        handle = run(items, all_logits=True, after=after_handle, rows=rows_of)
+        return Launched(rows, live, handle, kind="all")
+    if drawing and all(r.seq.draws_anywhere() for r in drawing):
+        sample = SampleRows.of([r.seq.sampler if r.draws else None for r in live], [r.seq.history for r in live])
+        try:
+            handle = run(items, top=top, sample=sample, after=after_handle, rows=rows_of)
+        except BaseException:  # nothing was drawn: the uniforms go back, so a retried step draws the same
+            for r, u in zip(live, sample.uniform):
+                if u == u:
+                    r.seq.sampler.give_back(u)
+            raise
+        return Launched(rows, live, handle, kind="draw", sample=sample)
+    if any(r.seq.speculator is not None for r in live):  # speculation verifies whole rows
+        top = None
+    handle = run(items, top=top, after=after_handle, rows=rows_of)
+    return Launched(rows, live, handle, kind="last")
 
 
 def draft(rows: Seq[Row]) -> None:
@@ -334,8 +363,9 @@ def draft(rows: Seq[Row]) -> None:
 
 
 def advance(r: Row, out, drawn: Drawn | None, i: int) -> None:
-    """Row i's sequence after the step: its prompt progress, or the tokens it accepts. out: its
-    logits ((V,), a TopRow, or (n, V) for its tokens) or None where the step drew its id."""
+    """Row i's sequence after the step: its prompt progress, or the tokens it accepts (the caller
+    then settles its slot). out: its logits ((V,), a TopRow, or (n, V) for its tokens) or None
+    where the step drew its id."""
     seq = r.seq
     if not seq.decoding:
         if seq.prompt_logprobs is not None and not seq.restarted:  # a restart's prompt was scored before
@@ -358,7 +388,6 @@ def advance(r: Row, out, drawn: Drawn | None, i: int) -> None:
     r.accepted = seq.accept(tokens)
     if seq.logprobs is not None:
         r.logprobs = [(t, *token_logprobs(row, t, seq.logprobs)) for t, row in zip(r.accepted, rows)]
-    seq.settle()
 
 
 def score_prompt(seq: Sequence, tokens: list[int], rows) -> None:

@@ -459,30 +459,36 @@ class Engine:
         return (not self.backend.is_host and len(self.pipeline.stages) == 1 and g is not None
                 and hasattr(g, "draw_async") and g.bucket(n_rows, 1) is not None)
 
-    def launch(self, items: Sequence[tuple[int, Sequence[int]]], *, sample: SampleRows, after=None, rows=None):
-        """step(items, sample=sample) without waiting for it where the device runs it (overlaps):
-        a handle whose result() is the sampler.Drawn and whose ids_at(rows) are its draws where
-        they are (a next launch's tokens). With `after` (such a handle) each item's one token is
-        after's draw of row rows[i] (the items' own tokens are then placeholders); the step is
-        queued behind `after` on the device. Elsewhere it runs now, after waiting for `after`."""
-        if len(sample) != len(items) or any(len(t) != 1 for _, t in items):
-            raise ValueError("launch: one token per item and one sampling row per item")
+    def launch(self, items: Sequence[tuple[int, Sequence[int]]], *, sample: SampleRows | None = None,
+               all_logits: bool = False, top: int | None = None, after=None, rows=None):
+        """step(items, all_logits=…, top=…, sample=…) without waiting for it where the device runs
+        it: a handle whose result() is what step returns (the sampler.Drawn with `sample`) and,
+        where the step drew on the device, whose draws stay there for a next launch. With `after`
+        (such a handle), item i whose rows[i] ≥ 0 runs after's draw of row rows[i] as its one
+        token (its own token is then a placeholder), taken on the device where after's draws are
+        and every item takes one; elsewhere after's ids are waited for first. Where no device runs
+        the step launched (a host backend, a step its pipeline cannot launch) it runs now."""
+        if sample is not None and (all_logits or len(sample) != len(items)):
+            raise ValueError(f"launch: sample needs one row per item ({len(items)}) and the last token's logits only")
         if after is not None and len(rows) != len(items):
             raise ValueError(f"launch: {len(rows)} rows of the earlier step for {len(items)} items")
-        if after is not None and after.device is None:  # it ran at once: its ids are on the host
-            ids = after.result().ids
-            items, after = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)], None
+        if after is not None and not any(j >= 0 for j in rows):
+            after = rows = None
+        if after is not None and any(len(t) != 1 for (_, t), j in zip(items, rows) if j >= 0):
+            raise ValueError("launch: an item that runs an earlier step's draw runs one token")
+        if after is not None and (after.device is None or any(j < 0 for j in rows)):
+            items, after, rows = _with_draws(items, after, rows), None, None  # its ids on the host
         if self.overlaps(len(items)):
             slots, starts, sizes, segments = self._segments(items)
-            handle = self.pipeline.launch(Batch.of(segments), sample=sample, layers=self.layers,
-                                          after=None if after is None else after.device, rows=rows)
+            handle = self.pipeline.launch(Batch.of(segments), sample=sample, all_logits=all_logits, top=top,
+                                          layers=self.layers, after=None if after is None else after.device,
+                                          rows=rows)
             if handle is not None:
                 self.kv.lengths[slots] = starts + sizes
                 return Launch(handle, device=handle)
         if after is not None:
-            ids = after.result().ids
-            items = [(slot, [int(ids[j])]) for (slot, _), j in zip(items, rows)]
-        return Launch(Ran(self.step(items, sample=sample)))
+            items = _with_draws(items, after, rows)
+        return Launch(Ran(self.step(items, all_logits=all_logits, top=top, sample=sample)))
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Run a prompt through in chunks of `prefill_chunk`; logits of its last token (V,)."""
@@ -499,25 +505,33 @@ class Engine:
         return self.step([(s, [t]) for s, t in zip(slots, tokens, strict=True)])
 
 
-class Ran:
-    """A step already run: its Drawn."""
+def _with_draws(items, after, rows):
+    """items with after's draw of row rows[i] as the token of each item i whose rows[i] ≥ 0
+    (waiting for them)."""
+    ids = after.result().ids
+    return [(slot, [int(ids[j])]) if j >= 0 else (slot, t) for (slot, t), j in zip(items, rows)]
 
-    def __init__(self, drawn: Drawn):
+
+class Ran:
+    """A step already run: what it returned."""
+
+    def __init__(self, drawn):
         self.drawn = drawn
 
-    def result(self) -> Drawn:
+    def result(self):
         return self.drawn
 
 
 class Launch:
-    """A launched step (Engine.launch): result() waits for its draws; `device` is the device's
-    handle where its draws stay on the device for a next launch (None where it ran at once)."""
+    """A launched step (Engine.launch): result() waits for what it returns (its draws, its
+    logits); `device` is the device's handle where its draws stay on the device for a next
+    launch (None where it ran at once)."""
 
     def __init__(self, handle, *, device=None):
         self.handle, self.device = handle, device
-        self._drawn: Drawn | None = None
+        self._drawn = None
 
-    def result(self) -> Drawn:
+    def result(self):
         if self._drawn is None:
             self._drawn = self.handle.result()
         return self._drawn

@@ -541,12 +541,16 @@ class Pipeline:
             if self.on_steer is not None:
                 self.on_steer(self.steering)
 
-    def launch(self, batch: Batch, *, sample, layers: Sequence[int] | None = None, after=None, rows=None):
+    def launch(self, batch: Batch, *, sample=None, all_logits: bool = False, top: int | None = None,
+               layers: Sequence[int] | None = None, after=None, rows=None):
         """A step drawn on its device and not waited for (the captured steps' draw_async: a
         handle whose result() is the sampler.Drawn), with `after`'s draws at `rows` as tokens;
-        None, running nothing, where no device's captured steps run it whole or its rows need
-        the host."""
-        if isinstance(self.kv, DeviceKV):
+        None, running nothing, where no device's captured steps run it whole, its rows need the
+        host, a row runs more than one token (a prompt chunk), or it returns logits (no sample,
+        or all_logits: those steps run at once for now; `top` only says which rows a host draw
+        would need)."""
+        one_token = all(len(g.tokens) == 1 for g in batch.segments)
+        if sample is None or all_logits or not one_token or isinstance(self.kv, DeviceKV):
             return None
         st = self.whole(batch.segments, self.groups(len(batch.tokens), layers), layers)
         if st is None or not hasattr(st.graphs, "draw_async") or not st.graphs.draws(sample):
