@@ -66,7 +66,7 @@ def worker(code: str, path: str, max_vram_layers: int | None, batches: list[int]
             runner.launch(slots, toks)
 
     out = {"plan": list(e.plan.tiers) if e.plan is not None else None, "steps_ms": {},
-           "deterministic": bool(getattr(e.report(), "deterministic", False))}
+           "deterministic": bool(getattr(e.report(), "deterministic", False)) if hasattr(e, "report") else False}
     s = e.open()
     logits, ids = e.prefill(s, [(17 * j) % 40000 + 100 for j in range(23)]), []
     for _ in range(16):

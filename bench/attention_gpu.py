@@ -67,6 +67,11 @@ def attention_us(cfg: LlamaConfig, dtype: str, ctx: int, rows: int, max_ctx: int
                             ldv=width, out=out, scratch=scratch, append=False)
 
     once()  # compile and load before capture
+    # the fills, the block tables' copy and once() ran on the default stream, which a non-blocking
+    # stream does not wait for: unsynchronized, the graph's first replay read tables not yet
+    # written (an illegal address on the H100 at 4096 positions x 16 rows; none under
+    # CUDA_LAUNCH_BLOCKING=1)
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "daemon"))
 
 import common  # noqa: E402
 from ntransformerd.engine.backends.cuda import cp  # noqa: E402 (None without CuPy)
+from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -314,15 +315,21 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if not args.no_odirect:
-        size = os.path.getsize(p8)
+        pod, nod = (common.synthetic(args.dir, "small", "q4_k_m"), 4) if args.smoke else (p8, n_layers)
+        size = os.path.getsize(pod)
         chunk = (1 if args.smoke else 16) << 20
-        plain = plain_odirect(p8, size, chunk=chunk)
+        plain = plain_odirect(pod, size, chunk=chunk)
         log(f"plain O_DIRECT reader (8 threads, {chunk >> 20} MiB): {plain / 1e9:.2f} GB/s")
         # RAM for the staging buffers and less than one layer more: every layer from storage
-        # (--smoke: the tiny shape's two layers need a ring of one slot for that)
-        ram = dict(pinned_budget=layer_bytes, stream_depth=1) if args.smoke else dict(pinned_budget="300MiB")
-        e = Engine.load(p8, config=EngineConfig(backend="cuda", max_batch=1, max_ctx=64, max_vram_layers=0, **ram))
-        assert len(e.plan.layers("storage")) == n_layers, e.plan.explain()
+        # (--smoke: a ring of one slot of the small shape, whose layers are over the setting's
+        # 1 MiB floor; the tiny shape's are under it)
+        if args.smoke:
+            m = GGUFModel(pod)
+            ram = dict(pinned_budget=max(m.layer_bytes(i) for i in range(nod)), stream_depth=1)
+        else:
+            ram = dict(pinned_budget="300MiB")
+        e = Engine.load(pod, config=EngineConfig(backend="cuda", max_batch=1, max_ctx=64, max_vram_layers=0, **ram))
+        assert len(e.plan.layers("storage")) == nod, e.plan.explain()
         streamed = e.plan.streamed_bytes_per_step
         slot = e.open()
         e.step([(slot, [1])])  # one lap warm
@@ -335,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         path = decode_path(e, 1)
         out["odirect"] = {"plain_Bps": plain, "tier_Bps": tier, "ratio": tier / plain, "file_bytes": size,
                           "stats": e.weights.stream.stats, "path": path}
-        log(f"O_DIRECT tier ({n_layers} storage layers, decode [{path}]): {tier / 1e9:.2f} GB/s = "
+        log(f"O_DIRECT tier ({nod} storage layers, decode [{path}]): {tier / 1e9:.2f} GB/s = "
             f"{100 * tier / plain:.0f}% of plain")
         free_engine(e)
         e = None
