@@ -205,12 +205,34 @@ def _long_steps(vocab: int, rng):
 KERNEL_TOL = {"f32": 1e-5, "f16": 3e-4, "q8_0": 1e-3, "q4_0": 1e-2}
 
 
+# A block's largest element stores grid index ±127 (q8_0: d = amax / 127) or -8 (q4_0:
+# d = max / -8), so a block read back gives its scale as amax / GRID_MAX, and each value over
+# that scale gives its grid index exactly (index × scale is exact in float32).
+GRID_MAX = {"q8_0": 127, "q4_0": 8}
+
+
+def _grid(rows: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scale (B, 1), grid index (B, 32)) of each block of 32 of rows read back from a cache."""
+    blocks = rows.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(GRID_MAX[dtype])
+    return d, blocks / np.where(d > 0, d, 1)
+
+
 @needs_host
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0", "q4_0"])
 def test_host_kernels_read_the_blocks_as_the_reference(f32_model, dtype):
     """The kernels quantize as they write and read the blocks in place; the reference quantizes
     with gguf.quants and reads dequantized rows. Ragged steps past several blocks: every row's
-    logits within KERNEL_TOL, and the rows both stored the same grid points almost everywhere."""
+    logits within KERNEL_TOL. And the rows both stored the same blocks up to rounding: the keys
+    and values they quantize differ in their last bits (past the first layer also by what the
+    other layer's rounding did to attention), so a block's amax, and with it its f16 scale,
+    may land on a neighbouring f16 (then every element of the block differs, by at most 127
+    such steps), and an element near a half-step may round the other way (one grid step).
+
+    Measured on 40 input seeds with the avx2 and the generic kernels: scales at most 1.7e-3
+    apart (relative) and differing in at most 5.1% of the blocks (mean 0.6%); grid indices at
+    most 1 apart and differing in at most 0.45% of the elements (mean 0.05%). The bounds are
+    about twice those: 2^-8, 10%, 1%. A wrong row, scale or rounding rule breaks one of them."""
     steps, (rops, rw, rkv) = _pair(f32_model, dtype)
     rng = np.random.default_rng(3)
     for i, segs in enumerate(_long_steps(f32_model.config.vocab_size, rng)):
@@ -219,12 +241,25 @@ def test_host_kernels_read_the_blocks_as_the_reference(f32_model, dtype):
         exact = forward(rops, f32_model.config, rw, rkv, b, all_logits=True)
         err, scale = float(np.abs(fast - exact).max()), float(np.abs(exact).max())
         assert err <= KERNEL_TOL[dtype] * scale, f"{dtype} step {i}: {err:.3g} of {scale:.3g}"
-    if dtype in ("q8_0", "q4_0"):
-        for layer in range(f32_model.config.n_layers):
-            for slot, n in ((0, 73), (1, 21), (2, 19)):
-                mine, theirs = steps.cache.layer(layer).read(slot, n), rkv.layer(layer).read(slot, n)
-                for a, b in zip(mine, theirs):
-                    assert np.mean(a != b) < 0.01, (dtype, layer, slot)
+    if dtype not in GRID_MAX:
+        return
+    blocks = rescaled = elements = moved = 0
+    for layer in range(f32_model.config.n_layers):
+        for slot, n in ((0, 73), (1, 21), (2, 19)):
+            mine, theirs = steps.cache.layer(layer).read(slot, n), rkv.layer(layer).read(slot, n)
+            for name, a, b in zip("kv", mine, theirs):
+                (da, qa), (db, qb) = _grid(a, dtype), _grid(b, dtype)
+                where = f"{dtype} layer {layer} slot {slot} {name}"
+                rel = (np.abs(da - db) / np.maximum(np.maximum(da, db), np.finfo(np.float32).tiny))[:, 0]
+                j = int(rel.argmax())
+                assert rel[j] <= 2 ** -8, f"{where}: block {j} scale {da[j, 0]} vs the reference's {db[j, 0]}"
+                step = np.abs(qa - qb).max(axis=1)
+                j = int(step.argmax())
+                assert step[j] <= 1, f"{where}: block {j} grid indices {qa[j]} vs the reference's {qb[j]}"
+                blocks, rescaled = blocks + da.size, rescaled + int((da != db).sum())
+                elements, moved = elements + qa.size, moved + int((qa != qb).sum())
+    assert rescaled <= 0.10 * blocks, f"{dtype}: {rescaled} of {blocks} blocks stored another scale"
+    assert moved <= 0.01 * elements, f"{dtype}: {moved} of {elements} elements stored another grid point"
 
 
 @needs_host
@@ -531,8 +566,10 @@ def _backend_ok(backend):
 def test_shared_prefixes_continue_as_copies_do(tiny_engine_path, backend):
     """Two slots share a prompt's blocks with the slot that computed it: each continues with
     the logits (bit for bit) and greedy ids of the source, or of a slot given the same positions
-    by copying their rows, while the pool holds the shared blocks once; a sharer truncated into a shared block and writing there copies it
-    first, and the source reads its own keys and values unchanged."""
+    by copying their rows (bit for bit on the kernels, to float rounding on the numpy
+    reference), while the pool holds the shared blocks once; a sharer truncated into a shared
+    block and writing there copies it first, and the source reads its own keys and values
+    unchanged."""
     _backend_ok(backend)
     e = Engine(GGUFModel(tiny_engine_path), config=EngineConfig(backend=backend, max_batch=5, max_ctx=128))
     prompt, more = list(range(3, 40)), [5, 9, 11, 2, 7, 1, 1, 4, 8, 6, 3, 12]
@@ -564,7 +601,16 @@ def test_shared_prefixes_continue_as_copies_do(tiny_engine_path, backend):
     got_t = e.step([(t, more)])
     e.step([(u, prompt[32:]), (w, prompt[32:])])
     got_u, got_w = e.step([(u, more)]), e.step([(w, more)])
-    assert np.array_equal(got_t, want) and np.array_equal(got_u, got_w)
+    assert np.array_equal(got_t, want)
+    if backend == "cpu":
+        assert np.array_equal(got_u, got_w)
+    else:
+        # numpy's matmul is OpenBLAS's sgemm, whose sum for a row depends on where the row sits
+        # in the batch (edge kernels, each thread's share): u's positions 32..36 ran as rows 0-4
+        # of that step and w's as rows 5-9, so their keys and values, and the logits, may differ
+        # in the last bits. The same sums in another order: KERNEL_TOL["f32"].
+        err, scale = float(np.abs(got_u - got_w).max()), float(np.abs(got_w).max())
+        assert err <= KERNEL_TOL["f32"] * scale, f"{err:.3g} of {scale:.3g}"
     assert greedy(t, got_t[0]) == want_ids and greedy(u, got_u[0]) == greedy(w, got_w[0])
     cow = e.kv.blocks.stats["cow"]
     e.truncate(u, 20)  # into the second shared block

@@ -1,6 +1,4 @@
-"""Make the decode-identity golden file: what every decode path gives on the default model.
-
-    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto .venv/bin/python tests/golden/make_decode_golden.py
+"""Make a decode-identity golden file: what every decode path gives on the default model.
 
 The paths are the ones a change to the decode loop must leave alone: `engine.generate`
 (`ntx-model run`), `speculative.generate` (`ntx-model run --speculative`) and the daemon's
@@ -15,19 +13,70 @@ made once from the code before a change to the loop, then kept: the test then pr
 change kept every id. Sampled speculation depends on draft lengths, so the cost table is fixed
 (FLAT) rather than measured.
 
-Writes tests/golden/decode_smollm2.json.
+One golden per kind of CPU kernels. The "cpu" backend's kernels are compiled per instruction
+set (backends/host/native.py, VARIANTS) and each variant sums in its own order, so the logits
+differ in their last bits and, over 24 tokens, about half the outputs differ between avx512,
+avx2 and generic. Nothing else on the machine moved an id: the thread count (1, 2, 5),
+OpenBLAS's kernel (OPENBLAS_CORETYPE) and numpy's SIMD dispatch (NPY_DISABLE_CPU_FEATURES)
+left every output alone. So tests/golden/decode_smollm2_<variant>.json holds the outputs of
+that variant's kernels and, under "numerics", what they were made with: the variant, the
+machine, the compiler (null where not recorded).
+
+The golden of the variant this machine runs (the best its CPU has, as the daemon picks):
+
+    PYTHONPATH=$PWD/daemon:$PWD/client:$PWD/system:$PWD/proto .venv/bin/python tests/golden/make_decode_golden.py
+
+and of another variant the CPU runs (an AVX-512 machine makes both x86 goldens):
+
+    ... tests/golden/make_decode_golden.py --variant avx512   # AVX-512 with VNNI: decode_smollm2_avx512.json
+    ... tests/golden/make_decode_golden.py --variant avx2     # AVX2, FMA, F16C: decode_smollm2_avx2.json
+
+About 30 s on two cores (avx2; generic about 3 min). Before committing a new golden, make it
+twice and `cmp` the two files: a machine's outputs must not change from one run to the next.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GOLDEN = os.path.join(HERE, "decode_smollm2.json")
 N = 24  # tokens per request
 SMALL_CTX = 40  # the engine whose context ends mid-generation
+
+
+def golden_path(variant: str) -> str:
+    """The golden file of the CPU kernels' `variant` (a native.VARIANTS name)."""
+    return os.path.join(HERE, f"decode_smollm2_{variant}.json")
+
+
+def numerics() -> dict:
+    """What this process's outputs depend on: the variant of the CPU kernels the engines run,
+    and for the record the machine and the compiler that built them."""
+    from ntransformerd.engine.backends.host import native
+
+    cc = native.compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return {"kernel_variant": native.load().variant.name, "machine": platform.machine(),
+            "compiler": version.splitlines()[0] if version else cc}
+
+
+def use_variant(name: str) -> None:
+    """Run the engines on the kernels of `name` instead of the best this CPU has. The daemon has
+    no setting for it: every engine calls native.load(), which takes best_variant()."""
+    from ntransformerd.engine.backends.host import native
+
+    v = next((x for x in native.VARIANTS if x.name == name), None)
+    if v is None:
+        raise SystemExit(f"--variant {name}: not one of {', '.join(x.name for x in native.VARIANTS)}")
+    missing = [f for f in v.needs if f not in native.cpu_flags()]
+    if missing:
+        raise SystemExit(f"--variant {name}: this CPU lacks {' '.join(missing)}")
+    native.best_variant = lambda flags=None: v
 
 
 def cases():
@@ -82,7 +131,12 @@ def solo(engine, ids, params, mode: str | None) -> dict:
     return result([e.token for e in events], [e.text for e in events], events[-1].finish_reason)
 
 
-SPEC_MODES = ("", "ngram", "prefix:15")  # a speculating batch: the requests take turns
+SPEC_MODES = ("off", "ngram", "prefix:15")  # a speculating batch: the requests take turns
+
+
+def spec_mode(i: int, speculate: bool) -> str:
+    """The speculation mode of request i of a served batch ("off": none)."""
+    return SPEC_MODES[i % len(SPEC_MODES)] if speculate else "off"
 
 
 def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, speculate: bool,
@@ -104,7 +158,7 @@ def served(engine, work: list[tuple[list[int], object]], *, prefix_cache: bool, 
     try:
         for _ in range(rounds):
             reqs = [s.schedule(ids, params, max_tokens=params.max_tokens,
-                               speculative=Mode.parse(SPEC_MODES[i % len(SPEC_MODES)] if speculate else "off"))
+                               speculative=Mode.parse(spec_mode(i, speculate)))
                     for i, (ids, params) in enumerate(work)]
             while any(r.state != RequestState.DONE for r in reqs):  # retired: every slot is free again
                 s.iterate()
@@ -149,13 +203,20 @@ def outputs(big, small) -> dict:
 
 
 def main() -> int:
-    big, small = engines()
-    got = outputs(big, small)
-    with open(GOLDEN, "w") as f:
-        json.dump(got, f, indent=1, ensure_ascii=False)
+    ap = argparse.ArgumentParser(description="Write the decode-identity golden of this machine's CPU kernels.")
+    ap.add_argument("--variant", help="run the kernels of this variant (avx512, avx2, generic) instead of the "
+                                      "best this CPU has; the CPU must run it")
+    args = ap.parse_args()
+    if args.variant:
+        use_variant(args.variant)
+    made = numerics()
+    got = outputs(*engines())
+    path = golden_path(made["kernel_variant"])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"numerics": made, **got}, f, indent=1, ensure_ascii=False)
         f.write("\n")
     n = sum(len(v) for v in got.values())
-    print(f"wrote {GOLDEN}: {n} outputs")
+    print(f"wrote {path}: {n} outputs, {made}")
     return 0
 
 
