@@ -10,5 +10,5 @@ cd "$dst/llama.cpp"
 cmake -S . -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF 2>&1 | tail -30
-cmake --build build --target llama-bench llama-batched-bench llama-perplexity -j16 2>&1 | tail -30
+cmake --build build --target llama-bench llama-batched-bench llama-perplexity -j${JOBS:-16} 2>&1 | tail -30
 ls -la build/bin/llama-bench
