@@ -16,6 +16,7 @@ from ntransformerd import config, dirs, settings
 from ntransformerd.engine import backends
 from ntransformerd.engine.runtime import kv_cache
 from ntransformerd.engine.backends.cuda.settings import ENV_SETTINGS, CudaSettings
+from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.runtime.engine import EngineConfig
 from ntransformerd.engine.generation.speculative_mode import Mode
 from ntransformerd.settings import DAEMON, FILE, MODEL, SETTINGS, Choice, Integer, Number, SettingError, Size
@@ -50,7 +51,8 @@ def every_setting(tmp_path, synth_model):
         "tcp_listen": "127.0.0.1:0", "tls_cert": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem"),
         "tls_client_ca": str(tmp_path / "ca.pem"), "model": model, "backend": "cpu-ref", "vram_budget": "1GiB",
         "pinned_budget": "512MiB", "max_batch": 3, "max_ctx": 256, "kv_dtype": "f16", "kv_blocks": 40,
-        "kv_spill": "64MiB", "prefill_chunk": 32, "cpu_threads": 2, "host_compute": "auto", "link_cap": "6.5GB/s",
+        "kv_spill": "64MiB", "prefill_chunk": 32, "cpu_threads": 2, "cpu_kernels": "generic",
+        "host_compute": "auto", "link_cap": "6.5GB/s",
         "storage": "mmap", "speculative": "prefix:2", "draft": model, "skip_layers": "1,2", "max_queue": 5,
         "prefix_cache": False, "prefix_cache_share": "group", "default_max_tokens": 9, "drain_timeout": 1.5,
         "log_level": "debug", "state_dir": str(tmp_path / "state"), "nvme_queues": 3, "nvme_queue_depth": 16,
@@ -70,7 +72,7 @@ def test_every_setting_from_one_file_is_the_same_in_the_daemon_and_ntx_model(eve
     tool = _ntx_model_settings(["--config", str(every_setting)])
     shared = set(settings.of(FILE)) & set(settings.of(MODEL))
     assert shared >= {"backend", "vram_budget", "max_batch", "max_ctx", "kv_dtype", "kv_blocks", "kv_spill",
-                      "prefill_chunk", "cpu_threads", "host_compute", "link_cap", "storage", "speculative",
+                      "prefill_chunk", "cpu_threads", "cpu_kernels", "host_compute", "link_cap", "storage", "speculative",
                       "draft", "skip_layers", "model", "state_dir"}
     for name in sorted(shared):
         assert getattr(daemon, name) == tool[name], name
@@ -225,6 +227,7 @@ def test_the_vocabularies_of_the_rows_are_the_engines():
     assert SETTINGS["backend"].kind.options == backends.BACKENDS
     assert set(backends.BACKENDS) == set(backends.TYPES) | {"auto"}
     assert SETTINGS["kv_dtype"].kind.options == ("auto",) + kv_cache.KV_DTYPES
+    assert SETTINGS["cpu_kernels"].kind.options == ("auto",) + tuple(v.name for v in native.VARIANTS)
 
 
 def test_the_example_config_shows_every_key_with_its_default():

@@ -66,6 +66,7 @@ class DaemonConfig:
     # Threads of the CPU backend's steps (the cpu backend's team; cpu-ref's BLAS threads), and of
     # the host's share beside a GPU. 0: every CPU the daemon may run on.
     cpu_threads: int = field("cpu_threads")
+    cpu_kernels: str = field("cpu_kernels")  # auto | avx512 | avx2 | generic: the host kernels' build (numerics)
     host_compute: str = field("host_compute")  # off | auto: engine/tiers/placement.py, from engine/calibration/figures.py's rates
     link_cap: float | None = field("link_cap")  # bytes/s ("6.5GB/s" given) the stream's copies are paced to
     storage: str = field("storage")  # file | odirect | mmap | nvme:SERIAL (or nvme:PCI_ADDRESS)

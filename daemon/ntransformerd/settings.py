@@ -410,6 +410,7 @@ SERVED = frozenset({FILE, DAEMON})  # the daemon's own
 EVERYWHERE = frozenset({FILE, DAEMON, MODEL})
 TOOL = frozenset({MODEL})  # ntx-model run's own
 BACKENDS = ("cpu", "cpu-ref", "cuda", "auto")  # engine.backends.BACKENDS (a test holds them equal)
+CPU_KERNELS = ("avx512", "avx2", "generic")  # backends/host/native.py's VARIANTS (a test holds them equal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +495,9 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
             "being read", EVERYWHERE),
     Setting("cpu_threads", Integer(0, 1024, "threads"), 0, "threads of the CPU backend's steps and of the host's "
             "share beside a GPU (0: every CPU the process may use)", EVERYWHERE),
+    Setting("cpu_kernels", Choice(("auto",) + CPU_KERNELS, "VARIANT"), "auto", "the build of the CPU backend's "
+            "kernels: auto (the best this CPU runs), avx512, avx2 or generic; each sums in its own order, so hosts "
+            "that must give the same text pin one; one this CPU cannot run is refused at load", EVERYWHERE),
     Setting("host_compute", Choice(("off", "auto"), "MODE"), "off", "auto: the host CPU computes some streamed "
             "layers beside the GPU, per step shape, from rates measured at load", EVERYWHERE),
     Setting("link_cap", Rate(), None, "pace the stream's host-to-device copies, e.g. 6.5GB/s (a slower PCIe link "

@@ -100,7 +100,8 @@ def test_resolve_prefers_the_host_kernels_and_the_gpu(monkeypatch):
         def available(self):
             return self.ok
 
-        def load(self, model, *, resident=None):
+        def load(self, model, *, resident=None, cpu_kernels="auto"):
+            self.cpu_kernels = cpu_kernels
             return "ops", resident
 
     host = FakeHost(True)
@@ -109,6 +110,8 @@ def test_resolve_prefers_the_host_kernels_and_the_gpu(monkeypatch):
     assert isinstance(b, backends.Host) and b.name == "cpu" and b.is_host
     # the host keeps its vram and host layers; streamed ones it reads from the page cache
     assert b.load(None, Plan((VRAM, PINNED, HOST, SKIP), (1,) * 4, 2, 1, 0, 0, 0, -1, -1)) == ("ops", {0, 2})
+    b.load(None, Plan((VRAM,), (1,), 1, 0, 0, 0, 0, -1, -1), cpu_kernels="generic")
+    assert host.cpu_kernels == "generic"  # the setting reaches the host module's load
     host.ok = False
     assert backends.resolve("cpu").name == "cpu-ref"
     monkeypatch.setattr(cuda, "available", lambda: True)

@@ -20,8 +20,11 @@ from ntransformerd.engine.backends import cpu as ref
 from ntransformerd.engine.backends import host
 from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.runtime.model import Batch, Segment, forward
 from ntransformerd.engine.generation.sampler import TopLogits
+from ntransformerd.settings import SettingError
+from ntransformerd.tools import ntx_model
 from ntransformerd.tools.synth import Shape, synthesize
 
 pytestmark = pytest.mark.skipif(not host.available(), reason="no C compiler for the CPU kernels")
@@ -167,6 +170,38 @@ def test_every_instruction_set_variant(small_model, variant, monkeypatch):
     for segs in ragged_steps(m.config.vocab_size, rng):
         b = Batch.of(segs)
         assert close_enough(steps.run(b), forward(rops, m.config, rw, rkv, b), "q4_1") is None
+
+
+def test_the_cpu_kernels_setting_picks_the_build(small_model):
+    """cpu_kernels pins the variant an engine's steps and embedding run, whatever the CPU's best."""
+    engine = Engine(small_model("q4_1"), config=EngineConfig(backend="cpu", max_ctx=32, max_batch=2,
+                                                             cpu_kernels="generic"))
+    assert engine.ops.lib.isa() == b"generic" and engine.weights.lib is engine.ops.lib
+    assert engine.steps.lib is engine.ops.lib
+    auto = Engine(small_model("q4_1"), config=EngineConfig(backend="cpu", max_ctx=32, max_batch=2))
+    assert auto.ops.lib.variant == native.best_variant()
+
+
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+
+
+def test_a_variant_the_cpu_cannot_run_is_refused_naming_the_flags_it_lacks(small_model, monkeypatch, capsys):
+    with pytest.raises(native.UnsupportedVariant, match="lacks avx512f avx512bw avx512vl avx512_vnni, which the "
+                                                        r"avx512 kernels need: use auto \(avx2 here\)"):
+        native.choose("avx512", AVX2_ONLY)
+    assert native.choose("avx2", AVX2_ONLY).name == native.choose("auto", AVX2_ONLY).name == "avx2"
+    assert native.choose("generic", frozenset()).name == "generic"
+    with pytest.raises(ValueError, match="'sse' is not one of avx512, avx2, generic"):
+        native.choose("sse")
+    # at load, named as the program names the setting; nothing is built or loaded
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(native, "build", lambda v, **kw: pytest.fail(f"built {v.name}"))
+    with pytest.raises(SettingError) as e:
+        host.load(small_model("q4_1"), cpu_kernels="avx2")
+    assert str(e.value).startswith("cpu_kernels = 'avx2': this CPU lacks avx2 fma f16c bmi2, which the avx2 "), e.value
+    path = small_model("q4_1").path
+    assert ntx_model.main(["run", path, "--backend", "cpu", "--cpu-kernels", "avx2", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("ntx-model: error: --cpu-kernels avx2: this CPU lacks avx2 fma ")
 
 
 def test_pieces_compose_to_the_whole_pass(small_model):

@@ -54,29 +54,25 @@ def golden_path(variant: str) -> str:
     return os.path.join(HERE, f"decode_smollm2_{variant}.json")
 
 
-def numerics() -> dict:
-    """What this process's outputs depend on: the variant of the CPU kernels the engines run,
-    and for the record the machine and the compiler that built them."""
+def numerics(cpu_kernels: str = "auto") -> dict:
+    """What this process's outputs depend on: the variant of the CPU kernels the engines run
+    (the cpu_kernels setting), and for the record the machine and the compiler that built them."""
     from ntransformerd.engine.backends.host import native
 
     cc = native.compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    return {"kernel_variant": native.load().variant.name, "machine": platform.machine(),
+    return {"kernel_variant": native.load(cpu_kernels).variant.name, "machine": platform.machine(),
             "compiler": version.splitlines()[0] if version else cc}
 
 
-def use_variant(name: str) -> None:
-    """Run the engines on the kernels of `name` instead of the best this CPU has. The daemon has
-    no setting for it: every engine calls native.load(), which takes best_variant()."""
+def check_variant(name: str) -> None:
+    """A --variant the CPU cannot run (or no variant at all) stops here, before any engine loads."""
     from ntransformerd.engine.backends.host import native
 
-    v = next((x for x in native.VARIANTS if x.name == name), None)
-    if v is None:
-        raise SystemExit(f"--variant {name}: not one of {', '.join(x.name for x in native.VARIANTS)}")
-    missing = [f for f in v.needs if f not in native.cpu_flags()]
-    if missing:
-        raise SystemExit(f"--variant {name}: this CPU lacks {' '.join(missing)}")
-    native.best_variant = lambda flags=None: v
+    try:
+        native.choose(name)
+    except ValueError as e:  # an unknown name, or native.UnsupportedVariant
+        raise SystemExit(f"--variant {name}: {e}") from None
 
 
 def cases():
@@ -106,11 +102,14 @@ def flat_costs():
     return sp.StepCosts({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})
 
 
-def engines():
-    """(the engine every case runs on, one whose context ends at SMALL_CTX positions)."""
+def engines(cpu_kernels: str = "auto"):
+    """(the engine every case runs on, one whose context ends at SMALL_CTX positions), on the
+    CPU kernels of `cpu_kernels`."""
     from ntransformerd.engine.runtime.engine import Engine, EngineConfig
-    big = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=8, max_ctx=1024, prefill_chunk=128))
-    small = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=SMALL_CTX, prefill_chunk=16))
+    big = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=8, max_ctx=1024, prefill_chunk=128,
+                                                cpu_kernels=cpu_kernels))
+    small = Engine.load(None, config=EngineConfig(backend="cpu", max_batch=2, max_ctx=SMALL_CTX, prefill_chunk=16,
+                                                  cpu_kernels=cpu_kernels))
     return big, small
 
 
@@ -204,13 +203,13 @@ def outputs(big, small) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="Write the decode-identity golden of this machine's CPU kernels.")
-    ap.add_argument("--variant", help="run the kernels of this variant (avx512, avx2, generic) instead of the "
-                                      "best this CPU has; the CPU must run it")
+    ap.add_argument("--variant", default="auto", help="run the kernels of this variant (avx512, avx2, generic: "
+                                                      "EngineConfig.cpu_kernels) instead of the best this CPU has; "
+                                                      "the CPU must run it")
     args = ap.parse_args()
-    if args.variant:
-        use_variant(args.variant)
-    made = numerics()
-    got = outputs(*engines())
+    check_variant(args.variant)
+    made = numerics(args.variant)
+    got = outputs(*engines(args.variant))
     path = golden_path(made["kernel_variant"])
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"numerics": made, **got}, f, indent=1, ensure_ascii=False)

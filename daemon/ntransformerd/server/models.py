@@ -239,7 +239,8 @@ class Models:
             ecfg, _ = resolved(EngineConfig(
                 backend=backend or self.backend(), max_batch=c.max_batch, max_ctx=c.max_ctx, kv_dtype=c.kv_dtype,
                 kv_blocks=c.kv_blocks or None, kv_spill=c.kv_spill or None, prefill_chunk=c.prefill_chunk, vram_budget=c.vram_budget, pinned_budget=c.pinned_budget,
-                storage=source, skip_layers=skip or None, cpu_threads=c.cpu_threads, host_compute=c.host_compute,
+                storage=source, skip_layers=skip or None, cpu_threads=c.cpu_threads, cpu_kernels=c.cpu_kernels,
+                host_compute=c.host_compute,
                 link_cap=c.link_cap, deterministic=c.deterministic))
             plan = plan_for(model, ecfg)
             if fill is not None:  # every layer the plan keeps in memory comes off the drive now

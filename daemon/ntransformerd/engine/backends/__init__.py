@@ -53,7 +53,8 @@ class CpuRef:
     def free_memory(self, device: int = 0) -> None:
         return None
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False,
+             cpu_kernels="auto"):
         return cpu.load_share(model, share, source=source, poison=poison, link_cap=link_cap)
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0,
@@ -84,9 +85,11 @@ class Host(CpuRef):
     def available(self) -> bool:
         return self.module.available()
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False,
+             cpu_kernels="auto"):
         # nothing streams here (layers are computed where they lie), so there is no copy to pace
-        return self.module.load(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)})
+        return self.module.load(model, resident={i for i, t in enumerate(share.tiers) if t in (VRAM, HOST)},
+                                cpu_kernels=cpu_kernels)
 
     def kv_cache(self, cfg, *, n_slots, max_ctx, dtype, device=0, n_blocks=None):
         return self.module.kv_cache(cfg, n_slots=n_slots, max_ctx=max_ctx, dtype=dtype, n_blocks=n_blocks)
@@ -115,7 +118,8 @@ class Cuda:
         with self.context(device):
             return self.module.vram_free()
 
-    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False):
+    def load(self, model, share, *, device=0, source=None, poison=False, link_cap=None, deterministic=False,
+             cpu_kernels="auto"):
         with self.context(device):
             settings = self.module.CudaSettings.from_env().replace(deterministic=deterministic)
             return self.module.load(model, share, source=source, poison=poison, link_cap=link_cap, settings=settings)

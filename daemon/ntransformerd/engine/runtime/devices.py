@@ -192,12 +192,14 @@ class Backend(Protocol):
         """Device memory free now; None: host memory (the planner reads MemAvailable)."""
 
     def load(self, model: GGUFModel, share, *, device: int = 0, source=None, poison: bool = False,
-             link_cap: float | None = None, deterministic: bool = False) -> tuple[Ops, Weights]:
+             link_cap: float | None = None, deterministic: bool = False,
+             cpu_kernels: str = "auto") -> tuple[Ops, Weights]:
         """This device's op set and the weights of its share (source: the storage its streamed
         layers are read from; poison: fill released buffers, for tests; link_cap: bytes per
         second its streamed layers' copies are paced to, None: unpaced; deterministic: a row's
         arithmetic independent of the rows sharing its step, where the backend chooses kernels by
-        row count (EngineConfig.deterministic))."""
+        row count (EngineConfig.deterministic); cpu_kernels: the build of the host's compiled
+        kernels (EngineConfig.cpu_kernels; backends without them ignore it))."""
 
     def kv_cache(self, cfg: LlamaConfig, *, n_slots: int, max_ctx: int, dtype: str, device: int = 0,
                  n_blocks: int | None = None) -> KV:

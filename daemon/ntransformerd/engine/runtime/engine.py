@@ -74,6 +74,9 @@ class EngineConfig:
     kv_spill: int = field("kv_spill")  # bytes of host RAM a GPU's pool spills closed slots' blocks to (0: dropped)
     prefill_chunk: int = field("prefill_chunk")  # prompt tokens per step
     cpu_threads: int = field("cpu_threads")  # threads of the cpu backend's steps (0: every CPU this process may use)
+    # The build of the host's kernels (backends/host/native.py VARIANTS; auto: the best this CPU
+    # runs): each sums in its own order, so hosts that must give the same text pin one.
+    cpu_kernels: str = field("cpu_kernels")
     # Tiers (engine/tiers): None = decide from free VRAM and MemAvailable.
     vram_budget: int | tuple[int | None, ...] | None = field("vram_budget")  # device memory in all (per device)
     pinned_budget: int | None = field("pinned_budget")  # pinned host RAM for streamed layers
@@ -283,7 +286,7 @@ class Engine:
             source = tiers.open_storage(self.config, self.model) if dev.plan.layers(tiers.STORAGE) else None
             cap = self.config.link_cap if dev.kind == MAIN else None  # the host device reads RAM
             ops, weights = b.load(self.model, dev.plan, device=ordinal, source=source, poison=poison, link_cap=cap,
-                                  deterministic=self.config.deterministic)
+                                  deterministic=self.config.deterministic, cpu_kernels=self.config.cpu_kernels)
             mine = list(range(self.cfg.n_layers)) if one else [i for i, ds in homes.items() if d in ds]
             cfg = self.cfg if one else dataclasses.replace(self.cfg, n_layers=len(mine))
             kv = b.kv_cache(cfg, n_slots=self.config.max_batch, max_ctx=self.max_ctx, dtype=self.config.kv_dtype,

@@ -33,6 +33,7 @@ from ntransformerd.engine.runtime.kv_cache import KVCache
 from ntransformerd.engine.runtime.model import Batch, forward, run_layers
 from ntransformerd.engine.runtime.model import head as llama_head
 from ntransformerd.engine.generation.sampler import TopLogits
+from ntransformerd.settings import SettingError
 
 
 
@@ -65,8 +66,8 @@ class HostWeights:
 
     streamed = False
 
-    def __init__(self, model: GGUFModel):
-        self.model = model
+    def __init__(self, model: GGUFModel, lib: native.Library | None = None):
+        self.model, self.lib = model, lib or native.load()
         cfg = model.config
         self.token_embd = matrix(model, "token_embd.weight")
         output = self.token_embd if cfg.tied_output else matrix(model, "output.weight")
@@ -88,7 +89,7 @@ class HostWeights:
 
     def embed_rows(self, tokens: np.ndarray) -> np.ndarray:
         """Rows of token_embd as float32 (the kernels' dequantization)."""
-        lib = native.load()
+        lib = self.lib
         ids = np.ascontiguousarray(tokens, dtype=np.int64)
         m = self.token_embd
         out = np.empty((len(ids), m.n_in), np.float32)
@@ -108,13 +109,20 @@ class HostWeights:
         return 0.0, 0
 
 
-def load(model: GGUFModel, *, resident: set[int] | None = None) -> tuple[HostOps, HostWeights]:
-    """The ops and weights of `model` on this CPU. `resident` is accepted for the common backend
-    interface: every layer is computed from the memory map, so the page cache decides what stays."""
+def load(model: GGUFModel, *, resident: set[int] | None = None,
+         cpu_kernels: str = "auto") -> tuple[HostOps, HostWeights]:
+    """The ops and weights of `model` on this CPU, on the kernels of `cpu_kernels` (a
+    native.VARIANTS name, or auto: the best this CPU runs). `resident` is accepted for the common
+    backend interface: every layer is computed from the memory map, so the page cache decides
+    what stays."""
     for name, t in model.tensors.items():
         if t.qtype not in FLOAT_TYPES and t.qtype not in native_types():
             raise ValueError(f"{name}: type {t.qtype.name} has no CPU kernel")
-    return HostOps(model.config, native.load()), HostWeights(model)
+    try:
+        lib = native.load(cpu_kernels)
+    except native.UnsupportedVariant as e:
+        raise SettingError(str(e), setting="cpu_kernels", value=cpu_kernels) from None
+    return HostOps(model.config, lib), HostWeights(model, lib)
 
 
 def native_types() -> tuple[Q, ...]:

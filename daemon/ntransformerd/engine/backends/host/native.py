@@ -1,7 +1,9 @@
 """The CPU backend's compiled kernels: built from kernels/cpu/*.c on first use, loaded with ctypes.
 
 One source tree is compiled per instruction set (`VARIANTS`); `load()` picks the best one this
-CPU runs (AVX-512 with VNNI, AVX2/FMA/F16C, or portable C) unless told which. The shared object
+CPU runs (AVX-512 with VNNI, AVX2/FMA/F16C, or portable C) unless told which (the cpu_kernels
+setting: each variant sums in its own order, so hosts that must agree pin one). A variant the
+CPU cannot run is refused by name with the flags it lacks, never loaded. The shared object
 is cached under the cache directory keyed by the sources, the flags and the compiler, so a
 build (a few seconds with gcc -O3) happens once per machine and source change. The structures
 below mirror kernels/cpu/ntx_step.h field by field.
@@ -48,6 +50,10 @@ class BuildError(RuntimeError):
     """The CPU kernels could not be built (no C compiler, or a compile error)."""
 
 
+class UnsupportedVariant(ValueError):
+    """A variant named that this CPU cannot run (its instructions would kill the process)."""
+
+
 def cache_dir() -> str:
     """Where built kernels are kept: cpu-kernels/ of the cache directory (dirs.cache_dir)."""
     return os.path.join(dirs.cache_dir(), "cpu-kernels")
@@ -71,6 +77,22 @@ def best_variant(flags: frozenset[str] | None = None) -> Variant:
         if all(f in flags for f in v.needs):
             return v
     return VARIANTS[-1]
+
+
+def choose(name: str | None = None, flags: frozenset[str] | None = None) -> Variant:
+    """The variant called `name` (a VARIANTS name; None or "auto": best_variant()), if this CPU
+    (`flags`, default /proc/cpuinfo's) runs it; an UnsupportedVariant naming the flags it lacks."""
+    flags = cpu_flags() if flags is None else flags
+    if name is None or name == "auto":
+        return best_variant(flags)
+    v = next((x for x in VARIANTS if x.name == name), None)
+    if v is None:
+        raise ValueError(f"CPU kernel variant {name!r} is not one of {', '.join(x.name for x in VARIANTS)}")
+    missing = [f for f in v.needs if f not in flags]
+    if missing:
+        raise UnsupportedVariant(f"this CPU lacks {' '.join(missing)}, which the {name} kernels need: use auto "
+                                 f"({best_variant(flags).name} here) or a variant this CPU runs")
+    return v
 
 
 def sources() -> list[str]:
@@ -187,16 +209,14 @@ class Library:
             raise BuildError(f"{path}: structure sizes {tuple(sizes)} differ from Python's {mine}")
 
 
-@functools.lru_cache(maxsize=None)
 def load(variant: str | None = None) -> Library:
-    """The kernels for `variant` (a VARIANTS name) or the best this CPU runs, built if needed."""
-    if variant is None:
-        v = best_variant()
-    else:
-        matches = [x for x in VARIANTS if x.name == variant]
-        if not matches:
-            raise ValueError(f"CPU kernel variant {variant!r} is not one of {', '.join(x.name for x in VARIANTS)}")
-        v = matches[0]
+    """The kernels for `variant` (a VARIANTS name; None or "auto": the best this CPU runs), built
+    if needed; one library per variant per process."""
+    return _library(choose(variant))
+
+
+@functools.lru_cache(maxsize=None)
+def _library(v: Variant) -> Library:
     return Library(build(v), v)
 
 
