@@ -16,6 +16,8 @@ from ntransformerd.engine.backends import cpu, cuda  # noqa: E402
 from ntransformerd.engine.gguf_file import LlamaConfig  # noqa: E402
 from ntransformerd.engine.runtime.model import Batch, Segment  # noqa: E402
 
+from .bits import first_difference, same_bits  # noqa: E402
+
 MAX_CTX = 4096 + 64  # splits of 128 positions, 33 of them
 ROWS = (1, 2, 16, 64)
 SHAPES = ((32, 8, 128), (12, 4, 64))  # (heads, kv heads, head_dim): the 8B's, and groups of 3 (6-warp blocks)
@@ -25,16 +27,6 @@ def config(heads: int, kv: int, hd: int) -> LlamaConfig:
     return LlamaConfig(n_layers=1, d_model=heads * hd, d_ff=64, n_heads=heads, n_kv_heads=kv, head_dim=hd,
                        vocab_size=100, context_length=MAX_CTX, rms_eps=1e-5, rope_base=500000.0, rope_dim=hd,
                        rope_neox=False, rope_scale=1.0, tied_output=True)
-
-
-def same_bits(a, b) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
-def first_difference(got, want) -> str:
-    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
-    at = tuple(bad[0])
-    return f"{len(bad)} of {got.size} differ, first at {at}: {got[at]!r} vs {want[at]!r}"
 
 
 class Setup:

@@ -20,6 +20,7 @@ from ntransformerd.engine.runtime.engine import Engine, EngineConfig  # noqa: E4
 from ntransformerd.engine.gguf_file import GGUFModel  # noqa: E402
 from ntransformerd.tools.synth import synthesize  # noqa: E402
 
+from .bits import first_difference, same_bits  # noqa: E402
 from .real_weights import real_slice  # noqa: E402,F401 (a fixture)
 from .test_quant import random_tensor, to_device  # noqa: E402
 
@@ -28,16 +29,6 @@ BATCHES = (2, 4, 16, 32, 33, 64, 128, 300)  # 300: a prefill chunk past CHUNKED_
 # (type, n, k): the 8B shape's widths, a vocabulary-sized output, the default model's 576
 CASES = [(Q.Q8_0, 4096, 4096), (Q.Q4_K, 14336, 4096), (Q.Q6_K, 4096, 14336), (Q.Q6_K, 32000, 512),
          (Q.Q4_1, 1536, 576), (Q.Q4_1, 576, 1536), (Q.Q8_0, 1536, 576), (Q.Q8_0, 769, 4096)]
-
-
-def _same_bits(got, want) -> bool:
-    return got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-def _first_difference(got, want) -> str:
-    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
-    at = tuple(bad[0])
-    return f"{len(bad)} of {got.size} differ, first at {at}: {got[at]!r} vs {want[at]!r}"
 
 
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=lambda v: getattr(v, "name", str(v)))
@@ -56,13 +47,13 @@ def test_a_row_alone_equals_the_row_in_any_batch(qtype, n, k):
         j = int(rng.integers(b))
         x[j] = x0[0]
         got = cuda.matmul(cp.asarray(x), w, DET).get()
-        assert _same_bits(got[j], alone[0]), (b, j, _first_difference(got[j], alone[0]))
+        assert same_bits(got[j], alone[0]), (b, j, first_difference(got[j], alone[0]))
         if b <= cuda.CHUNKED_MAX_ROWS:  # the residual epilogue of the decode step (x += W a)
             res = rng.standard_normal((b, n), dtype=np.float32)
             res[j] = res0[0]
             out = cp.empty((b, n), cp.float32)
             got = cuda.matvec_rows(cp.asarray(x), w, res=cp.asarray(res), out=out, s=DET).get()
-            assert _same_bits(got[j], alone_res[0]), (b, j, "with residual", _first_difference(got[j], alone_res[0]))
+            assert same_bits(got[j], alone_res[0]), (b, j, "with residual", first_difference(got[j], alone_res[0]))
 
 
 @pytest.fixture(scope="module", params=["small-q4_k_m", "small-q8_0", "real"])
@@ -105,7 +96,7 @@ def test_decode_row_alone_equals_the_row_in_16_and_64_row_steps(engine):
             got = engine.step([(slots[i], [tokens[i]]) for i in order])
             for i in range(3):
                 row = got[order.index(i)]
-                assert _same_bits(row, alone[i]), (width, i, _first_difference(row, alone[i]))
+                assert same_bits(row, alone[i]), (width, i, first_difference(row, alone[i]))
             for i, s in enumerate(slots):
                 engine.truncate(s, start[i])
     finally:
@@ -130,9 +121,9 @@ def test_verify_rows_equal_decode_rows(engine):
         alone = engine.step([(slots[0], drafts[0])], all_logits=True)
         engine.truncate(slots[0], start[0])
         together = engine.step(list(zip(slots, drafts)), all_logits=True).reshape(4, 4, -1)
-        assert _same_bits(alone, one_by_one[0]), _first_difference(alone, one_by_one[0])
+        assert same_bits(alone, one_by_one[0]), first_difference(alone, one_by_one[0])
         for i in range(4):
-            assert _same_bits(together[i], one_by_one[i]), (i, _first_difference(together[i], one_by_one[i]))
+            assert same_bits(together[i], one_by_one[i]), (i, first_difference(together[i], one_by_one[i]))
     finally:
         for s in slots:
             engine.close(s)
@@ -178,10 +169,10 @@ def test_a_prompt_gives_the_same_bits_however_it_was_cut(engine):
         cut = engine.step([(slots[1], prompt[7:])])[0]
         beside = engine.step([(slots[3], other), (slots[2], prompt)])[1]
         for got, how in ((cut, "cut after 7"), (beside, "beside another prompt")):
-            assert _same_bits(got, whole), (how, _first_difference(got, whole))
+            assert same_bits(got, whole), (how, first_difference(got, whole))
         nxt = engine.step([(s, [token]) for s in slots[:3]])
         for i in (1, 2):
-            assert _same_bits(nxt[i], nxt[0]), (i, _first_difference(nxt[i], nxt[0]))
+            assert same_bits(nxt[i], nxt[0]), (i, first_difference(nxt[i], nxt[0]))
     finally:
         for s in slots:
             engine.close(s)

@@ -113,6 +113,16 @@ def iterate(s: Scheduler) -> str:
     return s.iterate()
 
 
+def iterate_until_done(s: Scheduler, reqs, limit: int, after=None) -> None:
+    """Iterations on this thread until every request is done, at most `limit`; `after` runs after each."""
+    for _ in range(limit):
+        if all(r.state == RequestState.DONE for r in reqs):
+            return
+        s.iterate()
+        if after is not None:
+            after()
+
+
 GREEDY = SamplingParams.greedy(ignore_eos=True)
 
 
@@ -486,10 +496,7 @@ def test_a_full_kv_pool_preempts_the_youngest_and_outputs_stay_those_of_solo_run
     real = s.preempt
     s.preempt = lambda cause: preempted.append(cause) or real(cause)
     reqs = [s.schedule(p, params, max_tokens=n) for p in prompts]
-    for _ in range(2000):
-        if all(r.state == RequestState.DONE for r in reqs):
-            break
-        s.iterate()
+    iterate_until_done(s, reqs, 2000)
     s.stop()
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert preempted, "the pool never ran short: the test proves nothing"
@@ -528,10 +535,7 @@ def test_steps_launched_ahead_give_the_outputs_of_solo_runs(default_model, monke
     s.prefix.close = check  # where a retired request's slot goes back
     try:
         reqs += [s.schedule(p, q, max_tokens=q.max_tokens) for p, q in zip(prompts, params)]
-        for _ in range(3000):
-            if all(r.state == RequestState.DONE for r in reqs):
-                break
-            s.iterate()
+        iterate_until_done(s, reqs, 3000)
     finally:
         s.stop()
     got = ["".join(o.text for o in r.stream()) for r in reqs]
@@ -577,11 +581,8 @@ def test_a_prompt_waits_for_blocks_instead_of_taking_them_from_running_requests(
     real = s.preempt
     s.preempt = lambda cause: preempted.append(cause) or real(cause)
     reqs = [s.schedule(p, params, max_tokens=4) for p in prompts]
-    for _ in range(500):
-        if all(r.state == RequestState.DONE for r in reqs):
-            break
-        s.iterate()
-        queued_behind.append(sum(1 for r in reqs if r.state == RequestState.QUEUED))
+    iterate_until_done(s, reqs, 500,
+                       after=lambda: queued_behind.append(sum(1 for r in reqs if r.state == RequestState.QUEUED)))
     s.stop()
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
     assert queued_behind[0] == 1, queued_behind  # the first iteration admitted two: the third waited for blocks
@@ -634,10 +635,7 @@ def test_every_kind_of_step_goes_through_the_overlapped_pipeline_with_solo_outpu
     try:
         reqs = [s.schedule(p, params(i), max_tokens=n, speculative=None if m is None else Mode.parse(m))
                 for i, (p, m) in enumerate(zip(prompts, modes))]
-        for _ in range(3000):
-            if all(r.state == RequestState.DONE for r in reqs):
-                break
-            s.iterate()
+        iterate_until_done(s, reqs, 3000)
     finally:
         s.stop()
     got = [[t for o in r.stream() for t in o.token_ids] for r in reqs]
