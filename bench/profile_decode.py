@@ -1,6 +1,7 @@
 """Where a captured decode step spends its time, kernel by kernel, in the real sequence.
 
     python bench/profile_decode.py --dir /tmp/ntx [--json bench/out/profile.json] [--types q8_0 q4_k_m] [--batch 1 16]
+    python bench/profile_decode.py --model MODEL.gguf --batch 1 16 64 --no-prefill   # a real file
     python bench/profile_decode.py --smoke --dir /tmp/ntx-smoke     # tiny files: does it run?
 
 The step's kernels are queued eagerly behind a spin kernel (so the GPU runs them back to back,
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__file__, __doc__)
     ap.add_argument("--dir", default="/tmp/ntx", help="the synthetic files (made here if missing)")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
+    ap.add_argument("--model", metavar="GGUF", help="profile this file instead of the synthetic --types "
+                    "(the default model, say: where a small model's step goes)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--max-ctx", type=int, default=1024)
     ap.add_argument("--no-prefill", action="store_true", help="decode steps only")
@@ -181,16 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder()
     rec.install()
     out = {"copy_bw_Bps": bw, "shape": shape, "smoke": a.smoke, "files": []}
-    for ftype in a.types:
-        model = GGUFModel(common.synthetic(a.dir, shape, ftype))
+    for ftype in ([a.model] if a.model else a.types):
+        model = GGUFModel(ftype if a.model else common.synthetic(a.dir, shape, ftype))
         ops, weights = cuda.load(model)
-        kv = cuda.kv_cache(model.config, n_slots=32, max_ctx=a.max_ctx)
+        kv = cuda.kv_cache(model.config, n_slots=max(32, *a.batch), max_ctx=a.max_ctx)
         dec = StepGraphs(ops, weights, kv)
-        f = {"type": ftype, "profiles": []}
+        label = os.path.basename(ftype) if a.model else ftype
+        f = {"type": label, "profiles": []}
         for b in a.batch:
             p = profile(dec, kv, b, bw, rec)
             f["profiles"].append(p)
-            print(f"\n{ftype} B={b}: graph step {p['graph_step_ms']:.3f} ms, eager kernels summed "
+            print(f"\n{label} B={b}: graph step {p['graph_step_ms']:.3f} ms, eager kernels summed "
                   f"{p['eager_sum_ms']:.3f} ms over {p['kernels']} kernels, weight floor {p['weight_floor_ms']:.3f} ms")
             print(f"{'kernel':28s} {'grid':>14s} {'n':>3s} {'total us':>9s} {'each':>7s} {'floor':>7s} {'%bw':>5s}")
             for g in sorted(p["groups"], key=lambda g: -g["us"]):
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{g['us_each']:7.2f} {fl or 0:7.2f} {100 * fl / g['us_each'] if fl else 0:5.0f}")
         if not a.no_prefill:
             p = f["prefill"] = profile_prefill(ops, model.config, weights, kv, rec, n=prefill_tokens)
-            print(f"\n{ftype} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
+            print(f"\n{label} prefill {p['tokens']}: {p['total_ms']:.1f} ms")
             for g in sorted(p["groups"], key=lambda g: -g["us"])[:14]:
                 print(f"  {g['op'][:44]:44s} {g['count']:4d} {g['us'] / 1e3:8.2f} ms")
         out["files"].append(f)

@@ -9,7 +9,8 @@
 #   PHASE=checks: the default model whole again (.gpu-full-b/part): the six reference prompts
 #                 paged on the GPU (tests/gpu/test_kv_paged.py), the daemon-level invariance
 #                 (tests/gpu/test_daemon_invariance.py), kv_capacity and kv_spill on the real model, bench/hybrid_quality.py on it
-#                 (QUALITY=1), bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
+#                 (QUALITY=1), bench/profile_decode.py on it at 1/16/64 rows (PROFILE=0: not), SPILL=0 skips
+#                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
 #   PHASE=long:   bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
@@ -99,13 +100,15 @@ else
   model=/tmp/smollm2.gguf
   [ -f $model ] || cat /tmp/full.a .gpu-full-b/part > $model
   ls -la $model
+  # SERVE_ONLY=1: the serving rows alone (a later call on the same warm machine)
+  if [ -z "$SERVE_ONLY" ]; then
   # two runs: a -k filter applies to every path given, and the invariance tests are not named six_reference
   NTX_FULL_MODEL=$model timeout ${CHECKS_TIMEOUT:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -o addopts='' \
     tests/gpu/test_kv_paged.py -k six_reference; python3 -m pytest -q -p no:cacheprovider -o addopts='' -rfE \
     ${CHECK_TESTS:-tests/gpu/test_daemon_invariance.py}" 2>&1 | tee "$L/six_prompts.log" | tail -12
   timeout ${CAPACITY_TIMEOUT:-150} python3 bench/kv_capacity.py --model $model --json "$L/kv_capacity_real.json" 2>&1 \
     | tee "$L/kv_capacity_real.log" | tail -8
-  [ -f bench/kv_spill.py ] && timeout ${SPILL_TIMEOUT:-150} python3 bench/kv_spill.py --model $model \
+  [ "${SPILL:-1}" = 1 ] && timeout ${SPILL_TIMEOUT:-150} python3 bench/kv_spill.py --model $model \
     --json "$L/kv_spill.json" 2>&1 | tee "$L/kv_spill.log" | tail -12
   if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
     timeout ${KL_TIMEOUT:-200} python3 bench/kl_divergence.py --model $model --engines exact,cpu,cuda,hybrid \
@@ -118,10 +121,14 @@ else
         .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 2>&1 | tee "$L/kl_llama.log"
     fi
   fi
+  # where the default model's step goes, kernel by kernel, at 1 / 16 / 64 rows (issue 36: small models' serving)
+  [ "${PROFILE:-1}" = 1 ] && timeout ${PROFILE_TIMEOUT:-120} python3 bench/profile_decode.py --model $model \
+    --batch 1 16 64 --json "$L/profile_default.json" 2>&1 | tee "$L/profile_default.log" | tail -40
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
       --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
+  fi
   fi
   [ "${SERVE:-1}" = 1 ] || { echo "phase checks done at $(( $(date +%s) - t0 )) s (SERVE=0: no serving rows)"; \
     tar czf "$OUT/logs.tgz" -C "$OUT" logs; exit 0; }
