@@ -4,6 +4,8 @@ cache, and copies paced to the cap on the CPU's stream."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -123,6 +125,61 @@ def test_host_rates_from_the_host_backend(synth_model, tmp_path, monkeypatch):
     fig.measured_figures(model, None, host, kv_dtype="q8_0", threads=1)  # another KV dtype: measured again
     assert calls == [1, 1, 1]
 
+
+
+@pytest.mark.skipif(not _host_available(), reason="the host kernels (backends/host) are not built")
+def test_the_host_figures_are_timed_on_the_pinned_kernels(synth_model, tmp_path, monkeypatch):
+    """With cpu_kernels set, the host's rates and its attention are timed on that build (generic:
+    not what auto picks on an x86-64 machine), and each build's figures have their own cache file."""
+    from ntransformerd.engine.backends.host import native
+    from ntransformerd.engine.calibration import figures as fig
+    from ntransformerd.engine.gguf_file import GGUFModel
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+    loaded = []
+    real = native.load
+
+    def load(variant=None):
+        lib = real(variant)
+        loaded.append(lib.variant.name)
+        return lib
+    monkeypatch.setattr(native, "load", load)
+    fig.host_rates(model, layers=[1], threads=1, cpu_kernels="generic", rows=(1,), repeats=1)
+    fig.host_attention_seconds(model.config, kv_dtype="f16", threads=1, cpu_kernels="generic", positions=64,
+                               repeats=1)
+    assert len(loaded) == 2 and set(loaded) == {"generic"}, loaded
+    monkeypatch.setenv("NTX_STATE_DIR", str(tmp_path))  # dirs.state_dir: figures/ there
+    paths = {v: fig.cache_path(model, None, gpu="", threads=1, link_cap=None, kv_dtype="f16", cpu_kernels=v)
+             for v in ("auto",) + tuple(v.name for v in native.VARIANTS)}
+    assert len(set(paths.values())) == len(paths), paths
+    loaded.clear()
+    fig.measured_figures(model, None, backends.resolve("cpu"), kv_dtype="f16", threads=1, cpu_kernels="generic")
+    assert loaded and set(loaded) == {"generic"}, loaded
+    assert os.path.exists(paths["generic"]) and not os.path.exists(paths["auto"])
+
+
+def test_the_engine_measures_its_figures_on_its_cpu_kernels(synth_model, monkeypatch):
+    """Host compute beside a GPU: the plan's figures are measured on the build of the host's
+    kernels that the host's steps will run (EngineConfig.cpu_kernels)."""
+    from ntransformerd.engine.gguf_file import GGUFModel
+    from ntransformerd.engine.runtime import engine as engine_module
+    from ntransformerd.engine.runtime.engine import EngineConfig
+    model = GGUFModel(synth_model("small", "q4_k_m"))
+
+    class Gpu:  # what plan_for asks of a GPU backend
+        name, is_host = "cuda", False
+
+        def layer_bytes(self, m, i):
+            return m.layer_bytes(i)
+
+        def free_memory(self, device=0):
+            return 1 << 40
+    asked = {}
+    monkeypatch.setattr(backends, "resolve", lambda name: Gpu())
+    monkeypatch.setattr(engine_module, "measured_figures",
+                        lambda model, plan, backend, **k: asked.update(k) or Figures(1e9, {1: 1e9}))
+    plan = engine_module.plan_for(model, EngineConfig(backend="cuda", host_compute="auto", max_vram_layers=1,
+                                                      cpu_kernels="generic"))
+    assert plan.streamed and asked["cpu_kernels"] == "generic", (plan, asked)
 
 def test_figures_cache_round_trip_and_bad_files(tmp_path):
     f = Figures(55e9, {1: 60e9, 16: 20e9}, {1: 3e12}, handoff_s=1e-5, host_attn_s=2e-9)

@@ -114,7 +114,7 @@ def test_cached_figures_the_steps_contradict_are_replaced(model, tmp_path, monke
                           host_compute="auto", link_cap=LINK)
     base = tiers.model_plan(model, config, backend="cpu", figures=None)
     path = figures_module.cache_path(model, base, gpu="", threads=config.cpu_threads, link_cap=config.link_cap,
-                                     kv_dtype=config.kv_dtype)
+                                     kv_dtype=config.kv_dtype, cpu_kernels=config.cpu_kernels)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(wrong.to_dict(), f)

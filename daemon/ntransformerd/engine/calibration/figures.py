@@ -12,9 +12,11 @@ each position a row attends to adds to a host layer). Rates are the median of a 
 in bytes of layer weights per second. The host's stretch is the plan's streamed layers (what
 the host may compute) up to HOST_SAMPLE_BYTES: one layer run again and again stays in a large
 last-level cache and times the cache, not RAM, while the host's real share of a step is read
-again each step, from the cache only where all of it fits there.
+again each step, from the cache only where all of it fits there. The host's two figures are
+timed on the build of its kernels that its steps run (the cpu_kernels setting: each build has
+its own rates).
 They go to a small cache file (tiers.placement.save_figures) so a restart of the same model on
-the same machine does not measure again.
+the same machine with the same settings does not measure again.
 """
 
 from __future__ import annotations
@@ -96,15 +98,16 @@ def _kv(backend, model: GGUFModel, layers: Sequence[int], rows: int, device: int
 
 
 def host_rates(model: GGUFModel, *, layers: Sequence[int] = (0,), threads: int | None = None,
-               rows: Sequence[int] = MEASURE_ROWS, repeats: int = REPEATS) -> dict[int, float]:
+               cpu_kernels: str = "auto", rows: Sequence[int] = MEASURE_ROWS,
+               repeats: int = REPEATS) -> dict[int, float]:
     """The host's rate (layer bytes per second) at each step shape, from the cpu backend's
-    recorded piece over `layers` (host_sample: more bytes than the caches hold), as a hybrid
-    step runs it."""
+    recorded piece over `layers` (host_sample: more bytes than the caches hold) on the kernels
+    of `cpu_kernels`, as a hybrid step runs it."""
     layers = sorted(layers)
     host = backends.resolve("cpu")
     share = dataclasses.replace(_plan_of(model), tiers=tuple(VRAM if i in set(layers) else SKIP
                                                               for i in range(model.config.n_layers)))
-    ops, weights = host.load(model, share)
+    ops, weights = host.load(model, share, cpu_kernels=cpu_kernels)
     steps = host.capture(ops, weights, _kv(host, model, layers, max(rows)), threads=threads)
     nbytes = sum(model.layer_bytes(i) for i in layers)
     out = {}
@@ -115,15 +118,15 @@ def host_rates(model: GGUFModel, *, layers: Sequence[int] = (0,), threads: int |
     return out
 
 
-def host_attention_seconds(cfg, *, kv_dtype: str, threads: int | None = None, positions: int = ATTN_POSITIONS,
-                           repeats: int = REPEATS) -> float:
+def host_attention_seconds(cfg, *, kv_dtype: str, threads: int | None = None, cpu_kernels: str = "auto",
+                           positions: int = ATTN_POSITIONS, repeats: int = REPEATS) -> float:
     """Seconds one layer's decode attention on the host adds per position a row attends to: one
-    row over `positions` positions of `kv_dtype`, every KV head, on the steps' thread count
-    (80-150 ms on a 2-core VM, most of it filling the probe's random cache; cached with the
-    other figures)."""
+    row over `positions` positions of `kv_dtype`, every KV head, on the steps' thread count and
+    the kernels of `cpu_kernels` (80-150 ms on a 2-core VM, most of it filling the probe's
+    random cache; cached with the other figures)."""
     host = backends.resolve("cpu").module
     threads = threads or host.default_threads()
-    probe = host.AttentionProbe(cfg, dtype=kv_dtype, positions=positions)
+    probe = host.AttentionProbe(cfg, dtype=kv_dtype, positions=positions, lib=host.library(cpu_kernels))
     return probe.seconds(threads=threads, repeats=repeats) / positions
 
 
@@ -200,7 +203,7 @@ def cache_dir() -> str:
 
 
 def machine() -> str:
-    """What the figures depend on besides the model: the CPU, the threads, the GPU."""
+    """The machine the figures were measured on: its name, its CPU, its CPU count."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -211,10 +214,12 @@ def machine() -> str:
 
 
 def cache_key(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None,
-              kv_dtype: str) -> str:
+              kv_dtype: str, cpu_kernels: str) -> str:
+    """What the figures depend on: the model file, the plan, the machine, the GPU, and the
+    settings they were measured under (cpu_kernels as set: each build has its own rates)."""
     st = os.stat(model.path)
     parts = [VERSION, os.path.abspath(model.path), st.st_size, int(st.st_mtime), plan.tiers if plan else None,
-             plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap, kv_dtype]
+             plan.layer_bytes if plan else None, machine(), gpu, threads, link_cap, kv_dtype, cpu_kernels]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 
@@ -223,19 +228,21 @@ def gpu_name(backend) -> str:
 
 
 def cache_path(model: GGUFModel, plan: Plan | None, *, gpu: str, threads: int | None, link_cap: float | None,
-               kv_dtype: str) -> str:
+               kv_dtype: str, cpu_kernels: str) -> str:
     """Where the figures of `plan` on this machine are kept (the steps' corrections too)."""
     return os.path.join(cache_dir(), cache_key(model, plan, gpu=gpu, threads=threads, link_cap=link_cap,
-                                               kv_dtype=kv_dtype) + ".json")
+                                               kv_dtype=kv_dtype, cpu_kernels=cpu_kernels) + ".json")
 
 
 def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, kv_dtype: str, threads: int | None = None,
-                     link_cap: float | None = None, use_cache: bool = True) -> Figures:
-    """The figures of `plan` on this machine with the KV cache stored as `kv_dtype`: from the
-    cache, else measured (and cached). On a host backend there is no link: the host's rates
-    only, the link assumed."""
+                     link_cap: float | None = None, cpu_kernels: str = "auto", use_cache: bool = True) -> Figures:
+    """The figures of `plan` on this machine with the KV cache stored as `kv_dtype` and the
+    host's kernels of `cpu_kernels` (the build its steps will run): from the cache, else
+    measured (and cached). On a host backend there is no link: the host's rates only, the link
+    assumed."""
     gpu = gpu_name(backend)
-    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap, kv_dtype=kv_dtype)
+    path = cache_path(model, plan, gpu=gpu, threads=threads, link_cap=link_cap, kv_dtype=kv_dtype,
+                      cpu_kernels=cpu_kernels)
     if use_cache:
         cached = load_figures(path)
         if cached is not None:
@@ -244,8 +251,8 @@ def measured_figures(model: GGUFModel, plan: Plan | None, backend, *, kv_dtype: 
     t0 = time.perf_counter()
     log.info("measuring the host's and the link's rates for this plan (seconds; kept in %s, corrected by the "
              "steps that run)", path)
-    host = host_rates(model, layers=host_sample(model, plan), threads=threads)
-    attn = host_attention_seconds(model.config, kv_dtype=kv_dtype, threads=threads)
+    host = host_rates(model, layers=host_sample(model, plan), threads=threads, cpu_kernels=cpu_kernels)
+    attn = host_attention_seconds(model.config, kv_dtype=kv_dtype, threads=threads, cpu_kernels=cpu_kernels)
     handoff = 0.0
     if backend.is_host:
         link, gpu_bps = ASSUMED_H2D_BPS, {}

@@ -198,7 +198,8 @@ class Engine:
         if steering is not None:  # figures from the cache (a plan of the config's) are corrected there
             self.keep_figures(None if plan is not PLAN_OF_CONFIG else figures.cache_path(
                 model, dataclasses.replace(self.plan, schedule=None), gpu=figures.gpu_name(self.backend),
-                threads=config.cpu_threads, link_cap=config.link_cap, kv_dtype=config.kv_dtype))
+                threads=config.cpu_threads, link_cap=config.link_cap, kv_dtype=config.kv_dtype,
+                cpu_kernels=config.cpu_kernels))
         skipped = set(self.plan.skipped) if self.plan is not None else set()
         # The layers a step runs by default: all, or all but the skipped ones (never loaded).
         self.layers = tuple(i for i in range(self.cfg.n_layers) if i not in skipped) if skipped else None
@@ -576,5 +577,5 @@ def _plan(model: GGUFModel, config: EngineConfig, backend, sizes: list[int]):
     if not plan.streamed:  # every layer resident: nothing for the host to take, nothing to measure
         return plan
     figures = measured_figures(model, plan, backend, kv_dtype=config.kv_dtype, threads=config.cpu_threads,
-                               link_cap=config.link_cap)
+                               link_cap=config.link_cap, cpu_kernels=config.cpu_kernels)
     return tiers.with_schedule(plan, figures, tiers.STEP_ROWS + (config.prefill_chunk,))

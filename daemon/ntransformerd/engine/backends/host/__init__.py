@@ -118,11 +118,17 @@ def load(model: GGUFModel, *, resident: set[int] | None = None,
     for name, t in model.tensors.items():
         if t.qtype not in FLOAT_TYPES and t.qtype not in native_types():
             raise ValueError(f"{name}: type {t.qtype.name} has no CPU kernel")
+    lib = library(cpu_kernels)
+    return HostOps(model.config, lib), HostWeights(model, lib)
+
+
+def library(cpu_kernels: str = "auto") -> native.Library:
+    """The compiled kernels of `cpu_kernels` (a native.VARIANTS name, or auto: the best this CPU
+    runs); a variant this CPU cannot run is a SettingError naming the setting, before any build."""
     try:
-        lib = native.load(cpu_kernels)
+        return native.load(cpu_kernels)
     except native.UnsupportedVariant as e:
         raise SettingError(str(e), setting="cpu_kernels", value=cpu_kernels) from None
-    return HostOps(model.config, lib), HostWeights(model, lib)
 
 
 def native_types() -> tuple[Q, ...]:
