@@ -60,6 +60,17 @@ def client_rate(sock: str, prompt_ids: list[int], tokens: int) -> dict:
     return {"ttft_s": times[0] - t0, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}
 
 
+def one_row_placement(sock: str) -> tuple[int, int, float] | None:
+    """(host layers, steps measured, their summed seconds) of the placement for one-row steps, or
+    None where the plan has none (all resident, or host compute off)."""
+    from ntx_client import Client
+    with Client(sock) as c:
+        for p in c.status().placements:
+            if p.rows == 1:
+                return len(p.host_layers), p.steps, p.measured_step_seconds * p.steps
+    return None
+
+
 def prompt_of(depth: int, vocab: int, seed: int) -> list[int]:
     import numpy as np
     n = max(depth, 4)
@@ -146,13 +157,19 @@ def run_row(row: Row, a, deadline: float) -> dict:
             out["first_token_s"] = out["load_s"] + first["ttft_s"]  # from the daemon's start
             out["first_decode_tok_s"] = first["decode_tok_s"]
             ours = {d: [] for d in depths}
+            moves = {d: [] for d in depths}  # the one-row placement after each request: host layers, its mean step
             theirs = {d: [] for d in depths}
             for r in range(a.rounds):
                 if time.monotonic() > deadline:
                     out["cut"] = f"after {r} rounds: --deadline"
                     break
                 for d in depths:
+                    before = one_row_placement(sock)
                     ours[d].append(client_rate(sock, prompt_of(d, vocab, r), a.tokens)["decode_tok_s"])
+                    after = one_row_placement(sock)
+                    if before and after and after[1] > before[1]:  # where the host's share goes as context grows
+                        moves[d].append({"host_layers": after[0], "step_ms": 1e3 * (after[2] - before[2])
+                                         / (after[1] - before[1])})
                 if a.llama_bench and not row.off:
                     for d, v in llama_rates(a.llama_bench, row.path, row.ngl, a.tokens, threads, depths).items():
                         theirs.setdefault(d, []).append(v)
@@ -170,6 +187,8 @@ def run_row(row: Row, a, deadline: float) -> dict:
                 if theirs.get(d):
                     cell["llama"] = spread(theirs[d])
                     cell["ratio"] = cell["ours"]["median"] / cell["llama"]["median"]
+                if moves[d]:
+                    cell["placement"] = moves[d]
                 out["depths"][str(d)] = cell
         if row.cli and time.monotonic() < deadline:
             out["cli"] = cli_rate(row, a)
@@ -230,6 +249,9 @@ def table(results: list[dict]) -> str:
             ll = cell.get("llama")
             lt = f"{ll['median']:.2f} ({ll['min']:.2f}-{ll['max']:.2f})" if ll else "-"
             ratio = f"{cell['ratio']:.2f}x" if "ratio" in cell else "-"
+            where = cell.get("placement")
+            if where:  # the host's layers after each round's request at this depth
+                ratio += " (host layers " + "/".join(str(m["host_layers"]) for m in where) + ")"
             lines.append(f"| {r['row']} | {d} | {o['median']:.2f} ({o['min']:.2f}-{o['max']:.2f}) | {lt} | {ratio} |")
         if "cli" in r and "median" in r["cli"]:
             lines.append(f"| {r['row']} (ntx-model run) | 0 | {r['cli']['median']:.2f} | - | "
