@@ -303,7 +303,9 @@ int ntx_attention(const ntx_model *md, const ntx_header *h, const float *q, floa
         free(scratch);
         return -2;
     }
-#pragma omp parallel for num_threads(n_threads) schedule(static)
+    /* items claimed as they come, as a step's threads claim chunks: a thread the host slows
+     * (a shared core) takes fewer of them */
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic)
     for (int64_t it = 0; it < plan.n_items; it++)
         ntx_attn_item(&plan, md, h, q, out, kv_k, kv_v, it, scratch + omp_get_thread_num() * per);
     free(scratch);
