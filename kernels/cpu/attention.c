@@ -11,6 +11,7 @@
  * depend on the other rows of its step (a k-token verify step equals k one-token steps).
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "attention.h"
 
@@ -171,8 +172,9 @@ int64_t ntx_attn_groups(const ntx_header *h, int64_t *starts) {
 }
 
 int64_t ntx_attn_scratch(const ntx_model *md) {
-    int64_t hd = up16(md->head_dim), nq = up16((int64_t)NTX_ATTN_ROWS * (md->n_heads / md->n_kv_heads));
-    return 2 * hd * nq + KT * nq + 4 * nq + 3 * KT * hd + 16; /* ntx_attn_group's or the reference's */
+    int64_t hd = up16(md->head_dim), g = md->n_heads / md->n_kv_heads, nq = up16((int64_t)NTX_ATTN_ROWS * g);
+    /* ntx_attn_group's or the reference's, then the running state of serial splits (the last floats) */
+    return 2 * hd * nq + KT * nq + 4 * nq + 3 * KT * hd + 16 + (int64_t)NTX_ATTN_ROWS * g * (md->head_dim + 2);
 }
 
 void ntx_attn_group_ref(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
@@ -314,16 +316,40 @@ static void load_keys_t(const ntx_model *md, const void *kv_k, int64_t slot, int
 
 #define QB 4 /* query vectors whose scores are summed together: 2 × QB independent chains of 8 lanes */
 
-void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
-                    const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
+/* ntx_attn_group's scratch for nq query vectors: q (NQ, hd), scores (NQ, KT), m, l, corr, lim
+ * (NQ each), acc (NQ, HD), the keys transposed (hd, KT), the values (KT, HD), a decoded row (HD). */
+typedef struct {
+    float *qs, *s, *m, *l, *corr, *lim, *acc, *kt, *vt, *row;
+    int64_t NQ, HD;
+} keys_work;
+
+static inline keys_work keys_work_of(const ntx_model *md, int64_t nq, float *scratch) {
+    const int hd = md->head_dim;
+    keys_work w;
+    w.NQ = (nq + QB - 1) / QB * QB;
+    w.HD = up16(hd);
+    w.qs = scratch;
+    w.s = w.qs + w.NQ * hd;
+    w.m = w.s + w.NQ * KT;
+    w.l = w.m + w.NQ;
+    w.corr = w.l + w.NQ;
+    w.lim = w.corr + w.NQ;
+    w.acc = w.lim + w.NQ;
+    w.kt = w.acc + w.NQ * w.HD;
+    w.vt = w.kt + (int64_t)hd * KT;
+    w.row = w.vt + KT * w.HD;
+    return w;
+}
+
+/* The online softmax of rows [r0, r1)'s query vectors for KV head kh over keys [k_lo, k_hi),
+ * from a fresh state: leaves each vector's running max m, sum l and unnormalised output acc in w. */
+static void attn_keys(const ntx_model *md, const ntx_header *h, const float *q, const void *kv_k, const void *kv_v,
+                      int64_t r0, int64_t r1, int kh, int64_t k_lo, int64_t k_hi, const keys_work *w) {
     const int hd = md->head_dim, H = md->n_heads, g = H / md->n_kv_heads, type = md->kv_type;
-    const int64_t nq = (r1 - r0) * g, NQ = (nq + QB - 1) / QB * QB, HD = up16(hd), slot = h->slots[r0];
-    const int64_t end = h->positions[r1 - 1] + 1; /* keys [0, end): the last row sees them all */
+    const int64_t nq = (r1 - r0) * g, NQ = w->NQ, HD = w->HD, slot = h->slots[r0];
     const float scale = md->attn_scale;
-    /* scratch: q (NQ, hd), scores (NQ, KT), m, l, corr, lim (NQ each), acc (NQ, HD), the keys
-     * transposed (hd, KT), the values (KT, HD), a decoded row (HD) */
-    float *qs = scratch, *s = qs + NQ * hd, *m = s + NQ * KT, *l = m + NQ, *corr = l + NQ, *lim = corr + NQ,
-          *acc = lim + NQ, *kt = acc + NQ * HD, *vt = kt + (int64_t)hd * KT, *row = vt + KT * HD;
+    float *qs = w->qs, *s = w->s, *m = w->m, *l = w->l, *corr = w->corr, *lim = w->lim, *acc = w->acc, *kt = w->kt,
+          *vt = w->vt, *row = w->row;
 
     for (int64_t v = 0; v < NQ; v++) { /* query vector v: row r0 + v / g, head kh * g + v % g */
         if (v < nq)
@@ -339,8 +365,8 @@ void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, fl
     if (HD != hd) /* the columns past hd stay zero */
         for (int k = 0; k < KT; k++) memset(vt + k * HD + hd, 0, (size_t)(HD - hd) * sizeof(float));
 
-    for (int64_t k0 = 0; k0 < end; k0 += KT) {
-        const int nk = end - k0 < KT ? (int)(end - k0) : KT;
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += KT) {
+        const int nk = k_hi - k0 < KT ? (int)(k_hi - k0) : KT;
         load_keys_t(md, kv_k, slot, k0, nk, kh, kt, row);
         for (int64_t v0 = 0; v0 < NQ; v0 += QB) { /* scores of QB query vectors against the tile's keys */
             float a[QB][KT] = {{0}};
@@ -393,8 +419,154 @@ void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, fl
                     for (int t = 0; t < 16; t++) acc[(v0 + u) * HD + i0 + t] = a[u][t];
             }
     }
+}
+
+/* out's rows [r0, r1), heads of kh: each vector's acc (row stride lda) / l. */
+static void attn_out(const ntx_model *md, int64_t r0, int kh, int64_t nq, const float *acc, int64_t lda,
+                     const float *l, float *out) {
+    const int hd = md->head_dim, H = md->n_heads, g = H / md->n_kv_heads;
     for (int64_t v = 0; v < nq; v++) {
         float *o = out + (r0 + v / g) * (int64_t)H * hd + (int64_t)(kh * g + v % g) * hd;
-        for (int i = 0; i < hd; i++) o[i] = acc[v * HD + i] / l[v];
+        for (int i = 0; i < hd; i++) o[i] = acc[v * lda + i] / l[v];
     }
+}
+
+void ntx_attn_group(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
+                    const void *kv_v, int64_t r0, int64_t r1, int kh, float *scratch) {
+    const int64_t nq = (r1 - r0) * (md->n_heads / md->n_kv_heads);
+    const keys_work w = keys_work_of(md, nq, scratch);
+    attn_keys(md, h, q, kv_k, kv_v, r0, r1, kh, 0, h->positions[r1 - 1] + 1, &w); /* the last row sees them all */
+    attn_out(md, r0, kh, nq, w.acc, w.HD, w.l, out);
+}
+
+/* ---- splits ------------------------------------------------------------------------------ */
+/* A partial is one split's state for the nq query vectors of a (group, KV head): m (nq), l (nq),
+ * acc (nq, hd), as attn_keys leaves them. The fold takes the state to be split 0's partial and
+ * folds splits 1, 2, … into it in order: M' = max(M, m), L' = L e^(M − M') + l e^(m − M'), the
+ * same for the output. A split that holds none of a row's keys (the rows of a prefill chunk
+ * before it) leaves that row's state as it was: its m is −inf, its l and acc 0, and
+ * e^(M − M') = exp_le0(0) = 1 exactly. So a row below NTX_ATTN_SPLIT keeps the whole kernel's
+ * bits in a group that reaches past it, and a row's bits never depend on its group. */
+
+static inline int64_t splits_of(int64_t end) { return (end + NTX_ATTN_SPLIT - 1) / NTX_ATTN_SPLIT; }
+
+static inline int64_t part_floats(const ntx_model *md, int64_t nq) { return nq * (md->head_dim + 2); }
+
+/* w's state (acc of row stride w->HD) into a partial. */
+static void keep(const ntx_model *md, int64_t nq, const keys_work *w, float *part) {
+    const int hd = md->head_dim;
+    memcpy(part, w->m, (size_t)nq * sizeof(float));
+    memcpy(part + nq, w->l, (size_t)nq * sizeof(float));
+    for (int64_t v = 0; v < nq; v++) memcpy(part + 2 * nq + v * hd, w->acc + v * w->HD, (size_t)hd * sizeof(float));
+}
+
+/* The running state st (a partial) ← st folded with the next split's m, l, acc (row stride lda).
+ * st's max is finite: every row sees key 0, in split 0. */
+static void fold(const ntx_model *md, int64_t nq, float *st, const float *m, const float *l, const float *acc,
+                 int64_t lda) {
+    const int hd = md->head_dim;
+    float *M = st, *L = st + nq, *A = st + 2 * nq;
+    for (int64_t v = 0; v < nq; v++) {
+        const float mx = m[v] > M[v] ? m[v] : M[v];
+        const float a = exp_le0(M[v] - mx), b = m[v] == -INFINITY ? 0.0f : exp_le0(m[v] - mx);
+        M[v] = mx;
+        L[v] = L[v] * a + l[v] * b;
+        float *Av = A + v * hd;
+        const float *av = acc + v * lda;
+#pragma omp simd
+        for (int i = 0; i < hd; i++) Av[i] = Av[i] * a + av[i] * b;
+    }
+}
+
+int64_t ntx_attn_parts(const ntx_model *md) {
+    return NTX_ATTN_ROWS * part_floats(md, md->n_heads) * splits_of(md->max_ctx);
+}
+
+int ntx_attn_plan_init(ntx_attn_plan *p, const ntx_model *md, const ntx_header *h, int kernel, float *parts,
+                       int64_t n_parts) {
+    const int64_t n = h->n_rows, Hk = md->n_kv_heads, g = md->n_heads / md->n_kv_heads;
+    memset(p, 0, sizeof(*p));
+    p->kernel = kernel;
+    p->parts = parts;
+    /* groups, first: n + 1 each at most; part: n; pending: n × Hk int32 */
+    int64_t *mem = malloc((size_t)(3 * n + 2) * sizeof(int64_t) + (size_t)(n * Hk) * sizeof(int32_t));
+    if (!mem) return -2;
+    p->groups = mem;
+    p->n_groups = ntx_attn_groups(h, p->groups);
+    p->first = p->groups + n + 1;
+    p->part = p->first + n + 1;
+    p->pending = (int32_t *)(p->part + n);
+    memset(p->pending, 0, (size_t)(p->n_groups * Hk) * sizeof(int32_t));
+    int64_t items = 0, used = 0;
+    for (int64_t gi = 0; gi < p->n_groups; gi++) {
+        const int64_t r0 = p->groups[gi], r1 = p->groups[gi + 1];
+        const int64_t ns = kernel == NTX_ATTN_STEP || kernel == NTX_ATTN_SERIAL ? splits_of(h->positions[r1 - 1] + 1) : 1;
+        const int64_t need = Hk * ns * part_floats(md, (r1 - r0) * g);
+        p->first[gi] = items;
+        p->part[gi] = -1;
+        if (ns > 1 && kernel == NTX_ATTN_STEP && used + need <= n_parts) {
+            p->part[gi] = used;
+            used += need;
+            items += Hk * ns;
+        } else
+            items += Hk;
+    }
+    p->first[p->n_groups] = p->n_items = items;
+    return 0;
+}
+
+void ntx_attn_plan_free(ntx_attn_plan *p) {
+    free(p->groups);
+    p->groups = NULL;
+}
+
+void ntx_attn_item(const ntx_attn_plan *p, const ntx_model *md, const ntx_header *h, const float *q, float *out,
+                   const void *kv_k, const void *kv_v, int64_t it, float *scratch) {
+    const int Hk = md->n_kv_heads;
+    int64_t lo = 0, hi = p->n_groups; /* the group of item it: first[gi] <= it < first[gi + 1] */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (p->first[mid] <= it) lo = mid;
+        else hi = mid;
+    }
+    const int64_t gi = lo, k = it - p->first[gi], r0 = p->groups[gi], r1 = p->groups[gi + 1];
+    const int64_t nq = (r1 - r0) * (md->n_heads / Hk), end = h->positions[r1 - 1] + 1;
+    if (p->kernel == NTX_ATTN_REF) {
+        ntx_attn_group_ref(md, h, q, out, kv_k, kv_v, r0, r1, (int)k, scratch);
+        return;
+    }
+    const int64_t ns = p->kernel == NTX_ATTN_WHOLE ? 1 : splits_of(end);
+    if (ns == 1) {
+        ntx_attn_group(md, h, q, out, kv_k, kv_v, r0, r1, (int)k, scratch);
+        return;
+    }
+    const keys_work w = keys_work_of(md, nq, scratch);
+    const int64_t pf = part_floats(md, nq);
+    if (p->part[gi] < 0) { /* the head's splits in turn, folded as they come */
+        float *st = scratch + ntx_attn_scratch(md) - part_floats(md, (int64_t)NTX_ATTN_ROWS * (md->n_heads / Hk));
+        for (int64_t sp = 0; sp < ns; sp++) {
+            const int64_t k_hi = (sp + 1) * NTX_ATTN_SPLIT < end ? (sp + 1) * NTX_ATTN_SPLIT : end;
+            attn_keys(md, h, q, kv_k, kv_v, r0, r1, (int)k, sp * NTX_ATTN_SPLIT, k_hi, &w);
+            if (sp == 0)
+                keep(md, nq, &w, st);
+            else
+                fold(md, nq, st, w.m, w.l, w.acc, w.HD);
+        }
+        attn_out(md, r0, (int)k, nq, st + 2 * nq, md->head_dim, st + nq, out);
+        return;
+    }
+    /* one split of one head; the head's last split to finish folds them all */
+    const int kh = (int)(k / ns);
+    const int64_t sp = k % ns, k_hi = (sp + 1) * NTX_ATTN_SPLIT < end ? (sp + 1) * NTX_ATTN_SPLIT : end;
+    float *mine = p->parts + p->part[gi] + kh * ns * pf;
+    attn_keys(md, h, q, kv_k, kv_v, r0, r1, kh, sp * NTX_ATTN_SPLIT, k_hi, &w);
+    keep(md, nq, &w, mine + sp * pf);
+    int32_t *pending = p->pending + gi * Hk + kh;
+    if (__atomic_add_fetch(pending, 1, __ATOMIC_ACQ_REL) < ns) return; /* acquire: the others' partials */
+    for (int64_t j = 1; j < ns; j++) {
+        const float *pj = mine + j * pf;
+        fold(md, nq, mine, pj, pj + nq, pj + 2 * nq, md->head_dim);
+    }
+    attn_out(md, r0, kh, nq, mine + 2 * nq, md->head_dim, mine + nq, out);
+    __atomic_store_n(pending, 0, __ATOMIC_RELAXED); /* for the next layer, after the step's barrier */
 }

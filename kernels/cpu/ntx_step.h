@@ -42,7 +42,7 @@ typedef struct {
 typedef struct {
     int32_t n_heads, n_kv_heads, head_dim, rope_dim;
     int32_t rope_neox, kv_type;
-    int64_t max_ctx;        /* positions per sequence (the rope table, the scores' scratch) */
+    int64_t max_ctx;        /* positions per sequence (the rope table, the split partials' room) */
     float attn_scale;
     int32_t kv_block;
     const float *rope_cos, *rope_sin; /* (max_ctx, rope_dim/2) */
@@ -50,8 +50,13 @@ typedef struct {
     int64_t kv_max_blocks, kv_row_bytes;
 } ntx_model;
 
+/* Run prog over the step h. scratch: n_threads × scratch_per_thread floats (at least
+ * ntx_attn_scratch(md) each); parts: n_parts floats the threads share for attention's split
+ * partials (ntx_attn_parts(md); fewer, or NULL, runs more splits in turn: the same bits). 0, or
+ * -1 (a model shape the kernels do not take), -2 (no memory), -3 (the cache's layout), -4 (scratch). */
 int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,
-             const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads);
+             const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads,
+             float *parts, int64_t n_parts);
 void ntx_struct_sizes(int64_t *out);
 double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads);
 void ntx_topk(const float *x, int64_t rows, int64_t V, int k, int64_t *ids, float *vals,

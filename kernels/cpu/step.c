@@ -3,9 +3,9 @@
  * Python records model.forward once per step shape (backends/host/record.py) into an array
  * of ntx_instr; ntx_step runs it. Row counts, token ids, positions and KV slots are read from
  * the step's header at run time, so one recording serves every batch of its shape. Threads
- * split each instruction's work (rows, columns or (row, KV head) pairs) and meet at a barrier
- * after it, unless the instruction says the next one reads nothing it writes (the members of a
- * stacked matmul). One team per step: the threads are created once (OpenMP) and spin briefly
+ * split each instruction's work (rows, columns, or attention's (group, KV head, split) items)
+ * and meet at a barrier after it, unless the instruction says the next one reads nothing it
+ * writes (the members of a stacked matmul). One team per step: the threads are created once (OpenMP) and spin briefly
  * between steps.
  */
 #include <math.h>
@@ -155,18 +155,15 @@ static void op_attn_write(const ntx_instr *in, const ntx_header *h, char *arena,
     }
 }
 
-/* Phase 2: causal GQA attention through each sequence's block table (attention.c), split by
- * (group of rows, KV head). */
+/* Phase 2: causal GQA attention through each sequence's block table (attention.c), split by the
+ * step's attention plan: (group of rows, KV head) items, and past NTX_ATTN_SPLIT positions
+ * (group, KV head, split) ones, the last of a head's splits folding them. */
 static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
-                    const int64_t *groups, int64_t n_groups, float *scratch, int t, int nt) {
-    int Hk = md->n_kv_heads;
+                    const ntx_attn_plan *plan, float *scratch, int t, int nt) {
     int64_t lo, hi;
-    share(n_groups * Hk, 1, t, nt, &lo, &hi);
-    for (int64_t it = lo; it < hi; it++) {
-        int64_t gi = it / Hk;
-        ntx_attn_group(md, h, F(arena, in->x), F(arena, in->out), in->kv_k, in->kv_v, groups[gi], groups[gi + 1],
-                       (int)(it % Hk), scratch);
-    }
+    share(plan->n_items, 1, t, nt, &lo, &hi);
+    for (int64_t it = lo; it < hi; it++)
+        ntx_attn_item(plan, md, h, F(arena, in->x), F(arena, in->out), in->kv_k, in->kv_v, it, scratch);
 }
 
 /* Chunks per thread of each instruction: a thread that the OS takes off its core for a while
@@ -175,7 +172,7 @@ static void op_attn(const ntx_instr *in, const ntx_header *h, char *arena, const
 #define NTX_CHUNKS_PER_THREAD 4
 
 static void run_chunk(const ntx_instr *in, const ntx_header *h, char *arena, const ntx_model *md,
-                      const int64_t *groups, int64_t n_groups, float *mine, int c, int nc) {
+                      const ntx_attn_plan *plan, float *mine, int c, int nc) {
     switch (in->op) {
     case NTX_OP_EMBED: op_embed(in, h, arena, c, nc); break;
     case NTX_OP_RMS_NORM: op_rms_norm(in, h, arena, c, nc); break;
@@ -184,7 +181,7 @@ static void run_chunk(const ntx_instr *in, const ntx_header *h, char *arena, con
     case NTX_OP_SWIGLU: op_swiglu(in, h, arena, c, nc); break;
     case NTX_OP_ROWS: op_rows(in, h, arena, c, nc); break;
     case NTX_OP_ATTN_WRITE: op_attn_write(in, h, arena, md, c, nc); break;
-    case NTX_OP_ATTN: op_attn(in, h, arena, md, groups, n_groups, mine, c, nc); break;
+    case NTX_OP_ATTN: op_attn(in, h, arena, md, plan, mine, c, nc); break;
     default: break;
     }
 }
@@ -207,7 +204,8 @@ static inline void wait_done(const int32_t *done, int32_t target) {
  * and count them done, and a phase ends when all of its chunks are done, so no thread waits
  * for another to arrive, only for claimed work to finish. */
 int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *arena,
-             const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads) {
+             const ntx_model *md, float *scratch, int64_t scratch_per_thread, int n_threads,
+             float *parts, int64_t n_parts) {
     if (n_threads < 1) n_threads = 1;
     if (md->head_dim > 256 || md->n_heads / md->n_kv_heads > 16 || md->head_dim > 1024)
         return -1;
@@ -216,13 +214,11 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
     if (scratch_per_thread < ntx_attn_scratch(md)) return -4;
     int nc = n_threads * NTX_CHUNKS_PER_THREAD;
     int32_t *ctr = calloc((size_t)n_instr * 2 + 2, sizeof(int32_t)); /* claimed, done per phase */
-    int64_t *groups = malloc((size_t)(h->n_rows + 1) * sizeof(int64_t)); /* attention's groups of rows */
-    if (!ctr || !groups) {
+    ntx_attn_plan plan; /* attention's items, the same for every layer */
+    if (!ctr || ntx_attn_plan_init(&plan, md, h, NTX_ATTN_STEP, parts, parts ? n_parts : 0) != 0) {
         free(ctr);
-        free(groups);
         return -2;
     }
-    int64_t n_groups = ntx_attn_groups(h, groups);
 #pragma omp parallel num_threads(n_threads)
     {
         int t = omp_get_thread_num();
@@ -234,7 +230,7 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
             for (;;) {
                 int32_t k = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
                 if (k >= total) break;
-                run_chunk(prog + a + k / nc, h, arena, md, groups, n_groups, mine, k % nc, nc);
+                run_chunk(prog + a + k / nc, h, arena, md, &plan, mine, k % nc, nc);
                 __atomic_fetch_add(done, 1, __ATOMIC_RELEASE);
             }
             wait_done(done, total);
@@ -242,7 +238,7 @@ int ntx_step(const ntx_instr *prog, int n_instr, const ntx_header *h, char *aren
         }
     }
     free(ctr);
-    free(groups);
+    ntx_attn_plan_free(&plan);
     return 0;
 }
 
@@ -298,25 +294,21 @@ double ntx_read_probe(const void *buf, int64_t bytes, int rounds, int n_threads)
 }
 
 int ntx_attention(const ntx_model *md, const ntx_header *h, const float *q, float *out, const void *kv_k,
-                  const void *kv_v, int n_threads, int ref) {
+                  const void *kv_v, int n_threads, int kernel) {
     if (n_threads < 1) n_threads = 1;
-    int64_t per = ntx_attn_scratch(md), Hk = md->n_kv_heads;
-    float *scratch = malloc((size_t)(per * n_threads) * sizeof(float));
-    int64_t *groups = malloc((size_t)(h->n_rows + 1) * sizeof(int64_t));
-    if (!scratch || !groups) {
+    int64_t per = ntx_attn_scratch(md), n_parts = kernel == NTX_ATTN_STEP ? ntx_attn_parts(md) : 0;
+    float *scratch = malloc((size_t)(per * n_threads + n_parts) * sizeof(float));
+    ntx_attn_plan plan;
+    if (!scratch || ntx_attn_plan_init(&plan, md, h, kernel, scratch + per * n_threads, n_parts) != 0) {
         free(scratch);
-        free(groups);
         return -2;
     }
-    int64_t n_groups = ntx_attn_groups(h, groups);
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t it = 0; it < n_groups * Hk; it++) {
-        float *mine = scratch + omp_get_thread_num() * per;
-        int64_t gi = it / Hk;
-        (ref ? ntx_attn_group_ref : ntx_attn_group)(md, h, q, out, kv_k, kv_v, groups[gi], groups[gi + 1],
-                                                     (int)(it % Hk), mine);
-    }
+    /* items claimed as they come, as a step's threads claim chunks: a thread the host slows
+     * (a shared core) takes fewer of them */
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic)
+    for (int64_t it = 0; it < plan.n_items; it++)
+        ntx_attn_item(&plan, md, h, q, out, kv_k, kv_v, it, scratch + omp_get_thread_num() * per);
     free(scratch);
-    free(groups);
+    ntx_attn_plan_free(&plan);
     return 0;
 }

@@ -392,20 +392,89 @@ def _attn_cfg(n_heads: int, n_kv_heads: int, head_dim: int) -> LlamaConfig:
                        rope_dim=head_dim, rope_neox=False, rope_scale=1.0, tied_output=False)
 
 
+SPLIT = 1024  # attention.h NTX_ATTN_SPLIT: positions per split
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, (f"{what}: {bad.size} of {got.size} differ; first at {bad[0]}: "
+                           f"{got.flat[bad[0]]!r} vs {want.flat[bad[0]]!r}")
+
+
+def exact_attention(probe: AttentionProbe) -> tuple[np.ndarray, float]:
+    """(float64 attention of every query row over the keys and values its cache reads back,
+    the largest |value| any row reads)."""
+    c = probe.cfg
+    hd, g = c.head_dim, c.n_heads // c.n_kv_heads
+    scale = float(np.float32(1 / np.sqrt(hd)))  # the kernels' attn_scale
+    out, vmax = np.zeros(probe.q.shape), 0.0
+    for r, (pos, slot) in enumerate(zip(probe.positions, probe.slots)):
+        k, v = (a.astype(np.float64) for a in probe.cache.layer(0).read(int(slot), int(pos) + 1))
+        vmax = max(vmax, float(np.abs(v).max()))
+        for j in range(c.n_heads):
+            s = k[:, j // g] @ probe.q[r, j * hd:(j + 1) * hd].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[r, j * hd:(j + 1) * hd] = p / p.sum() @ v[:, j // g]
+    return out, vmax
+
+
 @pytest.mark.parametrize("dtype", ["f16", "q8_0", "f32"])
 @pytest.mark.parametrize("heads, positions, rows, chunk", [
     ((32, 8, 128), 1, 1, 1), ((32, 8, 128), 17, 2, 1), ((32, 8, 128), 1000, 1, 1), ((32, 8, 128), 83, 1, 16),
-    ((8, 8, 64), 300, 3, 1), ((12, 2, 96), 129, 2, 5), ((16, 1, 32), 769, 1, 3), ((4, 4, 256), 40, 1, 20)])
+    ((8, 8, 64), 300, 3, 1), ((12, 2, 96), 129, 2, 5), ((16, 1, 32), 769, 1, 3), ((4, 4, 256), 40, 1, 20),
+    ((9, 3, 64), SPLIT, 2, 16)])
 def test_attention_is_the_reference_bit_for_bit(lib, dtype, heads, positions, rows, chunk):
     """The kernel the steps run (scores across keys) gives the bits of the reference (scores
     across query vectors) on fresh random caches: GQA ratios 1 to 16, head_dim 32 to 256,
-    decode rows and groups of up to 16 rows (a chunk of 20 is two groups), one thread or two."""
+    decode rows and groups of up to 16 rows (a chunk of 20 is two groups), one thread or two.
+    Every row here sees one split of keys at most (the last, all 1024 of the first): it runs whole."""
     probe = AttentionProbe(_attn_cfg(*heads), dtype=dtype, positions=positions, rows=rows, chunk=chunk,
                            seed=positions * 7 + rows, lib=lib)
-    ref = probe.run(ref=True)
+    ref = probe.run(kernel="ref")
     assert np.isfinite(ref).all()
     for threads in (1, 2):
-        new = probe.run(threads=threads)
-        bad = np.flatnonzero(new.view(np.uint32) != ref.view(np.uint32))
-        assert bad.size == 0, (f"{bad.size} of {new.size} differ (threads {threads}); first at {bad[0]}: "
-                               f"{new.flat[bad[0]]!r} vs {ref.flat[bad[0]]!r}")
+        assert_same_bits(probe.run(threads=threads), ref, f"threads {threads}")
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "f32"])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])  # 4:1 (an 8B), 3:1 (the default model)
+def test_attention_splits_give_one_answer(lib, dtype, heads):
+    """Past NTX_ATTN_SPLIT positions a row's keys are cut into splits at multiples of 1024 and
+    the partials merged in split order, so a row's bits follow from its own position and data:
+    the same at 1, 2 and 3 threads, with the partials folded by the last split item or each head's
+    splits run in turn (a step with no room left for partials), alone or beside other
+    sequences' rows (which here also change which groups get that room), and within its group of
+    a prefill chunk or alone. Each stays within 1e-5 · max|v| of float64 (the error of float32
+    sums in another order, as KERNEL_TOL's f32 row), as the kernel before splits does."""
+    cfg = _attn_cfg(*heads)
+    alone = AttentionProbe(cfg, dtype=dtype, positions=3000, chunk=20, seed=11, lib=lib)
+    beside = AttentionProbe(cfg, dtype=dtype, positions=[3000, 2100, 1100, 20], chunk=20, seed=11, lib=lib)
+    beside.q[:20] = alone.q  # sequence 0 has the same cache in both (the first one filled)
+    one = alone.run(threads=1)
+    for threads in (2, 3):
+        assert_same_bits(alone.run(threads=threads), one, f"threads {threads}")
+    assert_same_bits(alone.run(threads=2, kernel="serial"), one, "the splits of each head in one item")
+    for threads in (1, 3):
+        assert_same_bits(beside.run(threads=threads)[:20], one, f"beside other sequences, threads {threads}")
+    last = AttentionProbe(cfg, dtype=dtype, positions=3000, chunk=1, seed=11, lib=lib)
+    last.q[:] = alone.q[-1:]
+    assert_same_bits(last.run(threads=2), one[-1:], "the chunk's last row alone")
+
+    for probe in (alone, beside):
+        exact, vmax = exact_attention(probe)
+        for kernel in ("step", "whole"):
+            err = float(np.abs(probe.run(threads=2, kernel=kernel) - exact).max())
+            assert err <= 1e-5 * vmax, f"{kernel}: error {err:.3g} over {1e-5 * vmax:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_rows_below_the_split_keep_their_bits_in_a_group_past_it(lib, dtype):
+    """A prefill chunk across position 1024: its rows below 1024 give the whole kernel's bits
+    (the later split adds nothing to them, exactly), the rows past it differ only in rounding."""
+    probe = AttentionProbe(_attn_cfg(32, 8, 128), dtype=dtype, positions=SPLIT + 6, chunk=16, seed=5, lib=lib)
+    step, whole = probe.run(threads=2), probe.run(threads=2, kernel="whole")
+    below = SPLIT - (SPLIT + 6 - 16)  # rows at positions 1014 … 1023
+    assert_same_bits(step[:below], whole[:below], "rows below the split")
+    assert_same_bits(whole, probe.run(kernel="ref"), "the whole kernel against the reference")
+    exact, vmax = exact_attention(probe)
+    assert not np.array_equal(step[below:], whole[below:]) and float(np.abs(step - exact).max()) <= 1e-5 * vmax

@@ -293,6 +293,32 @@ def test_a_row_gives_the_same_bits_in_any_batch(small_model, ftype):
                   for s in others]
 
 
+def test_long_context_rows_give_one_answer(small_model):
+    """Past 1024 positions a row's attention runs in splits of 1024 keys merged in order
+    (kernels/cpu/attention.h), over a step's threads, or each head's splits in one item where
+    the step's room for partials is spent: a row's bits still follow from its own position and
+    data. One sequence prefilled to 2500 in chunks of 500 alone on one thread, and in chunks of
+    384 beside another sequence's prefill on three threads, then decoded alone and beside a
+    decode row: the same logits, and within the 8-bit bound of the float reference."""
+    m = small_model("q8_0")
+    vocab = m.config.vocab_size
+    alone = Pair(m, kv_dtype="f16", threads=1, max_ctx=2600)
+    beside = Pair(m, kv_dtype="f16", threads=3, max_ctx=2600).steps
+    rng = np.random.default_rng(9)
+    prompt, other = rng.integers(0, vocab, 2500), rng.integers(0, vocab, 1400)
+    for p0 in range(0, 2500, 500):
+        a, exact = alone.both([Segment(0, p0, prompt[p0:p0 + 500])])
+    for i, p0 in enumerate(range(0, 2500, 384)):
+        b = beside.run(Batch.of([Segment(0, p0, prompt[p0:p0 + 384]), Segment(1, 200 * i, other[200 * i:200 * i + 200])]))
+    assert np.array_equal(a[0], b[0]) and close_enough(a, exact, "q8_0") is None
+    for step in range(3):
+        tok, tok1 = rng.integers(0, vocab, 1), rng.integers(0, vocab, 1)
+        a, exact = alone.both([Segment(0, 2500 + step, tok)])
+        b = beside.run(Batch.of([Segment(1, 1400 + step, tok1), Segment(0, 2500 + step, tok)]))
+        assert np.array_equal(a[0], b[1]), step
+        assert close_enough(a, exact, "q8_0") is None, step
+
+
 def test_the_host_as_two_devices_gives_one_devices_bits(small_model):
     """The host-as-device path: layer 0 on one host device, layer 1 and the head on another,
     each running its pieces as recorded steps, the activation handed over (and the old buffer

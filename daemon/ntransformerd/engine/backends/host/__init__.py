@@ -165,6 +165,8 @@ class HostSteps:
         per = self.lib.attn_scratch(ctypes.addressof(self.consts))  # floats one thread's attention uses
         self.scratch_per_thread = per
         self.scratch = np.zeros(self.threads * per, np.float32)
+        # the threads' shared room for attention's split partials (kernels/cpu/attention.h), sized by max_ctx
+        self.attn_parts = np.zeros(self.lib.attn_parts(ctypes.addressof(self.consts)), np.float32)
         self.arena = np.zeros(0, np.uint8)
         self.tapes: dict[tuple, Tape] = {}
 
@@ -229,7 +231,7 @@ class HostSteps:
         h = header(tokens, positions, slots, out_rows)
         rc = self.lib.step(ctypes.addressof(instrs), len(instrs), ctypes.addressof(h), self.arena.ctypes.data,
                            ctypes.addressof(self.consts), self.scratch.ctypes.data, self.scratch_per_thread,
-                           self.threads)
+                           self.threads, self.attn_parts.ctypes.data, self.attn_parts.size)
         if rc != 0:
             why = ("the KV cache's layout does not match the kernels'" if rc == -3
                    else f"head_dim {self.cfg.head_dim} or GQA group too large")
