@@ -19,7 +19,8 @@
 #                 bench/kv_capacity.py (8B shape) first. The 8B and 70B files are made in the
 #                 background at the end of PHASE=tests (a file of theirs made before 2026-12-05 says
 #                 context 8192: long_context.py stops and says so).
-#   PHASE=userpath: bench/user_path.py, the benchmark of record (the daemon over its socket and
+#   PHASE=userpath: bench/host_link.py (the host's DRAM shared by the link and the cores: the
+#                 hybrid's ceiling; HOST_LINK=0: not), then bench/user_path.py, the benchmark of record (the daemon over its socket and
 #                 ntx-model run against llama-bench -d, alternated), on the files PHASE=tests made;
 #                 PLANS="70b:24GiB" NOISY= OFF= CLI= TAG=_70b for the 70B row.
 #   (device tool) PHASE=tests:  carry .whl .whl-extra .llama .gpu-data ; bash bench/session_round.sh
@@ -82,9 +83,12 @@ elif [ "$PHASE" = cost ]; then  # the model's first half kept; the invariant mod
     --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NOISY/CLI to change them)
   for i in $(seq 1 100); do [ -f /tmp/ntx/llama3-8b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 2; done
-  timeout ${USERPATH_TIMEOUT:-575} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
+  # the hybrid's byte ceiling: the host's DRAM feeding the link and the cores at once (~15 s)
+  [ "${HOST_LINK:-1}" = 1 ] && timeout 60 python3 bench/host_link.py --dir /tmp/ntx --json "$L/host_link.json" 2>&1 \
+    | tee "$L/host_link.log" | tail -8
+  timeout ${USERPATH_TIMEOUT:-560} python3 bench/user_path.py --dir /tmp/ntx --llama-bench $llama/llama-bench \
     --plans ${PLANS:-8b:32 8b:24 8b:16 8b:8 8b:0} --noisy ${NOISY-8b:24} --off ${OFF-8b:24} --cli "${CLI-8b:24}" \
-    --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-540} \
+    --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-520} \
     --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = long ]; then
   for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done

@@ -167,6 +167,13 @@ def check_profile_decode(d: dict) -> None:
         assert f["prefill"]["groups"], f["prefill"]
 
 
+def check_host_link(d: dict) -> None:
+    for k in ("link_alone_Bps", "host_alone_Bps", "link_together_Bps", "host_together_Bps", "together_Bps"):
+        assert figure(d["median"][k]) and d["median"][k] > 0, (k, d["median"])
+    assert [b["resident"] for b in d["bounds"]] == [1, 0], d["bounds"]
+    assert all(figure(b["bound_together_tok_s"]) for b in d["bounds"] if b["streamed_bytes"]), d["bounds"]
+
+
 def check_sample_top(d: dict) -> None:
     assert len(d["kernels"]) == 4 and all(figure(k["top40_us"]) for k in d["kernels"])
     assert set(d["steps"]) == {"greedy", "device_top", "host_rows"}
@@ -319,7 +326,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
         "structured_rate.py": check_structured_rate, "kl_divergence.py": check_kl_divergence,
         "long_context.py": check_long_context}  # the cpu backend where there is no GPU
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
-       "attention_gpu.py": check_attention_gpu,
+       "attention_gpu.py": check_attention_gpu, "host_link.py": check_host_link,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality,
