@@ -13,7 +13,8 @@
 #                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
 #                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
-#   PHASE=long:   bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
+#   PHASE=long:   bench/attention_split.py (host layers' attention on the GPU: the round trip against the
+#                 host's own; ATTN_SPLIT=0: not), bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
 #                 against prefilled again, bit for bit) and bench/long_context.py (70B shape, file context 131072, 24 GiB, q8_0 KV,
 #                 4 sequences of 32k at once through the daemon: 512 against 32k); CAPACITY=1 adds
 #                 bench/kv_capacity.py (8B shape) first. The 8B and 70B files are made in the
@@ -91,6 +92,9 @@ elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NO
     --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-520} \
     --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
 elif [ "$PHASE" = long ]; then
+  # host layers' attention on the GPU, by its parts (issue 34 item 4; ~30 s, the host idle otherwise; ATTN_SPLIT=0: not)
+  [ "${ATTN_SPLIT:-1}" = 1 ] && timeout 90 python3 bench/attention_split.py --json "$L/attention_split.json" 2>&1 \
+    | tee "$L/attention_split.log" | tail -6
   for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done
   tail -3 /tmp/synth.log
   [ -n "$CAPACITY" ] && timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx \

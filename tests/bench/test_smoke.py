@@ -174,6 +174,13 @@ def check_host_link(d: dict) -> None:
     assert all(figure(b["bound_together_tok_s"]) for b in d["bounds"] if b["streamed_bytes"]), d["bounds"]
 
 
+def check_attention_split(d: dict) -> None:
+    assert [r["context"] for r in d["rows"]] == [16, 300], d["rows"]
+    for r in d["rows"]:
+        assert all(figure(r[k]) and r[k] > 0 for k in ("host_us", "trip_us", "trip_busy_us", "link_busy_GBps")), r
+        assert r["gpu_wins"] == (r["trip_busy_us"] < r["host_us"]) and r["gpu_kv_bytes"] > 0, r
+
+
 def check_sample_top(d: dict) -> None:
     assert len(d["kernels"]) == 4 and all(figure(k["top40_us"]) for k in d["kernels"])
     assert set(d["steps"]) == {"greedy", "device_top", "host_rows"}
@@ -327,6 +334,7 @@ CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "qual
         "long_context.py": check_long_context}  # the cpu backend where there is no GPU
 GPU = {"resident.py": check_resident, "ab_decode.py": check_ab_decode, "ncu_step.py": check_ncu_step,
        "attention_gpu.py": check_attention_gpu, "host_link.py": check_host_link,
+       "attention_split.py": check_attention_split,
        "profile_decode.py": check_profile_decode, "sample_top.py": check_sample_top,
        "speculative_gpu.py": check_speculative_gpu, "streaming.py": check_streaming,
        "hybrid_quality.py": check_hybrid_quality,
