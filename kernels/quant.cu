@@ -2,7 +2,8 @@
 // dequantize-multiply for decode (y = x @ W.T for a small batch of rows x): matvec_generic for
 // every type, and for Q8_0/Q4_K/Q6_K on quantized activations the dp4a kernels mvq_* (1-2 rows)
 // and the int8 tensor-core kernels mma_* (4-32 rows), and on f32 activations the f16
-// tensor-core kernels mmh_* (4-32 rows of whole 256-blocks; the backend's choice for those).
+// tensor-core kernels mmh_* (4-32 rows of whole 256-blocks; the backend's choice for those;
+// mmh_q4_1: rows of any multiple of 32, with settings.f16_legacy).
 //
 // A weight tensor (N rows of K elements) lives on the device as up to four "planes":
 //   Q8_0: p0 = qs (N, K) int8,  p1 = d (N, K/32) f16            (repacked at load: 16-byte loads)
@@ -964,7 +965,8 @@ __device__ __forceinline__ void mh_mma(float (&acc)[NT][4], const u32 (&a)[4], c
     for (int nt = 0; nt < NT; ++nt) mma_f16(acc[nt], a, st ? xf[nt].z : xf[nt].x, st ? xf[nt].w : xf[nt].y);
 }
 
-// x[b, k0 .. k0 + 256) for the block's batch rows (zeros past nb): loaded into registers (this
+// x[b, k0 .. k0 + 256) for the block's batch rows (zeros past nb, and past K where the last
+// block is partial: rows of 32-element blocks, mmh_q4_1): loaded into registers (this
 // thread's NT * 2 float4s), later stored to shared memory as f16, each 4 elements as (0, 2, 1, 3).
 template <int NT> struct XRegs {
     float4 v[NT * 2];
@@ -974,7 +976,8 @@ __device__ __forceinline__ void mh_load_x(XRegs<NT>& r, const float* __restrict_
 #pragma unroll
     for (int i = 0; i < NT * 2; ++i) {
         const int idx = threadIdx.x + 256 * i, b = idx >> 6, c = (idx & 63) * 4;
-        r.v[i] = b < nb ? __ldg((const float4*)(x + (long long)b * K + k0 + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        r.v[i] = b < nb && k0 + c < K ? __ldg((const float4*)(x + (long long)b * K + k0 + c))
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 template <int NT>
@@ -1063,8 +1066,8 @@ __device__ __forceinline__ void mh_finish(float (&acc)[NT][4], const float* res,
 #define MH_PROLOGUE                                                                            \
     __shared__ __align__(16) u8 xs[2][NT * 8 * MH_XS];                                         \
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;      \
-    const int nblk = K / 256, per = (nblk + gridDim.y - 1) / gridDim.y;                         \
-    const int blk0 = blockIdx.y * per, blk1 = min(nblk, blk0 + per);                           \
+    const int nblk = K / 256, kblk = (K + 255) / 256, per = (kblk + gridDim.y - 1) / gridDim.y; \
+    const int blk0 = blockIdx.y * per, blk1 = min(kblk, blk0 + per);                           \
     long long rows[2];                                                                         \
     for (int hh = 0; hh < 2; ++hh) rows[hh] = min(blockIdx.x * MH_ROWS + 16 * warp + g + 8 * hh, N - 1); \
     float acc[NT][4];                                                                          \
@@ -1230,5 +1233,62 @@ __global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q8_0(MH_ARGS) {
         }
     };
     mh_loop<NT, MhQ8>(x, K, nb, blk0, blk1, xs, load, mul);
+    mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
+}
+
+// Q4_1 on raw 20-byte blocks (d, m as f16, then 16 bytes of nibbles: element i < 16 the low
+// nibble of byte i, i >= 16 the high nibble of byte i - 16). K is any multiple of 32: the last
+// 256-block may be partial, its missing groups zero weights against zero activations
+// (mh_load_x). Thread t takes elements 8t..8t+7 of each group: bytes 8(t & 1).. of its nibbles,
+// shifted by 4(t >> 1); w = q·d + m in one f16 rounding (d and m are f16 already). The nibbles
+// are loaded a block ahead (mh_loop); d and m when multiplying, from the lines those loads
+// brought into L1 (prefetched too, they spill at 2 batch tiles).
+struct MhQ41 {
+    uint2 q[2][8];  // [hh][group]
+};
+
+template <int NT>
+__global__ void __launch_bounds__(256, NT >= 4 ? 1 : 2) mmh_q4_1(MH_ARGS) {
+    PDL_ENTRY
+    MH_PROLOGUE
+    const int groups = K / 32;
+    const long long rb = (long long)groups * 20;  // bytes of a row: 4-aligned, as every block's fields
+    const u8* rp[2] = {p0 + rows[0] * rb, p0 + rows[1] * rb};
+    auto load = [&](MhQ41& w, int blk) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int gi = 0; gi < 8; ++gi) {
+                const int gr = blk * 8 + gi;
+                const u8* b = rp[hh] + gr * 20LL + 4 + 8 * (t & 1);
+                w.q[hh][gi] = gr < groups ? make_uint2(__ldg((const u32*)b), __ldg((const u32*)(b + 4))) : make_uint2(0u, 0u);
+            }
+    };
+    auto mul = [&](const MhQ41& w, const u8* xb, int blk) {
+        const int sh = 4 * (t >> 1);
+#pragma unroll
+        for (int gi = 0; gi < 8; ++gi) {
+            const int gr = blk * 8 + gi;
+            u32 d2[2], m2[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const u32 v = gr < groups ? __ldg((const u32*)(rp[hh] + gr * 20LL)) : 0u;  // zero weights past K
+                d2[hh] = (v & 0xFFFFu) | (v << 16);
+                m2[hh] = (v >> 16) | (v & 0xFFFF0000u);
+            }
+            uint4 xf[NT];
+            mh_xfrag<NT>(xf, xb, 32 * gi + 8 * t);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                u32 a[4];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)  // 1024 + q, q = 0..15
+                    mh_arow<true>(a, hh, ((st ? w.q[hh][gi].y : w.q[hh][gi].x) >> sh) & 0x0F0F0F0Fu, 0x64006400u, d2[hh],
+                                  m2[hh]);
+                mh_mma<NT>(acc, a, xf, st);
+            }
+        }
+    };
+    mh_loop<NT, MhQ41>(x, K, nb, blk0, blk1, xs, load, mul);
     mh_finish<NT>(acc, has_res ? res : nullptr, y, N, nb, part, cnt);
 }

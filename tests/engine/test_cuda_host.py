@@ -108,10 +108,10 @@ def test_mmh_grid(sms):
     """Split-K launches of the f16 matvecs stay inside their scratch (partials for 32 batch rows,
     one counter per row tile), take whole K blocks, and give every SM work where K allows."""
     for n in (1, 7, 128, 129, 1024, 4096, 6144, 14336, 28672, 65536, 65537, 131072, 152064):
-        for k in (256, 512, 4096, 14336, 28672):
+        for k in (96, 256, 512, 576, 1536, 4096, 14336, 28672):  # 96, 576: Q4_1's partial last K block
             tiles, ks = cuda.mmh_grid(n, k, sms)
             assert tiles * cuda.MMH_ROWS >= n > (tiles - 1) * cuda.MMH_ROWS
-            assert 1 <= ks <= min(8, k // 256)
+            assert 1 <= ks <= min(8, -(-k // 256))  # no split without a K block of its own
             if ks > 1:
                 assert ks * 32 * n <= cuda.MMH_PART_FLOATS
                 assert tiles <= cuda.MMH_PART_FLOATS // cuda.MMH_ROWS  # the counters _mmh_scratch makes
@@ -195,12 +195,13 @@ def test_default_choice_follows_the_row_count():
     assert cuda.uses_cublas(cuda.CHUNKED_MAX_ROWS + 1, s) and not cuda.uses_cublas(cuda.CHUNKED_MAX_ROWS, s)
 
 
+@pytest.mark.parametrize("f16_legacy", (False, True))
 @pytest.mark.parametrize("deterministic", (False, True))
 @pytest.mark.parametrize("f16_mma", (True, False))
-def test_every_chosen_kernel_is_precompiled(deterministic, f16_mma):
+def test_every_chosen_kernel_is_precompiled(deterministic, f16_mma, f16_legacy):
     """Each instance choose() can pick, in either mode, is one kernel_names() lists (precompile)."""
     from gguf import GGMLQuantizationType as Q
-    s = cuda.CudaSettings(deterministic=deterministic, f16_mma=f16_mma)
+    s = cuda.CudaSettings(deterministic=deterministic, f16_mma=f16_mma, f16_legacy=f16_legacy)
     names = {name for family, name in cuda.kernel_names(s) if family == "quant"}
     for qtype in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.BF16):
         for n, k in SHAPES:
@@ -209,6 +210,36 @@ def test_every_chosen_kernel_is_precompiled(deterministic, f16_mma):
             for rows in range(1, cuda.MATVEC_MAX_ROWS + 1):
                 c = cuda.choose(qtype, n, k, rows, s, 132)
                 assert c.instance in names, c
+
+
+@pytest.mark.parametrize("deterministic", (False, True))
+def test_f16_legacy_choice(deterministic):
+    """settings.f16_legacy: Q4_1 rows of any width (32-element blocks: 96, 576 too) multiply on the f16
+    tensor cores from bucket 4 (from one row when deterministic, one sum order for every row
+    count), else on the generic kernel as before; the other legacy types, and everything with
+    f16_mma off, stay where they were; the f16 path reads x, not QAct."""
+    from gguf import GGMLQuantizationType as Q
+    on = cuda.CudaSettings(f16_legacy=True, deterministic=deterministic)
+    off = cuda.CudaSettings(deterministic=deterministic)
+    assert not cuda.CudaSettings().f16_legacy  # off by default until a device round has timed it
+    for n, k in ((7, 96), (576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096)):
+        families = {}
+        for rows in range(1, cuda.MATVEC_MAX_ROWS + 1):
+            c = cuda.choose(Q.Q4_1, n, k, rows, on, 132)
+            families[rows] = c.family
+            if c.family == "mmh":
+                tiles, ks = cuda.mmh_grid(n, k, 132)
+                assert c.instance == f"mmh_q4_1<{cuda.bucket_of(rows) // 8 or 1}>" and c.grid == (tiles, ks)
+            assert cuda.choose(Q.Q4_1, n, k, rows, off, 132).family == "generic"
+            assert cuda.choose(Q.Q4_1, n, k, rows, on.replace(f16_mma=False), 132).family == "generic"
+            for other in (Q.Q4_0, Q.Q5_0, Q.Q5_1):
+                assert cuda.choose(other, n, k, rows, on, 132).family == "generic"
+        want = {r: "mmh" if deterministic or cuda.bucket_of(r) >= cuda.MMA_MIN_BUCKET else "generic" for r in families}
+        assert families == want, (n, k, families)
+        if deterministic:
+            assert len({cuda.choose(Q.Q4_1, n, k, r, on, 132).order for r in families}) == 1
+    t = type("T", (), {"qtype": Q.Q4_1, "shape": (576, 576)})()
+    assert cuda.reads_f16(t, 16, on) and not cuda.reads_f16(t, 16, off) and not cuda.reads_qact([t], 16, on)
 
 
 def test_reads_qact_deterministic():

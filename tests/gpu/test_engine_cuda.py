@@ -41,6 +41,46 @@ def test_real_slice_greedy_identical(real_slice):
         assert greedy(gpu_e, prompt, 32) == greedy(cpu_e, prompt, 32), text
 
 
+def test_real_slice_f16_legacy_batched_close_to_cpu(real_slice, monkeypatch):
+    """NTX_F16_LEGACY=1: the default model's Q4_1 matrices multiply on the f16 tensor cores in
+    steps of 4+ rows (mmh_q4_1). Eight sequences of the real slice decoding together stay within
+    the engines' agreement bound of the exact float32 run, each sequence alone, and pick its ids."""
+    from gguf import GGMLQuantizationType as Q
+    from ntransformerd.engine.backends import cuda
+    monkeypatch.setenv("NTX_F16_LEGACY", "1")
+    m = GGUFModel(real_slice)
+    cpu_e = Engine(m, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=128))
+    gpu_e = Engine(m, config=EngineConfig(backend="cuda", max_batch=8, max_ctx=128))
+    assert cuda.CudaSettings.from_env().f16_legacy
+    assert any(m.tensor(t.name).qtype == Q.Q4_1 for t in m.reader.tensors)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(100, 40000, int(n))] for n in rng.integers(3, 20, 8)]
+    slots = [gpu_e.open() for _ in prompts]
+    try:
+        last = [gpu_e.prefill(s, p) for s, p in zip(slots, prompts)]
+        fed = [list(p) for p in prompts]
+        worst, agree, total = 0.0, 0, 0
+        for _ in range(6):
+            toks = [int(np.argmax(x)) for x in last]
+            for f, t in zip(fed, toks):
+                f.append(t)
+            last = gpu_e.step([(s, [t]) for s, t in zip(slots, toks)])  # one step of 8 rows
+            for f, got in zip(fed, last):
+                c = cpu_e.open()
+                try:
+                    want = cpu_e.prefill(c, f)  # the exact float32 logits after the same ids
+                finally:
+                    cpu_e.close(c)
+                worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+                agree += int(np.argmax(got) == np.argmax(want))
+                total += 1
+    finally:
+        for s in slots:
+            gpu_e.close(s)
+    assert worst < 2e-2, worst
+    assert agree >= 0.95 * total, (agree, total)
+
+
 @pytest.mark.parametrize("v", (7, 1000, 49152, 128256))
 @pytest.mark.parametrize("n", (1, 3, 40, 256))
 def test_top_rows_kernel_matches_host(v, n):

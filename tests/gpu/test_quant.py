@@ -231,3 +231,49 @@ def test_matvec_row_groups_grid_stride(qtype, b, persistent, split_k, wide, monk
     out = cp.asarray(res)  # in place, as the decode step adds to the residual: a row done twice adds twice
     got = cuda.matvec(cp.asarray(x), to_device(qtype, raw, n, k), out=out, res=out, s=s).get()
     assert np.abs(got - ref).max() / np.abs(ref).max() < MATVEC_TOL
+
+
+LEGACY_F16 = cuda.CudaSettings(f16_legacy=True)
+
+
+@pytest.mark.parametrize("n,k", ((7, 96), (83, 576), (192, 576), (769, 576), (83, 1536), (769, 4096)))
+@pytest.mark.parametrize("b", (1, 2, 3, 4, 9, 16, 32))
+def test_matvec_q4_1_f16(n, k, b):
+    """settings.f16_legacy: Q4_1 batches of 3+ rows (bucket 4) on the f16 tensor cores (mmh_q4_1),
+    rows of any multiple of 32 (96 and 576: the last K block partial, its missing groups zero)
+    within the f16 kernels' tolerance of the float64 product, the residual added once; 1-2 rows
+    on the generic kernel as before."""
+    rng = np.random.default_rng()
+    raw = random_tensor(rng, Q.Q4_1, n, k)
+    ref_w = gq.dequantize(raw, Q.Q4_1).reshape(n, k).astype(np.float64)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    res = rng.standard_normal((b, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T + res
+    family = cuda.choose(Q.Q4_1, n, k, b, LEGACY_F16, 132).family
+    assert family == ("mmh" if b >= 3 else "generic")
+    out = cp.full((b, n), np.nan, cp.float32)
+    got = cuda.matvec(cp.asarray(x), to_device(Q.Q4_1, raw, n, k), out=out, res=cp.asarray(res), s=LEGACY_F16).get()
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < (F16_MATVEC_TOL if family == "mmh" else 2e-5), (family, err)
+
+
+@pytest.mark.parametrize("b", (4, 32))
+def test_matvec_q4_1_f16_split_k_in_place(b):
+    """mmh_q4_1 over several row tiles with K split (4160 = 16 whole 256-blocks and a partial
+    one): right twice in a row and the same bits (the splits meet in order, the counters left at
+    zero), adding in place to the residual as the decode step does."""
+    rng = np.random.default_rng()
+    n, k = 2 * cuda.MMH_ROWS + 37, 4160
+    assert cuda.mmh_grid(n, k, cuda.launch.sm_count())[1] > 1
+    raw = random_tensor(rng, Q.Q4_1, n, k)
+    ref_w = gq.dequantize(raw, Q.Q4_1).reshape(n, k).astype(np.float64)
+    w = to_device(Q.Q4_1, raw, n, k)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    res = rng.standard_normal((b, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T + res
+    outs = []
+    for _ in range(2):
+        out = cp.asarray(res)
+        outs.append(cuda.matvec(cp.asarray(x), w, out=out, res=out, s=LEGACY_F16).get())
+        assert np.abs(outs[-1] - ref).max() / np.abs(ref).max() < F16_MATVEC_TOL
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -20,7 +20,7 @@ from ntransformerd.engine.backends.cuda.attention import (  # noqa: F401 (the ba
     attention_chunk_, attention_decode_, attention_scratch, chunk_tiles, decode_heads, decode_kernel, decode_launch,
     group_heads, kv_append_, kv_args, max_splits, rope_kv_, scratch_bytes, split_len)
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
-    CHUNKED_MAX_ROWS, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
+    CHUNKED_MAX_ROWS, F16_LEGACY, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
     MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, Choice, QAct, argmax, bucket_of, choose,
     dequantize_rows, matmul, matvec, matvec_rows, mmh_grid, quantize, reads_f16, reads_qact,
     rms_norm, rope_, swiglu, top_rows, uses_cublas)

@@ -10,7 +10,10 @@ reads the activations quantized (QAct: two int8 levels per element and a scale p
 2^-15 of each group's largest value, see kernels/quant_act.cuh) and multiplies with int8 dot
 products (dp4a); from 4 rows, rows of whole 256-blocks are dequantized to f16 in registers and
 multiplied on f16 tensor cores (mmh_*), at prefill's precision; other widths use int8
-tensor-core mma.sync on QAct. Prefill attention runs on tensor cores too (attn_chunk).
+tensor-core mma.sync on QAct. Q4_1 (the default model's type: 576-wide rows, not whole 256-blocks)
+has no int8 kernel; with settings.f16_legacy its batches of 4+ rows take mmh_q4_1, the same f16
+tensor-core loop over 32-element blocks (any K), instead of the generic f32 kernel. Prefill
+attention runs on tensor cores too (attn_chunk).
 
 `choose` picks the kernel of each launch from the weight's type and shape and the launch's row
 count. With settings.deterministic a row's arithmetic does not depend on how many rows share
@@ -42,6 +45,7 @@ MATVEC_BUCKETS = (1, 2, 4, 8, 16, 32)  # compiled batch widths of the fused kern
 FAST_MATVEC = {Q.Q8_0: "mvq_q8_0", Q.Q4_K: "mvq_q4_k", Q.Q6_K: "mvq_q6_k"}  # on QAct activations
 MMA_MATVEC = {Q.Q8_0: "mma_q8_0", Q.Q4_K: "mma_q4_k", Q.Q6_K: "mma_q6_k"}  # the same, tensor cores
 F16_MATVEC = {Q.Q8_0: "mmh_q8_0", Q.Q4_K: "mmh_q4_k", Q.Q6_K: "mmh_q6_k"}  # f16 tensor cores (settings.f16_mma)
+F16_LEGACY = {Q.Q4_1: "mmh_q4_1"}  # the same for 32-element blocks of no int8 kernel, any K (settings.f16_legacy)
 MMH_ROWS = 128  # rows per mmh block
 MMH_PART_FLOATS = 32 * 131072  # split-K partial sums: batch rows × (splits × N), 16 MB per stream
 MMA_MIN_BUCKET = 4  # from this batch bucket on, the FAST_MATVEC types multiply on tensor cores
@@ -146,7 +150,7 @@ def matvec(x, w, *, out=None, res=None, nb: int | None = None, xq: QAct | None =
         check_array(res, cp.float32, 2, "matvec res")
         if res.shape[1] != n or res.shape[0] < b:
             raise ValueError(f"matvec: res {res.shape}, expected ({b}, {n})")
-    c = choose(w.qtype, n, k, b, s, sm_count() if w.qtype in F16_MATVEC else 0)
+    c = choose(w.qtype, n, k, b, s, sm_count() if w.qtype in F16_MATVEC or w.qtype in F16_LEGACY else 0)
     res_args = (res if res is not None else out, np.int32(res is not None), out, np.int32(n), np.int32(k), np.int32(b))
     fn = kernel("quant", c.instance)
     if c.family == "generic":
@@ -188,9 +192,12 @@ def choose(qtype, n: int, k: int, rows: int, s: CudaSettings = DEFAULT, sms: int
     """The kernel of a matvec of `rows` rows (≤ MATVEC_MAX_ROWS) against an (n, k) weight of
     type qtype; sms: the device's SM count (mmh's K splits). Pure: tests enumerate it."""
     bucket = bucket_of(rows)
+    batched = s.deterministic or bucket >= MMA_MIN_BUCKET
+    if qtype in F16_LEGACY and batched and s.f16_mma and s.f16_legacy:
+        tiles, ks = mmh_grid(n, k, sms)
+        return Choice("mmh", f"{F16_LEGACY[qtype]}<{bucket // 8 or 1}>", (tiles, ks), ("mmh", ks))
     if qtype not in FAST_MATVEC:
         return Choice("generic", f"matvec_generic<{int(qtype)},{bucket}>", (n_blocks(n, 4),), ("generic",))
-    batched = s.deterministic or bucket >= MMA_MIN_BUCKET
     if batched and s.f16_mma and k % 256 == 0:
         tiles, ks = mmh_grid(n, k, sms)
         return Choice("mmh", f"{F16_MATVEC[qtype]}<{bucket // 8 or 1}>", (tiles, ks), ("mmh", ks))
@@ -216,9 +223,10 @@ def reads_qact(weights, bucket: int, s: CudaSettings = DEFAULT) -> bool:
 
 def mmh_grid(n: int, k: int, sm_count: int) -> tuple[int, int]:
     """(row tiles, K splits) of an mmh launch for an (n, k) weight: about two blocks per SM where
-    K allows, at most 8 splits, and never more partial sums (32 batch rows) than the scratch holds."""
+    K allows, at most 8 splits, and never more partial sums (32 batch rows) than the scratch holds.
+    K blocks are of 256 elements, the last one partial where k is not a multiple (mmh_q4_1)."""
     tiles = -(-n // MMH_ROWS)
-    ks = max(1, min(8, k // 256, -(-2 * sm_count // tiles), MMH_PART_FLOATS // (32 * n)))
+    ks = max(1, min(8, -(-k // 256), -(-2 * sm_count // tiles), MMH_PART_FLOATS // (32 * n)))
     return tiles, ks
 
 
@@ -370,6 +378,8 @@ def matvec_kernel_names(s: CudaSettings = DEFAULT) -> list[tuple[str, str]]:
         if b >= MMA_MIN_BUCKET:
             names += [("quant", f"{n}<{b // 8 or 1},{mt}>") for n in MMA_MATVEC.values() for mt in (1, 2)]
             names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_MATVEC.values() if s.f16_mma]
+            # (buckets 1-2 in the deterministic mode take the same <1> instances)
+            names += [("quant", f"{n}<{b // 8 or 1}>") for n in F16_LEGACY.values() if s.f16_mma and s.f16_legacy]
         else:
             rows = (ROWS_PER_WARP[b], WIDE_ROWS_PER_WARP) if b == 1 else (ROWS_PER_WARP[b],)
             names += [("quant", f"{n}<{r},{b},{ks},{s.mvq_min_blocks[t] if b == 1 else 1}>")

@@ -28,6 +28,10 @@ class CudaSettings:
     # tensor-core products (mmh_*): prefill's precision (about 2^-11) instead of int8's 2^-15,
     # and faster at batch 16 for every type.
     f16_mma: bool = SETTINGS["f16_mma"].default
+    # The same f16 tensor-core products for Q4_1 (mmh_q4_1: 32-element blocks, so any K, the last
+    # 256-block partial), where only the f32 generic kernel served them: the default model's
+    # type. Off until a device round has timed it against the generic kernel (bench/RESULTS.md).
+    f16_legacy: bool = SETTINGS["f16_legacy"].default
     # Up to this many rows the int8 mma kernels take 16 rows per block (else 32), so every SM gets work.
     mma_one_tile_rows: int = SETTINGS["mma_one_tile_rows"].default
     # One-row matvecs of at most this many output rows (per type) take 4 rows per warp instead of
@@ -70,7 +74,7 @@ class CudaSettings:
         return dataclasses.replace(self, **kw)
 
 
-ENV_SETTINGS = ("f16_mma", "mma_one_tile_rows", "mvq_wide_max_n", "split_k_warps", "mvq_min_blocks",
+ENV_SETTINGS = ("f16_mma", "f16_legacy", "mma_one_tile_rows", "mvq_wide_max_n", "split_k_warps", "mvq_min_blocks",
                 "mvq_persistent", "attn_one_launch_max_bucket", "pdl")
 assert all(SETTINGS[n].env for n in ENV_SETTINGS) and set(ENV_SETTINGS) <= set(CudaSettings.__dataclass_fields__)
 DEFAULT = CudaSettings()
