@@ -16,8 +16,9 @@ llama.cpp's batched bench on the default model (issue 24).
    the level (prefill included, a short prompt), each level warmed first (its batch's captured
    steps, the client processes). The ratio to (1) is the share of the engine's rate the serving
    loop keeps; the rest is the host's share of a daemon step (host_share).
-3. The default model at 1 and 16 clients through the daemon against `llama-batched-bench`
-   (the same file, -npp 16 -ntg --max-tokens -npl 1,16, all layers on the GPU), its TG rate.
+3. The default model at --default-clients (1, 16, 64) through the daemon against
+   `llama-batched-bench` (the same file, -npp 16 -ntg --max-tokens -npl 1,16,64, all layers on the
+   GPU), its TG rate. --default-only: this part alone.
 Clients run in several processes (threads of one Python process would share one interpreter).
 """
 
@@ -145,26 +146,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batched-bench", metavar="BIN", help="llama-batched-bench (CUDA build): part 3")
     ap.add_argument("--default-model", metavar="PATH", help="part 3's file (default: the embedded default model)")
+    ap.add_argument("--default-clients", type=int, nargs="+", default=[1, 16, 64], help="part 3's client counts")
+    ap.add_argument("--default-only", action="store_true",
+                    help="part 3 alone (an A/B of the default model's rows, e.g. under NTX_F16_LEGACY=0 and 1)")
     ap.add_argument("--backend", choices=("cuda", "cpu"), help="default: cuda (cpu in --smoke without a GPU)")
     a = ap.parse_args(argv)
+    if a.default_only and not (a.batched_bench or a.smoke):
+        ap.error("--default-only runs part 3, which needs --batched-bench")
     if a.backend is None:
         a.backend = "cpu" if a.smoke and common.gpu_missing() else "cuda"
     if a.backend == "cuda":
         common.require_gpu(__file__)
     if a.smoke:
         a.clients, a.max_tokens = [1, 2], 8
-    path = a.model or common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", "q4_k_m")
+    path = a.model or ("" if a.default_only else common.synthetic(a.dir, "tiny" if a.smoke else "llama3-8b", "q4_k_m"))
     out = {"smoke": a.smoke, "backend": a.backend, "model": os.path.basename(path), "max_tokens": a.max_tokens,
-           "levels": []}
+           "levels": [], "f16_legacy": os.environ.get("NTX_F16_LEGACY", "")}
     top = max(a.clients)
-    rates = engine_rates(path, a.clients, 8 if a.smoke else 40, a.backend)
+    rates = {} if a.default_only else engine_rates(path, a.clients, 8 if a.smoke else 40, a.backend)
     for (b, sampled), r in rates.items():
         print(f"engine alone, batch {b:3d}, {'sampled' if sampled else 'greedy '}: {r:9.1f} tok/s", flush=True)
     d = tempfile.mkdtemp(prefix="ntx-serve-")
     try:
-        proc, socket = start_daemon(path, top, d, a.backend)
+        proc, socket = start_daemon(path, top, d, a.backend) if not a.default_only else (None, None)
         try:
-            for sampled in (False, True):
+            for sampled in (False, True) if proc else ():
                 for n in a.clients:
                     serve_level(socket, n, 4, sampled)  # warm: this batch's captured steps, the clients' paths
                     r, cpu_us = timed_level(proc, socket, n, a.max_tokens, sampled)
@@ -177,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"{100 * r / e:.0f}% of the engine's step rate (host share of a step "
                           f"{100 * row['host_share']:.0f}%; daemon CPU {cpu_us:.0f} µs a token)", flush=True)
         finally:
-            common.stop_daemon(proc)
+            if proc:
+                common.stop_daemon(proc)
         if a.batched_bench or a.smoke:
             from ntransformerd.engine.runtime.engine import default_model_path
             small = common.synthetic(a.dir, "tiny", "q4_k_m") if a.smoke else (a.default_model or default_model_path())
-            npl = [1, 2] if a.smoke else [1, 16]
+            npl = [1, 2] if a.smoke else a.default_clients
             alone = engine_rates(small, npl, 8 if a.smoke else 40, a.backend)  # the engine's own bound on it
             proc, socket = start_daemon(small, max(npl), d, a.backend)
             try:

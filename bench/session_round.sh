@@ -10,8 +10,9 @@
 #                 paged on the GPU (tests/gpu/test_kv_paged.py), the daemon-level invariance
 #                 (tests/gpu/test_daemon_invariance.py), kv_capacity and kv_spill on the real model, bench/hybrid_quality.py on it
 #                 (QUALITY=1), bench/profile_decode.py on it at 1/16/64 rows (PROFILE=0: not), SPILL=0 skips
-#                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (8B shape at 1/16/64 clients, the default
-#                 model against llama-batched-bench), bench/host_ceiling.py (the serving path alone on
+#                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (the default
+#                 model against llama-batched-bench at 1/16/64, under NTX_F16_LEGACY=0 and 1; then the 8B shape
+#                 at 1/16/64 clients unless SERVE8B=0), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
 #   PHASE=long:   bench/attention_split.py (host layers' attention on the GPU: the round trip against the
 #                 host's own; ATTN_SPLIT=0: not), bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
@@ -130,8 +131,10 @@ else
     fi
   fi
   # where the default model's step goes, kernel by kernel, at 1 / 16 / 64 rows (issue 36: small models' serving)
-  [ "${PROFILE:-1}" = 1 ] && timeout ${PROFILE_TIMEOUT:-120} python3 bench/profile_decode.py --model $model \
-    --batch 1 16 64 --json "$L/profile_default.json" 2>&1 | tee "$L/profile_default.log" | tail -40
+  # (twice: the Q4_1 matvecs on the generic kernel, then on the f16 tensor cores: NTX_F16_LEGACY=1)
+  [ "${PROFILE:-1}" = 1 ] && for lg in 0 1; do NTX_F16_LEGACY=$lg timeout ${PROFILE_TIMEOUT:-100} \
+    python3 bench/profile_decode.py --model $model --batch 1 16 64 --json "$L/profile_default_f16legacy$lg.json" 2>&1 \
+    | tee "$L/profile_default_f16legacy$lg.log" | tail -24; done
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
@@ -140,9 +143,12 @@ else
   fi
   [ "${SERVE:-1}" = 1 ] || { echo "phase checks done at $(( $(date +%s) - t0 )) s (SERVE=0: no serving rows)"; \
     tar czf "$OUT/logs.tgz" -C "$OUT" logs; exit 0; }
-  timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx --clients ${CLIENTS:-1 16 64} --default-model $model \
-    $( [ -x $llama/llama-batched-bench ] && echo --batched-bench $llama/llama-batched-bench ) \
-    --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -16
+  # the default model against llama-batched-bench at 1/16/64, its Q4_1 matvecs generic (0) and f16 (1), then the 8B rows
+  [ -x $llama/llama-batched-bench ] && for lg in ${LEGACY_AB-0 1}; do NTX_F16_LEGACY=$lg timeout ${SERVE_DEFAULT_TIMEOUT:-150} \
+    python3 bench/serving_gpu.py --default-only --default-model $model --batched-bench $llama/llama-batched-bench \
+    --json "$L/serving_default_f16legacy$lg.json" 2>&1 | tee "$L/serving_default_f16legacy$lg.log" | tail -5; done
+  [ "${SERVE8B:-1}" = 1 ] && timeout ${SERVE_TIMEOUT:-330} python3 bench/serving_gpu.py --dir /tmp/ntx \
+    --clients ${CLIENTS:-1 16 64} --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -12
   # the serving path's ceiling on this host's CPU (no GPU work): steps that cost nothing, and a
   # stand-in device of the default model's step, to set beside the daemon's figures above
   timeout ${CEILING_TIMEOUT:-120} python3 bench/host_ceiling.py --model $model --clients 1 16 64 --repeats 2 \
