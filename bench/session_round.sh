@@ -8,8 +8,9 @@
 #   PHASE=stash:  the first half of the default model (.gpu-full-a/part) kept in /tmp for
 #   PHASE=checks: the default model whole again (.gpu-full-b/part): the six reference prompts
 #                 paged on the GPU (tests/gpu/test_kv_paged.py), the daemon-level invariance
-#                 (tests/gpu/test_daemon_invariance.py), kv_capacity and kv_spill on the real model, bench/hybrid_quality.py on it
-#                 (QUALITY=1), bench/profile_decode.py on it at 1/16/64 rows (PROFILE=0: not), SPILL=0 skips
+#                 (tests/gpu/test_daemon_invariance.py), kv_spill on the real model (kv_capacity too with CAPACITY_REAL=1), bench/hybrid_quality.py on it
+#                 (QUALITY=1), bench/profile_decode.py on it at 1/16/64 rows
+#                 under NTX_F16_LEGACY=0 and 1 (PROFILE=1; the default with SERVE_ONLY=1), SPILL=0 skips
 #                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (the default
 #                 model against llama-batched-bench at 1/16/64, under NTX_F16_LEGACY=0 and 1; then the 8B shape
 #                 at 1/16/64 clients unless SERVE8B=0), bench/host_ceiling.py (the serving path alone on
@@ -115,8 +116,8 @@ else
   NTX_FULL_MODEL=$model timeout ${CHECKS_TIMEOUT:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -o addopts='' \
     tests/gpu/test_kv_paged.py -k six_reference; python3 -m pytest -q -p no:cacheprovider -o addopts='' -rfE \
     ${CHECK_TESTS:-tests/gpu/test_daemon_invariance.py}" 2>&1 | tee "$L/six_prompts.log" | tail -12
-  timeout ${CAPACITY_TIMEOUT:-150} python3 bench/kv_capacity.py --model $model --json "$L/kv_capacity_real.json" 2>&1 \
-    | tee "$L/kv_capacity_real.log" | tail -8
+  [ -n "$CAPACITY_REAL" ] && timeout ${CAPACITY_TIMEOUT:-150} python3 bench/kv_capacity.py --model $model \
+    --json "$L/kv_capacity_real.json" 2>&1 | tee "$L/kv_capacity_real.log" | tail -8
   [ "${SPILL:-1}" = 1 ] && timeout ${SPILL_TIMEOUT:-150} python3 bench/kv_spill.py --model $model \
     --json "$L/kv_spill.json" 2>&1 | tee "$L/kv_spill.log" | tail -12
   if [ -n "$KL" ]; then  # issue 35's GPU rows: our cuda and hybrid paths against our exact run, same texts as the CPU table
@@ -130,17 +131,17 @@ else
         .gpu-full-b/GPL-3 .gpu-full-b/MPL-1.1 2>&1 | tee "$L/kl_llama.log"
     fi
   fi
-  # where the default model's step goes, kernel by kernel, at 1 / 16 / 64 rows (issue 36: small models' serving)
-  # (twice: the Q4_1 matvecs on the generic kernel, then on the f16 tensor cores: NTX_F16_LEGACY=1)
-  [ "${PROFILE:-1}" = 1 ] && for lg in 0 1; do NTX_F16_LEGACY=$lg timeout ${PROFILE_TIMEOUT:-100} \
-    python3 bench/profile_decode.py --model $model --batch 1 16 64 --json "$L/profile_default_f16legacy$lg.json" 2>&1 \
-    | tee "$L/profile_default_f16legacy$lg.log" | tail -24; done
   if [ -n "$QUALITY" ]; then
     text=/usr/share/common-licenses/GPL-3; [ -f $text ] || text=.gpu-full-b/GPL-3
     timeout ${QUALITY_TIMEOUT:-150} python3 bench/hybrid_quality.py --model $model --text $text \
       --json "$L/hybrid_quality.json" 2>&1 | tee "$L/hybrid_quality.log" | grep -v "^ *[0-9]* rows" | tail -14
   fi
   fi
+  # where the default model's step goes, kernel by kernel, at 1 / 16 / 64 rows (issue 36: small models' serving)
+  # (twice: the Q4_1 matvecs on the generic kernel, then on the f16 tensor cores: NTX_F16_LEGACY=1)
+  [ "${PROFILE:-${SERVE_ONLY:-0}}" = 1 ] && for lg in 0 1; do NTX_F16_LEGACY=$lg timeout ${PROFILE_TIMEOUT:-100} \
+    python3 bench/profile_decode.py --model $model --batch 1 16 64 --json "$L/profile_default_f16legacy$lg.json" 2>&1 \
+    | tee "$L/profile_default_f16legacy$lg.log" | tail -24; done
   [ "${SERVE:-1}" = 1 ] || { echo "phase checks done at $(( $(date +%s) - t0 )) s (SERVE=0: no serving rows)"; \
     tar czf "$OUT/logs.tgz" -C "$OUT" logs; exit 0; }
   # the default model against llama-batched-bench at 1/16/64, its Q4_1 matvecs generic (0) and f16 (1), then the 8B rows
