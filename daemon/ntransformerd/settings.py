@@ -552,7 +552,7 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
     # ---- the CUDA backend's tuning, for same-run A/B benchmarks (bench/ab_decode.py) ----------------
     Setting("f16_mma", Boolean(), True, "from batch 4, f16 tensor-core products (0: the int8 ones)",
             env="NTX_F16_MMA"),
-    Setting("f16_legacy", Boolean(), False, "from batch 4, Q4_1 weights (rows of 32-element blocks, any width) on "
+    Setting("f16_legacy", Boolean(), True, "from batch 4, Q4_1 weights (rows of 32-element blocks, any width) on "
             "f16 tensor cores too (0: the f32 generic kernel)", env="NTX_F16_LEGACY"),
     Setting("mma_one_tile_rows", Integer(0, 1 << 30, "rows"), 8192, "up to N rows the int8 mma kernels take 16 "
             "rows a block", env="NTX_MMA_ONE_TILE_ROWS"),

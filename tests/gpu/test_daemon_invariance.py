@@ -61,11 +61,14 @@ def _prompts() -> list[tuple[str, list[int] | None, list[dict] | None, bool]]:
     return ref + [("code_edit", None, code["messages"], False)]
 
 
-def _skip_layers(mode: str, n_layers: int) -> str:
-    """A skip mode whose layers exist in this model (the slice has 4)."""
-    if not mode.startswith("skip:") or n_layers > 20:
-        return mode
-    return "skip:" + ",".join(str(i) for i in range(1, n_layers, 2))
+def _fit_mode(mode: str, n_layers: int) -> str:
+    """A draft mode whose layers exist in this model (the slice has 4): skip layers below n_layers,
+    a prefix draft shorter than the model."""
+    if mode.startswith("skip:") and n_layers <= 20:
+        return "skip:" + ",".join(str(i) for i in range(1, n_layers, 2))
+    if mode.startswith("prefix:") and int(mode.split(":")[1]) >= n_layers:
+        return f"prefix:{max(1, n_layers // 2)}"
+    return mode
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +118,9 @@ def test_seven_prompts_give_their_alone_ids_whatever_else_runs(gpu_daemon):
     check("7 at once", _together(sock, prompts, ["off"]))
     layers = _n_layers(_model())
     for mode in MODES:
-        m = _skip_layers(mode, layers)
+        m = _fit_mode(mode, layers)
         check(f"alone, {m}", [_ask(sock, p, speculative=m) for p in prompts])
-    check("7 at once, mixed draft sources", _together(sock, prompts, [_skip_layers(m, layers) for m in MODES]))
+    check("7 at once, mixed draft sources", _together(sock, prompts, [_fit_mode(m, layers) for m in MODES]))
     # the same prompts again start from the prefix cache (the same caller's finished sequences)
     check("from the prefix cache", [_ask(sock, p) for p in prompts])
     check("from the prefix cache, 7 at once", _together(sock, prompts, ["off"]))

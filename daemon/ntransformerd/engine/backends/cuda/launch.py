@@ -11,8 +11,8 @@ reads the activations quantized (QAct: two int8 levels per element and a scale p
 products (dp4a); from 4 rows, rows of whole 256-blocks are dequantized to f16 in registers and
 multiplied on f16 tensor cores (mmh_*), at prefill's precision; other widths use int8
 tensor-core mma.sync on QAct. Q4_1 (the default model's type: 576-wide rows, not whole 256-blocks)
-has no int8 kernel; with settings.f16_legacy its batches of 4+ rows take mmh_q4_1, the same f16
-tensor-core loop over 32-element blocks (any K), instead of the generic f32 kernel. Prefill
+has no int8 kernel; with settings.f16_legacy (the default) its batches of 4+ rows take mmh_q4_1, the
+same f16 tensor-core loop over 32-element blocks (any K), instead of the generic f32 kernel. Prefill
 attention runs on tensor cores too (attn_chunk).
 
 `choose` picks the kernel of each launch from the weight's type and shape and the launch's row
