@@ -69,7 +69,10 @@ def synthetic(directory: str, shape: str = "tiny", ftype: str = "q8_0", *, seed:
         s = synth.SHAPES[shape]
         s = dataclasses.replace(s, vocab=vocab or s.vocab, n_layers=n_layers or s.n_layers, context=context or s.context)
         t = time.perf_counter()
-        synth.synthesize(path, shape=s, ftype=ftype, seed=seed)
+        # written beside, then renamed: a script waiting for the file never opens half of it
+        part = path + f".part{os.getpid()}"
+        synth.synthesize(part, shape=s, ftype=ftype, seed=seed)
+        os.replace(part, path)
         print(f"synthesized {path} in {time.perf_counter() - t:.1f} s", flush=True)
     return path
 

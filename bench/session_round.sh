@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The end-of-round device calls, back to back (files in /tmp last while the machine stays warm):
-#   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run; llama.cpp (llama-bench,
+#   PHASE=tests:  the GPU tests and every GPU benchmark's smoke run (then attention_gpu.py's table: ATTN_GPU=0 skips); llama.cpp (llama-bench,
 #                 llama-batched-bench, llama-perplexity) built in the background (NO_LLAMA=1: not);
 #   PHASE=cost:   the model's first half kept (as stash) and bench/ab_decode.py (the redesign's A/A
 #                 against .ab/old.tgz, `git archive` of the code before it; the deterministic mode's
@@ -15,7 +15,8 @@
 #                 model against llama-batched-bench at 1/16/64, under NTX_F16_LEGACY=0 and 1; then the 8B shape
 #                 at 1/16/64 clients unless SERVE8B=0), bench/host_ceiling.py (the serving path alone on
 #                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
-#   PHASE=long:   bench/attention_split.py (host layers' attention on the GPU: the round trip against the
+#   PHASE=long:   (SPILL8B=0 / LONG_CONTEXT=0: without kv_spill / long_context, to split it over two calls)
+#                 bench/attention_split.py (host layers' attention on the GPU: the round trip against the
 #                 host's own; ATTN_SPLIT=0: not), bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
 #                 against prefilled again, bit for bit) and bench/long_context.py (70B shape, file context 131072, 24 GiB, q8_0 KV,
 #                 4 sequences of 32k at once through the daemon: 512 against 32k); CAPACITY=1 adds
@@ -64,7 +65,7 @@ if [ "${PHASE:-tests}" = tests ]; then
   [ -n "$NO_SYNTH" ] || ( setsid nohup python3 -c "
 import sys; sys.path.insert(0, 'bench'); import common
 for shape in ('llama3-8b', 'llama3-70b'): print(common.synthetic('/tmp/ntx', shape, 'q4_k_m'))" > /tmp/synth.log 2>&1 & )
-  [ -f bench/attention_gpu.py ] && timeout ${ATTN_TIMEOUT:-90} python3 bench/attention_gpu.py \
+  [ "${ATTN_GPU:-1}" = 1 ] && timeout ${ATTN_TIMEOUT:-90} python3 bench/attention_gpu.py \
     --json "$L/attention_gpu.json" 2>&1 | tee "$L/attention_gpu.log" | tail -40
   [ -n "$NO_LLAMA" ] || for i in $(seq 1 ${LLAMA_WAIT:-60}); do grep -q rc= /tmp/llama_build.log 2>/dev/null && break; sleep 2; done
   [ -n "$NO_LLAMA" ] || tail -2 /tmp/llama_build.log | tee "$L/llama_build.log"
@@ -97,14 +98,17 @@ elif [ "$PHASE" = long ]; then
   # host layers' attention on the GPU, by its parts (issue 34 item 4; ~30 s, the host idle otherwise; ATTN_SPLIT=0: not)
   [ "${ATTN_SPLIT:-1}" = 1 ] && timeout 90 python3 bench/attention_split.py --json "$L/attention_split.json" 2>&1 \
     | tee "$L/attention_split.log" | tail -6
-  for i in $(seq 1 200); do [ -f /tmp/ntx/llama3-70b-q4_k_m.gguf ] && ! pgrep -f "common.synthetic" >/dev/null && break; sleep 3; done
+  # the 8B file for kv_spill, the 70B (made after it) for long_context
+  want=/tmp/ntx/llama3-8b-q4_k_m.gguf; [ "${LONG_CONTEXT:-1}" = 1 ] && want=/tmp/ntx/llama3-70b-q4_k_m.gguf
+  for i in $(seq 1 ${SYNTH_WAIT:-150}); do [ -f $want ] && { [ $want != /tmp/ntx/llama3-70b-q4_k_m.gguf ] || \
+    ! pgrep -f "common.synthetic" >/dev/null; } && break; sleep 3; done
   tail -3 /tmp/synth.log
   [ -n "$CAPACITY" ] && timeout ${CAPACITY_TIMEOUT:-200} python3 bench/kv_capacity.py --dir /tmp/ntx \
     --json "$L/kv_capacity.json" 2>&1 | tee "$L/kv_capacity.log" | tail -16
   # (PHASE=checks runs it on the default model: its context, 8192, takes the 4k chat)
-  timeout ${SPILL_TIMEOUT:-120} python3 bench/kv_spill.py --dir /tmp/ntx --json "$L/kv_spill_8b.json" 2>&1 \
+  [ "${SPILL8B:-1}" = 1 ] && timeout ${SPILL_TIMEOUT:-120} python3 bench/kv_spill.py --dir /tmp/ntx --json "$L/kv_spill_8b.json" 2>&1 \
     | tee "$L/kv_spill_8b.log" | tail -10
-  timeout ${LONG_TIMEOUT:-420} python3 bench/long_context.py --dir /tmp/ntx ${LONG_ARGS-} --json "$L/long_context.json" \
+  [ "${LONG_CONTEXT:-1}" = 1 ] && timeout ${LONG_TIMEOUT:-420} python3 bench/long_context.py --dir /tmp/ntx ${LONG_ARGS-} --json "$L/long_context.json" \
     2>&1 | tee "$L/long_context.log" | tail -40
 else
   model=/tmp/smollm2.gguf
@@ -139,7 +143,7 @@ else
   fi
   # where the default model's step goes, kernel by kernel, at 1 / 16 / 64 rows (issue 36: small models' serving)
   # (twice: the Q4_1 matvecs on the generic kernel, then on the f16 tensor cores: NTX_F16_LEGACY=1)
-  [ "${PROFILE:-${SERVE_ONLY:-0}}" = 1 ] && for lg in 0 1; do NTX_F16_LEGACY=$lg timeout ${PROFILE_TIMEOUT:-100} \
+  [ "${PROFILE:-${SERVE_ONLY:-0}}" = 1 ] && for lg in ${LEGACY_AB-0 1}; do NTX_F16_LEGACY=$lg timeout ${PROFILE_TIMEOUT:-100} \
     python3 bench/profile_decode.py --model $model --batch 1 16 64 --json "$L/profile_default_f16legacy$lg.json" 2>&1 \
     | tee "$L/profile_default_f16legacy$lg.log" | tail -24; done
   [ "${SERVE:-1}" = 1 ] || { echo "phase checks done at $(( $(date +%s) - t0 )) s (SERVE=0: no serving rows)"; \
