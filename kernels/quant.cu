@@ -908,7 +908,9 @@ __global__ void __launch_bounds__(MW * 32, NT >= 4 ? 1 : MT == 1 ? 3 : 2) mma_q6
 // scale, one rounding), the activations are staged once per block of 256 K elements in shared
 // memory as f16, and m16n8k16 mmas accumulate in f32 with no epilogue. Precision is prefill's
 // (f16 weights and activations, f32 sums), not the int8 kernels' (about 2^-15).
-// Block: 8 warps, 16 rows each (128 rows); gridDim.y = KS splits the K blocks. With KS > 1 the
+// Block: 8 warps, 16 rows each (128 rows); gridDim.y = KS splits the K blocks; gridDim.z chunks
+// of 32 batch rows (nb counts them all; chunk z reads x, res and writes y from row 32z, with part
+// and the tile counters of its own: the same arithmetic per row as a launch per chunk). With KS > 1 the
 // splits write partial sums to part (KS, nb, N) and the last block of a row tile to finish
 // (a counter per tile, reset by it) adds them in split order: deterministic.
 // Fragments: thread (g, t) holds 4 consecutive elements e0..e3 of each k16 step, as the pairs
@@ -1064,6 +1066,12 @@ __device__ __forceinline__ void mh_finish(float (&acc)[NT][4], const float* res,
 #define MH_ARGS const u8 *p0, const u8 *p1, const u8 *p2, const u8 *p3, const float *__restrict__ x, \
                 const float *res, int has_res, float *y, int N, int K, int nb, float *part, int *cnt
 #define MH_PROLOGUE                                                                            \
+    if (blockIdx.z) { /* chunk z of 32 batch rows: one launch for a step of up to 128 rows */    \
+        const long long zr = 32LL * blockIdx.z;                                                \
+        x += zr * K; res += zr * N; y += zr * N; nb -= (int)zr;                                \
+        part += zr * gridDim.y * N; cnt += blockIdx.z * gridDim.x;                             \
+    }                                                                                          \
+    nb = min(nb, 32);                                                                          \
     __shared__ __align__(16) u8 xs[2][NT * 8 * MH_XS];                                         \
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;      \
     const int nblk = K / 256, kblk = (K + 255) / 256, per = (kblk + gridDim.y - 1) / gridDim.y; \

@@ -119,6 +119,31 @@ def test_mmh_grid(sms):
                 assert tiles * ks >= min(2 * sms, 8 * tiles)
 
 
+@pytest.mark.parametrize("sms", (132, 78, 1))
+def test_mmh_chunks(sms):
+    """A step of 33-128 rows on the f16 tensor cores is one launch of ceil(rows / 32) chunks where
+    every chunk's split-K partials and tile counters fit the scratch (else 0: a launch per
+    chunk); 32 rows or fewer, and more than the chunked path takes, are never chunked."""
+    for n in (7, 576, 960, 3072, 4096, 14336, 28672, 65536, 152064):
+        for k in (96, 576, 1536, 4096, 14336):
+            tiles, ks = cuda.mmh_grid(n, k, sms)
+            for rows in (1, 31, 32, 33, 64, 65, 100, 128, 129, 512):
+                z = cuda.mmh_chunks(rows, n, k, tiles, ks)
+                if rows <= cuda.MATVEC_MAX_ROWS or rows > cuda.CHUNKED_MAX_ROWS:
+                    assert z == 0
+                    continue
+                if z:
+                    assert z == -(-rows // cuda.MATVEC_MAX_ROWS) and (z - 1) * 32 < rows <= z * 32
+                    if ks > 1:
+                        assert z * ks * 32 * n <= cuda.MMH_PART_FLOATS
+                        assert z * tiles <= cuda.MMH_PART_FLOATS // cuda.MMH_ROWS
+                else:  # only where the scratch is short
+                    assert ks > 1 and -(-rows // 32) * ks * 32 * n > cuda.MMH_PART_FLOATS
+    # the default model's matrices (576 wide) at 64 rows: one launch each
+    for n, k in ((576, 576), (960, 576), (3072, 576), (576, 1536)):
+        assert cuda.mmh_chunks(64, n, k, *cuda.mmh_grid(n, k, sms)) == 2
+
+
 def test_reads_qact():
     """The decode step skips quantizing activations nobody reads: the int8 matvecs (batch 1-2,
     and Q8_0 rows of 576) read QAct, the f16 ones (whole 256-blocks from bucket 4) and the generic

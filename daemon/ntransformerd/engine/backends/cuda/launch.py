@@ -260,10 +260,24 @@ def uses_cublas(rows: int, s: CudaSettings = DEFAULT) -> bool:
     return rows > CHUNKED_MAX_ROWS and not s.deterministic
 
 
+def mmh_chunks(rows: int, n: int, k: int, tiles: int, ks: int) -> int:
+    """How many chunks of MATVEC_MAX_ROWS rows one mmh launch of an (n, k) weight on (tiles, ks)
+    takes for a step of `rows` rows (gridDim.z; each chunk the arithmetic of a launch of its
+    own), or 0 where the split-K scratch cannot hold every chunk's partial sums (then a launch
+    per chunk, the same sums). Pure: tests enumerate it."""
+    z = -(-rows // MATVEC_MAX_ROWS)
+    if rows <= MATVEC_MAX_ROWS or rows > CHUNKED_MAX_ROWS:
+        return 0
+    if ks > 1 and (z * ks * MATVEC_MAX_ROWS * n > MMH_PART_FLOATS or z * tiles > MMH_PART_FLOATS // MMH_ROWS):
+        return 0
+    return z
+
+
 def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSettings = DEFAULT):
     """matvec for any number of rows up to CHUNKED_MAX_ROWS (any number with
     settings.deterministic): chunks of ≤ MATVEC_MAX_ROWS rows, each the fused kernel at its
-    bucket, into the rows of one out (+ res)."""
+    bucket, into the rows of one out (+ res). On the f16 tensor cores (mmh) the chunks are one
+    launch (mmh_chunks): a 64-row step of a small model launched half as many kernels."""
     n = x.shape[0]
     if n <= MATVEC_MAX_ROWS:
         return matvec(x, w, out=out, res=res, xq=xq, s=s)
@@ -273,11 +287,31 @@ def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSett
         out = cp.empty((n, w.shape[0]), cp.float32)
     if xq is not None and (xq.k != w.shape[1] or xq.rows < n):
         raise ValueError(f"matvec_rows: xq ({xq.rows}, {xq.k}) for {n} rows of K {w.shape[1]}")
+    nw, kw = w.shape
+    uses_sms = w.qtype in F16_MATVEC or w.qtype in F16_LEGACY
+    c = choose(w.qtype, nw, kw, MATVEC_MAX_ROWS, s, sm_count() if uses_sms else 0)
+    z = mmh_chunks(n, nw, kw, *c.grid) if c.family == "mmh" else 0
+    if z and _rows_contiguous(x, kw) and _rows_contiguous(out, nw) and (res is None or _rows_contiguous(res, nw)):
+        check_array(x, cp.float32, 2, "matvec_rows x")
+        check_array(out, cp.float32, 2, "matvec_rows out")
+        if out.shape[0] < n or out.shape[1] != nw or x.shape[1] != kw or \
+                (res is not None and (res.shape[0] < n or res.shape[1] != nw)):
+            raise ValueError(f"matvec_rows: x {x.shape}, out {out.shape} against W {w.shape}")
+        part, cnt = mmh_scratch()
+        kernel("quant", c.instance)((*c.grid, z), (256,), (
+            *w.ptrs(), x, res if res is not None else out, np.int32(res is not None), out, np.int32(nw),
+            np.int32(kw), np.int32(n), part, cnt))
+        return out
     for a in range(0, n, MATVEC_MAX_ROWS):
         b = min(n, a + MATVEC_MAX_ROWS)
         matvec(x[a:b], w, out=out[a:b], res=None if res is None else res[a:b],
                xq=None if xq is None else xq.part(a, b), s=s)
     return out
+
+
+def _rows_contiguous(a, k: int) -> bool:
+    """Rows of k float32s back to back (what one chunked launch indexes as row * k)."""
+    return a.ndim == 2 and a.shape[1] == k and a.strides == (4 * k, 4)
 
 
 def matmul(x, w, s: CudaSettings = DEFAULT):

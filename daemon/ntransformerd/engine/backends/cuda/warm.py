@@ -31,7 +31,8 @@ from ntransformerd.engine.gguf_file import LlamaConfig
 
 log = logging.getLogger(__name__)
 
-TYPE_SUFFIX = {"q8_0": 8, "q4_k": 12, "q6_k": 14}  # the fused matvecs named by their weight type
+TYPE_SUFFIX = {"q8_0": 8, "q4_k": 12, "q6_k": 14, "q4_1": 3}  # the fused matvecs named by their weight type
+TYPED_SUFFIX = re.compile(r"^\w+?_(" + "|".join(TYPE_SUFFIX) + r")<")
 TYPED = re.compile(r"^(dequant_rows|matvec_generic)<(\d+),")  # instances whose first argument is a GGML type id
 
 
@@ -48,7 +49,7 @@ def needed(names: list[tuple[str, str]], types: set[int], cfg: LlamaConfig | Non
         m = TYPED.match(name)
         if m and int(m.group(2)) not in types:
             continue
-        suffix = re.match(r"^\w+?_(q8_0|q4_k|q6_k)<", name)
+        suffix = TYPED_SUFFIX.match(name)
         if suffix and TYPE_SUFFIX[suffix.group(1)] not in types:
             continue
         if attn is not None and name.startswith(("attn_decode<", "attn_chunk<")) and name not in attn:
