@@ -323,15 +323,127 @@ def test_a_new_short_context_gives_the_host_its_layers_back():
     assert short[-1] == len(place_rows(p, f, 1, 0).host_layers) and 0.99 < st.host_scale < 1.01
 
 
-def test_a_weigh_is_cheap():
-    """Making the placement again at every shape of an 80-layer plan (what each weigh does, here
-    on each context jump) takes milliseconds: the steering may do it on the step's thread."""
-    import time
+def test_each_context_jump_weighs_an_80_layer_plan_again():
+    """Each jump of the context by CONTEXT_STEP or more makes the placement again at every shape
+    of an 80-layer plan (the work bench/ timing of the step includes; no timing here)."""
     from ntransformerd.engine.tiers.placement import Observation, Steering
     p = plan([VRAM] * 40 + [PINNED] * 40, 0.5e9)
     f = Figures(55 * GB, {1: 64 * GB, 16: 8 * GB}, {1: 3000 * GB}, host_attn_s=ATTN_S)
     st = Steering(with_schedule(p, f, (1, 2, 4, 8, 16, 32, 512)), dwell=1)
-    t0 = time.process_time()
     for c in (4096, 256, 4096):
         st.observe(Observation(1, 0.0, 0, 0.0, 0, keys=c))
-    assert st.weighs == 3 and (time.process_time() - t0) / 3 < 0.5  # seconds: generous on a shared machine
+    assert st.weighs == 3
+
+
+# ---- what the periods show: the loop's cost and what host layers cost the rest ----------------------
+
+class _Loop:
+    """A decode loop over a Steering at one row: each step's true period is its pass on the true
+    figures, plus the loop's own `loop_s`, plus `host_layer_s` per host layer it ran (the host's
+    threads slowing the rest: what the figures cannot see); each observation carries the
+    previous step's period, as the pipeline reports it, and the host's own pieces at the true
+    rate (so host_scale stays near 1)."""
+
+    def __init__(self, st, host_layer_s, loop_s=0.001):
+        self.st, self.truth, self.h, self.c = st, st.base, host_layer_s, loop_s
+        self.period = 0.0
+        self.periods: list[float] = []
+        self.hosted: list[int] = []
+
+    def step(self, waited: float = 0.0):
+        from ntransformerd.engine.tiers.placement import Observation
+        st = self.st
+        pl = st.schedule.placements[0]
+        hb = sum(st.plan.layer_bytes[i] for i in pl.host_layers)
+        lb = sum(st.plan.layer_bytes[i] for i, t in enumerate(pl.tiers) if t in (PINNED, STORAGE))
+        n = len(pl.host_layers)
+        st.observe(Observation(1, hb / self.truth.host(1), hb, lb / self.truth.link_bps, lb, host_layers=n,
+                               period=self.period + waited if self.period else 0.0))
+        self.period = pass_seconds(st.plan, set(pl.host_layers), self.truth, 1).seconds + self.c + self.h * n
+        self.periods.append(self.period)
+        self.hosted.append(n)
+
+    def run(self, steps):
+        for _ in range(steps):
+            self.step()
+        return self
+
+
+def _off_period(st, loop_s=0.001):
+    return pass_seconds(st.plan, set(), st.base, 1).seconds + loop_s
+
+
+def test_a_host_that_slows_the_rest_is_placed_out():
+    """8 streamed layers beside 24 resident; each host layer costs the step 20 ms more than its
+    own pieces show (a host so busy that its threads starve the loop): the first trial on the GPU
+    alone reads the loop's cost, the hybrid steps after it the host layers' extra, and within 40
+    steps the host holds none; from there the loop runs no slower than with the host off, its
+    probes included (auto ≥ off)."""
+    from ntransformerd.engine.tiers.placement import Steering
+    p, f = _eight_b(attn_s=0.0)
+    st = Steering(with_schedule(p, f, (1, 16)), dwell=4, probe=32)
+    assert _host_layers(st) > 0
+    loop = _Loop(st, host_layer_s=0.020).run(40)
+    assert st.trials >= 1 and st.loop_s == pytest.approx(0.001, abs=1e-4), st.status()
+    assert loop.hosted[-1] == 0, (loop.hosted, st.status())
+    loop.run(2000)
+    assert sum(loop.periods[-2000:]) / 2000 <= _off_period(st) * 1.02, st.status()
+
+
+@pytest.mark.parametrize("extra", (0.0005, 0.002))
+def test_the_placement_follows_what_host_layers_cost_the_rest(extra):
+    """24 streamed layers, each host layer costing `extra` more than its pieces show: within 600
+    steps the loop runs within HYBRID_MARGIN of the best placement on the truth (the figures with
+    that cost known), with fewer host layers than at load, and faster than the GPU alone."""
+    from ntransformerd.engine.tiers.placement import HYBRID_MARGIN
+    st = _steered()
+    at_load = _host_layers(st)
+    loop = _Loop(st, host_layer_s=extra).run(600)
+    truth = dataclasses.replace(st.base, host_layer_s=extra)
+    best = place_rows(st.plan, truth, 1)
+    best_period = best.time.seconds + 0.001
+    assert loop.periods[-1] <= best_period * (1 + HYBRID_MARGIN), (loop.hosted[-1], len(best.host_layers), st.status())
+    assert loop.hosted[-1] <= at_load and loop.periods[-1] < _off_period(st), (loop.hosted[-1], at_load)
+    if extra >= 0.002:
+        assert loop.hosted[-1] < at_load
+
+
+def test_a_host_that_costs_nothing_more_keeps_its_layers():
+    """Host layers whose pieces say all they cost: after the trials (once early, then only where
+    the hybrid's saving is small: not here) the placement at load holds, and the trials' steps
+    on the GPU alone are a small share of the run."""
+    st = _steered()
+    at_load = _host_layers(st)
+    loop = _Loop(st, host_layer_s=0.0).run(3000)
+    assert loop.hosted[-1] == at_load and st.host_layer_s < 1e-4, st.status()
+    assert loop.hosted.count(0) <= 2 * st.trial and st.trials <= 2, (loop.hosted.count(0), st.status())
+    best = pass_seconds(st.plan, set(place_rows(st.plan, st.base, 1).host_layers), st.base, 1).seconds + 0.001
+    assert sum(loop.periods) / len(loop.periods) <= best * 1.01
+
+
+def test_a_wait_for_work_is_not_taken_for_the_loops_cost():
+    """A period holding a wait (the loop idle between requests: seconds) teaches nothing."""
+    st = _steered()
+    loop = _Loop(st, host_layer_s=0.0).run(60)
+    before = (st.loop_s, st.host_layer_s)
+    loop.step(waited=5.0)
+    loop.step()
+    assert (st.loop_s, st.host_layer_s) == before
+
+
+def test_without_periods_nothing_is_tried():
+    """A pipeline that reports no periods (Observation.period 0) gets no trials."""
+    st = _steered()
+    for _ in range(600):
+        _step(st, 1, 64 * GB, 55 * GB)
+    assert st.trials == 0 and st.loop_s is None
+
+
+def test_the_learned_host_cost_is_kept_with_the_figures(tmp_path):
+    from ntransformerd.engine.tiers.placement import load_figures, save_figures
+    f = Figures(55 * GB, {1: 64 * GB}, {1: 3000 * GB}, host_layer_s=0.002)
+    save_figures(str(tmp_path / "f.json"), f)
+    assert load_figures(str(tmp_path / "f.json")).host_layer_s == 0.002
+    assert "2.00 ms more a host layer" in f.describe()
+    with pytest.raises(ValueError):
+        Figures(55 * GB, {1: 64 * GB}, host_layer_s=-1.0)

@@ -60,7 +60,8 @@ def _host_layers(e) -> int:
 def test_a_slowed_host_gives_its_layers_to_the_link_and_gets_them_back(model):
     ref = Engine(model, config=EngineConfig(backend="cpu-ref", max_batch=1, max_ctx=256, prefill_chunk=8))
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
-    n_tokens = 16 + MOVE_WITHIN + BACK_WITHIN + 8
+    settle = 16 + Steering.__init__.__kwdefaults__["trial"] + 2  # the first trial on the GPU alone done
+    n_tokens = settle + MOVE_WITHIN + BACK_WITHIN + 8
     s = ref.open()
     want, logits = [], ref.prefill(s, prompt)
     for _ in range(n_tokens):
@@ -78,9 +79,12 @@ def test_a_slowed_host_gives_its_layers_to_the_link_and_gets_them_back(model):
         for _ in range(n):
             got.append(int(np.argmax(last[0])))
             last[0] = e.step([(s, [got[-1]])])[0]
-    decode(16)  # steady: the steps correct the figures to this machine's (a loaded host may give a layer up)
+    # steady: the steps correct the figures to this machine's (a loaded host may give a layer up), and
+    # the first trial on the GPU alone reads the loop's own cost from the steps' periods
+    decode(settle)
     settled = _host_layers(e)
-    assert settled > 0, e.pipeline.steering.status()
+    assert settled > 0 and e.pipeline.steering.trials == 1, e.pipeline.steering.status()
+    assert e.pipeline.steering.loop_s is not None, e.pipeline.steering.status()
     slow.on = True
     moved = None
     for k in range(1, MOVE_WITHIN + 1):

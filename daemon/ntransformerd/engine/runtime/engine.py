@@ -209,7 +209,8 @@ class Engine:
         `path` (the figures' cache file; None: nowhere), so the next load starts from them."""
         def moved(steering):
             hosted = {p.rows: len(p.host_layers) for p in steering.schedule.placements}
-            log.info("placement moved (host layers by step rows %s): %s", hosted, steering.status())
+            log.log(logging.DEBUG if steering.trying else logging.INFO,
+                    "placement moved (host layers by step rows %s): %s", hosted, steering.status())
             if path is None:
                 return
             try:

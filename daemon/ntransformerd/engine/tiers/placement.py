@@ -52,6 +52,8 @@ STEP_ROWS = (1, 2, 4, 8, 16, 32)  # decode and verify steps: the shapes a schedu
 # a context growing from 0 to 4096 is weighed at most log(4096 / 256) / log(1.25) = 12 times.
 CONTEXT_STEP = 1.25
 CONTEXT_FLOOR = 256
+# A period longer than 4 expected steps and than this is taken for a wait for work (Steering)
+WAIT_S = 0.25
 
 
 def _interpolate(table: Mapping[int, float], rows: int, beyond: float | None) -> float:
@@ -85,9 +87,13 @@ class Figures:
     handoff_s: float = 0.0  # one hand-off of the activation between the GPU and the host
     measured: bool = True
     host_attn_s: float = 0.0  # the host's attention: seconds per position one row attends to, per layer
+    # what each host layer costs the step beyond its own time: the host's threads slowing the rest
+    # of the step and the loop around it (learned from the steps' periods by Steering; 0 at load)
+    host_layer_s: float = 0.0
 
     def __post_init__(self):
-        if self.link_bps <= 0 or self.disk_bps <= 0 or self.handoff_s < 0 or self.host_attn_s < 0:
+        if self.link_bps <= 0 or self.disk_bps <= 0 or self.handoff_s < 0 or self.host_attn_s < 0 or \
+                self.host_layer_s < 0:
             raise ValueError(f"figures: link {self.link_bps} and disk {self.disk_bps} B/s must be positive, "
                              f"hand-off {self.handoff_s} s and host attention {self.host_attn_s} s not negative")
         if not self.host_bps or any(r < 1 or b < 0 for r, b in self.host_bps.items()) or any(
@@ -109,19 +115,21 @@ class Figures:
     def to_dict(self) -> dict:
         return {"link_bps": self.link_bps, "host_bps": {str(r): b for r, b in self.host_bps.items()},
                 "gpu_bps": {str(r): b for r, b in self.gpu_bps.items()}, "disk_bps": self.disk_bps,
-                "handoff_s": self.handoff_s, "measured": self.measured, "host_attn_s": self.host_attn_s}
+                "handoff_s": self.handoff_s, "measured": self.measured, "host_attn_s": self.host_attn_s,
+                "host_layer_s": self.host_layer_s}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Figures":
         return cls(float(d["link_bps"]), {int(r): float(b) for r, b in d["host_bps"].items()},
                    {int(r): float(b) for r, b in d.get("gpu_bps", {}).items()},
                    float(d.get("disk_bps", ASSUMED_DISK_BPS)), float(d.get("handoff_s", 0.0)),
-                   bool(d.get("measured", True)), float(d.get("host_attn_s", 0.0)))
+                   bool(d.get("measured", True)), float(d.get("host_attn_s", 0.0)), float(d.get("host_layer_s", 0.0)))
 
     def describe(self) -> str:
         host = ", ".join(f"{b / 1e9:.1f} GB/s at {r}" for r, b in sorted(self.host_bps.items()))
         return (f"{'measured' if self.measured else 'assumed, not measured'}: link {self.link_bps / 1e9:.1f} GB/s, "
                 f"host {host} rows, attention {self.host_attn_s * 1e9:.2f} ns per position per layer"
+                + (f", {self.host_layer_s * 1e3:.2f} ms more a host layer" if self.host_layer_s else "")
                 + ("" if self.gpu_bps else "; GPU compute not counted"))
 
 
@@ -166,6 +174,8 @@ def pass_seconds(plan: Plan, host: set[int], figures: Figures, rows: int, contex
             t += _time(b, gpu)
     if on_host:  # the output is on the GPU
         handoffs, t = handoffs + 1, t + figures.handoff_s
+    # what the host layers cost the rest of the step and the loop, on top (as Steering reads it)
+    t += figures.host_layer_s * len(host & {i for i, tier in enumerate(plan.tiers) if tier != SKIP})
     return PassTime(t, link_s, host_s, handoffs)
 
 
@@ -296,6 +306,10 @@ class Observation:
     link_bytes: int
     keys: int = 0
     host_layers: int = 0
+    # seconds from the previous step's start to this one's where the loop ran them back to back
+    # (0: not known, or the loop waited for work between them): the previous step's cost as the
+    # loop paid it, its launches, the host's threads and the loop's own work included
+    period: float = 0.0  # (longer than 4 expected steps and WAIT_S: taken for a wait)
 
 
 class Steering:
@@ -314,6 +328,19 @@ class Steering:
     weighed on the same figures, by more than HYBRID_MARGIN at some shape (hysteresis: a change
     must pay).
 
+    The figures model the bytes; what they leave out is read off the steps' periods (the loop's
+    time from one step's start to the next's, which the user pays per token): a step on the GPU
+    alone shows the loop's own cost beyond its predicted pass (`loop_s`), and a hybrid step beyond
+    that shows what its host layers cost the rest of the step and the loop (threads competing for
+    cores, launches waiting), folded in per host layer as `Figures.host_layer_s`. A host
+    layer then costs the placement its bytes, its attention and that, so a host that slows
+    everything else takes fewer layers or none even when its own pieces run fast. To know the
+    loop's cost beside a hybrid placement the steering runs a short trial on the GPU alone
+    (`trial` steps): once early, again after the context doubled, and every `check` steps where
+    the hybrid's predicted saving is under `worth`. After a trial the placement is weighed again;
+    under HYBRID_MARGIN of saving it stays on the GPU alone. Only where the pipeline reports
+    periods (Observation.period).
+
     A host that computes nothing (found slow, or placed out by figures from a busy moment) reports
     nothing: after `probe` steps without a host reading, its factor is moved halfway back towards
     the figure at load (geometrically: the square root) and at least to where the host would
@@ -326,12 +353,13 @@ class Steering:
     """
 
     def __init__(self, plan: Plan, *, alpha: float = 0.3, noise: float = 0.2, dwell: int = 4, probe: int = 64,
-                 max_probe: int = 4096):
+                 max_probe: int = 4096, trial: int = 6, check: int = 512, worth: float = 0.25):
         """plan: one with its schedule (with_schedule), the placement at load."""
         if plan.schedule is None:
             raise ValueError("steering needs a plan with a schedule (placement.with_schedule)")
-        if not 0 < alpha <= 1 or noise <= 0 or dwell < 1 or probe < 1:
-            raise ValueError("steering: alpha in (0, 1], noise > 0, dwell and probe at least 1")
+        if not 0 < alpha <= 1 or noise <= 0 or dwell < 1 or probe < 1 or trial < 2 or check < 1 or worth < 0:
+            raise ValueError("steering: alpha in (0, 1], noise > 0, dwell and probe at least 1, trial at least 2, "
+                             "check at least 1, worth not negative")
         self.plan, self.schedule, self.base = plan, plan.schedule, plan.schedule.figures
         self.rows = tuple(p.rows for p in self.schedule.placements)
         self.alpha, self.noise, self.dwell = alpha, noise, dwell
@@ -343,8 +371,21 @@ class Steering:
         self._since = 0  # steps since then
         self._unheard = 0  # steps since the host last reported
         self._probing = False
+        self._probe_steps = 0  # host readings since the last probe
         self.changes = 0
         self.weighs = 0  # placements made again (taken or not)
+        # what the periods show (class docstring)
+        self.trial, self.check, self.worth = trial, check, worth
+        self.loop_s: float | None = None  # the loop's cost a step beyond the predicted pass, GPU alone
+        self.host_layer_s = base_h = self.base.host_layer_s
+        self._weighed_h = base_h
+        self._periods = False  # the pipeline reports them
+        self._prev: tuple[int, int, float] | None = None  # the last steady step: rows, host layers, predicted pass
+        self._settle = 0  # steps whose period is not attributed (the ring still fed for the old placement)
+        self._trial_left = 0
+        self._trial_context = 0.0  # the context at the last trial
+        self._since_trial = 0
+        self.trials = 0
 
     def figures(self) -> Figures:
         """The load-time figures corrected by what the steps showed."""
@@ -352,7 +393,67 @@ class Steering:
         return dataclasses.replace(
             b, link_bps=b.link_bps * self.link_scale,
             host_bps={r: v * self.host_scale for r, v in b.host_bps.items()},
-            host_attn_s=b.host_attn_s / self.host_scale)
+            host_attn_s=b.host_attn_s / self.host_scale, host_layer_s=self.host_layer_s)
+
+    @property
+    def trying(self) -> bool:
+        """A trial on the GPU alone runs (or has just ended): its moves are not news."""
+        return self._trial_left > 0 or self._since_trial <= self.trial
+
+    def _placement(self, rows: int) -> Placement:
+        return next((p for p in self.schedule.placements if p.rows >= rows), self.schedule.placements[-1])
+
+    def _learn(self, obs: Observation) -> None:
+        """Attribute obs.period to the step before obs (its placement and predicted pass)."""
+        prev, self._prev = self._prev, None
+        if obs.period > 0:
+            self._periods = True
+        if not self._periods:
+            return
+        hosted = self._placement(obs.rows).host_layers
+        bare = dataclasses.replace(self.figures(), host_layer_s=0.0)
+        if self._settle > 0:
+            self._settle -= 1
+        elif obs.rows <= STEP_ROWS[-1]:  # decode and verify shapes: prompt chunks teach nothing here
+            self._prev = (obs.rows, len(hosted),
+                          pass_seconds(self.plan, set(hosted), bare, obs.rows, self.context).seconds)
+        if prev is None or obs.period <= 0 or prev[0] != obs.rows:
+            return
+        _, n, predicted = prev
+        expected = predicted + (self.loop_s or 0.0) + n * self.host_layer_s
+        if obs.period > max(4 * expected, WAIT_S):  # the loop waited for work after that step
+            return
+        excess, a = obs.period - predicted, self.alpha
+        if n == 0:
+            self.loop_s = excess if self.loop_s is None else (1 - a) * self.loop_s + a * excess
+        elif self.loop_s is not None:
+            self.host_layer_s = (1 - a) * self.host_layer_s + a * max(0.0, (excess - self.loop_s) / n)
+
+    def _moved(self, schedule: Schedule) -> Schedule:
+        self.schedule, self._settle, self._prev = schedule, 1, None
+        return schedule
+
+    def _trial_due(self, rows: int) -> bool:
+        """Whether to run the step shape `rows` on the GPU alone for a trial now."""
+        if not self._periods or not self._placement(rows).host_layers or self._since_trial < 4 * self.dwell:
+            return False
+        if self.loop_s is None or self.context >= 2 * max(self._trial_context, CONTEXT_FLOOR):
+            return True
+        if self._since_trial < self.check:
+            return False
+        figures = self.figures()
+        none = pass_seconds(self.plan, set(), figures, rows, self.context).seconds
+        mine = pass_seconds(self.plan, set(self._placement(rows).host_layers), figures, rows, self.context).seconds
+        return mine > none * (1 - self.worth)
+
+    def _start_trial(self, rows: int) -> Schedule:
+        figures = self.figures()
+        none = pass_seconds(self.plan, set(), figures, rows, self.context)
+        alone = Placement(self._placement(rows).rows, self.plan.tiers, none, none)
+        placements = tuple(alone if p.rows == alone.rows else p for p in self.schedule.placements)
+        self._trial_left, self._trial_context, self._since_trial = self.trial, self.context, 0
+        self.trials += 1
+        return self._moved(Schedule(placements, figures, self.context))
 
     def _fold(self, scale: float, expected_seconds: float, seconds: float) -> float:
         if seconds <= 0 or not 0 < expected_seconds < math.inf:
@@ -371,14 +472,30 @@ class Steering:
         """Fold one step in; the new schedule where the placement moves, else None."""
         if obs.keys > 0:
             self.context = obs.keys / obs.rows
+        self._learn(obs)
+        self._since_trial += 1
+        if self._trial_left > 0:  # a trial on the GPU alone: the link's reading only
+            if obs.link_bytes > 0:
+                self.link_scale = self._fold(self.link_scale, obs.link_bytes / self.base.link_bps, obs.link_seconds)
+            self._trial_left -= 1
+            if self._trial_left == 0:  # weighed again from here, the trial's placement the one to beat
+                self._since = 0
+                return self._weigh()
+            return None
+        if self._trial_due(obs.rows):
+            return self._start_trial(obs.rows)
         if obs.host_bytes > 0:
             host = self.base.host(obs.rows)
             expected = (obs.host_bytes / host if host > 0 else math.inf) + \
                 obs.host_layers * obs.keys * self.base.host_attn_s
             self.host_scale = self._fold(self.host_scale, expected, obs.host_seconds)
             self._unheard = 0
-            if self._probing and self.host_scale >= self._weighed[0] / (1 + self.noise):
-                self._wait, self._probing = self.probe, False  # the probe found the host well again
+            if self._probing:
+                self._probe_steps += 1
+                # the probe found the host well again: its pieces at speed and, over a few steps,
+                # its layers kept (a host that slows the rest loses them again first: host_layer_s)
+                if self._probe_steps >= 3 * self.dwell and self.host_scale >= self._weighed[0] / (1 + self.noise):
+                    self._wait, self._probing = self.probe, False
         else:
             self._unheard += 1
         if obs.link_bytes > 0:
@@ -389,7 +506,7 @@ class Steering:
         limit = math.log1p(self.noise)
         drift = max(abs(math.log(self.host_scale / self._weighed[0])),
                     abs(math.log(self.link_scale / self._weighed[1])))
-        if drift <= limit and not self._context_moved():
+        if drift <= limit and not self._context_moved() and not self._host_cost_moved(obs.rows):
             if self._unheard < self._wait:
                 return None
             # A probe: the host silent for a while. Its factor goes halfway back to the figure at
@@ -399,14 +516,25 @@ class Steering:
                 self._wait = min(2 * self._wait, self.max_probe)
             even = self.base.link_bps * self.link_scale / max(self.base.host(self.rows[0]), 1.0)
             self.host_scale = max(math.sqrt(min(self.host_scale, 1.0)), self.host_scale, even)
-            self._probing, self._unheard = True, 0
+            self.host_layer_s /= 2  # and what its layers cost the rest halves, so that the probe runs
+            self._probing, self._unheard, self._probe_steps = True, 0, 0
         return self._weigh()
+
+    def _host_cost_moved(self, rows: int) -> bool:
+        """host_layer_s has moved, since the last placement, by HYBRID_MARGIN of the step at
+        `rows` over the host layers placed there (or one where none is)."""
+        delta = abs(self.host_layer_s - self._weighed_h)
+        if delta == 0:
+            return False
+        step = pass_seconds(self.plan, set(self._placement(rows).host_layers), self.figures(), rows,
+                            self.context).seconds
+        return delta * max(1, len(self._placement(rows).host_layers)) > HYBRID_MARGIN * step
 
     def _weigh(self) -> Schedule | None:
         """The placement made again from the corrected figures; the new schedule where it beats
         the current one (on the same figures) by HYBRID_MARGIN at some shape, else None."""
         figures, context = self.figures(), self.context
-        self._weighed, self._since = (self.host_scale, self.link_scale), 0
+        self._weighed, self._since, self._weighed_h = (self.host_scale, self.link_scale), 0, self.host_layer_s
         self._placed_context, self.weighs = max(context, CONTEXT_FLOOR), self.weighs + 1
         best = tuple(place_rows(self.plan, figures, r, context) for r in self.rows)
         pays = False
@@ -416,10 +544,12 @@ class Steering:
                 pays = pays or new.time.seconds < now * (1 - HYBRID_MARGIN)
         if not pays:
             return None
-        self.schedule = Schedule(best, figures, context)
         self.changes += 1
-        return self.schedule
+        return self._moved(Schedule(best, figures, context))
 
     def status(self) -> str:
+        loop = "" if self.loop_s is None else (
+            f"; the loop {self.loop_s * 1e3:.2f} ms a step beyond the pass, a host layer {self.host_layer_s * 1e3:.2f} "
+            f"ms more ({self.trials} trials on the GPU alone)")
         return (f"host at {self.host_scale:.2f}x and link at {self.link_scale:.2f}x of the figures at load, "
-                f"context {self.context:.0f}; placement moved {self.changes} times in {self.weighs} weighs")
+                f"context {self.context:.0f}; placement moved {self.changes} times in {self.weighs} weighs" + loop)

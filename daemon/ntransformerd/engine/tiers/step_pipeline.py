@@ -392,6 +392,7 @@ class Pipeline:
         self.handoff = handoff or Handoff()
         self.steering, self.on_steer = steering, None
         self._host_time = [0.0, 0, 0]  # the host's pieces in this step: seconds, layer bytes, layers
+        self._last_start = 0.0  # the last step's start or launch (perf_counter): the steering's periods
         self.step_times = [[0, 0.0] for _ in layout.schedule]  # per schedule entry: steps, seconds
         one = len(self.stages) == 1
         self.kv = self.stages[0].kv if one else DeviceKV(self.stages[0].kv.cache.n_slots, self.stages, layout.homes())
@@ -494,6 +495,7 @@ class Pipeline:
         captured steps draw on their device (their `draw`), the ids (sampler.Drawn) instead;
         elsewhere what top asks for, for the caller to draw from."""
         t0 = time.perf_counter()
+        period = self._period(t0)
         groups = self.groups(len(batch.tokens), layers)
         several = isinstance(self.kv, DeviceKV)
         if several:
@@ -508,7 +510,7 @@ class Pipeline:
                     out = st.graphs.run_step(batch.segments, layers=layers, all_logits=all_logits, top=top)
             if self.steering is not None:  # the host took no part: the steering counts its silence
                 self._host_time = [0.0, 0, 0]
-                self._steer(batch, 0.0, 0)
+                self._steer(batch, 0.0, 0, period)
         else:
             head = self.stages[self.layout.head]
             main = self.stages[0]
@@ -522,7 +524,7 @@ class Pipeline:
                 with head.context():
                     out = head.ops.to_host(logits) if top is None else head.ops.top(logits, top)
             if self.steering is not None:
-                self._steer(batch, *main.weights.link_busy())
+                self._steer(batch, *main.weights.link_busy(), period)
         if several:
             self.kv.wrote(batch, groups)
         timing = self.step_times[self.layout.entry(len(batch.tokens))]
@@ -530,12 +532,18 @@ class Pipeline:
         timing[1] += time.perf_counter() - t0
         return out
 
-    def _steer(self, batch: Batch, link_seconds: float, link_bytes: int) -> None:
+    def _period(self, t0: float) -> float:
+        """Seconds from the last step's start or launch to this one's (t0; 0 for the first). The
+        steering tells the loop's time a step from its waits for work (placement.Observation)."""
+        last, self._last_start = self._last_start, t0
+        return t0 - last if last else 0.0
+
+    def _steer(self, batch: Batch, link_seconds: float, link_bytes: int, period: float = 0.0) -> None:
         """Report a step over the main device and the host; follow the placement if it moves."""
         host_seconds, host_bytes, host_layers = self._host_time
         keys = int(batch.positions.sum()) + len(batch.positions)  # row at position p attends to p + 1
         new = self.steering.observe(Observation(len(batch.tokens), host_seconds, host_bytes, link_seconds, link_bytes,
-                                                keys=keys, host_layers=host_layers))
+                                                keys=keys, host_layers=host_layers, period=period))
         if new is not None:
             self.layout = self.layout.steered(new)
             if self.on_steer is not None:
@@ -555,8 +563,15 @@ class Pipeline:
         st = self.whole(batch.segments, self.groups(len(batch.tokens), layers), layers)
         if st is None or not hasattr(st.graphs, "draw_async") or not st.graphs.draws(sample):
             return None
+        t0 = time.perf_counter()
         with st.context():
-            return st.graphs.draw_async(batch.segments, sample, layers=layers, after=after, rows=rows)
+            handle = st.graphs.draw_async(batch.segments, sample, layers=layers, after=after, rows=rows)
+        if handle is not None:
+            period = self._period(t0)
+            if self.steering is not None:  # a step on the GPU alone: the steering counts it too
+                self._host_time = [0.0, 0, 0]
+                self._steer(batch, 0.0, 0, period)
+        return handle
 
     def close(self) -> None:
         """Stop each device's streams and close its storage source."""
