@@ -27,11 +27,14 @@ chunk) overlaps the host as a decode step does.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -154,14 +157,73 @@ def serve(argv: list[str], device_ms: tuple[float, float] | None, cycle: int = 0
 
     Pipeline.step = step
     Scheduler.attach = threaded_attach
+    profile = os.environ.get(PROFILE)
+    if profile:  # the scheduler thread under cProfile, its stats written when the loop ends
+        import cProfile
+        from ntransformerd.server.loop import Loop
+        loop = Loop._loop
+
+        def profiled(self):
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(loop, self)
+            finally:
+                prof.dump_stats(profile)
+        Loop._loop = profiled
+    names = os.environ.get(THREAD_NAMES)
+    if names:
+        threading.Thread(target=_write_thread_names, args=(names,), name="thread-names", daemon=True).start()
     if device is not None:
         Pipeline.launch = launch
         Engine.overlaps = lambda self, n_rows: True
     return daemon_main.main(argv)
 
 
-def py_spy(pid: int, seconds: int) -> str:
-    """py-spy's view of the daemon for `seconds` (its top functions by own time), or why not."""
+PROFILE = "NTX_CEILING_PROFILE"  # the file where the daemon writes its scheduler thread's cProfile stats
+THREAD_NAMES = "NTX_CEILING_THREAD_NAMES"  # the file where the daemon process writes its threads' names
+
+
+def _write_thread_names(path: str) -> None:
+    """Each second, the daemon's threads as `native id name` lines (Python's thread names are not
+    the kernel's, so /proc alone cannot tell the scheduler from a gRPC worker)."""
+    while True:
+        text = "".join(f"{t.native_id} {t.name}\n" for t in threading.enumerate() if t.native_id is not None)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        time.sleep(1.0)
+
+
+def _ticks(path: str) -> float:
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int, names_path: str) -> dict[str, float]:
+    """CPU seconds so far of the daemon's threads, summed by name with its number dropped (`rpc_3`
+    and `rpc_7` are `rpc`), and of the relay process (its child) as `relay process`."""
+    names = {}
+    with contextlib.suppress(OSError):
+        with open(names_path) as f:
+            for line in f:
+                tid, _, name = line.strip().partition(" ")
+                names[int(tid)] = re.sub(r"[_-]?\d+$", "", name.split(" ")[0])
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            group = names.get(int(tid), "other (gRPC core, unnamed)")
+            out[group] = out.get(group, 0.0) + _ticks(f"/proc/{pid}/task/{tid}/stat")
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            for child in f.read().split():
+                out["relay process"] = out.get("relay process", 0.0) + _ticks(f"/proc/{child}/stat")
+    return out
+
+
+def py_spy(pid: int, seconds: int, raw: str | None = None) -> str:
+    """py-spy's view of the daemon for `seconds` (its top functions by own time), or why not;
+    raw: where to keep its samples (py-spy's raw format: one stack a line, with its count)."""
     exe = shutil.which("py-spy")
     if exe is None:
         return "py-spy is not installed (pip install py-spy)"
@@ -169,6 +231,9 @@ def py_spy(pid: int, seconds: int) -> str:
                         "--output", "/dev/stdout", "--nonblocking"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"py-spy failed: {r.stderr[-500:]}"
+    if raw:
+        with open(raw, "w") as f:
+            f.write(r.stdout)
     own: dict[str, int] = {}
     total = 0
     for line in r.stdout.splitlines():
@@ -206,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycle", type=int, default=CYCLE,
                     help=f"with --speculative: the stand-in's draws cycle through this many ids (default {CYCLE}; "
                          "0: a chain through the vocabulary that never repeats, so drafts find nothing)")
+    ap.add_argument("--greedy-only", action="store_true", help="greedy levels only (no sampled pass)")
     ap.add_argument("--py-spy", type=int, metavar="S", default=0,
                     help="sample the daemon with py-spy for S seconds during the largest level's run")
+    ap.add_argument("--py-spy-raw", metavar="PATH", help="with --py-spy: keep py-spy's raw samples here")
     a = ap.parse_args(argv)
     from serving_gpu import serve_level, timed_level
 
@@ -221,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"smoke": a.smoke, "model": os.path.basename(path), "max_tokens": a.max_tokens,
            "host": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "levels": []}
     d = tempfile.mkdtemp(prefix="ntx-ceiling-")
+    names_path = os.path.join(d, "threads")
+    os.environ[THREAD_NAMES] = names_path  # the daemon process inherits it
     device = [] if a.device_ms is None else ["--device-ms", a.device_ms]
     speculating = a.speculative != "off"
     out["speculative"] = a.speculative
@@ -238,17 +307,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(d, ignore_errors=True)
         raise
     try:
-        for sampled in (False, True):
+        for sampled in (False,) if a.greedy_only else (False, True):
             for n in a.clients:
                 serve_level(sock, n, 4, sampled)  # warm the clients' paths
                 spy = None
                 if a.py_spy and n == top and not sampled:  # py-spy samples the daemon while the level runs
-                    spy = concurrent.futures.ThreadPoolExecutor(1).submit(py_spy, proc.pid, a.py_spy)
+                    spy = concurrent.futures.ThreadPoolExecutor(1).submit(py_spy, proc.pid, a.py_spy, a.py_spy_raw)
                     time.sleep(0.5)
+                t0 = thread_cpu(proc.pid, names_path)
                 runs = [timed_level(proc, sock, n, a.max_tokens, sampled) for _ in range(a.repeats)]
+                t1 = thread_cpu(proc.pid, names_path)
+                tokens = a.repeats * n * a.max_tokens
+                threads = {k: 1e6 * (t1[k] - t0.get(k, 0.0)) / tokens for k in t1}
+                threads = dict(sorted(((k, v) for k, v in threads.items() if v >= 0.5), key=lambda kv: -kv[1]))
                 rate, cpu_us = max(runs)
                 row = {"clients": n, "sampled": sampled, "tok_s": rate, "tok_s_runs": [r for r, _ in runs],
-                       "daemon_cpu_us_per_token": cpu_us}
+                       "daemon_cpu_us_per_token": cpu_us,
+                       "daemon_cpu_us_per_token_runs": [c for _, c in runs],
+                       "cpu_us_per_token_by_thread": threads}
                 vs = ""
                 if device:
                     row["device_tok_s"] = 1e3 * n / (base + per_row * n)
@@ -258,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:3d} clients, {'sampled' if sampled else 'greedy ':7s}: {rate:8.1f} tok/s{vs} "
                       f"(runs {', '.join(f'{r:.0f}' for r, _ in runs)}); daemon CPU {cpu_us:.0f} µs a token",
                       flush=True)
+                print("     CPU µs a token by thread (all runs): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in threads.items()), flush=True)
                 if spy is not None:
                     text = spy.result()
                     out["py_spy"] = text

@@ -232,7 +232,7 @@ class Loop:
         """Queued requests take free KV-cache slots, oldest first, while policy.admits the head,
         each starting from the longest prefix of its prompt that a kept or live slot holds."""
         while self._queue and self.engine is not None and policy.admits(
-                self._queued(self._queue[0]), [self._running(q, owed=True) for q in self._live], self._room()):
+                self._queued(self._queue[0]), self._running_all(self._live, owed=True), self._room()):
             r = self._queue.popleft()
             try:
                 r.seq.slot, r.seq.prefilled = self.prefix.open(r.prompt_ids, self._live_kv(), use=r.prefix_cache,
@@ -254,7 +254,7 @@ class Loop:
         gives its slot back and goes to the head of the queue, to recompute its prompt and what
         it generated so far once a request leaves (decode.Sequence.restart); its stream goes on,
         nothing is sent twice. False where it is the only one (nothing to take blocks from)."""
-        key = policy.victim([self._running(q) for q in self._live])
+        key = policy.victim(self._running_all(self._live))
         if key is None:
             return False
         r = next(q for q in self._live if q.id == key)
@@ -278,7 +278,7 @@ class Loop:
                 if r.state == RequestState.PREFILL and r.prefix_cache and r.id not in flying:
                     self._catch_up(r)
         by_id = {r.id: r for r in self._live}
-        rows = policy.compose([self._running(r) for r in self._live], self.config.prefill_chunk, overlap=self.overlap)
+        rows = policy.compose(self._running_all(self._live), self.config.prefill_chunk, overlap=self.overlap)
         return [(by_id[row.key], by_id[row.key].seq.row(row.tokens, self.runner.prompt_in_flight(by_id[row.key])))
                 for row in rows]
 
@@ -306,25 +306,35 @@ class Loop:
     def _room(self) -> policy.Room:
         return policy.Room(self.config.max_batch, self.prefix.slots_open, self.engine.kv.available())
 
-    def _running(self, r: Request, *, owed: bool = False) -> policy.Running:
-        """r as the policy sees it; `owed`: with the blocks its positions still need."""
-        seq, kv, n = r.seq, self.engine.kv, len(r.seq.history)
-        flying = self.runner.in_flight
-        in_flight = flying is not None and r.id in flying
-        queued = self.runner.prompt_in_flight(r) if in_flight else 0  # prompt positions in flight
-        left = max(0, len(seq.inputs) - seq.prefilled - queued)
-        return policy.Running(
-            key=r.id, decoding=r.state == RequestState.DECODE, ready=r.error is None and not r.finished,
-            admitted_at=r.t_admitted or 0.0,
-            owed_blocks=max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n))) if owed and seq.slot >= 0
-            else 0,
-            left=left, prompt=r.prompt_ids, prefilled=seq.prefilled + queued,
-            scope=scope(r.caller, self.prefix.share) if self.prefix.enabled and r.prefix_cache else None,
-            in_flight=in_flight,
-            runs_ahead=in_flight and (left > 0 if queued else (
-                self.runner.draws_ahead and r.state == RequestState.DECODE and seq.runs_ahead()
-                and self.engine.length(seq.slot) < self.engine.max_ctx)),
-            host=not seq.draws_anywhere() or seq.prompt_logprobs is not None)
+    def _running_all(self, requests: list[Request], *, owed: bool = False) -> list[policy.Running]:
+        """Each of `requests` as the policy sees it (every live one, every step: what they share
+        is looked up once here, not once a request); `owed`: with the blocks their positions still
+        need."""
+        kv, engine, runner = self.engine.kv, self.engine, self.runner
+        flying = runner.in_flight
+        draws_ahead = runner.draws_ahead
+        share = self.prefix.share if self.prefix.enabled else None
+        decode = RequestState.DECODE
+        out = []
+        for r in requests:
+            seq = r.seq
+            in_flight = flying is not None and r.id in flying
+            queued = runner.prompt_in_flight(r) if in_flight else 0  # prompt positions in flight
+            left = max(0, len(seq.inputs) - seq.prefilled - queued)
+            decoding = r.state == decode
+            n = len(seq.history)
+            out.append(policy.Running(
+                key=r.id, decoding=decoding, ready=r.error is None and not r.finished,
+                admitted_at=r.t_admitted or 0.0,
+                owed_blocks=max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
+                if owed and seq.slot >= 0 else 0,
+                left=left, prompt=seq.prompt_ids, prefilled=seq.prefilled + queued,
+                scope=scope(r.caller, share) if share is not None and r.prefix_cache else None,
+                in_flight=in_flight,
+                runs_ahead=in_flight and (left > 0 if queued else (
+                    draws_ahead and decoding and seq.runs_ahead() and engine.length(seq.slot) < engine.max_ctx)),
+                host=not seq.draws_anywhere() or seq.prompt_logprobs is not None))
+        return out
 
     def _kv_tokens(self, r: Request) -> list[int]:
         """The token ids whose keys and values r's slot holds."""

@@ -34,7 +34,8 @@ class Request:
         self.prefix_cache = prefix_cache  # may start from, and leave its KV to, the prefix cache
         self.cached = 0  # prompt tokens taken from the prefix cache
         self.error: ServiceError | None = None  # set by cancel(); delivered when it retires
-        self.outputs: queue.Queue[Output | ServiceError | None] = queue.Queue()
+        # SimpleQueue: a put and a get in C, no Condition built per wait (one put a token at most)
+        self.outputs: queue.SimpleQueue[Output | ServiceError | None] = queue.SimpleQueue()
         self.t_created = time.monotonic()
         self.t_admitted = self.t_first = self.t_done = None
         self.text = Text(seq.engine.tokenizer, seq.params.stop)  # the streaming thread's

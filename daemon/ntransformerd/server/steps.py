@@ -38,7 +38,23 @@ class StepRunner:
         self.streamer, self.metrics = streamer, metrics
         self.preempt = preempt  # (cause) → whether a request yielded its blocks (Scheduler.preempt)
         self.fail = fail  # (request, exception, what it was doing): it ends with that error (Scheduler.fail_request)
-        self.pending: tuple[decode.Launched, Batch] | None = None  # the step in flight
+        self.pending = None  # the step in flight: (decode.Launched, Batch)
+
+    @property
+    def pending(self) -> tuple[decode.Launched, Batch] | None:
+        """The step in flight: (its launch, its batch); None when there is none."""
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: tuple[decode.Launched, Batch] | None) -> None:
+        # the policy asks of every live request, every step, whether it is in flight: one look-up
+        # each, not a walk of the batch each (quadratic in the batch, a wide step's largest cost)
+        self._pending = value
+        self._rows: dict[int, Row] = {}
+        if value is not None:
+            for r, row in value[1]:
+                self._rows.setdefault(r.id, row)
+        self._in_flight = None if value is None else frozenset(self._rows)
 
     @property
     def draws_ahead(self) -> bool:
@@ -47,16 +63,13 @@ class StepRunner:
 
     def prompt_in_flight(self, r: Request) -> int:
         """Prompt positions of r's chunk in the step in flight (0: none)."""
-        if self.pending is not None:
-            for q, row in self.pending[1]:
-                if q is r and not row.seq.decoding:
-                    return len(row.tokens)
-        return 0
+        row = self._rows.get(r.id)
+        return len(row.tokens) if row is not None and not row.seq.decoding else 0
 
     @property
     def in_flight(self) -> frozenset[int] | None:
         """The ids of the requests of the step in flight; None when there is none."""
-        return None if self.pending is None else frozenset(r.id for r, _ in self.pending[1])
+        return self._in_flight
 
     def run(self, engine, batch: Batch, *, ahead: bool) -> None:
         """One step for the batch; `ahead` (on a device): launched behind the step in flight,
@@ -121,6 +134,7 @@ class StepRunner:
     def _account(self, batch: Batch) -> None:
         """A step's accepted tokens to the streaming thread; the counters."""
         n_new, now = 0, time.monotonic()
+        accepted = []
         for r, row in batch:
             if row.error is not None:
                 self.fail(r, row.error, row.doing)
@@ -132,7 +146,8 @@ class StepRunner:
             if r.state == RequestState.PREFILL:
                 r.state, r.t_first = RequestState.DECODE, r.t_first or now
             n_new += len(row.accepted)
-            self.streamer.send(r, row.accepted, row.logprobs, r.seq.finish)
+            accepted.append((r, row.accepted, row.logprobs, r.seq.finish))
+        self.streamer.send(accepted)
         self.metrics.stepped(len(batch), n_new, now)
 
 

@@ -1,7 +1,8 @@
 """Tokens to text off the decode loop: detokenizing, stop strings and the writes to each
 request's stream run on one thread, fed by a queue, so a step's critical path holds none of it.
 
-The scheduler thread hands over each step's accepted tokens (`send`) and each request's end
+The scheduler thread hands over each step's accepted tokens (`send`, the whole step at once) and
+each request's end
 (`end`); this thread turns tokens into text by the request's decode.Text, in order, and writes
 its Outputs. A stop string found here ends the request's text at once (Request.text_done); the
 loop sees the flag and retires the request at its next iteration, and whatever it drew for it
@@ -62,12 +63,15 @@ class Streamer:
         self._queue.put(None)
         self._thread.join(timeout)
 
-    def send(self, request, tokens: list[int], logprobs: list | None, finish: str | None) -> None:
-        """Tokens the request accepted in one step; finish: the loop's end of it with the last."""
+    def send(self, step: list[tuple]) -> None:
+        """What one step's requests accepted, as (request, tokens, logprobs, finish) each; finish:
+        the loop's end of that request with its last token. One hand-over a step, not one a row:
+        each put can wake this thread, which then takes the interpreter from the loop mid-step."""
         if self.inline:
-            self._handle((request, tokens, logprobs, finish))
-        else:
-            self._queue.put((request, tokens, logprobs, finish))
+            for item in step:
+                self._handle(item)
+        elif step:
+            self._queue.put(step)
 
     def end(self, request, error) -> None:
         """The request's stream ends after what was sent before: with `error` unless its text
@@ -82,7 +86,11 @@ class Streamer:
             item = self._queue.get()
             if item is None:
                 return
-            self._handle(item)
+            if isinstance(item, list):  # a step's rows
+                for one in item:
+                    self._handle(one)
+            else:
+                self._handle(item)
 
     def _handle(self, item) -> None:
         request, tokens, extra, finish = item
