@@ -524,11 +524,10 @@ class Steering:
         """host_layer_s has moved, since the last placement, by HYBRID_MARGIN of the step at
         `rows` over the host layers placed there (or one where none is)."""
         delta = abs(self.host_layer_s - self._weighed_h)
-        if delta == 0:
+        if delta == 0 or self._prev is None or self._prev[0] != rows:
             return False
-        step = pass_seconds(self.plan, set(self._placement(rows).host_layers), self.figures(), rows,
-                            self.context).seconds
-        return delta * max(1, len(self._placement(rows).host_layers)) > HYBRID_MARGIN * step
+        _, n, bare = self._prev  # this step's predicted pass, from _learn: no second simulation a step
+        return delta * max(1, n) > HYBRID_MARGIN * (bare + n * self.host_layer_s)
 
     def _weigh(self) -> Schedule | None:
         """The placement made again from the corrected figures; the new schedule where it beats
