@@ -203,7 +203,7 @@ def cli_rate(row: Row, a) -> dict:
     flags = list(row.flags)
     cmd = [sys.executable, "-m", "ntransformerd.tools.ntx_model", "run", row.path, "--backend", "cuda",
            "--prompt", "The", "--temperature", "0", "--ignore-eos", "--max-tokens", str(a.tokens), "--json",
-           "--ctx", str(a.tokens + 64), "--max-batch", "1", *flags]
+           "--ctx", str(max(a.depths) + a.tokens + 64), "--max-batch", "1", *flags]  # the daemon's context: its KV pool and plan
     rates = []
     for _ in range(3):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
