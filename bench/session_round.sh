@@ -14,7 +14,7 @@
 #                 kv_spill, SERVE_ONLY=1 runs only the serving rows below, bench/serving_gpu.py (the default
 #                 model against llama-batched-bench at 1/16/64, under NTX_F16_LEGACY=0 and 1; then the 8B shape
 #                 at 1/16/64 clients unless SERVE8B=0), bench/host_ceiling.py (the serving path alone on
-#                 this host's CPU) unless SERVE=0; KL=1: the KL table's GPU rows, ours and llama.cpp's;
+#                 this host's CPU) unless SERVE=0 (CEILING=0: not host_ceiling); KL=1: the KL table's GPU rows, ours and llama.cpp's;
 #   PHASE=long:   (SPILL8B=0 / LONG_CONTEXT=0: without kv_spill / long_context, to split it over two calls)
 #                 bench/attention_split.py (host layers' attention on the GPU: the round trip against the
 #                 host's own; ATTN_SPLIT=0: not), bench/kv_spill.py (8B shape: chats of 4k/8k/16k spilled to host RAM and restored,
@@ -156,7 +156,7 @@ else
     --clients ${CLIENTS:-1 16 64} --json "$L/serving_gpu.json" 2>&1 | tee "$L/serving_gpu.log" | tail -12
   # the serving path's ceiling on this host's CPU (no GPU work): steps that cost nothing, and a
   # stand-in device of the default model's step, to set beside the daemon's figures above
-  timeout ${CEILING_TIMEOUT:-120} python3 bench/host_ceiling.py --model $model --clients 1 16 64 --repeats 2 \
+  [ "${CEILING:-1}" = 1 ] && timeout ${CEILING_TIMEOUT:-120} python3 bench/host_ceiling.py --model $model --clients 1 16 64 --repeats 2 \
     --max-tokens 128 --json "$L/host_ceiling.json" 2>&1 | tee "$L/host_ceiling.log" | tail -8
 fi
 echo "phase ${PHASE:-tests} done at $(( $(date +%s) - t0 )) s"
