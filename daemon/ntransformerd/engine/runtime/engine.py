@@ -426,22 +426,28 @@ class Engine:
             raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
         if top is not None and not 1 <= top <= self.cfg.vocab_size:
             raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
-        slots, starts, sizes, segments = self._segments(items)
+        slots, starts, sizes, batch = self._segments(items)
         layers = self.layers if layers is None else layers
-        out = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top, sample=sample)
+        out = self.pipeline.step(batch, layers=layers, all_logits=all_logits, top=top, sample=sample)
         self.kv.lengths[slots] = starts + sizes
         return out if sample is None or isinstance(out, Drawn) else sample_rows(out, sample)
 
     def _segments(self, items):
-        """(slots, starts, sizes, Segments) of a step's items, checked, every block they write
+        """(slots, starts, sizes, Batch) of a step's items, checked, every block they write
         reserved (kv_cache.KVPoolFull)."""
         # the checks for all rows at once: a step's host cost must not grow by much per row
-        toks = [np.asarray(t, dtype=np.int64).reshape(-1) for _, t in items]
-        slots = np.fromiter((s for s, _ in items), np.int64, len(items))
-        sizes = np.fromiter(map(len, toks), np.int64, len(toks))
-        if len(items) and sizes.min() == 0:
+        n = len(items)
+        slots = np.fromiter((s for s, _ in items), np.int64, n)
+        seqs = [t for _, t in items]
+        sizes = np.fromiter(map(len, seqs), np.int64, n)
+        if n and sizes.min() == 0:
             raise ValueError(f"slot {int(slots[np.argmin(sizes)])}: no tokens to run")
-        flat = np.concatenate(toks) if toks else np.zeros(0, np.int64)
+        if n and sizes.max() == 1:  # decode rows: one array for all, each row's token a view of a copy
+            flat = np.array(seqs, np.int64).reshape(n)
+            toks = list(flat.reshape(n, 1).copy())
+        else:
+            toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in seqs]
+            flat = np.concatenate(toks) if toks else np.zeros(0, np.int64)
         if flat.size and (flat.min() < 0 or flat.max() >= self.cfg.vocab_size):
             row = int(np.searchsorted(np.cumsum(sizes), np.flatnonzero((flat < 0) | (flat >= self.cfg.vocab_size))[0],
                                       side="right"))
@@ -452,10 +458,9 @@ class Engine:
             i = int(over[0])
             raise ContextFull(f"slot {int(slots[i])}: {int(starts[i])} + {int(sizes[i])} tokens exceed the context "
                               f"of {self.max_ctx}")
-        segments = [Segment(slot, start, t) for slot, start, t in zip(slots.tolist(), starts.tolist(), toks)]
-        for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
-            self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
-        return slots, starts, sizes, segments
+        self.kv.reserve_rows(slots, starts + sizes)  # every block the step writes, before any device computes
+        segments = list(map(Segment, slots.tolist(), starts.tolist(), toks))
+        return slots, starts, sizes, Batch.packed(segments, flat, starts, sizes)
 
     def overlaps(self, n_rows: int) -> bool:
         """Whether a decode step of n_rows sequences launched by `launch` runs on a device while
@@ -484,8 +489,8 @@ class Engine:
         if after is not None and (after.device is None or any(j < 0 for j in rows)):
             items, after, rows = _with_draws(items, after, rows), None, None  # its ids on the host
         if self.overlaps(len(items)):
-            slots, starts, sizes, segments = self._segments(items)
-            handle = self.pipeline.launch(Batch.of(segments), sample=sample, all_logits=all_logits, top=top,
+            slots, starts, sizes, batch = self._segments(items)
+            handle = self.pipeline.launch(batch, sample=sample, all_logits=all_logits, top=top,
                                           layers=self.layers, after=None if after is None else after.device,
                                           rows=rows)
             if handle is not None:

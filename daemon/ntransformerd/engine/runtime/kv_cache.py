@@ -171,6 +171,11 @@ class SlotTable:
     def reserve(self, slot: int, n: int) -> None:
         """Room for positions [0, n) of `slot` (a whole slot has it)."""
 
+    def reserve_rows(self, slots: np.ndarray, ends: np.ndarray) -> None:
+        """reserve(slots[i], ends[i]) for each segment of a step, in order."""
+        for slot, n in zip(slots.tolist(), ends.tolist()):
+            self.reserve(slot, n)
+
     def trim(self, slot: int, n: int) -> None:
         """Positions ≥ n of `slot` are no longer needed (a whole slot keeps its room)."""
 
@@ -389,6 +394,28 @@ class BlockTable:
         self.held[slot] = max(h, want)
         if self.check_owners and start is not None and start < n:
             self._check_write(slot, start, n)
+
+    def reserve_rows(self, slots: np.ndarray, ends: np.ndarray, starts: np.ndarray) -> None:
+        """reserve(slots[i], ends[i], start=starts[i]) for each segment of a step, in order.
+        Most decode rows write into a block they already hold alone: those are found for all
+        rows at once, and only the others (a block to take or to copy, a spilled slot, a
+        segment over several blocks, a bad slot or end: reserve raises) go through reserve. A
+        reserve takes blocks from the pool or from closed slots, never from a live slot's, so a
+        row found to have nothing to do still has nothing to do after the others'."""
+        bs, n_slots = self.block_size, len(self.held)
+        bad = (slots < 0) | (slots >= n_slots) | (ends > self.max_ctx) | (starts >= ends)
+        s = np.where(bad, 0, slots)
+        first = starts // bs  # the block the segment starts in
+        slow = bad | ((ends - 1) // bs != first) | (first >= self.held[s])
+        block = self.tables[s, np.clip(first, 0, self.max_blocks - 1)]
+        slow |= self.refs[block] > 1
+        if self.spilled:
+            slow |= np.isin(s, list(self.spilled))
+        for i in np.flatnonzero(slow).tolist():
+            self.reserve(int(slots[i]), int(ends[i]), start=int(starts[i]))
+        if self.check_owners:
+            for i in np.flatnonzero(~slow).tolist():
+                self._check_write(int(slots[i]), int(starts[i]), int(ends[i]))
 
     def release(self, slot: int, n: int) -> None:
         """The blocks of `slot` past position n back to the pool; a spilled slot's first
@@ -629,6 +656,13 @@ class KVCache(SlotTable):
         next: a block it shares there is copied first (the engine reserves a step's positions
         with lengths[slot] at the segment's start)."""
         self.blocks.reserve(slot, n, start=min(int(self.lengths[slot]), n))
+
+    def reserve_rows(self, slots: np.ndarray, ends: np.ndarray) -> None:
+        """reserve(slots[i], ends[i]) for each segment of a step, in order, the checks for all
+        rows at once (BlockTable.reserve_rows)."""
+        ok = (slots >= 0) & (slots < self.n_slots)
+        starts = np.minimum(self.lengths[np.where(ok, slots, 0)], ends)
+        self.blocks.reserve_rows(slots, ends, np.where(ok, starts, 0))
 
     def trim(self, slot: int, n: int) -> None:
         self.blocks.release(slot, n)
