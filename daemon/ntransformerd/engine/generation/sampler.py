@@ -182,9 +182,10 @@ class Sampler:
         self._need = self._needed()
         # its row of a step's SampleRows, but for the uniform and the penalties' window (the
         # params are frozen: built once, not at every step)
-        self.chain = (1.0, float(params.is_greedy), params.temperature, params.top_k, params.top_p, params.min_p,
-                      params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
-                      self._need or 0, float(penalises(params)))
+        self.chain = np.array([1.0, params.is_greedy, params.temperature, params.top_k, params.top_p, params.min_p,
+                               params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+                               self._need or 0, penalises(params)], np.float64)
+        self.chain.flags.writeable = False
 
     def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
         """The next id from a row of logits (V,), or from its TopRow where need() allowed one;
@@ -515,7 +516,7 @@ class StopMatcher:
 _NONE = np.zeros(0, np.int64)
 # Sampler.chain of a row that draws nothing: draws, greedy, temperature, top_k, top_p, min_p,
 # repetition, frequency, presence, need, penalises
-_IDLE = (0.0, 0.0, 0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0.0)
+_IDLE = np.array([0.0, 0.0, 0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0.0])
 FAULT_NAN, FAULT_INF, FAULT_NO_FINITE, FAULT_NOT_ALLOWED = 1, 2, 3, 4  # Drawn.fault: why a row has no id
 
 
@@ -566,8 +567,10 @@ class SampleRows:
         n = len(samplers)
         masks = tuple(masks) if masks is not None else (None,) * n
         # every row's fixed numbers in one array (Sampler.chain), then the per-draw parts of the
-        # rows that have them: a step of B rows costs B tuples, not B × 11 element writes
-        t = np.array([_IDLE if s is None else s.chain for s in samplers], np.float64).reshape(n, len(_IDLE))
+        # rows that have them: a step of B rows costs one concatenation, not B × 11 element writes
+        # (and no np.array of nested lists, which lets the GIL go: the scheduler's other threads
+        # take it)
+        t = np.concatenate([_IDLE if s is None else s.chain for s in samplers] or [_IDLE[:0]]).reshape(n, _IDLE.size)
         draws, greedy, pen = t[:, 0] != 0, t[:, 1] != 0, t[:, 10] != 0
         top_k, need = t[:, 3].astype(np.int64), t[:, 9].astype(np.int64)
         uniform = np.full(n, np.nan)

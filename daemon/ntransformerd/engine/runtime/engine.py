@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -443,7 +444,7 @@ class Engine:
         if n and sizes.min() == 0:
             raise ValueError(f"slot {int(slots[np.argmin(sizes)])}: no tokens to run")
         if n and sizes.max() == 1:  # decode rows: one array for all, each row's token a view of a copy
-            flat = np.array(seqs, np.int64).reshape(n)
+            flat = np.fromiter(itertools.chain.from_iterable(seqs), np.int64, n)
             toks = list(flat.reshape(n, 1).copy())
         else:
             toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in seqs]

@@ -402,15 +402,19 @@ class BlockTable:
         segment over several blocks, a bad slot or end: reserve raises) go through reserve. A
         reserve takes blocks from the pool or from closed slots, never from a live slot's, so a
         row found to have nothing to do still has nothing to do after the others'."""
+        # numpy calls that let the GIL go (a 2-d or an int32 fancy index, np.clip, np.isin) cost
+        # the scheduler its turn while its other threads wait for it: flat intp indexes only
         bs, n_slots = self.block_size, len(self.held)
         bad = (slots < 0) | (slots >= n_slots) | (ends > self.max_ctx) | (starts >= ends)
         s = np.where(bad, 0, slots)
         first = starts // bs  # the block the segment starts in
         slow = bad | ((ends - 1) // bs != first) | (first >= self.held[s])
-        block = self.tables[s, np.clip(first, 0, self.max_blocks - 1)]
-        slow |= self.refs[block] > 1
+        at = s * self.max_blocks + np.minimum(np.maximum(first, 0), self.max_blocks - 1)
+        slow |= self.refs[self.tables.reshape(-1)[at].astype(np.intp)] > 1
         if self.spilled:
-            slow |= np.isin(s, list(self.spilled))
+            spilled = np.zeros(n_slots, bool)
+            spilled[np.fromiter(self.spilled, np.intp, len(self.spilled))] = True
+            slow |= spilled[s]
         for i in np.flatnonzero(slow).tolist():
             self.reserve(int(slots[i]), int(ends[i]), start=int(starts[i]))
         if self.check_owners:
