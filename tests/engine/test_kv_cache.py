@@ -516,7 +516,7 @@ def test_shared_blocks_are_counted_once_and_copied_before_a_write():
 
 
 def test_reserve_rows_does_what_reserve_does_row_by_row():
-    """A step's reserve for all rows at once (BlockTable.reserve_rows) leaves the tables, the pool,
+    """A step's reserve with its look-ups first (BlockTable.reserve_rows) leaves the tables, the pool,
     the copies and the spills as reserve row by row does, over random steps of live slots that
     grow, share prefixes, truncate, close, spill and reopen, and raises where reserve raises."""
     rng = np.random.default_rng(3)
@@ -568,7 +568,7 @@ def test_reserve_rows_does_what_reserve_does_row_by_row():
                     for sl, e, st in zip(slots.tolist(), ends.tolist(), starts.tolist()):
                         t.reserve(sl, e, start=st)
                 else:
-                    t.reserve_rows(slots, ends, starts)
+                    t.reserve_rows(slots.tolist(), ends.tolist(), starts.tolist())
                 errors.append(None)
             except KVPoolFull as e:
                 errors.append(str(e))
@@ -589,9 +589,9 @@ def test_reserve_rows_does_what_reserve_does_row_by_row():
             live.discard(victim)
     assert full and all(rows.stats[k] for k in ("cow", "shared", "spilled", "restored"))  # the walk met every path
     with pytest.raises(ValueError, match="out of range"):
-        rows.reserve_rows(np.array([7]), np.array([1]), np.array([0]))
+        rows.reserve_rows([7], [1], [0])
     with pytest.raises(ValueError, match="exceed the context"):
-        rows.reserve_rows(np.array([0]), np.array([97]), np.array([96]))
+        rows.reserve_rows([0], [97], [96])
 
 
 def test_spill_moves_a_closed_slot_to_the_host_pool_now():

@@ -422,18 +422,21 @@ def _rows_one_by_one(samplers, histories):
 
 
 def test_rows_of_a_step_equal_each_field_written_row_by_row():
-    """SampleRows.of reads each sampler's fixed numbers from Sampler.chain: every field equals the
-    row-by-row build, step after step, as rows join, leave and change chains, and the uniforms
-    come from the same generators in the same order (a uniform given back comes first)."""
+    """SampleRows.of reads each sampler's fixed numbers from Sampler.chain, and shares them with
+    the next step of the same rows: every field equals the row-by-row build, step after step, as
+    rows repeat, join, leave and change chains, and the uniforms come from the same generators in
+    the same order (a uniform given back comes first)."""
     rng = np.random.default_rng(0)
     params = BATCH_PARAMS + [SamplingParams(seed=9, penalty_last_n=0, repetition_penalty=1.5),
                              SamplingParams(seed=10, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)]
     mine = [Sampler(p, V, eog_ids=EOG) for p in params]
     ref = [Sampler(p, V, eog_ids=EOG) for p in params]
     hists = [list(rng.integers(0, V, int(rng.integers(0, 80)))) for _ in params]
-    for step in range(40):
-        rows = rng.permutation(len(params))[:int(rng.integers(1, len(params) + 1))]  # who runs this step
-        idle = rng.random(len(rows)) < 0.2  # a prompt chunk that does not draw
+    rows, idle = [], []
+    for step in range(60):
+        if step % 3 == 0:  # the others repeat the last step's rows (SampleRows.of shares what they fix)
+            rows = rng.permutation(len(params))[:int(rng.integers(1, len(params) + 1))]  # who runs this step
+            idle = rng.random(len(rows)) < 0.2  # a prompt chunk that does not draw
         if step % 7 == 3:
             i = int(rows[0])
             mine[i].give_back(0.25)
@@ -453,6 +456,8 @@ def test_rows_of_a_step_equal_each_field_written_row_by_row():
                         assert (u is None and v is None) or np.array_equal(u, v), (step, f.name)
         for i in rows:
             hists[i].append(int(rng.integers(0, V)))
+        with pytest.raises(ValueError, match="read-only"):
+            a.temperature[0] = 2.0  # shared with the next step's rows: nobody writes them
 
 
 def test_rows_drawn_at_once_with_top_ids_when_every_row_allows():

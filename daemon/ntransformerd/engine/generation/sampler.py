@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import numpy as np
 
@@ -559,31 +559,33 @@ class SampleRows:
     banned: tuple
     masks: tuple
 
+    _last: ClassVar[tuple | None] = None  # (the samplers of the last `of`, their _Chains)
+
     @classmethod
     def of(cls, samplers: Sequence["Sampler | None"], histories: Sequence[Sequence[int]],
            masks: Sequence[np.ndarray | None] | None = None) -> "SampleRows":
         """The rows of `samplers` (None: a row that does not draw) after `histories`; each
-        sampled row's uniform is drawn from its sampler's generator now."""
+        sampled row's uniform is drawn from its sampler's generator now.
+
+        What does not change from draw to draw (each Sampler.chain) is built once for a set of
+        rows and shared, read-only, by the steps that repeat it (a scheduler's steps hold the same
+        rows until a request joins or leaves): a step then draws its uniforms and reads the
+        penalties' windows alone."""
         n = len(samplers)
         masks = tuple(masks) if masks is not None else (None,) * n
-        # every row's fixed numbers in one array (Sampler.chain), then the per-draw parts of the
-        # rows that have them: a step of B rows costs one concatenation, not B × 11 element writes
-        # (and no np.array of nested lists, which lets the GIL go: the scheduler's other threads
-        # take it)
-        t = np.concatenate([_IDLE if s is None else s.chain for s in samplers] or [_IDLE[:0]]).reshape(n, _IDLE.size)
-        draws, greedy, pen = t[:, 0] != 0, t[:, 1] != 0, t[:, 10] != 0
-        top_k, need = t[:, 3].astype(np.int64), t[:, 9].astype(np.int64)
+        key = tuple(samplers)
+        last = SampleRows._last  # read and replaced whole: another thread's steps only miss it
+        chains = last[1] if last is not None and last[0] == key else _Chains.of(key)
+        SampleRows._last = (key, chains)
         uniform = np.full(n, np.nan)
-        for i in np.flatnonzero(draws & ~greedy).tolist():
+        for i in chains.sampled:
             uniform[i] = samplers[i].uniform()
         penalty = [None] * n
-        for i in np.flatnonzero(pen).tolist():
+        for i in chains.penalised:
             s = samplers[i]
             ids, counts = penalty_window(histories[i], s.params, s.vocab_size)
             penalty[i] = None if ids is None else (ids, counts)
-        banned = tuple(_NONE if s is None else s.banned for s in samplers)
-        return cls(draws, greedy, t[:, 2].copy(), top_k, t[:, 4].copy(), t[:, 5].copy(), t[:, 6].copy(),
-                   t[:, 7].copy(), t[:, 8].copy(), need, uniform, tuple(penalty), banned, masks)
+        return cls(*chains.arrays, uniform, tuple(penalty), chains.banned, masks)
 
     def __len__(self) -> int:
         return self.draws.shape[0]
@@ -593,6 +595,30 @@ class SampleRows:
         idx = np.asarray(rows, np.int64)
         return SampleRows(*(v[idx] if isinstance(v, np.ndarray) else tuple(v[int(i)] for i in idx)
                             for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chains:
+    """The part of a step's SampleRows that its samplers fix: the arrays from `draws` to `need`
+    (read-only), the rows that draw a uniform, the rows whose penalties read a history window,
+    and each row's banned ids."""
+
+    arrays: tuple
+    sampled: list
+    penalised: list
+    banned: tuple
+
+    @classmethod
+    def of(cls, samplers: tuple) -> "_Chains":
+        n = len(samplers)
+        t = np.concatenate([_IDLE if s is None else s.chain for s in samplers] or [_IDLE[:0]]).reshape(n, _IDLE.size)
+        draws, greedy, pen = t[:, 0] != 0, t[:, 1] != 0, t[:, 10] != 0
+        arrays = (draws, greedy, t[:, 2].copy(), t[:, 3].astype(np.int64), t[:, 4].copy(), t[:, 5].copy(),
+                  t[:, 6].copy(), t[:, 7].copy(), t[:, 8].copy(), t[:, 9].astype(np.int64))
+        for a in arrays:
+            a.flags.writeable = False
+        return cls(arrays, np.flatnonzero(draws & ~greedy).tolist(), np.flatnonzero(pen).tolist(),
+                   tuple(_NONE if s is None else s.banned for s in samplers))
 
 
 @dataclasses.dataclass(frozen=True)

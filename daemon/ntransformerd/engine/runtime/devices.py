@@ -112,7 +112,7 @@ class KV(Protocol):
 
     def reserve(self, slot: int, n: int) -> None: ...
 
-    def reserve_rows(self, slots: np.ndarray, ends: np.ndarray) -> None: ...  # reserve of each segment of a step
+    def reserve_rows(self, slots: list[int], ends: list[int]) -> None: ...  # reserve of each segment of a step
 
     def trim(self, slot: int, n: int) -> None: ...
 

@@ -50,18 +50,16 @@ class Batch:
         tokens = np.concatenate([np.asarray(s.tokens, np.int64).reshape(-1) for s in segments])
         starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
         sizes = np.fromiter((len(s.tokens) for s in segments), np.int64, len(segments))
-        return cls.packed(segments, tokens, starts, sizes)
-
-    @classmethod
-    def packed(cls, segments: list[Segment], tokens: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> "Batch":
-        """The batch of `segments` whose rows are already flat: tokens (N,) int64, each segment's
-        start and size (S,); the positions follow without a loop over segments."""
-        if not len(segments):
-            raise ValueError("a batch holds at least one segment")
-        offsets = np.zeros(len(sizes) + 1, np.int64)
+        offsets = np.zeros(len(segments) + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])
         positions = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])  # (N,) start + row in segment
         return cls(tuple(segments), tokens, positions, offsets)
+
+    @classmethod
+    def of_tokens(cls, segments: list[Segment], tokens: np.ndarray, positions: np.ndarray) -> "Batch":
+        """Segments of one token each (a decode step) whose tokens and positions (S,) the caller
+        already holds flat."""
+        return cls(tuple(segments), tokens, positions, np.arange(len(segments) + 1))
 
     @property
     def last_rows(self) -> np.ndarray:
