@@ -48,18 +48,17 @@ class Batch:
     @classmethod
     def of(cls, segments: list[Segment]) -> "Batch":
         tokens = np.concatenate([np.asarray(s.tokens, np.int64).reshape(-1) for s in segments])
-        starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
-        sizes = np.fromiter((len(s.tokens) for s in segments), np.int64, len(segments))
-        offsets = np.zeros(len(segments) + 1, np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        positions = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])  # (N,) start + row in segment
+        positions = np.concatenate([s.start + np.arange(len(s.tokens), dtype=np.int64) for s in segments])
+        offsets = np.cumsum([0] + [len(s.tokens) for s in segments])
         return cls(tuple(segments), tokens, positions, offsets)
 
     @classmethod
     def of_tokens(cls, segments: list[Segment], tokens: np.ndarray, positions: np.ndarray) -> "Batch":
         """Segments of one token each (a decode step) whose tokens and positions (S,) the caller
-        already holds flat."""
-        return cls(tuple(segments), tokens, positions, np.arange(len(segments) + 1))
+        already holds flat. (The offsets from range, not np.arange, whose fill lets the GIL go:
+        the scheduler's thread would wait for it again behind the daemon's others.)"""
+        n = len(segments)
+        return cls(tuple(segments), tokens, positions, np.fromiter(range(n + 1), np.int64, n + 1))
 
     @property
     def last_rows(self) -> np.ndarray:
