@@ -21,15 +21,16 @@ decides what.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import numpy as np
 
 from ntransformerd.engine.gguf_file import LlamaConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """New tokens of one sequence: KV-cache slot, position of the first token, token ids."""
+class Segment(typing.NamedTuple):
+    """New tokens of one sequence: KV-cache slot, position of the first token, token ids. (A
+    named tuple: a step builds one per row, at half a frozen dataclass's cost.)"""
 
     slot: int
     start: int
