@@ -515,6 +515,85 @@ def test_shared_blocks_are_counted_once_and_copied_before_a_write():
         t.share(1, 2, 40)
 
 
+def test_reserve_rows_does_what_reserve_does_row_by_row():
+    """A step's reserve with its look-ups first (BlockTable.reserve_rows) leaves the tables, the pool,
+    the copies and the spills as reserve row by row does, over random steps of live slots that
+    grow, share prefixes, truncate, close, spill and reopen, and raises where reserve raises."""
+    rng = np.random.default_rng(3)
+
+    def table():
+        t = BlockTable(n_slots=6, max_ctx=96, n_blocks=24, block_size=16)
+        t.owner, t.block_bytes, t.spill_limit = _Owner(), 100, 1600
+        return t
+
+    rows, one = table(), table()
+    lengths = np.zeros(6, np.int64)
+    live, full = set(), 0
+    for step in range(300):
+        op = rng.random()
+        slot = int(rng.integers(0, 6))
+        for t in (rows, one):  # the same history for both tables, whatever the op
+            if op < 0.1 and slot not in live:
+                t.opened(slot)
+            elif op < 0.15 and slot in live:
+                t.closed(slot)
+            elif op < 0.2 and slot in live and lengths[slot] > 1:
+                t.release(slot, int(lengths[slot]) // 2)
+            elif op < 0.25 and slot not in live and live:
+                src = min(live)
+                t.opened(slot)
+                t.release(slot, 0)
+                if lengths[src]:
+                    t.share(src, slot, int(lengths[src]))
+        if op < 0.1 and slot not in live:
+            live.add(slot)
+            lengths[slot] = 0
+        elif op < 0.15 and slot in live:
+            live.discard(slot)
+        elif op < 0.2 and slot in live and lengths[slot] > 1:
+            lengths[slot] //= 2
+        elif op < 0.25 and slot not in live and live:
+            live.add(slot)
+            lengths[slot] = lengths[min(live - {slot})] if live - {slot} else 0
+        if not live:
+            continue
+        slots = np.array(sorted(live), np.int64)
+        sizes = np.where(rng.random(len(slots)) < 0.8, 1, rng.integers(1, 20, len(slots)))
+        ends = np.minimum(lengths[slots] + sizes, 96)
+        starts = np.minimum(lengths[slots], ends)
+        errors = []
+        for t, each in ((rows, False), (one, True)):
+            try:
+                if each:
+                    for sl, e, st in zip(slots.tolist(), ends.tolist(), starts.tolist()):
+                        t.reserve(sl, e, start=st)
+                else:
+                    t.reserve_rows(slots.tolist(), ends.tolist(), starts.tolist())
+                errors.append(None)
+            except KVPoolFull as e:
+                errors.append(str(e))
+        assert errors[0] == errors[1], step
+        for name in ("tables", "held", "refs", "_closed"):
+            assert np.array_equal(getattr(rows, name), getattr(one, name)), (step, name)
+        assert rows._pool == one._pool and list(rows._idle) == list(one._idle), step
+        assert list(rows.spilled) == list(one.spilled) and rows.stats == one.stats, step
+        assert (rows.owner.copies, rows.owner.saved, rows.owner.loaded) == \
+            (one.owner.copies, one.owner.saved, one.owner.loaded), step
+        if errors[0] is None:
+            lengths[slots] = ends
+        else:  # the pool is full: a request yields (closes) its slot, as the scheduler's preemption does
+            full += 1
+            victim = int(slots[-1])
+            for t in (rows, one):
+                t.forget(victim)
+            live.discard(victim)
+    assert full and all(rows.stats[k] for k in ("cow", "shared", "spilled", "restored"))  # the walk met every path
+    with pytest.raises(ValueError, match="out of range"):
+        rows.reserve_rows([7], [1], [0])
+    with pytest.raises(ValueError, match="exceed the context"):
+        rows.reserve_rows([0], [97], [96])
+
+
 def test_spill_moves_a_closed_slot_to_the_host_pool_now():
     """BlockTable.spill: what a short pool does to a closed slot, asked for; a live slot refuses."""
     t = BlockTable(n_slots=2, max_ctx=64, n_blocks=4, block_size=16)

@@ -11,6 +11,7 @@ import pytest
 from ntransformerd.engine.backends import cpu
 from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel
+from ntransformerd.engine.runtime.model import Batch, Segment
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden")
 
@@ -122,6 +123,37 @@ def test_mixed_prefill_and_decode_in_one_step(default_engine):
     finally:
         e.close(sa)
         e.close(sb)
+
+
+def test_a_batch_flattens_its_segments_in_order():
+    """Batch.of (and Batch.packed, which the engine builds from rows it already holds flat): row r
+    is the r-th token of the segments in order, at its segment's start plus its place in it."""
+    segs = [Segment(3, 10, np.array([5, 6, 7])), Segment(0, 0, [9]), Segment(1, 31, (2, 4))]
+    b = Batch.of(segs)
+    assert b.tokens.tolist() == [5, 6, 7, 9, 2, 4] and b.positions.tolist() == [10, 11, 12, 0, 31, 32]
+    assert b.offsets.tolist() == [0, 3, 4, 6] and b.last_rows.tolist() == [2, 3, 5]
+    assert b.tokens.dtype == b.positions.dtype == b.offsets.dtype == np.int64 and b.segments == tuple(segs)
+    with pytest.raises(ValueError):
+        Batch.of([])
+
+
+def test_decode_rows_in_a_step_are_their_own_arrays(default_engine, monkeypatch):
+    """The engine packs a step of one-token rows at once: each segment's tokens are its own array,
+    apart from the batch's (a device writing a draw into a segment leaves the batch as built)."""
+    e = default_engine
+    seen = []
+    monkeypatch.setattr(e.pipeline, "step", lambda batch, **kw: seen.append(batch) or np.zeros((3, 1), np.float32))
+    slots = [e.open() for _ in range(3)]
+    try:
+        e.step([(s, [t]) for s, t in zip(slots, (11, 12, 13))])
+        batch, = seen
+        batch.segments[0].tokens[-1] = 99
+        assert batch.tokens.tolist() == [11, 12, 13] and [s.tokens.tolist() for s in batch.segments] == [[99], [12], [13]]
+        assert batch.positions.tolist() == [0, 0, 0] and [s.slot for s in batch.segments] == slots
+        assert [e.length(s) for s in slots] == [1, 1, 1]
+    finally:
+        for s in slots:
+            e.close(s)
 
 
 def test_chunked_prefill_equals_whole(default_model):

@@ -4,6 +4,7 @@ parameter validation, stop strings split across deltas, and a step's rows drawn 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from ntransformerd.engine.generation.sampler import (
     FAULT_INF, FAULT_NAN, InvalidLogits, NoAllowedToken, SampleRows, SamplingParams, Sampler, StopMatcher, TopLogits,
-    apply_penalties, candidates, prompt_logprobs, sample_rows, token_logprobs,
+    apply_penalties, candidates, penalty_window, prompt_logprobs, sample_rows, token_logprobs,
 )
 
 V = 1000
@@ -393,6 +394,70 @@ def test_rows_drawn_at_once_equal_each_row_drawn_alone():
             h.append(t)
     seeded = [i for i, p in enumerate(BATCH_PARAMS) if p.seed is not None]
     assert [alone[i].rng.random() for i in seeded] == [batched[i].rng.random() for i in seeded]  # the same draws
+
+
+def _rows_one_by_one(samplers, histories):
+    """SampleRows as it was built before Sampler.chain: every field of every row written one by one."""
+    n = len(samplers)
+    f = np.zeros(n)
+    draws, greedy, top_k, need = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    temperature, top_p, min_p, rep, freq, pres, uniform = f.copy(), np.ones(n), f.copy(), np.ones(n), f.copy(), \
+        f.copy(), np.full(n, np.nan)
+    penalty, banned = [None] * n, [np.zeros(0, np.int64)] * n
+    for i, (s, h) in enumerate(zip(samplers, histories)):
+        if s is None:
+            continue
+        p = s.params
+        draws[i], greedy[i] = True, p.is_greedy
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        need[i] = s.need() or 0
+        ids, counts = penalty_window(h, p, s.vocab_size)
+        penalty[i] = None if ids is None else (ids, counts)
+        banned[i] = s.banned
+        if not p.is_greedy:
+            uniform[i] = s.uniform()
+    return SampleRows(draws, greedy, temperature, top_k, top_p, min_p, rep, freq, pres, need, uniform,
+                      tuple(penalty), tuple(banned), (None,) * n)
+
+
+def test_rows_of_a_step_equal_each_field_written_row_by_row():
+    """SampleRows.of reads each sampler's fixed numbers from Sampler.chain, and shares them with
+    the next step of the same rows: every field equals the row-by-row build, step after step, as
+    rows repeat, join, leave and change chains, and the uniforms come from the same generators in
+    the same order (a uniform given back comes first)."""
+    rng = np.random.default_rng(0)
+    params = BATCH_PARAMS + [SamplingParams(seed=9, penalty_last_n=0, repetition_penalty=1.5),
+                             SamplingParams(seed=10, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)]
+    mine = [Sampler(p, V, eog_ids=EOG) for p in params]
+    ref = [Sampler(p, V, eog_ids=EOG) for p in params]
+    hists = [list(rng.integers(0, V, int(rng.integers(0, 80)))) for _ in params]
+    rows, idle = [], []
+    for step in range(60):
+        if step % 3 == 0:  # the others repeat the last step's rows (SampleRows.of shares what they fix)
+            rows = rng.permutation(len(params))[:int(rng.integers(1, len(params) + 1))]  # who runs this step
+            idle = rng.random(len(rows)) < 0.2  # a prompt chunk that does not draw
+        if step % 7 == 3:
+            i = int(rows[0])
+            mine[i].give_back(0.25)
+            ref[i].give_back(0.25)
+        a = SampleRows.of([None if o else mine[i] for i, o in zip(rows, idle)], [hists[i] for i in rows])
+        b = _rows_one_by_one([None if o else ref[i] for i, o in zip(rows, idle)], [hists[i] for i in rows])
+        for f in dataclasses.fields(SampleRows):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if isinstance(y, np.ndarray):
+                assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True), (step, f.name)
+            else:
+                assert len(x) == len(y), (step, f.name)
+                for u, v in zip(x, y):
+                    if isinstance(v, tuple):
+                        assert all(np.array_equal(p, q) for p, q in zip(u, v)), (step, f.name)
+                    else:
+                        assert (u is None and v is None) or np.array_equal(u, v), (step, f.name)
+        for i in rows:
+            hists[i].append(int(rng.integers(0, V)))
+        with pytest.raises(ValueError, match="read-only"):
+            a.temperature[0] = 2.0  # shared with the next step's rows: nobody writes them
 
 
 def test_rows_drawn_at_once_with_top_ids_when_every_row_allows():

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import numpy as np
 
@@ -179,6 +179,13 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self.held: float | None = None  # a uniform drawn for a step that did not run, given back (give_back)
         self._banned = np.array(sorted(eog_ids), dtype=np.int64) if params.ignore_eos else None
+        self._need = self._needed()
+        # its row of a step's SampleRows, but for the uniform and the penalties' window (the
+        # params are frozen: built once, not at every step)
+        self.chain = np.array([1.0, params.is_greedy, params.temperature, params.top_k, params.top_p, params.min_p,
+                               params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+                               self._need or 0, penalises(params)], np.float64)
+        self.chain.flags.writeable = False
 
     def sample(self, logits: np.ndarray | "TopRow", history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
         """The next id from a row of logits (V,), or from its TopRow where need() allowed one;
@@ -250,9 +257,11 @@ class Sampler:
         """How many of a row's most likely ids (TopLogits) make sample_top draw exactly what
         sample would from the whole row; None where only the whole row will do (penalties, which
         can lift any id, or no top-k with a temperature)."""
+        return self._need
+
+    def _needed(self) -> int | None:
         p = self.params
-        if p.penalty_last_n != 0 and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                                      or p.presence_penalty != 0.0):
+        if penalises(p):
             return None
         banned = 0 if self._banned is None else self._banned.size
         k = 1 if p.is_greedy else p.top_k
@@ -349,11 +358,16 @@ def apply_penalties(x: np.ndarray, history: Sequence[int], p: SamplingParams) ->
     return penalise(x, ids, counts, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
 
 
+def penalises(p: SamplingParams) -> bool:
+    """Whether any penalty acts on the draws of `p` (given a history to read)."""
+    return p.penalty_last_n != 0 and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                                      or p.presence_penalty != 0.0)
+
+
 def penalty_window(history: Sequence[int], p: SamplingParams, vocab_size: int):
     """(ids, counts) of the last ``p.penalty_last_n`` ids of ``history`` that the penalties
     act on; (None, None) where no penalty applies."""
-    if p.penalty_last_n == 0 or len(history) == 0 or (
-            p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+    if not penalises(p) or len(history) == 0:
         return None, None
     tail = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
     tail = np.asarray(tail, dtype=np.int64)
@@ -500,6 +514,9 @@ class StopMatcher:
 # sample_rows' wherever float64 rounding of exp and the sums does not move a boundary.
 
 _NONE = np.zeros(0, np.int64)
+# Sampler.chain of a row that draws nothing: draws, greedy, temperature, top_k, top_p, min_p,
+# repetition, frequency, presence, need, penalises
+_IDLE = np.array([0.0, 0.0, 0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0.0])
 FAULT_NAN, FAULT_INF, FAULT_NO_FINITE, FAULT_NOT_ALLOWED = 1, 2, 3, 4  # Drawn.fault: why a row has no id
 
 
@@ -542,33 +559,33 @@ class SampleRows:
     banned: tuple
     masks: tuple
 
+    _last: ClassVar[tuple | None] = None  # (the samplers of the last `of`, their _Chains)
+
     @classmethod
     def of(cls, samplers: Sequence["Sampler | None"], histories: Sequence[Sequence[int]],
            masks: Sequence[np.ndarray | None] | None = None) -> "SampleRows":
         """The rows of `samplers` (None: a row that does not draw) after `histories`; each
-        sampled row's uniform is drawn from its sampler's generator now."""
+        sampled row's uniform is drawn from its sampler's generator now.
+
+        What does not change from draw to draw (each Sampler.chain) is built once for a set of
+        rows and shared, read-only, by the steps that repeat it (a scheduler's steps hold the same
+        rows until a request joins or leaves): a step then draws its uniforms and reads the
+        penalties' windows alone."""
         n = len(samplers)
         masks = tuple(masks) if masks is not None else (None,) * n
-        f = np.zeros(n, np.float64)
-        draws, greedy = np.zeros(n, bool), np.zeros(n, bool)
-        temperature, top_k, top_p, min_p = f.copy(), np.zeros(n, np.int64), np.ones(n), f.copy()
-        rep, freq, pres, need, uniform = np.ones(n), f.copy(), f.copy(), np.zeros(n, np.int64), np.full(n, np.nan)
-        penalty, banned = [None] * n, [_NONE] * n
-        for i, (s, h) in enumerate(zip(samplers, histories)):
-            if s is None:
-                continue
-            p = s.params
-            draws[i], greedy[i] = True, p.is_greedy
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            need[i] = s.need() or 0
-            ids, counts = penalty_window(h, p, s.vocab_size)
+        key = tuple(samplers)
+        last = SampleRows._last  # read and replaced whole: another thread's steps only miss it
+        chains = last[1] if last is not None and last[0] == key else _Chains.of(key)
+        SampleRows._last = (key, chains)
+        uniform = np.full(n, np.nan)
+        for i in chains.sampled:
+            uniform[i] = samplers[i].uniform()
+        penalty = [None] * n
+        for i in chains.penalised:
+            s = samplers[i]
+            ids, counts = penalty_window(histories[i], s.params, s.vocab_size)
             penalty[i] = None if ids is None else (ids, counts)
-            banned[i] = s.banned
-            if not p.is_greedy:
-                uniform[i] = s.uniform()
-        return cls(draws, greedy, temperature, top_k, top_p, min_p, rep, freq, pres, need, uniform,
-                   tuple(penalty), tuple(banned), masks)
+        return cls(*chains.arrays, uniform, tuple(penalty), chains.banned, masks)
 
     def __len__(self) -> int:
         return self.draws.shape[0]
@@ -578,6 +595,30 @@ class SampleRows:
         idx = np.asarray(rows, np.int64)
         return SampleRows(*(v[idx] if isinstance(v, np.ndarray) else tuple(v[int(i)] for i in idx)
                             for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chains:
+    """The part of a step's SampleRows that its samplers fix: the arrays from `draws` to `need`
+    (read-only), the rows that draw a uniform, the rows whose penalties read a history window,
+    and each row's banned ids."""
+
+    arrays: tuple
+    sampled: list
+    penalised: list
+    banned: tuple
+
+    @classmethod
+    def of(cls, samplers: tuple) -> "_Chains":
+        n = len(samplers)
+        t = np.concatenate([_IDLE if s is None else s.chain for s in samplers] or [_IDLE[:0]]).reshape(n, _IDLE.size)
+        draws, greedy, pen = t[:, 0] != 0, t[:, 1] != 0, t[:, 10] != 0
+        arrays = (draws, greedy, t[:, 2].copy(), t[:, 3].astype(np.int64), t[:, 4].copy(), t[:, 5].copy(),
+                  t[:, 6].copy(), t[:, 7].copy(), t[:, 8].copy(), t[:, 9].astype(np.int64))
+        for a in arrays:
+            a.flags.writeable = False
+        return cls(arrays, np.flatnonzero(draws & ~greedy).tolist(), np.flatnonzero(pen).tolist(),
+                   tuple(_NONE if s is None else s.banned for s in samplers))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -426,36 +427,44 @@ class Engine:
             raise ValueError(f"sample needs one row per item ({len(items)}) and the last token's logits only")
         if top is not None and not 1 <= top <= self.cfg.vocab_size:
             raise ValueError(f"top must be in [1, {self.cfg.vocab_size}], got {top}")
-        slots, starts, sizes, segments = self._segments(items)
+        slots, ends, batch = self._segments(items)
         layers = self.layers if layers is None else layers
-        out = self.pipeline.step(Batch.of(segments), layers=layers, all_logits=all_logits, top=top, sample=sample)
-        self.kv.lengths[slots] = starts + sizes
+        out = self.pipeline.step(batch, layers=layers, all_logits=all_logits, top=top, sample=sample)
+        self.kv.lengths[slots] = ends
         return out if sample is None or isinstance(out, Drawn) else sample_rows(out, sample)
 
     def _segments(self, items):
-        """(slots, starts, sizes, Segments) of a step's items, checked, every block they write
-        reserved (kv_cache.KVPoolFull)."""
-        # the checks for all rows at once: a step's host cost must not grow by much per row
-        toks = [np.asarray(t, dtype=np.int64).reshape(-1) for _, t in items]
-        slots = np.fromiter((s for s, _ in items), np.int64, len(items))
-        sizes = np.fromiter(map(len, toks), np.int64, len(toks))
-        if len(items) and sizes.min() == 0:
-            raise ValueError(f"slot {int(slots[np.argmin(sizes)])}: no tokens to run")
-        flat = np.concatenate(toks) if toks else np.zeros(0, np.int64)
+        """(slots (S,), each one's length after the step (S,), Batch) of a step's items, checked,
+        every block they write reserved (kv_cache.KVPoolFull)."""
+        # A step holds a few rows: the per-row checks on lists, numpy for the arrays the step
+        # needs, built once (a numpy call costs more than a short loop's turn does).
+        n = len(items)
+        slots = np.fromiter((s for s, _ in items), np.int64, n)
+        seqs = [t for _, t in items]
+        sizes = list(map(len, seqs))
+        if 0 in sizes:
+            raise ValueError(f"slot {int(slots[sizes.index(0)])}: no tokens to run")
+        decode = n > 0 and max(sizes) == 1
+        if decode:  # one array for all, each row's token a view of a copy
+            flat = np.fromiter(itertools.chain.from_iterable(seqs), np.int64, n)
+            toks = list(flat.reshape(n, 1).copy())
+        else:
+            toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in seqs]
+            flat = np.concatenate(toks) if toks else np.zeros(0, np.int64)
         if flat.size and (flat.min() < 0 or flat.max() >= self.cfg.vocab_size):
             row = int(np.searchsorted(np.cumsum(sizes), np.flatnonzero((flat < 0) | (flat >= self.cfg.vocab_size))[0],
                                       side="right"))
             raise ValueError(f"slot {int(slots[row])}: token id out of range [0, {self.cfg.vocab_size})")
-        starts = np.asarray(self.kv.lengths)[slots]
-        over = np.flatnonzero(starts + sizes > self.max_ctx)
-        if over.size:
-            i = int(over[0])
-            raise ContextFull(f"slot {int(slots[i])}: {int(starts[i])} + {int(sizes[i])} tokens exceed the context "
-                              f"of {self.max_ctx}")
-        segments = [Segment(slot, start, t) for slot, start, t in zip(slots.tolist(), starts.tolist(), toks)]
-        for seg in segments:  # every block the step writes, before any device computes (kv_cache.KVPoolFull)
-            self.kv.reserve(seg.slot, seg.start + len(seg.tokens))
-        return slots, starts, sizes, segments
+        at = np.asarray(self.kv.lengths)[slots]  # (S,) each segment's first position
+        slot_ids, starts = slots.tolist(), at.tolist()
+        ends = [a + b for a, b in zip(starts, sizes)]
+        for i, end in enumerate(ends):
+            if end > self.max_ctx:
+                raise ContextFull(f"slot {slot_ids[i]}: {starts[i]} + {sizes[i]} tokens exceed the context "
+                                  f"of {self.max_ctx}")
+        self.kv.reserve_rows(slot_ids, ends)  # every block the step writes, before any device computes
+        segments = list(map(Segment, slot_ids, starts, toks))
+        return slots, ends, Batch.of_tokens(segments, flat, at) if decode else Batch.of(segments)
 
     def overlaps(self, n_rows: int) -> bool:
         """Whether a decode step of n_rows sequences launched by `launch` runs on a device while
@@ -484,12 +493,12 @@ class Engine:
         if after is not None and (after.device is None or any(j < 0 for j in rows)):
             items, after, rows = _with_draws(items, after, rows), None, None  # its ids on the host
         if self.overlaps(len(items)):
-            slots, starts, sizes, segments = self._segments(items)
-            handle = self.pipeline.launch(Batch.of(segments), sample=sample, all_logits=all_logits, top=top,
+            slots, ends, batch = self._segments(items)
+            handle = self.pipeline.launch(batch, sample=sample, all_logits=all_logits, top=top,
                                           layers=self.layers, after=None if after is None else after.device,
                                           rows=rows)
             if handle is not None:
-                self.kv.lengths[slots] = starts + sizes
+                self.kv.lengths[slots] = ends
                 return Launch(handle, device=handle)
         if after is not None:
             items = _with_draws(items, after, rows)

@@ -171,6 +171,11 @@ class SlotTable:
     def reserve(self, slot: int, n: int) -> None:
         """Room for positions [0, n) of `slot` (a whole slot has it)."""
 
+    def reserve_rows(self, slots: list[int], ends: list[int]) -> None:
+        """reserve(slots[i], ends[i]) for each segment of a step, in order."""
+        for slot, n in zip(slots, ends):
+            self.reserve(slot, n)
+
     def trim(self, slot: int, n: int) -> None:
         """Positions ≥ n of `slot` are no longer needed (a whole slot keeps its room)."""
 
@@ -389,6 +394,25 @@ class BlockTable:
         self.held[slot] = max(h, want)
         if self.check_owners and start is not None and start < n:
             self._check_write(slot, start, n)
+
+    def reserve_rows(self, slots: list[int], ends: list[int], starts: list[int]) -> None:
+        """reserve(slots[i], ends[i], start=starts[i]) for each segment of a step, in order.
+        Most decode rows write into a block they already hold alone: for those a few look-ups
+        tell that there is nothing to do, and only the others (a block to take or to copy, a
+        spilled slot, a segment over several blocks, a bad slot or end: reserve raises) go
+        through reserve. A reserve takes blocks from the pool or from closed slots, never from a
+        live slot's, so a row found to have nothing to do still has nothing to do after the
+        others'. (A step holds a few rows: a numpy pass over them costs more than this loop.)"""
+        bs, n_slots, max_ctx = self.block_size, len(self.held), self.max_ctx
+        held, tables, refs, spilled = self.held, self.tables, self.refs, self.spilled
+        for slot, n, start in zip(slots, ends, starts):
+            j = start // bs  # the block the segment starts in
+            if (0 <= slot < n_slots and start < n <= max_ctx and (n - 1) // bs == j and j < held[slot]
+                    and refs[tables[slot, j]] == 1 and slot not in spilled):
+                if self.check_owners:
+                    self._check_write(slot, start, n)
+                continue
+            self.reserve(slot, n, start=start)
 
     def release(self, slot: int, n: int) -> None:
         """The blocks of `slot` past position n back to the pool; a spilled slot's first
@@ -629,6 +653,12 @@ class KVCache(SlotTable):
         next: a block it shares there is copied first (the engine reserves a step's positions
         with lengths[slot] at the segment's start)."""
         self.blocks.reserve(slot, n, start=min(int(self.lengths[slot]), n))
+
+    def reserve_rows(self, slots: list[int], ends: list[int]) -> None:
+        """reserve(slots[i], ends[i]) for each segment of a step, in order (BlockTable.reserve_rows)."""
+        lengths = self.lengths
+        self.blocks.reserve_rows(slots, ends, [min(int(lengths[s]), n) if 0 <= s < self.n_slots else 0
+                                               for s, n in zip(slots, ends)])
 
     def trim(self, slot: int, n: int) -> None:
         self.blocks.release(slot, n)

@@ -21,15 +21,16 @@ decides what.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import numpy as np
 
 from ntransformerd.engine.gguf_file import LlamaConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """New tokens of one sequence: KV-cache slot, position of the first token, token ids."""
+class Segment(typing.NamedTuple):
+    """New tokens of one sequence: KV-cache slot, position of the first token, token ids. (A
+    named tuple: a step builds one per row, at half a frozen dataclass's cost.)"""
 
     slot: int
     start: int
@@ -51,6 +52,14 @@ class Batch:
         positions = np.concatenate([s.start + np.arange(len(s.tokens), dtype=np.int64) for s in segments])
         offsets = np.cumsum([0] + [len(s.tokens) for s in segments])
         return cls(tuple(segments), tokens, positions, offsets)
+
+    @classmethod
+    def of_tokens(cls, segments: list[Segment], tokens: np.ndarray, positions: np.ndarray) -> "Batch":
+        """Segments of one token each (a decode step) whose tokens and positions (S,) the caller
+        already holds flat. (The offsets from range, not np.arange, whose fill lets the GIL go:
+        the scheduler's thread would wait for it again behind the daemon's others.)"""
+        n = len(segments)
+        return cls(tuple(segments), tokens, positions, np.fromiter(range(n + 1), np.int64, n + 1))
 
     @property
     def last_rows(self) -> np.ndarray:
