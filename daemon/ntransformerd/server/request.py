@@ -115,33 +115,28 @@ class Request:
 
 
 async def _next(r: Request):
-    """r's next output, awaited on the running loop."""
-    while True:
-        try:
-            item = r.outputs.get_nowait()
-        except queue.Empty:
-            if r.waiter is None or r.waiter.done():
-                # set before the writer's next put, which then wakes it; a put before the writer
-                # could see it is found by looking again
-                r.waiter = asyncio.get_running_loop().create_future()
-            else:
-                await r.waiter
-            continue
-        r.waiter = None
-        return item
+    """r's next output, awaited on the running loop. Its queue has one reader, so what empty()
+    denies stays there (no queue.Empty raised a wait, on the loop that all streams share)."""
+    while r.outputs.empty():
+        if r.waiter is None or r.waiter.done():
+            # set before the writer's next put, which then wakes it; a put before the writer could
+            # see it is found by looking again
+            r.waiter = asyncio.get_running_loop().create_future()
+        else:
+            await r.waiter
+    r.waiter = None
+    return r.outputs.get_nowait()
 
 
 def _joined(outputs: queue.SimpleQueue, item: Output):
     """`item` and the outputs already waiting behind it as one, and what came after them (an
     end, an error; _WAIT: nothing yet)."""
-    while True:
-        try:
-            after = outputs.get_nowait()
-        except queue.Empty:
-            return item, _WAIT
+    while not outputs.empty():  # one reader: what it shows stays
+        after = outputs.get_nowait()
         if not isinstance(after, Output):
             return item, after  # the end, or an error: after this output
         item = item.then(after)
+    return item, _WAIT
 
 
 __all__ = ["Request"]

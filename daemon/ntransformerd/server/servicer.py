@@ -123,9 +123,12 @@ def rpc(method):
 
 def stream_rpc(method):
     """Server-streaming handler (an async generator on the server's loop): the same, around the
-    iteration."""
+    iteration; a request that did not decode is refused here (DecodeErrorInterceptor leaves async
+    handlers to it: one generator less around every message)."""
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(*request.refusal)
         try:
             async for m in method(self, request, context):
                 yield m
@@ -137,13 +140,16 @@ def stream_rpc(method):
 
 
 class _Undecodable:
-    def __init__(self, error: Exception):
-        self.error = error
+    def __init__(self, method: str, error: Exception):
+        self.refusal = (grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request is not a valid {method} message (string fields must be UTF-8): {error}")
 
 
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     """A request that is not valid protobuf (e.g. a string field that is not UTF-8) gets
-    INVALID_ARGUMENT instead of grpc's default INTERNAL "Exception deserializing request"."""
+    INVALID_ARGUMENT instead of grpc's default INTERNAL "Exception deserializing request": the
+    handler gets an _Undecodable, which a plain-function verb refuses here and an async one
+    (stream_rpc) itself."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -155,26 +161,15 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return deserialize(data)
             except (DecodeError, UnicodeDecodeError, ValueError) as e:
-                return _Undecodable(e)
-
-        def refusal(request: _Undecodable) -> tuple[grpc.StatusCode, str]:
-            return grpc.StatusCode.INVALID_ARGUMENT, (f"the request is not a valid {details.method} message (string "
-                                                      f"fields must be UTF-8): {request.error}")
+                return _Undecodable(details.method, e)
 
         def guard(behavior):
-            if behavior is None:
-                return None
-            if inspect.isasyncgenfunction(behavior):  # grpc.aio runs it on the loop: it stays one
-                async def checked_stream(request, context):
-                    if isinstance(request, _Undecodable):
-                        await context.abort(*refusal(request))
-                    async for m in behavior(request, context):
-                        yield m
-                return checked_stream
+            if behavior is None or inspect.isasyncgenfunction(behavior):
+                return behavior
 
             def checked(request, context):
                 if isinstance(request, _Undecodable):
-                    context.abort(*refusal(request))
+                    context.abort(*request.refusal)
                 return behavior(request, context)
             return checked
 
