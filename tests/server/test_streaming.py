@@ -1,11 +1,9 @@
 """The streaming thread (server/streaming.py) and the step runner's view of the step in flight
 (server/steps.py): a step's rows handed over at once still reach every stream whole and in
-order, whether its reader keeps up or falls behind, and a reader on an event loop (the gRPC
-server's) is woken once a step, not once a token."""
+order, whether its reader keeps up or falls behind."""
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 import types
@@ -25,7 +23,7 @@ class _Text:
 def _request(rid: int):
     r = types.SimpleNamespace(id=rid, text=_Text(), text_done=False, ended=False, completion_tokens=0,
                               prompt_ids=[rid], seq=types.SimpleNamespace(prompt_logprobs=None),
-                              outputs=queue.SimpleQueue(), waiter=None, t_done=None)
+                              outputs=queue.SimpleQueue(), t_done=None)
     r.usage = lambda: {"completion_tokens": r.completion_tokens}
     return r
 
@@ -119,64 +117,3 @@ def test_the_step_in_flight_names_its_requests_and_their_prompt_positions():
     assert runner.prompt_in_flight(b) == 0
     runner.pending = None
     assert runner.in_flight is None and runner.prompt_in_flight(b) == 0
-
-
-def test_readers_on_an_event_loop_get_every_token_and_one_wakeup_a_step():
-    streamer = Streamer(on_error=lambda r, e: (_ for _ in ()).throw(e))
-    streamer.start()
-    reqs = [_request(k) for k in range(1, 6)]
-    steps, counts = _steps(reqs, 40)
-    loop = asyncio.new_event_loop()
-    calls = []
-    into_loop = loop.call_soon_threadsafe
-    loop.call_soon_threadsafe = lambda *a: calls.append(a) or into_loop(*a)
-
-    async def read_all():
-        async def one(r):
-            return [o async for o in Request.astream(r)]
-        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
-        await asyncio.sleep(0.05)  # every reader waits before the first step
-        for step in steps:
-            streamer.send(step)
-        for r in reqs:
-            streamer.end(r, None)
-        return await asyncio.gather(*tasks)
-
-    try:
-        got = loop.run_until_complete(asyncio.wait_for(read_all(), 30))
-    finally:
-        streamer.stop()
-        loop.close()
-    for r, outs in zip(reqs, got):
-        assert [t for o in outs for t in o.token_ids] == [100 * r.id + i for i in range(counts[r.id])]
-        assert outs[-1].finish_reason == "length"
-    assert 0 < len(calls) <= len(steps) + len(reqs)  # a step's readers woken together, never one a token
-
-
-def test_a_reader_cancelled_while_it_waits_leaves_the_streamer_writing():
-    streamer = Streamer(on_error=lambda r, e: (_ for _ in ()).throw(e))
-    streamer.start()
-    gone, kept = _request(1), _request(2)
-    steps, counts = _steps([gone, kept], 10)
-    loop = asyncio.new_event_loop()
-
-    async def run():
-        waiting = asyncio.ensure_future(anext(Request.astream(gone)))
-        await asyncio.sleep(0.05)
-        waiting.cancel()  # the client went away: grpc.aio cancels its handler
-        reader = asyncio.ensure_future(_collect(kept))
-        for step in steps:
-            streamer.send(step)
-        for r in (gone, kept):
-            streamer.end(r, None)
-        return await reader
-
-    async def _collect(r):
-        return [o async for o in Request.astream(r)]
-
-    try:
-        outs = loop.run_until_complete(asyncio.wait_for(run(), 30))
-    finally:
-        streamer.stop()
-        loop.close()
-    assert [t for o in outs for t in o.token_ids] == [100 * kept.id + i for i in range(counts[kept.id])]

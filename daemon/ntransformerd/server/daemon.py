@@ -10,11 +10,6 @@ and its storage are server/models.py's (Daemon.models).
               remove the sockets. A load under way stops at its next layer (ShuttingDown);
               shutdown waits for it at most models.LOAD_STOP_WAIT_S, then exits without it
 
-Both gRPC servers are grpc.aio's, on one event loop in a thread of its own ("grpc"): a stream
-holds no thread while it waits for its next token, and the streaming thread wakes the loop once
-a step for all of them (servicer.py, streaming.py). Their plain-function verbs (the unary ones,
-health) and Generate's checks run on a thread pool beside it ("rpc", "admin").
-
 A refusal (the drive absent, refused by policy, another model staged, a corrupt header, no
 IOMMU, not root) exits 2, which the unit does not restart; a drive that will not come up after
 nvme_retries attempts exits 1. A drive error while serving fails the requests it was reading for
@@ -23,7 +18,6 @@ with UNAVAILABLE, turns health NOT_SERVING and brings the drive up again the sam
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
@@ -48,7 +42,6 @@ from ntx_proto.states import ServingState
 from ntx_system.service import Refused
 
 log = logging.getLogger("ntransformerd")
-RPC_THREADS = 32  # the unary verbs, Generate's checks and scheduling, health watches; no stream holds one
 INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -69,14 +62,11 @@ class Daemon:
         self.models = Models(config=config, notifier=self.notifier, lifecycle=self.lifecycle, scheduler=self.scheduler,
                              stopping=self.stopping, health=self.set_health, drain=self.drain, exit=self._exit,
                              transport_factory=transport_factory, run_dir=run_dir, state_dir=state_dir)
-        rpc_pool = concurrent.futures.ThreadPoolExecutor(RPC_THREADS, thread_name_prefix="rpc")
-        self.loop = asyncio.new_event_loop()  # the gRPC servers' (grpc.aio)
-        self.loop.set_default_executor(rpc_pool)  # Generate's checks and scheduling (run_in_executor)
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="grpc", daemon=True)
-        self._loop_thread.start()
-        self.server = self._on_loop(self._server(rpc_pool))
-        self.admin_server = self._on_loop(
-            self._server(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="admin")))
+        workers = config.max_batch + config.max_queue + 16  # each stream holds a thread while it waits
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rpc"),
+                                  interceptors=[DecodeErrorInterceptor()])
+        self.admin_server = grpc.server(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="admin"),
+                                        interceptors=[DecodeErrorInterceptor()])
         # the user socket's clients come through the relay, which knows their uid; TCP clients
         # through TLS with a certificate; the admin socket's are root (or the daemon's user)
         self.relay = Relay()
@@ -108,17 +98,17 @@ class Daemon:
             if c.admin_socket:
                 sockets.bind(self.admin_server, c.admin_socket, mode=sockets.ADMIN_MODE)
                 admin_bound = True
-            self._on_loop(self.server.start())
+            self.server.start()
             if admin_bound:
-                self._on_loop(self.admin_server.start())
+                self.admin_server.start()
             try:
                 self.relay.start(listener, self._user_socket)
             except OSError as e:  # its interpreter cannot be run, no file descriptors left, ...
                 raise sockets.SocketError(f"cannot start the user socket's relay process ({sys.executable}): "
                                           f"{e.strerror or e}") from None
         except BaseException:  # only what this start made goes: a socket another daemon serves stays
-            self._on_loop(self.server.stop(0))
-            self._on_loop(self.admin_server.stop(0))
+            self.server.stop(0)
+            self.admin_server.stop(0)
             if listener is not None:
                 listener.close()
                 sockets.remove(c.socket)
@@ -130,30 +120,6 @@ class Daemon:
         admin = c.admin_socket or "none: without $XDG_RUNTIME_DIR, --admin-socket PATH gives one"
         log.info("listening on %s (admin socket %s), pid %d", c.socket, admin, os.getpid())
         threading.Thread(target=self._initial_load, name="loader", daemon=True).start()
-
-    # ---- the gRPC servers' event loop --------------------------------------------------------
-
-    @staticmethod
-    async def _server(pool: concurrent.futures.ThreadPoolExecutor) -> grpc.aio.Server:
-        """A gRPC server on the loop (made there: grpc.aio binds it to the loop it is made on);
-        its plain-function verbs run on `pool`."""
-        return grpc.aio.server(pool, interceptors=[DecodeErrorInterceptor()])
-
-    def _on_loop(self, coroutine, timeout: float | None = None):
-        """Run `coroutine` on the servers' loop and wait for it (at most `timeout` s: then it goes
-        on there, and this returns None)."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            log.warning("the gRPC servers' loop did not finish %s within %.1f s", coroutine.__qualname__, timeout)
-            return None
-
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._loop_thread.join(5.0)
-        if not self._loop_thread.is_alive():
-            self.loop.close()
 
     def _initial_load(self) -> None:
         try:
@@ -199,10 +165,9 @@ class Daemon:
         log.info("stopping: draining in-flight requests for up to %.1f s", timeout)
         finished, cancelled = self.drain(timeout, reason="ntransformerd is shutting down")
         log.info("drained: %d finished, %d cancelled", finished, cancelled)
-        self._on_loop(self.server.stop(grace=1.0), timeout=2.0)
+        self.server.stop(grace=1.0).wait(2.0)
         self.relay.stop()  # after the server: its last words to the clients have passed through
-        self._on_loop(self.admin_server.stop(grace=0.5), timeout=1.0)
-        self._stop_loop()
+        self.admin_server.stop(grace=0.5).wait(1.0)
         self.scheduler.stop()
         self.models.release()
         for path in filter(None, (self.config.socket, self.config.admin_socket)):

@@ -2,18 +2,15 @@
 serving adds (its caller, deadline, prefix-cache use, state, outputs and timings).
 
 Thread rule: the scheduler thread writes its sequence and state, the streaming thread its text
-and outputs; cancel() from any thread; stream() from the thread that answers the caller, or
-astream() from the event loop that does (the gRPC server's: no thread waits per stream; the
-streaming thread wakes the loop once a step for every reader it wrote to, streaming.Streamer).
+and outputs; cancel() from any thread; stream() from the thread that answers the caller.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from ntransformerd.engine.generation import decode
 from ntransformerd.engine.generation.decode import Text
@@ -39,7 +36,6 @@ class Request:
         self.error: ServiceError | None = None  # set by cancel(); delivered when it retires
         # SimpleQueue: a put and a get in C, no Condition built per wait (one put a token at most)
         self.outputs: queue.SimpleQueue[Output | ServiceError | None] = queue.SimpleQueue()
-        self.waiter: asyncio.Future | None = None  # astream() waits on it for the next put (its loop sets it)
         self.t_created = time.monotonic()
         self.t_admitted = self.t_first = self.t_done = None
         self.text = Text(seq.engine.tokenizer, seq.params.stop)  # the streaming thread's
@@ -88,22 +84,18 @@ class Request:
                 return
             if isinstance(item, ServiceError):
                 raise item
-            item, after = _joined(self.outputs, item)
+            after = _WAIT
+            while True:  # join the outputs already waiting behind it
+                try:
+                    after = self.outputs.get_nowait()
+                except queue.Empty:
+                    after = _WAIT
+                    break
+                if not isinstance(after, Output):
+                    break  # the end, or an error: after this output
+                item, after = item.then(after), _WAIT
             yield item
             item = self.outputs.get() if after is _WAIT else after
-
-    async def astream(self) -> AsyncIterator[Output]:
-        """stream() for a reader on an event loop: it awaits the next output, and the streaming
-        thread wakes it (Streamer: one call into the loop a step for all the readers it woke)."""
-        item = await _next(self)
-        while True:
-            if item is None:
-                return
-            if isinstance(item, ServiceError):
-                raise item
-            item, after = _joined(self.outputs, item)
-            yield item
-            item = await _next(self) if after is _WAIT else after
 
     def usage(self) -> dict:
         now = self.t_done or time.monotonic()
@@ -112,31 +104,6 @@ class Request:
                     queue_seconds=(self.t_admitted or now) - self.t_created,
                     prefill_seconds=(self.t_first or now) - (self.t_admitted or now),
                     decode_seconds=now - (self.t_first or now))
-
-
-async def _next(r: Request):
-    """r's next output, awaited on the running loop. Its queue has one reader, so what empty()
-    denies stays there (no queue.Empty raised a wait, on the loop that all streams share)."""
-    while r.outputs.empty():
-        if r.waiter is None or r.waiter.done():
-            # set before the writer's next put, which then wakes it; a put before the writer could
-            # see it is found by looking again
-            r.waiter = asyncio.get_running_loop().create_future()
-        else:
-            await r.waiter
-    r.waiter = None
-    return r.outputs.get_nowait()
-
-
-def _joined(outputs: queue.SimpleQueue, item: Output):
-    """`item` and the outputs already waiting behind it as one, and what came after them (an
-    end, an error; _WAIT: nothing yet)."""
-    while not outputs.empty():  # one reader: what it shows stays
-        after = outputs.get_nowait()
-        if not isinstance(after, Output):
-            return item, after  # the end, or an error: after this output
-        item = item.then(after)
-    return item, _WAIT
 
 
 __all__ = ["Request"]

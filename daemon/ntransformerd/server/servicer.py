@@ -1,22 +1,13 @@
 """The gRPC face of the daemon: proto messages in, scheduler calls, proto messages out.
 
-Every domain error becomes a gRPC status in one place, STATUS_CODES / _failed(); nothing a
-client sends reaches the engine unchecked, and an unexpected exception becomes INTERNAL, not a
-crash.
-
-The servers are grpc.aio's (daemon.py). Generate is a coroutine on their event loop: it checks
-and schedules the request on a thread of the server's pool (tokenizing, compiling a constraint:
-work that must not hold the loop), then streams the outputs as the streaming thread hands them
-over (Request.astream), with no thread waiting per stream. The unary verbs are plain functions,
-which grpc.aio runs on that pool (its migration_thread_pool), with a context whose abort() raises.
+Every domain error becomes a gRPC status in one place, STATUS_CODES / abort(); nothing a client
+sends reaches the engine unchecked, and an unexpected exception becomes INTERNAL, not a crash.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import json
 import os
@@ -81,13 +72,11 @@ def bounded(message: str) -> str:
     return f"{message[:head]} … [{len(message) - head - tail} characters left out] … {message[-tail:]}"
 
 
-def _failed(context, exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status to abort the call with for `exc`; the field an InvalidRequest names goes in the
-    trailing metadata."""
+def _abort(context, exc: BaseException):
     code, message = status_of(exc)
     if isinstance(exc, errors.InvalidRequest) and exc.field:
         context.set_trailing_metadata(((FIELD_METADATA, exc.field),))
-    return code, message
+    context.abort(code, message)
 
 
 @contextlib.contextmanager
@@ -103,56 +92,48 @@ def _about(field: str):
         raise errors.InvalidRequest(str(e), field=field) from None
 
 
-def _aborted(exc: BaseException) -> bool:
-    """The call already ended: a gRPC error, or what context.abort raised."""
-    return isinstance(exc, (grpc.RpcError, grpc.aio.AbortError))
+def _aborted(exc: BaseException, context) -> bool:
+    """The call already ended: a gRPC error, or what context.abort raised (its code is set)."""
+    return isinstance(exc, grpc.RpcError) or context.code() is not None
 
 
 def rpc(method):
-    """Unary handler (on the server's pool): domain errors → abort with their status."""
+    """Unary handler: domain errors → abort with their status."""
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
         except Exception as e:  # noqa: BLE001
-            if _aborted(e):
+            if _aborted(e, context):
                 raise
-            context.abort(*_failed(context, e))
+            _abort(context, e)
     return wrapper
 
 
 def stream_rpc(method):
-    """Server-streaming handler (an async generator on the server's loop): the same, around the
-    iteration; a request that did not decode is refused here (DecodeErrorInterceptor leaves async
-    handlers to it: one generator less around every message)."""
+    """Server-streaming handler: the same, around the iteration."""
     @functools.wraps(method)
-    async def wrapper(self, request, context):
-        if isinstance(request, _Undecodable):
-            await context.abort(*request.refusal)
+    def wrapper(self, request, context):
         try:
-            async for m in method(self, request, context):
-                yield m
+            yield from method(self, request, context)
         except Exception as e:  # noqa: BLE001
-            if _aborted(e):
+            if _aborted(e, context):
                 raise
-            await context.abort(*_failed(context, e))
+            _abort(context, e)
     return wrapper
 
 
 class _Undecodable:
-    def __init__(self, method: str, error: Exception):
-        self.refusal = (grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request is not a valid {method} message (string fields must be UTF-8): {error}")
+    def __init__(self, error: Exception):
+        self.error = error
 
 
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+class DecodeErrorInterceptor(grpc.ServerInterceptor):
     """A request that is not valid protobuf (e.g. a string field that is not UTF-8) gets
-    INVALID_ARGUMENT instead of grpc's default INTERNAL "Exception deserializing request": the
-    handler gets an _Undecodable, which a plain-function verb refuses here and an async one
-    (stream_rpc) itself."""
+    INVALID_ARGUMENT instead of grpc's default INTERNAL "Exception deserializing request"."""
 
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
         deserialize = handler.request_deserializer
@@ -161,15 +142,17 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return deserialize(data)
             except (DecodeError, UnicodeDecodeError, ValueError) as e:
-                return _Undecodable(details.method, e)
+                return _Undecodable(e)
 
         def guard(behavior):
-            if behavior is None or inspect.isasyncgenfunction(behavior):
-                return behavior
+            if behavior is None:
+                return None
 
             def checked(request, context):
                 if isinstance(request, _Undecodable):
-                    context.abort(*request.refusal)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"the request is not a valid {details.method} message (string fields must be "
+                                  f"UTF-8): {request.error}")
                 return behavior(request, context)
             return checked
 
@@ -343,30 +326,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return self.scheduler.tokenize(ids=list(request.prompt_ids.ids))
 
     @stream_rpc
-    async def Generate(self, request: pb.GenerateRequest, context):
-        # checked and scheduled on the server's pool; shielded: a client gone meanwhile leaves a
-        # request that the scheduler must still be told to drop
-        scheduling = asyncio.get_running_loop().run_in_executor(None, self._schedule, request, context)
-        try:
-            req = await asyncio.shield(scheduling)
-        except asyncio.CancelledError:
-            scheduling.add_done_callback(_cancel_scheduled)
-            raise
-        context.add_done_callback(lambda _: req.cancel())  # the client went away: the slot is freed next step
-        tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
-        async for out in req.astream():
-            m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
-            if out.logprobs is not None:
-                m.logprobs.extend(logprobs_pb(tok, out.logprobs))
-            if out.prompt_logprobs is not None:
-                m.prompt_logprobs.extend(logprobs_pb(tok, out.prompt_logprobs))
-            if out.finish_reason:
-                m.finish_reason = FINISH[out.finish_reason]
-                m.usage.CopyFrom(pb.Usage(**out.usage))
-            yield m
-
-    def _schedule(self, request: pb.GenerateRequest, context):
-        """The request checked, tokenized and queued (a thread of the server's pool): the Request."""
+    def Generate(self, request: pb.GenerateRequest, context):
         _check_model(request.model, self.scheduler)
         engine = self.scheduler.engine
         max_tokens = max_tokens_of(request, engine, self.daemon.config.default_max_tokens)
@@ -385,11 +345,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e9 else None
         with _about(request.WhichOneof("input")):  # what is left to refuse is the prompt (empty, too long)
-            return self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
-                                           prefix_cache=not request.no_prefix_cache and caller is not None,
-                                           speculative=mode, logprobs=logprobs,
-                                           prompt_logprobs=request.prompt_logprobs, constraint=constraint,
-                                           caller=caller)
+            req = self.scheduler.schedule(prompt_ids, params, max_tokens=max_tokens, deadline=deadline,
+                                          prefix_cache=not request.no_prefix_cache and caller is not None,
+                                          speculative=mode, logprobs=logprobs,
+                                          prompt_logprobs=request.prompt_logprobs, constraint=constraint,
+                                          caller=caller)
+        context.add_callback(req.cancel)  # the client went away: the slot is freed next step
+        tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
+        for out in req.stream():
+            m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
+            if out.logprobs is not None:
+                m.logprobs.extend(logprobs_pb(tok, out.logprobs))
+            if out.prompt_logprobs is not None:
+                m.prompt_logprobs.extend(logprobs_pb(tok, out.prompt_logprobs))
+            if out.finish_reason:
+                m.finish_reason = FINISH[out.finish_reason]
+                m.usage.CopyFrom(pb.Usage(**out.usage))
+            yield m
 
     @rpc
     def Tokenize(self, request: pb.TokenizeRequest, context):
@@ -419,12 +391,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @rpc
     def Status(self, request, context):
         return status_response(self.scheduler, self.daemon, self.identify(context))
-
-
-def _cancel_scheduled(scheduling: asyncio.Future) -> None:
-    """Drop the request scheduled for a client that went away while it was being scheduled."""
-    if not scheduling.cancelled() and scheduling.exception() is None:
-        scheduling.result().cancel()
 
 
 def model_info(engine, report: EngineReport | None = None) -> pb.ModelInfo:

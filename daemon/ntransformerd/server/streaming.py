@@ -12,12 +12,6 @@ Where the step itself occupies the host's cores (a host backend: the CPU compute
 with all of them), a second thread would only take a core from the step, so the streamer runs
 `inline`: the same work, in the same order, on the loop's thread right after the step.
 
-A reader on an event loop (Request.astream, the gRPC server's) waits on a future for its next
-output. The streaming thread collects the futures of the readers it wrote to while it handles a
-step and sets them in one call into their loop at the step's end (`_wake`): one wakeup of the
-loop a step, not one a token (bench/grpc_stream.py measures both). Inline, each hand-over wakes
-its readers at once.
-
 Thread rule: after a request is queued, the streaming thread (inline: the loop's) is the only
 writer of its outputs and its text state; send() and end() may be called from any thread (the
 loop, a drain giving up on it).
@@ -25,7 +19,6 @@ loop, a drain giving up on it).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import queue
 import threading
@@ -75,10 +68,8 @@ class Streamer:
         the loop's end of that request with its last token. One hand-over a step, not one a row:
         each put can wake this thread, which then takes the interpreter from the loop mid-step."""
         if self.inline:
-            woken: list[asyncio.Future] = []
             for item in step:
-                self._handle(item, woken)
-            _wake(woken)
+                self._handle(item)
         elif step:
             self._queue.put(step)
 
@@ -86,28 +77,22 @@ class Streamer:
         """The request's stream ends after what was sent before: with `error` unless its text
         already ended."""
         if self.inline:
-            woken: list[asyncio.Future] = []
-            self._handle((request, None, error, None), woken)
-            _wake(woken)
+            self._handle((request, None, error, None))
         else:
             self._queue.put((request, None, error, None))
 
     def _run(self) -> None:
-        woken: list[asyncio.Future] = []
         while True:
             item = self._queue.get()
             if item is None:
-                _wake(woken)
                 return
             if isinstance(item, list):  # a step's rows
                 for one in item:
-                    self._handle(one, woken)
+                    self._handle(one)
             else:
-                self._handle(item, woken)
-            _wake(woken)
-            woken = []
+                self._handle(item)
 
-    def _handle(self, item, woken: list) -> None:
+    def _handle(self, item) -> None:
         request, tokens, extra, finish = item
         try:
             if tokens is None:
@@ -116,8 +101,6 @@ class Streamer:
                 self._text(request, tokens, extra, finish)
         except Exception as e:  # noqa: BLE001 - one request's text must not end the others'
             self.on_error(request, e)  # the loop retires it; its end carries the error
-        if request.waiter is not None:  # a reader on an event loop waits (Request.astream)
-            woken.append(request.waiter)
 
     def _text(self, r, tokens: list[int], logprobs: list | None, finish: str | None) -> None:
         if r.text_done or r.ended:  # a stop string ended it; the loop had drawn more meanwhile
@@ -147,21 +130,3 @@ class Streamer:
         if not r.text_done:
             r.outputs.put(error)
         r.outputs.put(None)
-
-
-def _wake(woken: list[asyncio.Future]) -> None:
-    """Set the waiting readers' futures, in one call into each one's event loop."""
-    loops: dict = {}
-    for f in woken:
-        loops.setdefault(f.get_loop(), []).append(f)
-    for loop, futures in loops.items():
-        try:
-            loop.call_soon_threadsafe(_resolve, futures)
-        except RuntimeError:  # the loop is closed: the server that read these streams has stopped
-            pass
-
-
-def _resolve(futures: list[asyncio.Future]) -> None:
-    for f in futures:
-        if not f.done():  # a reader that took its output meanwhile may have moved on; cancelled
-            f.set_result(None)
