@@ -3,6 +3,7 @@
     python3 bench/grpc_stream.py                        # every variant, 1 16 64 streams, 5 repeats
     python3 bench/grpc_stream.py --variants sync aio_step --streams 64 --repeats 9
     python3 bench/grpc_stream.py --rate 20000           # offered tokens/s (all streams together)
+    python3 bench/grpc_stream.py --rate 20000 --busy-us 30 --messages 12000   # beside a busy scheduler
     python3 bench/grpc_stream.py --smoke                # a few messages each: does it run?
 
 A server process serves the daemon's Inference/Generate (the proto's own stubs and messages)
@@ -10,7 +11,14 @@ on a Unix socket; a feeder thread in it plays the daemon's streaming thread: eve
 streams / --rate) it hands one token to each open stream, and each stream's handler turns what
 it finds into GenerateResponse messages (what waits behind the first is joined into one, as
 Request.stream does), the first with the prompt's ids, the last with finish_reason and usage.
-Clients in separate processes (grpc.aio, up to 16 streams each) read every stream to its end.
+Clients in separate processes (grpc.aio, up to 16 streams each) read every stream to its end,
+each stream on a connection of its own (--connections process: one a process).
+
+With --busy-us the feeder also holds the interpreter for that long a token before each hand-over,
+as the daemon's scheduler thread does between device steps. That changes the answer: a sync
+handler thread then wakes late, finds several tokens waiting and sends them as one message, so
+fewer, larger messages offset its dearer wakeups; compare grpc µs/token, not µs/msg, there, and
+check a verdict on the whole daemon (bench/host_ceiling.py) before acting on it.
 
     sync      grpc.server + ThreadPoolExecutor, one handler thread a stream blocking on a
               queue.SimpleQueue (the daemon today)
@@ -69,10 +77,12 @@ def name_thread(name: str) -> None:
 
 class Feeder:
     """The streaming thread's stand-in: one token to each open stream every `period` s; a
-    stream ends after the max_tokens its request asked for. `hand(stream, step)` delivers."""
+    stream ends after the max_tokens its request asked for. `hand(stream, step)` delivers.
+    busy: seconds of Python a token that the step holds the interpreter for first (the
+    scheduler's host work between device steps, which the gRPC side competes with)."""
 
-    def __init__(self, period: float, hand):
-        self.period, self.hand = period, hand
+    def __init__(self, period: float, hand, busy: float = 0.0):
+        self.period, self.hand, self.busy = period, hand, busy
         self._lock = threading.Lock()
         self._new: list = []
         threading.Thread(target=self._run, name="feeder", daemon=True).start()
@@ -95,6 +105,9 @@ class Feeder:
                 step.append((s[0], s[2], s[2] == s[1]))  # (stream, token number, last)
             live = [s for s in live if s[2] < s[1]]
             if step:
+                spin_until = time.perf_counter() + self.busy * len(step)
+                while time.perf_counter() < spin_until:
+                    pass
                 self.hand(step)
             due = max(due + self.period, time.perf_counter() - 10 * self.period)  # behind: no long burst
             left = due - time.perf_counter()
@@ -115,8 +128,8 @@ def response(items: list) -> pb.GenerateResponse:
 
 
 class SyncServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, period: float):
-        self.feeder = Feeder(period, self._hand)
+    def __init__(self, period: float, busy: float):
+        self.feeder = Feeder(period, self._hand, busy)
 
     @staticmethod
     def _hand(step) -> None:
@@ -139,9 +152,9 @@ class SyncServicer(inference_pb2_grpc.InferenceServicer):
 
 
 class AioServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, period: float, loop: asyncio.AbstractEventLoop, per_step: bool):
+    def __init__(self, period: float, busy: float, loop: asyncio.AbstractEventLoop, per_step: bool):
         self.loop = loop
-        self.feeder = Feeder(period, self._hand_step if per_step else self._hand_each)
+        self.feeder = Feeder(period, self._hand_step if per_step else self._hand_each, busy)
 
     def _hand_each(self, step) -> None:
         for q, n, last in step:
@@ -167,11 +180,11 @@ class AioServicer(inference_pb2_grpc.InferenceServicer):
                 return
 
 
-def serve(variant: str, socket: str, period: float) -> None:
+def serve(variant: str, socket: str, period: float, busy: float) -> None:
     """Serve until stdin closes; say "ready" on stdout once listening."""
     if variant == "sync":
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(64 + 16, initializer=name_thread, initargs=("rpc",)))
-        inference_pb2_grpc.add_InferenceServicer_to_server(SyncServicer(period), server)
+        inference_pb2_grpc.add_InferenceServicer_to_server(SyncServicer(period, busy), server)
         server.add_insecure_port(f"unix:{socket}")
         server.start()
         print("ready", flush=True)
@@ -183,7 +196,7 @@ def serve(variant: str, socket: str, period: float) -> None:
         name_thread("loop")
         server = grpc.aio.server()
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            AioServicer(period, asyncio.get_running_loop(), per_step=variant == "aio_step"), server)
+            AioServicer(period, busy, asyncio.get_running_loop(), per_step=variant == "aio_step"), server)
         server.add_insecure_port(f"unix:{socket}")
         await server.start()
         print("ready", flush=True)
@@ -194,22 +207,27 @@ def serve(variant: str, socket: str, period: float) -> None:
 
 # ---- the clients ----------------------------------------------------------------------------------
 
-def client(socket: str, streams: int, tokens: int) -> None:
-    """`streams` Generate calls at once once stdin says go; prints {"messages", "tokens"}."""
+def client(socket: str, streams: int, tokens: int, own_channels: bool) -> None:
+    """`streams` Generate calls at once once stdin says go (each on a connection of its own with
+    own_channels, as the daemon's clients come through the relay; else all on one); prints
+    {"messages", "tokens"}."""
     async def run():
-        async with grpc.aio.insecure_channel(f"unix:{socket}") as ch:
+        channels = [grpc.aio.insecure_channel(f"unix:{socket}") for _ in range(streams if own_channels else 1)]
+        for ch in channels:
             await ch.channel_ready()
-            stub = inference_pb2_grpc.InferenceStub(ch)
-            print("ready", flush=True)
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-            counts = collections.Counter()
+        stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        counts = collections.Counter()
 
-            async def one():
-                async for m in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=tokens)):
-                    counts["messages"] += 1
-                    counts["tokens"] += len(m.token_ids)
-            await asyncio.gather(*(one() for _ in range(streams)))
-            print(json.dumps(counts), flush=True)
+        async def one(stub):
+            async for m in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=tokens)):
+                counts["messages"] += 1
+                counts["tokens"] += len(m.token_ids)
+        await asyncio.gather(*(one(stubs[k % len(stubs)]) for k in range(streams)))
+        for ch in channels:
+            await ch.close()
+        print(json.dumps(counts), flush=True)
     asyncio.run(run())
 
 
@@ -243,10 +261,11 @@ def _spawn(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def level(socket: str, server: subprocess.Popen, streams: int, tokens: int) -> dict:
+def level(socket: str, server: subprocess.Popen, streams: int, tokens: int, connections: str) -> dict:
     """One run of `streams` streams of `tokens` tokens against a started server."""
     sizes = [PER_CLIENT] * (streams // PER_CLIENT) + ([streams % PER_CLIENT] if streams % PER_CLIENT else [])
-    clients = [_spawn("--client", socket, "--streams", str(k), "--tokens", str(tokens)) for k in sizes]
+    clients = [_spawn("--client", socket, "--streams", str(k), "--tokens", str(tokens), "--connections", connections)
+               for k in sizes]
     for c in clients:
         if c.stdout.readline().strip() != "ready":
             raise SystemExit("a client did not connect")
@@ -270,11 +289,13 @@ def level(socket: str, server: subprocess.Popen, streams: int, tokens: int) -> d
     return dict(streams=streams, messages=msgs, tokens=counts["tokens"], seconds=wall,
                 messages_per_second=msgs / wall, tokens_per_second=counts["tokens"] / wall,
                 cpu_us_per_message=cpu * 1e6 / msgs, cpu_us_per_token=cpu * 1e6 / counts["tokens"],
+                grpc_cpu_us_per_token=(cpu - spent.get("feeder", 0.0)) * 1e6 / counts["tokens"],
                 cpu_share=cpu / wall, stat_cpu_us_per_message=ticks * 1e6 / msgs, us_per_message_by_thread=by_thread)
 
 
 def summary(runs: list[dict]) -> dict:
-    keys = ("messages_per_second", "tokens_per_second", "cpu_us_per_message", "cpu_us_per_token", "cpu_share")
+    keys = ("messages_per_second", "tokens_per_second", "cpu_us_per_message", "cpu_us_per_token",
+            "grpc_cpu_us_per_token", "cpu_share")
     out = {k: dict(median=statistics.median(r[k] for r in runs), min=min(r[k] for r in runs),
                    max=max(r[k] for r in runs)) for k in keys}
     names = sorted({t for r in runs for t in r["us_per_message_by_thread"]})
@@ -287,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("--serve", "--client"):
         role, socket, *rest = sys.argv[1:]
         if role == "--serve":
-            serve(rest[0], socket, float(rest[1]))
+            serve(rest[0], socket, float(rest[1]), float(rest[2]))
         else:
-            client(socket, int(rest[1]), int(rest[3]))
+            client(socket, int(rest[1]), int(rest[3]), rest[5] == "stream")
         return 0
     p = common.parser(__file__, __doc__)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -299,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens/s the feeder offers, all streams together (default 5000: about the daemon's "
                         "ceiling on a tiny model at 64 clients); a step every streams/rate s")
     p.add_argument("--messages", type=int, default=6000, help="tokens per run, all streams together (default 6000)")
+    p.add_argument("--busy-us", type=float, default=0.0,
+                   help="µs of Python a token that each step holds the interpreter for before it hands the "
+                        "tokens over (the scheduler's share: ~30-40 in the daemon at 64 clients; default 0)")
+    p.add_argument("--connections", choices=("stream", "process"), default="stream",
+                   help="a connection per stream (default: as the daemon's clients, each through the relay), "
+                        "or one per client process for all its streams")
     args = p.parse_args(argv)
     if args.smoke:
         args.streams, args.repeats, args.messages = [1, 2], 1, 40
@@ -310,11 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.streams:
                 for v in order:  # alternated: the host's other load falls on every variant
                     socket = os.path.join(d, f"{v}.sock")
-                    server = _spawn("--serve", socket, v, str(n / args.rate))
+                    server = _spawn("--serve", socket, v, str(n / args.rate), str(args.busy_us / 1e6))
                     try:
                         if server.stdout.readline().strip() != "ready":
                             raise SystemExit(f"the {v} server did not start")
-                        r = level(socket, server, n, max(2, args.messages // n))
+                        r = level(socket, server, n, max(2, args.messages // n), args.connections)
                     finally:
                         server.stdin.close()
                         server.wait(30)
@@ -325,15 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(d, ignore_errors=True)
     result = dict(smoke=args.smoke, rate=args.rate, messages=args.messages, repeats=args.repeats,
+                  connections=args.connections, busy_us=args.busy_us,
                   host=dict(cpus=os.cpu_count(), load=os.getloadavg(), grpc=grpc.__version__),
                   levels=[dict(variant=v, streams=n, **summary(rs), runs=rs) for (v, n), rs in sorted(runs.items())])
-    print(f"\n{'variant':8} {'streams':>7}  {'µs/msg':>18}  {'µs/token':>8}  {'msg/s':>7}  {'tok/s':>7}  by thread µs/msg")
+    print(f"\n{'variant':8} {'streams':>7}  {'µs/msg':>18}  {'µs/token':>8}  {'grpc µs/token':>13}  {'msg/s':>7}  "
+          f"{'tok/s':>7}  by thread µs/msg")
     for x in result["levels"]:
         m = x["cpu_us_per_message"]
         threads = " ".join(f"{k}={v:.1f}" for k, v in sorted(x["us_per_message_by_thread"].items(),
                                                                 key=lambda kv: -kv[1]) if v >= 0.5)
         print(f"{x['variant']:8} {x['streams']:>7}  {m['median']:6.1f} [{m['min']:4.0f}-{m['max']:4.0f}]  "
-              f"{x['cpu_us_per_token']['median']:8.1f}  {x['messages_per_second']['median']:7.0f}  "
+              f"{x['cpu_us_per_token']['median']:8.1f}  {x['grpc_cpu_us_per_token']['median']:13.1f}  "
+              f"{x['messages_per_second']['median']:7.0f}  "
               f"{x['tokens_per_second']['median']:7.0f}  {threads}")
     common.write_json(args.json, result)
     return 0
