@@ -280,6 +280,15 @@ def check_relay(d: dict) -> None:
             d["daemon"]
 
 
+def check_grpc_stream(d: dict) -> None:
+    levels = {(x["variant"], x["streams"]): x for x in d["levels"]}
+    assert set(levels) == {(v, n) for v in ("sync", "aio", "aio_step") for n in (1, 2)}, levels
+    for x in levels.values():  # every stream read to its end: all its tokens, in one message each or joined
+        assert all(r["tokens"] == r["streams"] * max(2, d["messages"] // r["streams"]) for r in x["runs"]), x
+        assert all(figure(x[k]["median"]) for k in ("cpu_us_per_message", "messages_per_second")), x
+        assert x["us_per_message_by_thread"] and all(figure(v) for v in x["us_per_message_by_thread"].values()), x
+
+
 def check_kv_capacity(d: dict) -> None:
     c = d["capacity"]
     paged, slots = c["paged"], c["slots"]
@@ -325,6 +334,7 @@ def check_kl_divergence(d: dict) -> None:
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity, "kv_spill.py": check_kv_spill,
        "relay.py": check_relay,
+       "grpc_stream.py": check_grpc_stream,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,
        "serving_gpu.py": check_serving_gpu,  # the cpu backend where there is no GPU
