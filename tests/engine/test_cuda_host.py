@@ -1,9 +1,11 @@
 """Host-side planning of the CUDA backend that needs no GPU: attention splits, grids and tiles, heads."""
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from ntransformerd.engine.backends import cuda
 from ntransformerd.engine.gguf_file import LlamaConfig
+from ntransformerd.engine.quants import QUANT_BLOCKS
 from ntransformerd.engine.runtime.model import Batch, Segment
 
 
@@ -142,6 +144,37 @@ def test_mmh_chunks(sms):
     # the default model's matrices (576 wide) at 64 rows: one launch each
     for n, k in ((576, 576), (960, 576), (3072, 576), (576, 1536)):
         assert cuda.mmh_chunks(64, n, k, *cuda.mmh_grid(n, k, sms)) == 2
+
+
+@pytest.mark.parametrize("deterministic", (False, True))
+def test_chunked_launch_leaves_out_a_chunk_its_own_launch_would_sum_otherwise(deterministic):
+    """The one launch of a 33-128-row step covers the rows whose chunks a launch per chunk would
+    run on the same kernel order: a last chunk of 1-2 rows (the 1-row kernels, unless
+    deterministic) gets its own launch; 3+ rows (mmh at bucket 4) join. Every covered chunk's
+    order is the 32-row chunk's, and nothing is covered off the f16 tensor cores."""
+    s = cuda.CudaSettings(deterministic=deterministic)
+    for qtype in (Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.F32):
+        for n, k in ((576, 576), (960, 576), (576, 1536), (4096, 4096)):
+            if k % QUANT_BLOCKS[qtype][0]:
+                continue
+            for rows in (33, 34, 35, 64, 65, 66, 67, 100, 127, 128):
+                c, z, one = cuda.chunked_launch(qtype, rows, n, k, s, 132)
+                rem = rows % 32
+                if c.family != "mmh":
+                    assert (z, one) == (0, 0)
+                    continue
+                alone = [cuda.choose(qtype, n, k, min(32, rows - a), s, 132).order for a in range(0, rows, 32)]
+                joins = rem == 0 or alone[-1] == c.order
+                assert joins == (deterministic or rem == 0 or rem >= 3), (qtype, rows)
+                want = rows if joins else rows - rem
+                if z:
+                    assert one == want and z == -(-want // 32) and want > 32
+                    assert all(o == c.order for o in alone[:z])
+                else:
+                    assert one == 0 and (want <= 32 or cuda.mmh_chunks(want, n, k, *c.grid) == 0)
+    # the default model's 64- and 65-row steps: one launch of 64 rows
+    assert cuda.chunked_launch(Q.Q4_1, 65, 576, 576, cuda.CudaSettings(), 132)[1:] == (2, 64)
+    assert cuda.chunked_launch(Q.Q4_1, 64, 576, 576, cuda.CudaSettings(), 132)[1:] == (2, 64)
 
 
 def test_reads_qact():

@@ -22,7 +22,7 @@ from ntransformerd.engine.backends.cuda.attention import (  # noqa: F401 (the ba
 from ntransformerd.engine.backends.cuda.launch import (  # noqa: F401 (the backend's surface)
     CHUNKED_MAX_ROWS, F16_LEGACY, F16_MATVEC, FAST_MATVEC, MATVEC_BUCKETS, MATVEC_MAX_ROWS, MMA_MATVEC, MMA_MIN_BUCKET,
     MMH_PART_FLOATS, MMH_ROWS, ROWS_PER_WARP, WIDE_ROWS_PER_WARP, Choice, QAct, argmax, bucket_of, choose,
-    dequantize_rows, matmul, matvec, matvec_rows, mmh_chunks, mmh_grid, quantize, reads_f16, reads_qact,
+    chunked_launch, dequantize_rows, matmul, matvec, matvec_rows, mmh_chunks, mmh_grid, quantize, reads_f16, reads_qact,
     rms_norm, rope_, swiglu, top_rows, uses_cublas)
 from ntransformerd.engine.backends.cuda.nvrtc import available, cp, kernel, kernel_source, pdl  # noqa: F401
 from ntransformerd.engine.backends.cuda.ops import Arena, CudaOps

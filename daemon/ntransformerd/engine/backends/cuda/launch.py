@@ -273,6 +273,21 @@ def mmh_chunks(rows: int, n: int, k: int, tiles: int, ks: int) -> int:
     return z
 
 
+def chunked_launch(qtype, rows: int, n: int, k: int, s: CudaSettings = DEFAULT, sms: int = 0) -> tuple[Choice, int, int]:
+    """(the 32-row chunks' kernel, gridDim.z, the rows it covers) of one launch for a step of
+    `rows` rows (> MATVEC_MAX_ROWS) against an (n, k) weight; z = 0: a launch per chunk. A last,
+    partial chunk joins the launch only where a launch of its own sums its rows the same way
+    (Choice.order): 1-2 rows run the 1-row kernels unless deterministic, so a 65-row step is one
+    launch of 64 rows and one of 1. Pure: tests enumerate it."""
+    c = choose(qtype, n, k, MATVEC_MAX_ROWS, s, sms)
+    if c.family != "mmh":
+        return c, 0, 0
+    rem = rows % MATVEC_MAX_ROWS
+    one = rows if rem == 0 or choose(qtype, n, k, rem, s, sms).order == c.order else rows - rem
+    z = mmh_chunks(one, n, k, *c.grid)
+    return c, z, one if z else 0
+
+
 def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSettings = DEFAULT):
     """matvec for any number of rows up to CHUNKED_MAX_ROWS (any number with
     settings.deterministic): chunks of ≤ MATVEC_MAX_ROWS rows, each the fused kernel at its
@@ -288,9 +303,9 @@ def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSett
     if xq is not None and (xq.k != w.shape[1] or xq.rows < n):
         raise ValueError(f"matvec_rows: xq ({xq.rows}, {xq.k}) for {n} rows of K {w.shape[1]}")
     nw, kw = w.shape
-    uses_sms = w.qtype in F16_MATVEC or w.qtype in F16_LEGACY
-    c = choose(w.qtype, nw, kw, MATVEC_MAX_ROWS, s, sm_count() if uses_sms else 0)
-    z = mmh_chunks(n, nw, kw, *c.grid) if c.family == "mmh" else 0
+    c, z, one = chunked_launch(w.qtype, n, nw, kw, s, sm_count() if w.qtype in F16_MATVEC or w.qtype in F16_LEGACY
+                               else 0)
+    a0 = 0
     if z and _rows_contiguous(x, kw) and _rows_contiguous(out, nw) and (res is None or _rows_contiguous(res, nw)):
         check_array(x, cp.float32, 2, "matvec_rows x")
         check_array(out, cp.float32, 2, "matvec_rows out")
@@ -299,9 +314,9 @@ def matvec_rows(x, w, *, out=None, res=None, xq: QAct | None = None, s: CudaSett
         part, cnt = mmh_scratch()
         kernel("quant", c.instance)((*c.grid, z), (256,), (
             *w.ptrs(), x, res if res is not None else out, np.int32(res is not None), out, np.int32(nw),
-            np.int32(kw), np.int32(n), part, cnt))
-        return out
-    for a in range(0, n, MATVEC_MAX_ROWS):
+            np.int32(kw), np.int32(one), part, cnt))
+        a0 = one
+    for a in range(a0, n, MATVEC_MAX_ROWS):
         b = min(n, a + MATVEC_MAX_ROWS)
         matvec(x[a:b], w, out=out[a:b], res=None if res is None else res[a:b],
                xq=None if xq is None else xq.part(a, b), s=s)
