@@ -24,7 +24,7 @@ from ntransformerd.server.errors import (DeadlineExceeded, EngineFailed, Invalid
                                          ShuttingDown)
 from ntransformerd.server.lifecycle import Lifecycle
 from ntransformerd.server.metrics import Metrics
-from ntransformerd.server.prefix_cache import PrefixCache, scope
+from ntransformerd.server.prefix_cache import PrefixCache
 from ntransformerd.server.request import Request
 from ntransformerd.server.served import ServedEngine, model_name
 from ntransformerd.server.speculation import Speculation
@@ -323,7 +323,6 @@ class Loop:
         flying = runner.in_flight or ()
         draws_ahead = runner.draws_ahead
         share = self.prefix.share if self.prefix.enabled else None
-        scopes = {}  # id(caller) → its scope: one caller has many requests
         decode, running = RequestState.DECODE, policy.Running
         out = []
         for r in requests:
@@ -333,22 +332,16 @@ class Loop:
             prefilled = seq.prefilled + queued
             left = max(0, len(seq.inputs) - prefilled)
             decoding = r.state == decode
-            if share is not None and r.prefix_cache:
-                c = r.caller
-                sc = scopes.get(id(c))
-                if sc is None:
-                    sc = scopes[id(c)] = scope(c, share)
-            else:
-                sc = None
             if owed and seq.slot >= 0:
                 n = len(seq.history)
                 owes = max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
             else:
                 owes = 0
             out.append(running(
-                key=key, decoding=decoding, ready=r.error is None and seq.finish is None and not r.text_done,  # not finished
+                key=key, decoding=decoding, ready=r.error is None and not r.finished,
                 admitted_at=r.t_admitted or 0.0, owed_blocks=owes, left=left, prompt=seq.prompt_ids,
-                prefilled=prefilled, scope=sc, in_flight=in_flight,
+                prefilled=prefilled, scope=r.scope(share) if share is not None and r.prefix_cache else None,
+                in_flight=in_flight,
                 runs_ahead=in_flight and (left > 0 if queued else (
                     draws_ahead and decoding and seq.runs_ahead() and engine.length(seq.slot) < engine.max_ctx)),
                 host=not seq.draws_anywhere() or seq.prompt_logprobs is not None))
