@@ -328,7 +328,8 @@ class Loop:
         for r in requests:
             seq, key = r.seq, r.id
             in_flight = key in flying
-            queued = runner.prompt_in_flight(r) if in_flight else 0  # prompt positions in flight
+            # prompt positions in flight (a decoding request has none)
+            queued = runner.prompt_in_flight(r) if in_flight and not seq.decoding else 0
             prefilled = seq.prefilled + queued
             left = max(0, len(seq.inputs) - prefilled)
             decoding = r.state == decode
