@@ -19,7 +19,9 @@ from ntransformerd.engine.generation.decode import generate
 from ntransformerd.engine.runtime.engine import Engine, EngineConfig, Launch, Ran
 from ntransformerd.engine.generation.sampler import SamplingParams, TopLogits, sample_rows
 from ntransformerd.engine.generation.speculative import Mode
-from ntransformerd.server import errors
+from ntransformerd.server import errors, policy
+from ntransformerd.server.callers import Caller
+from ntransformerd.server.prefix_cache import scope
 from ntransformerd.server.scheduler import Output, Request, Scheduler
 from ntransformerd.server.systemd import Notifier
 from ntx_proto.states import RequestState, ServingState
@@ -664,3 +666,60 @@ def test_the_cost_table_is_measured_with_no_step_in_flight(tokenizer, monkeypatc
     s.schedule([4, 5], GREEDY, max_tokens=2, speculative=Mode.parse("ngram"))
     iterate(s)
     assert in_flight == [False] and a.generated >= 2
+
+
+def test_admission_sees_the_running_set_as_a_fresh_description_of_it(default_model, monkeypatch):
+    """admit describes the running set once and appends each request it admits: every
+    admission decision must see what a fresh description of the live requests says (their
+    blocks owed included), as requests join a running one, in one iteration and over several."""
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=6, max_ctx=128, kv_blocks=12))
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=6, prefix_cache=False),
+                  notifier=Notifier(environ={}))
+    s.attach(engine)
+    s.lifecycle.serving()
+    seen = []
+    real = policy.admits
+
+    def admits(head, running, room):
+        seen.append((list(running), s._running_all(s._live, owed=True)))
+        return real(head, running, room)
+
+    monkeypatch.setattr(policy, "admits", admits)
+    ids = engine.tokenizer.encode("The history of the city begins with a small village by the river " * 4)
+    first = s.schedule(ids[:20], SamplingParams.greedy(ignore_eos=True), max_tokens=6)
+    iterate(s)
+    reqs = [first] + [s.schedule(ids[k:k + 30], SamplingParams.greedy(ignore_eos=True), max_tokens=6)
+                      for k in (1, 2, 3, 4, 5)]
+    iterate_until_done(s, reqs, 200)
+    s.stop()
+    assert len(seen) >= 6 and any(len(got) > 1 for got, _ in seen)
+    assert any(r.owed_blocks for got, _ in seen for r in got)  # what it checks is there to see
+    for got, fresh in seen:
+        assert got == fresh
+
+
+def test_a_requests_prefix_scope_is_its_callers_under_the_share_asked():
+    """Request.scope keeps its caller's scope (the policy reads it every step): it is
+    prefix_cache.scope's for whichever share is asked, the share changed included."""
+    alice = Caller("uid:1001", uid=1001, gid=100, on_behalf_of="key:1")
+    seq = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=None), params=types.SimpleNamespace(stop=()))
+    for caller in (alice, None):
+        r = Request(seq, deadline=None, caller=caller)
+        for share in ("none", "group", "all", "group", "none"):
+            assert r.scope(share) == scope(caller, share)
+
+
+def test_a_prompt_chunk_that_does_not_draw_leaves_the_steps_top_ids_alone(tokenizer):
+    """A step asks for the most likely ids its drawing rows need: a prompt chunk that does not
+    end its prompt draws nothing, so its sampler (penalties: whole rows) does not widen it until
+    the chunk that ends it."""
+    s, engine = make(tokenizer, max_batch=4, prefill_chunk=2)
+    n_eog = len(tokenizer.eog_ids)
+    s.schedule([5], GREEDY, max_tokens=12)
+    iterate(s)
+    s.schedule(list(range(10, 20)), SamplingParams(repetition_penalty=1.2, seed=2), max_tokens=3)
+    for _ in range(6):
+        iterate(s)
+    mixed = [top for step, top in zip(engine.steps, engine.tops) if sorted(n for _, n in step) == [1, 2]]
+    # the chunks before the last draw nothing; the last one draws, with penalties: whole rows
+    assert len(mixed) >= 2 and mixed[:-1] == [1 + n_eog] * (len(mixed) - 1) and mixed[-1] is None, mixed

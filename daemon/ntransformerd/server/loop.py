@@ -24,7 +24,7 @@ from ntransformerd.server.errors import (DeadlineExceeded, EngineFailed, Invalid
                                          ShuttingDown)
 from ntransformerd.server.lifecycle import Lifecycle
 from ntransformerd.server.metrics import Metrics
-from ntransformerd.server.prefix_cache import PrefixCache, scope
+from ntransformerd.server.prefix_cache import PrefixCache
 from ntransformerd.server.request import Request
 from ntransformerd.server.served import ServedEngine, model_name
 from ntransformerd.server.speculation import Speculation
@@ -231,8 +231,12 @@ class Loop:
     def admit(self) -> None:
         """Queued requests take free KV-cache slots, oldest first, while policy.admits the head,
         each starting from the longest prefix of its prompt that a kept or live slot holds."""
-        while self._queue and self.engine is not None and policy.admits(
-                self._queued(self._queue[0]), self._running_all(self._live, owed=True), self._room()):
+        if not self._queue or self.engine is None:
+            return
+        # what the running set owes does not change as requests join (their slots are new or were
+        # kept, never a running one's): described once, each admitted request appended
+        running = self._running_all(self._live, owed=True)
+        while self._queue and policy.admits(self._queued(self._queue[0]), running, self._room()):
             r = self._queue.popleft()
             try:
                 r.seq.slot, r.seq.prefilled = self.prefix.open(r.prompt_ids, self._live_kv(), use=r.prefix_cache,
@@ -248,6 +252,7 @@ class Loop:
                 r.state, r.t_admitted = RequestState.PREFILL, time.monotonic()
                 self.metrics.admitted(len(r.prompt_ids))
             self._live.append(r)
+            running += self._running_all([r], owed=True)
 
     def preempt(self, cause: BaseException) -> bool:
         """A step's KV blocks could not be reserved: the youngest live request (policy.victim)
@@ -279,8 +284,12 @@ class Loop:
                     self._catch_up(r)
         by_id = {r.id: r for r in self._live}
         rows = policy.compose(self._running_all(self._live), self.config.prefill_chunk, overlap=self.overlap)
-        return [(by_id[row.key], by_id[row.key].seq.row(row.tokens, self.runner.prompt_in_flight(by_id[row.key])))
-                for row in rows]
+        batch, in_flight = [], self.runner.prompt_in_flight
+        for row in rows:
+            r = by_id[row.key]
+            seq = r.seq  # a decode row runs its last token: no prompt positions in flight to follow
+            batch.append((r, seq.row(row.tokens) if seq.decoding else seq.row(row.tokens, in_flight(r))))
+        return batch
 
     def _catch_up(self, r: Request) -> None:
         try:
@@ -311,25 +320,28 @@ class Loop:
         is looked up once here, not once a request); `owed`: with the blocks their positions still
         need."""
         kv, engine, runner = self.engine.kv, self.engine, self.runner
-        flying = runner.in_flight
+        flying = runner.in_flight or ()
         draws_ahead = runner.draws_ahead
         share = self.prefix.share if self.prefix.enabled else None
-        decode = RequestState.DECODE
+        decode, running = RequestState.DECODE, policy.Running
         out = []
         for r in requests:
-            seq = r.seq
-            in_flight = flying is not None and r.id in flying
-            queued = runner.prompt_in_flight(r) if in_flight else 0  # prompt positions in flight
-            left = max(0, len(seq.inputs) - seq.prefilled - queued)
+            seq, key = r.seq, r.id
+            in_flight = key in flying
+            # prompt positions in flight (a decoding request has none)
+            queued = runner.prompt_in_flight(r) if in_flight and not seq.decoding else 0
+            prefilled = seq.prefilled + queued
+            left = max(0, len(seq.inputs) - prefilled)
             decoding = r.state == decode
-            n = len(seq.history)
-            out.append(policy.Running(
-                key=r.id, decoding=decoding, ready=r.error is None and not r.finished,
-                admitted_at=r.t_admitted or 0.0,
-                owed_blocks=max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
-                if owed and seq.slot >= 0 else 0,
-                left=left, prompt=seq.prompt_ids, prefilled=seq.prefilled + queued,
-                scope=scope(r.caller, share) if share is not None and r.prefix_cache else None,
+            if owed and seq.slot >= 0:
+                n = len(seq.history)
+                owes = max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
+            else:
+                owes = 0
+            out.append(running(
+                key=key, decoding=decoding, ready=r.error is None and not r.finished,
+                admitted_at=r.t_admitted or 0.0, owed_blocks=owes, left=left, prompt=seq.prompt_ids,
+                prefilled=prefilled, scope=r.scope(share) if share is not None and r.prefix_cache else None,
                 in_flight=in_flight,
                 runs_ahead=in_flight and (left > 0 if queued else (
                     draws_ahead and decoding and seq.runs_ahead() and engine.length(seq.slot) < engine.max_ctx)),

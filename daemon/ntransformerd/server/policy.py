@@ -99,8 +99,9 @@ def waits_for_shared_prefill(r: Running, running: Sequence[Running]) -> bool:
     for o in running:
         if o.key == r.key:
             return False
-        shared = min(common_prefix(r.prompt, o.prompt), len(r.prompt) - 1)
-        if not o.decoding and o.scope == r.scope and shared > max(o.prefilled, r.prefilled):
+        if o.decoding or o.scope != r.scope:  # the prompts are compared only where it could matter
+            continue
+        if min(common_prefix(r.prompt, o.prompt), len(r.prompt) - 1) > max(o.prefilled, r.prefilled):
             return True
     return False
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from ntransformerd.engine.generation import decode
 from ntransformerd.engine.generation.decode import Text
 from ntransformerd.server.errors import Cancelled, ServiceError
+from ntransformerd.server.prefix_cache import scope
 from ntransformerd.server.streaming import Output
 from ntx_proto.states import RequestState
 
@@ -43,6 +44,14 @@ class Request:
         self.text_done = False  # its last output is written (the streaming thread sets it)
         self.resume_below: int | None = None  # preempted: readmitted once fewer than this many are live
         self.ended = False  # its stream is closed (the streaming thread sets it)
+        self._scope: tuple[str, str] | None = None  # (prefix_cache_share, its scope under it)
+
+    def scope(self, share: str) -> str:
+        """Its caller's prefix-cache scope under `share` (prefix_cache.scope), worked out once: the
+        policy reads it every step."""
+        if self._scope is None or self._scope[0] != share:
+            self._scope = (share, scope(self.caller, share))
+        return self._scope[1]
 
     @property
     def prompt_ids(self) -> list[int]:

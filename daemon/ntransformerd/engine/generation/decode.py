@@ -68,14 +68,21 @@ class Sequence:
         self.inputs = self.prompt_ids  # what prefill runs: the prompt, or after a restart its history
         self.generated = 0  # accepted tokens
         self.slot = -1
-        self.prefilled = 0  # prompt positions in the slot
+        self.prefilled = 0  # prompt positions in the slot (sets decoding)
         self.finish: str | None = None  # "eos" | "length" | "stop" (the constraint is complete)
         self.keep_rows = False  # the driver wants each draw's row of logits (Row.logits)
 
     @property
-    def decoding(self) -> bool:
-        """The whole prompt (after a restart: the whole history) is in the slot."""
-        return self.prefilled >= len(self.inputs)
+    def prefilled(self) -> int:
+        """Prompt positions in the slot (after a restart: of its history)."""
+        return self._prefilled
+
+    @prefilled.setter
+    def prefilled(self, n: int) -> None:
+        # decoding is read by every row several times a step, prefilled set once a prompt chunk:
+        # kept beside it, not computed at each read (inputs changes only with prefilled, in restart)
+        self._prefilled = n
+        self.decoding = n >= len(self.inputs)  # the whole prompt (after a restart: the whole history) is in the slot
 
     @property
     def restarted(self) -> bool:
@@ -88,7 +95,8 @@ class Sequence:
         if self.spec is not None:
             self.speculator.close(self.spec)
             self.spec = None
-        self.inputs, self.prefilled, self.slot = list(self.history), 0, -1
+        self.inputs = list(self.history)
+        self.prefilled, self.slot = 0, -1
 
     def free_positions(self) -> int:
         """Positions left after the last accepted token's (negative: it has none)."""
@@ -149,20 +157,21 @@ class Sequence:
 
     def accept(self, tokens: Seq[int]) -> list[int]:
         """Append tokens while none ends the sequence; the ones taken (finish says why it ended)."""
-        taken = []
+        taken, history, constraint = [], self.history, self.constraint
         for t in tokens:
-            self.history.append(int(t))
+            t = int(t)
+            history.append(t)
             self.generated += 1
-            taken.append(int(t))
+            taken.append(t)
             if t in self.eog_ids and not self.params.ignore_eos:
                 self.finish = "eos"
                 break
-            if self.constraint is not None:
-                self.constraint.consume(t)
-            if self.constraint is not None and self.constraint.stopped:
-                self.finish = "stop"
-                break
-            if self.generated >= self.max_tokens or self.free_positions() < 0:
+            if constraint is not None:
+                constraint.consume(t)
+                if constraint.stopped:
+                    self.finish = "stop"
+                    break
+            if self.generated >= self.max_tokens or len(history) > self.max_ctx:  # free_positions() < 0
                 self.finish = "length"
                 break
         return taken
@@ -266,12 +275,13 @@ class Launched:
                     if u == u:
                         r.seq.sampler.give_back(u)
             raise
-        later = {id(r.seq) for r in ahead.live} if ahead is not None else set()
+        later = {id(r.seq) for r in ahead.live} if ahead is not None else ()
+        if self.kind == "draw":
+            self._finish_draws(out, later)
+            return
         if self.kind == "all":
             ends = np.cumsum([len(r.tokens) + (len(r.draft.tokens) if r.draft is not None else 0) for r in self.live])
             outs = [out[e - n:e] for r, e, n in zip(self.live, ends, np.diff(ends, prepend=0))]
-        elif self.kind == "draw":
-            outs = [None] * len(self.live)
         else:
             # a verify row (its draft empty): (1, V)
             outs = [out[i] if r.draft is None else out[i][None] for i, r in enumerate(self.live)]
@@ -281,7 +291,26 @@ class Launched:
                 continue
             if seq.finish is None:
                 try:
-                    advance(r, o, out if self.kind == "draw" else None, i)
+                    advance(r, o, None, i)
+                except Exception as e:  # noqa: BLE001 - this row fails, the others go on
+                    r.fail(e, "sampling its next token")
+            seq.settle(1 if id(seq) in later else 0)
+
+    def _finish_draws(self, drawn: Drawn, later) -> None:
+        """finish() of a step that drew its rows' ids (kind "draw"): a decode row accepts its id
+        (draws_anywhere: no draft, no log-probabilities), read from one list, not one numpy
+        scalar a row; a prompt chunk advances as advance() says."""
+        ids, faults = drawn.ids.tolist(), drawn.fault.tolist()
+        for i, r in enumerate(self.live):
+            seq = r.seq
+            if seq.slot < 0:
+                continue
+            if seq.finish is None:
+                try:
+                    if seq.decoding and not faults[i]:
+                        r.accepted = seq.accept((ids[i],))
+                    else:
+                        advance(r, None, drawn, i)
                 except Exception as e:  # noqa: BLE001 - this row fails, the others go on
                     r.fail(e, "sampling its next token")
             seq.settle(1 if id(seq) in later else 0)
@@ -309,23 +338,41 @@ def launch(engine, rows: Seq[Row], after: Launched | None = None, *, now: bool =
         return Launched(rows, live, None, kind="none")
     where = {} if after is None else {id(r.seq): i for i, r in enumerate(after.live)}
     idx = [where.get(id(r.seq), -1) if r.seq.decoding else -1 for r in live]  # a prompt chunk runs its own tokens
-    if any(j >= 0 and not after.draws_ahead for j in idx):
+    if where and not after.draws_ahead and any(j >= 0 for j in idx):
         raise ValueError("launch: a row runs ahead of a step that did not draw its token where it ran")
+    # one pass over the rows (every step's per-row cost): what the step runs, and what decides its kind
+    items, samplers, top, scoring, drafted, anywhere, ahead = [], [], 0, False, False, True, False
     for r, j in zip(live, idx):
+        seq = r.seq
         if j < 0:
-            r.seq.settle()  # a self-draft ran scratch positions on the slot
-    items = [(r.seq.slot, r.tokens + (r.draft.tokens if r.draft is not None else [])) for r in live]
-    drawing = [r for r in live if r.draws]
-    needs = [r.seq.need() for r in drawing]
-    top = max(needs) if needs and None not in needs else None
-    scoring = any(r.seq.prompt_logprobs is not None and not r.seq.decoding and not r.seq.restarted for r in live)
-    ahead = any(j >= 0 for j in idx)
+            seq.settle()  # a self-draft ran scratch positions on the slot
+        else:
+            ahead = True
+        d = r.draft
+        if d is None:
+            items.append((seq.slot, r.tokens))
+        else:
+            items.append((seq.slot, r.tokens + d.tokens))
+            drafted = drafted or bool(d.tokens)
+        if not seq.decoding and seq.prompt_logprobs is not None and not seq.restarted:
+            scoring = True
+        if r.draws:
+            samplers.append(seq.sampler)
+            if top is not None:
+                n = seq.need()
+                top = None if n is None else max(top, n)
+            anywhere = anywhere and seq.draws_anywhere()
+        else:
+            samplers.append(None)
+    drawing = len(samplers) - samplers.count(None)
+    if not drawing:
+        top = None
     rows_of, after_handle = (idx, after.handle) if ahead else (None, None)
-    if scoring or any(r.draft is not None and r.draft.tokens for r in live):  # every row of a draft or a scored prompt
+    if scoring or drafted:  # every row of a draft or a scored prompt
         handle = run(items, all_logits=True, after=after_handle, rows=rows_of)
         return Launched(rows, live, handle, kind="all")
-    if drawing and all(r.seq.draws_anywhere() for r in drawing):
-        sample = SampleRows.of([r.seq.sampler if r.draws else None for r in live], [r.seq.history for r in live])
+    if drawing and anywhere:
+        sample = SampleRows.of(samplers, [r.seq.history for r in live])
         try:
             handle = run(items, top=top, sample=sample, after=after_handle, rows=rows_of)
         except BaseException:  # nothing was drawn: the uniforms go back, so a retried step draws the same
