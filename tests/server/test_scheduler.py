@@ -681,7 +681,7 @@ def test_admission_sees_the_running_set_as_a_fresh_description_of_it(default_mod
     real = policy.admits
 
     def admits(head, running, room):
-        seen.append((list(running), s._running_all(s._live, owed=True)))
+        seen.append(([dataclasses.replace(x) for x in running], s._describe(s._live, owed=True, fresh=True)))
         return real(head, running, room)
 
     monkeypatch.setattr(policy, "admits", admits)

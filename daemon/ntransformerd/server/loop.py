@@ -52,6 +52,7 @@ class Loop:
         self._cv = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._live: list[Request] = []
+        self._described: dict[int, policy.Running] = {}  # each live request's record, by id (_describe)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.streamer = Streamer(on_error=lambda r, e: self.fail_request(r, e, "turning its tokens into text"))
@@ -203,6 +204,7 @@ class Loop:
                 self._queue.remove(r)
             elif r in self._live:
                 self._live.remove(r)
+                del self._described[r.id]
                 self._release(r)
             self._done(r)
 
@@ -235,7 +237,7 @@ class Loop:
             return
         # what the running set owes does not change as requests join (their slots are new or were
         # kept, never a running one's): described once, each admitted request appended
-        running = self._running_all(self._live, owed=True)
+        running = self._describe(self._live, owed=True)
         while self._queue and policy.admits(self._queued(self._queue[0]), running, self._room()):
             r = self._queue.popleft()
             try:
@@ -252,14 +254,15 @@ class Loop:
                 r.state, r.t_admitted = RequestState.PREFILL, time.monotonic()
                 self.metrics.admitted(len(r.prompt_ids))
             self._live.append(r)
-            running += self._running_all([r], owed=True)
+            self._described[r.id] = self._record(r)
+            running += self._describe([r], owed=True)
 
     def preempt(self, cause: BaseException) -> bool:
         """A step's KV blocks could not be reserved: the youngest live request (policy.victim)
         gives its slot back and goes to the head of the queue, to recompute its prompt and what
         it generated so far once a request leaves (decode.Sequence.restart); its stream goes on,
         nothing is sent twice. False where it is the only one (nothing to take blocks from)."""
-        key = policy.victim(self._running_all(self._live))
+        key = policy.victim(self._describe(self._live))
         if key is None:
             return False
         r = next(q for q in self._live if q.id == key)
@@ -267,6 +270,7 @@ class Loop:
                  len(r.seq.history))
         with self._cv:
             self._live.remove(r)
+            del self._described[r.id]  # readmitted, it is described anew
             r.prefix_cache = False  # its blocks are what the others need; it recomputes from scratch
             self._release(r)
             r.seq.restart()
@@ -283,7 +287,7 @@ class Loop:
                 if r.state == RequestState.PREFILL and r.prefix_cache and r.id not in flying:
                     self._catch_up(r)
         by_id = {r.id: r for r in self._live}
-        rows = policy.compose(self._running_all(self._live), self.config.prefill_chunk, overlap=self.overlap)
+        rows = policy.compose(self._describe(self._live), self.config.prefill_chunk, overlap=self.overlap)
         batch, in_flight = [], self.runner.prompt_in_flight
         for row in rows:
             r = by_id[row.key]
@@ -315,37 +319,59 @@ class Loop:
     def _room(self) -> policy.Room:
         return policy.Room(self.config.max_batch, self.prefix.slots_open, self.engine.kv.available())
 
-    def _running_all(self, requests: list[Request], *, owed: bool = False) -> list[policy.Running]:
-        """Each of `requests` as the policy sees it (every live one, every step: what they share
-        is looked up once here, not once a request); `owed`: with the blocks their positions still
-        need."""
+    def _record(self, r: Request) -> policy.Running:
+        """A record for r, just admitted, kept while it is live (_describe brings it up to date):
+        what stays as it is while r runs is filled in here, once. Its caller's scope (dropped
+        should r stop sharing its prefix: prefix_cache only ever turns off), whether its rows need
+        logits on the host (the constraint, log-probabilities and speculator a request was
+        queued with stay its own). `decoding` starts False: its first description is whole."""
+        seq = r.seq
+        share = self.prefix.share if self.prefix.enabled else None
+        return policy.Running(key=r.id, decoding=False, admitted_at=r.t_admitted or 0.0, prompt=seq.prompt_ids,
+                              scope=r.scope(share) if share is not None and r.prefix_cache else None,
+                              host=not seq.draws_anywhere() or seq.prompt_logprobs is not None)
+
+    def _describe(self, requests: list[Request], *, owed: bool = False, fresh: bool = False) -> list[policy.Running]:
+        """Each of `requests` as the policy sees it now: its record (_record), what changes from step
+        to step brought up to date in place (every live one, every step: what they share is
+        looked up once here, not once a request); `owed`: with the blocks their positions still
+        need. `fresh`: new records, described whole, nothing kept (what a kept one must equal).
+
+        A request that was decoding at its last description and still is has its whole prompt
+        in its slot since then (a Sequence's prefilled changes only while it prefills, and
+        DECODE follows its last prompt chunk): its prompt progress is not looked at again, only
+        whether it may run, its place in the step in flight and whether it runs ahead of it."""
         kv, engine, runner = self.engine.kv, self.engine, self.runner
         flying = runner.in_flight or ()
         draws_ahead = runner.draws_ahead
-        share = self.prefix.share if self.prefix.enabled else None
-        decode, running = RequestState.DECODE, policy.Running
+        max_ctx = engine.max_ctx
+        decode, described = RequestState.DECODE, self._described
         out = []
         for r in requests:
-            seq, key = r.seq, r.id
-            in_flight = key in flying
-            # prompt positions in flight (a decoding request has none)
-            queued = runner.prompt_in_flight(r) if in_flight and not seq.decoding else 0
-            prefilled = seq.prefilled + queued
-            left = max(0, len(seq.inputs) - prefilled)
-            decoding = r.state == decode
+            seq = r.seq
+            d = self._record(r) if fresh else described[r.id]
+            in_flight = d.key in flying
+            d.ready = r.error is None and not r.finished
+            d.in_flight = in_flight
+            if not r.prefix_cache:  # it stopped sharing (it failed): it neither waits for nor is waited for
+                d.scope = None
+            if d.decoding and r.state == decode:
+                d.runs_ahead = (in_flight and draws_ahead and seq.runs_ahead()
+                                and engine.length(seq.slot) < max_ctx)
+            else:
+                # prompt positions in flight (a decoding request has none)
+                queued = runner.prompt_in_flight(r) if in_flight and not seq.decoding else 0
+                d.prefilled = prefilled = seq.prefilled + queued
+                d.left = left = max(0, len(seq.inputs) - prefilled)
+                d.decoding = decoding = r.state == decode
+                d.runs_ahead = in_flight and (left > 0 if queued else (
+                    draws_ahead and decoding and seq.runs_ahead() and engine.length(seq.slot) < max_ctx))
             if owed and seq.slot >= 0:
                 n = len(seq.history)
-                owes = max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
+                d.owed_blocks = max(0, kv.blocks_for(n) - kv.blocks_for(min(kv.kept(seq.slot), n)))
             else:
-                owes = 0
-            out.append(running(
-                key=key, decoding=decoding, ready=r.error is None and not r.finished,
-                admitted_at=r.t_admitted or 0.0, owed_blocks=owes, left=left, prompt=seq.prompt_ids,
-                prefilled=prefilled, scope=r.scope(share) if share is not None and r.prefix_cache else None,
-                in_flight=in_flight,
-                runs_ahead=in_flight and (left > 0 if queued else (
-                    draws_ahead and decoding and seq.runs_ahead() and engine.length(seq.slot) < engine.max_ctx)),
-                host=not seq.draws_anywhere() or seq.prompt_logprobs is not None))
+                d.owed_blocks = 0
+            out.append(d)
         return out
 
     def _kv_tokens(self, r: Request) -> list[int]:

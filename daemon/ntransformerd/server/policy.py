@@ -10,7 +10,7 @@
     victim(running)                     who gives its KV blocks back when a step's cannot be
                                         reserved (kv_cache.KVPoolFull)
 
-The loop (server/scheduler.py) describes its requests as Queued and Running records each
+The loop (server/loop.py) describes its requests as Queued and Running records each
 iteration and carries the decisions out. Nothing here holds state, takes a lock or calls an
 engine: tests/server/test_policy.py drives it with records alone.
 
@@ -43,9 +43,10 @@ class Room:
 
 @dataclasses.dataclass(slots=True)
 class Running:
-    """An admitted request as the step's composition sees it, oldest first in every list. Made
-    anew for every live request every step, so not frozen: a frozen dataclass sets each field
-    through object.__setattr__, four times the cost; nothing here changes one after it is made."""
+    """An admitted request as the step's composition sees it, oldest first in every list. The
+    loop keeps one per live request and brings what changes up to date in place each step (a
+    record made anew for every live request every step was the loop's largest cost), so not
+    frozen; nothing here changes one."""
 
     key: int  # Request.id
     decoding: bool  # its whole prompt is in (DECODE); else it is prefilling (PREFILL)
@@ -62,9 +63,10 @@ class Running:
     host: bool = False  # its rows need logits on the host (a draft verified, a constraint, log-probabilities)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Row:
-    """A request's share of the next step: `tokens` prompt tokens, or 1 to decode."""
+    """A request's share of the next step: `tokens` prompt tokens, or 1 to decode. One per row
+    every step, so not frozen (as Running)."""
 
     key: int
     tokens: int
