@@ -698,6 +698,114 @@ def test_admission_sees_the_running_set_as_a_fresh_description_of_it(default_mod
         assert got == fresh
 
 
+def described_as_fresh(s: Scheduler, monkeypatch, during=None) -> list[policy.Running]:
+    """Every description the policy is handed (admits, compose, victim) checked, when it is
+    handed, against a fresh one of the same requests (_describe(fresh=True): each record made
+    anew and described whole); `during(s)` runs after each admission (after retire, before
+    compose: where another thread may cancel a request). The records it saw, as they were."""
+    seen = []
+
+    def check(running, owed):
+        snapshot = [dataclasses.replace(x) for x in running]
+        assert snapshot == s._describe(s._live, owed=owed, fresh=True)
+        seen.extend(snapshot)
+
+    real_admits, real_compose, real_victim = policy.admits, policy.compose, policy.victim
+
+    def admits(head, running, room):
+        check(running, True)
+        return real_admits(head, running, room)
+
+    def compose(running, prefill_chunk, *, overlap=False):
+        check(running, False)
+        return real_compose(running, prefill_chunk, overlap=overlap)
+
+    def victim(running):
+        check(running, False)
+        return real_victim(running)
+
+    monkeypatch.setattr(policy, "admits", admits)
+    monkeypatch.setattr(policy, "compose", compose)
+    monkeypatch.setattr(policy, "victim", victim)
+    if during is not None:
+        real_admit = s.admit
+        monkeypatch.setattr(s, "admit", lambda: (real_admit(), during(s)))
+    return seen
+
+
+def test_kept_records_describe_the_running_set_as_fresh_ones_do_on_a_device(tokenizer, monkeypatch):
+    """The loop keeps a policy.Running per live request and brings it up to date each step: the
+    policy must see what a record made anew would say, as prompts are chunked behind a chunk in
+    flight, decode rows run ahead or wait (penalties, log-probabilities), requests join, end and
+    are cancelled between retire and compose."""
+    s, engine = make(tokenizer, max_batch=6, prefill_chunk=8)
+    assert s.overlap
+    penalized = SamplingParams(repetition_penalty=1.2, seed=3, ignore_eos=True)
+    reqs = [s.schedule(list(range(10, 30)), GREEDY, max_tokens=30),
+            s.schedule(list(range(40, 52)), penalized, max_tokens=25),
+            s.schedule(list(range(60, 70)), GREEDY, max_tokens=20, logprobs=2),
+            s.schedule(list(range(100, 140)), GREEDY, max_tokens=12)]
+    cancelled = []
+
+    def during(s_):
+        r = reqs[1]
+        if not cancelled and r.generated >= 4:  # described as decoding for a few steps already
+            r.cancel(errors.Cancelled("the caller went away"))
+            cancelled.append(r)
+
+    seen = described_as_fresh(s, monkeypatch, during)
+    for _ in range(10):
+        iterate(s)
+    reqs += [s.schedule(list(range(200, 230)), GREEDY, max_tokens=15),
+             s.schedule([5, 6, 7], penalized, max_tokens=8)]
+    iterate_until_done(s, reqs, 400)
+    s.stop()
+    assert all(r.state == RequestState.DONE for r in reqs) and cancelled
+    # what it checks is there to see
+    assert any(r.decoding and r.in_flight and r.runs_ahead for r in seen)
+    assert any(r.decoding and r.in_flight and r.ready and not r.runs_ahead for r in seen)
+    assert any(not r.decoding and r.in_flight and r.runs_ahead for r in seen)  # a chunk behind a chunk
+    assert any(r.decoding and not r.ready for r in seen)  # the cancelled one, before it retired
+    assert any(r.host for r in seen) and any(r.owed_blocks == 0 for r in seen)
+
+
+def test_kept_records_describe_the_running_set_as_fresh_ones_do_with_the_prefix_cache(default_model, monkeypatch):
+    """As above on the CPU engine (steps launched ahead) with the prefix cache on: two callers'
+    scopes, prompts copied from live requests (catch_up), a request that fails (it stops sharing
+    its prefix) and a KV pool too small for all, so requests are preempted (policy.victim) and
+    readmitted."""
+    engine = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=5, max_ctx=128, kv_blocks=10))
+    s = Scheduler(config=DaemonConfig(socket="/tmp/x.sock", max_batch=5, prefill_chunk=16),
+                  notifier=Notifier(environ={}))
+    s.attach(engine)
+    s.streamer.inline, s.overlap = False, True  # steps launched ahead, as on a device
+    s.lifecycle.serving()
+    alice, bob = Caller("uid:1001", uid=1001, gid=100), Caller("uid:1002", uid=1002, gid=100)
+    ids = engine.tokenizer.encode("The history of the city begins with a small village by the river " * 4)
+    failed = []
+
+    def during(s_):
+        r = reqs[2] if len(reqs) > 2 else None
+        if not failed and r is not None and r.state == RequestState.PREFILL:
+            s_.fail_request(r, errors.Cancelled("the stream broke"), "turning its tokens into text")
+            failed.append(r)
+
+    seen = described_as_fresh(s, monkeypatch, during)
+    preempted = []
+    real_preempt = s.preempt
+    monkeypatch.setattr(s, "preempt", lambda cause: preempted.append(real_preempt(cause)) or preempted[-1])
+    greedy = SamplingParams.greedy(ignore_eos=True)
+    reqs = [s.schedule(ids[:36], greedy, max_tokens=30, caller=alice)]
+    iterate(s)
+    reqs += [s.schedule(ids[:20 + k], greedy, max_tokens=30, caller=alice if k % 2 else bob) for k in (1, 2, 3, 4)]
+    iterate_until_done(s, reqs, 1000)
+    s.stop()
+    assert all(r.state == RequestState.DONE for r in reqs) and failed
+    assert any(preempted)
+    assert {r.scope for r in seen} >= {"uid:1001", "uid:1002", None}
+    assert s.prefix.hit_tokens > 0 and any(r.owed_blocks for r in seen)
+
+
 def test_a_requests_prefix_scope_is_its_callers_under_the_share_asked():
     """Request.scope keeps its caller's scope (the policy reads it every step): it is
     prefix_cache.scope's for whichever share is asked, the share changed included."""
