@@ -125,6 +125,26 @@ FORBIDDEN = ("threading", "queue", "concurrent", "multiprocessing", "grpc", "ntr
              "numpy")
 
 
+def test_common_prefix_counts_the_ids_two_sequences_share_as_one_at_a_time_does():
+    """common_prefix compares runs of ids at once (doubling, then halving to the difference):
+    its count is the one of comparing id by id, wherever the first difference lies, at every
+    length around its run sizes, for a list against a list or a tuple."""
+    def one_at_a_time(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    for size in (0, 1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100, 1000, 1025):
+        a = [7 + i % 5 for i in range(size)]
+        for at in sorted({0, 1, size // 3, size // 2, size - 2, size - 1, size}):
+            if not 0 <= at <= size:
+                continue
+            b = a[:at] + [99] + a[at + 1:]
+            for other in (b, b[:at], b + [1, 2], tuple(b)):
+                assert policy.common_prefix(a, other) == one_at_a_time(a, other), (size, at, other)
+                assert policy.common_prefix(other, a) == one_at_a_time(other, a), (size, at, other)
+
+
 def test_the_policy_imports_no_thread_grpc_or_engine_module():
     path = pathlib.Path(policy.__file__)
     names = set()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 
 from ntransformerd import config
@@ -128,7 +129,7 @@ def test_a_live_sequence_is_copied_only_by_its_own_caller():
     cache = PrefixCache(engine, enabled=True)
     running = engine.open()
     engine.kv[running] = PROMPT[:30]  # Alice's request, 30 positions prefilled so far
-    live = [(running, PROMPT[:30], ALICE)]
+    live = [(running, PROMPT, 30, ALICE)]  # its KV holds the first 30 of its ids
     slot, n = cache.open(PROMPT, live, use=True, caller=BOB)
     assert n == 0 and not engine.copies
     assert cache.catch_up(slot, PROMPT, 0, live, caller=BOB) == 0 and not engine.copies
@@ -157,6 +158,81 @@ def test_share_group_and_all_open_the_cache_to_more_callers(share, bob_hits, car
     assert serve(cache, engine, PROMPT + [1], BOB) == (len(PROMPT) if bob_hits else 0)
     assert serve(cache, engine, PROMPT + [2], CAROL) == (len(PROMPT) if carol_hits else 0)
     assert cache.shares(ALICE, BOB) == bob_hits and cache.shares(ALICE, CAROL) == carol_hits
+
+
+def chosen_as_read_whole(cache: PrefixCache, prompt, live, caller, but=-1) -> tuple[int | None, int]:
+    """The source open (catch_up: `but` its own slot) must choose, found the plain way: every
+    candidate of the caller's scope cut to what its KV holds and compared id by id, the first
+    sharing the most (as far as the prompt's last id) winning; a held one where it shares as
+    much as any live one. (source slot, positions), (None, 0) for none."""
+    limit, key = len(prompt) - 1, scope(caller, cache.share)
+
+    def best(candidates):
+        best_slot, best_n = None, 0
+        for slot, tokens in candidates:
+            n = 0
+            while n < min(len(prompt), len(tokens)) and prompt[n] == tokens[n]:
+                n += 1
+            if min(n, limit) > best_n:
+                best_slot, best_n = slot, min(n, limit)
+        return best_slot, best_n
+    held = best((slot, t[:min(len(t), cache.engine.kept(slot))]) for slot, (k, t) in cache.held.items() if k == key)
+    ours = best((slot, t[:n]) for slot, t, n, c in live if scope(c, cache.share) == key and slot != but)
+    if but < 0 and held[1] and held[1] >= ours[1]:
+        return held
+    return ours
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_open_and_catch_up_choose_what_reading_every_candidate_whole_chooses(seed):
+    """open and catch_up read candidates lazily, stop at one sharing all they may and pass over
+    those too short to win: their choice is the one of every candidate read whole, on many
+    prompts that share prefixes of every length (ties, partly reclaimed held slots, live
+    sequences partly prefilled, two callers)."""
+    rng = np.random.default_rng(seed)
+    engine = SlotEngine(12)
+    kept = {}
+    engine.kept = lambda slot: kept.get(slot, len(engine.kv[slot]))
+    cache = PrefixCache(engine, enabled=True)
+    stems = [list(rng.integers(1, 4, 40)) for _ in range(3)]
+    live: dict[int, tuple[list[int], object]] = {}  # slot → (its ids, caller); its KV: the prefix it holds
+    checked = 0
+    for _ in range(300):
+        stem = stems[int(rng.integers(len(stems)))]
+        prompt = [int(t) for t in stem[:int(rng.integers(1, 41))]] + [int(t) for t in rng.integers(1, 4, 3)]
+        caller = ALICE if rng.random() < 0.7 else BOB
+        entries = [(slot, ids, len(engine.kv[slot]), c) for slot, (ids, c) in live.items()]
+        if live and rng.random() < 0.3:  # a live sequence catches up
+            slot = list(live)[int(rng.integers(len(live)))]
+            ids, c = live[slot]
+            filled = len(engine.kv[slot])
+            src, n = chosen_as_read_whole(cache, ids, entries, c, but=slot)
+            engine.copies.clear()
+            got = cache.catch_up(slot, ids, filled, iter(entries), caller=c)
+            assert got == max(n, filled) and engine.copies == ([(src, slot, n)] if n > filled else [])
+            checked += 1
+        elif engine.free_slots + len(cache.held) and len(live) < 8:
+            src, n = chosen_as_read_whole(cache, prompt, entries, caller)
+            from_held = src in cache.held
+            engine.copies.clear()
+            slot, got = cache.open(prompt, iter(entries), use=True, caller=caller)
+            assert got == n
+            if n and from_held:
+                assert slot == src or engine.copies == [(src, slot, n)]
+            else:
+                assert engine.copies == ([(src, slot, n)] if n else [])
+            engine.kv[slot] = list(prompt[:int(rng.integers(got, len(prompt) + 1))])  # prefilled so far
+            live[slot] = (prompt, caller)
+            checked += 1
+        if live and rng.random() < 0.4:  # one ends, kept or not; a held one loses blocks
+            slot = list(live)[int(rng.integers(len(live)))]
+            ids, c = live.pop(slot)
+            kept.pop(slot, None)
+            cache.close(slot, engine.kv[slot], keep=rng.random() < 0.8, caller=c)
+            if cache.held and rng.random() < 0.3:
+                held = list(cache.held)[int(rng.integers(len(cache.held)))]
+                kept[held] = int(rng.integers(0, len(engine.kv[held]) + 1))
+    assert checked > 200 and cache.hit_tokens > 0
 
 
 def test_a_bad_share_setting_names_the_key():

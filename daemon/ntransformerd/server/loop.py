@@ -15,6 +15,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 from ntransformerd.engine.generation import speculative
 from ntransformerd.engine.generation.decode import DraftFault, Row
@@ -378,9 +379,11 @@ class Loop:
         """The token ids whose keys and values r's slot holds."""
         return r.seq.history[:self.engine.length(r.slot)]
 
-    def _live_kv(self) -> list[tuple[int, list[int], object]]:
-        """(slot, token ids in its KV, caller) of the live requests that share their prefix."""
-        return [(q.slot, self._kv_tokens(q), q.caller) for q in self._live if q.prefix_cache]
+    def _live_kv(self) -> Iterator[tuple[int, list[int], int, object]]:
+        """(slot, token ids it has run, how many its KV holds, caller) of the live requests that
+        share their prefix (prefix_cache.Live), made as the cache reads them."""
+        length = self.engine.length
+        return ((q.slot, q.seq.history, length(q.slot), q.caller) for q in self._live if q.prefix_cache)
 
 
 def request_error(r: Request, exc: BaseException, doing: str) -> ServiceError:

@@ -75,9 +75,28 @@ class Row:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading token ids a and b share."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
+    i, head = 0, min(n, 16)
+    while i < head:  # one id at a time first: most pairs differ early, or are short
+        if a[i] != b[i]:
+            return i
         i += 1
+    if i == n:
+        return n
+    if type(a) is not type(b):  # a list's slice never equals a tuple's
+        a, b = list(a[:n]), list(b[:n])
+    # then runs of ids compared in C (a shared prompt runs to thousands of ids), doubling while
+    # they match, then halving down to the first difference
+    step, grow = 16, True
+    while step:
+        j = i + step
+        if j <= n and a[i:j] == b[i:j]:
+            i = j
+            if grow:
+                step *= 2
+                continue
+        else:
+            grow = False
+        step //= 2
     return i
 
 

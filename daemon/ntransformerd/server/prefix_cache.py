@@ -30,14 +30,16 @@ Thread rule: the scheduler thread only, like the engine.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ntransformerd.server.policy import common_prefix
 from ntransformerd.server.served import KVSlots
 
 SHARE = ("none", "group", "all")  # prefix_cache_share
 
-Live = Sequence[tuple[int, Sequence[int], object]]  # (slot, token ids in its KV, its caller)
+# the running sequences: (slot, token ids it has run, how many of them its KV holds, its caller);
+# read at most once, as far as a choice needs (a generator's entries past that are never made)
+Live = Iterable[tuple[int, Sequence[int], int, object]]
 
 
 def scope(caller, share: str) -> str:
@@ -68,13 +70,14 @@ class PrefixCache:
 
     def open(self, prompt: Sequence[int], live: Live, *, use: bool, caller=None) -> tuple[int, int]:
         """(slot, positions already filled) for a new sequence of `caller` with `prompt`; `live`
-        is (slot, token ids in its KV, caller) of the running sequences."""
+        the running sequences (Live)."""
         if not self.enabled:
             return self.engine.open(), 0
         limit, key = len(prompt) - 1, scope(caller, self.share)
-        held = [(slot, tokens[:self._kept(slot, len(tokens))]) for slot, (k, tokens) in self.held.items() if k == key]
-        held_slot, held_n = self._best(prompt, held, limit) if use else (None, 0)
-        live_slot, live_n = self._best(prompt, self._ours(live, key), limit) if use else (None, 0)
+        held_slot, held_n = self._best_held(prompt, key, limit) if use else (None, 0)
+        # a live sequence is taken only where it shares more than the held one: none can once
+        # the held one shares all it may
+        live_slot, live_n = self._best_live(prompt, live, key, limit, held_n) if use and held_n < limit else (None, 0)
         if held_n and held_n >= live_n:
             self.hit_tokens += held_n
             if held_n < self._kept(held_slot, len(self.held[held_slot][1])) and self.engine.free_slots:
@@ -123,9 +126,8 @@ class PrefixCache:
         `prompt` past `filled`; the new number of filled positions."""
         if not self.enabled:
             return filled
-        ours = [(s, t) for s, t in self._ours(live, scope(caller, self.share)) if s != slot]
-        src, n = self._best(prompt, ours, len(prompt) - 1)
-        if n <= filled:
+        src, n = self._best_live(prompt, live, scope(caller, self.share), len(prompt) - 1, filled, but=slot)
+        if src is None:
             return filled
         self.engine.copy_prefix(src, slot, n)
         self.hit_tokens += n - filled
@@ -145,14 +147,33 @@ class PrefixCache:
         reclaimed its blocks since it was parked)."""
         return min(n, self.engine.kept(slot))
 
-    def _ours(self, live: Live, key: str) -> list[tuple[int, Sequence[int]]]:
-        return [(slot, tokens) for slot, tokens, c in live if scope(c, self.share) == key]
+    # The first candidate sharing the most with the prompt wins, as far as `limit` (and above
+    # `beyond`: what the caller has already); one that holds no more positions than the best so
+    # far is passed over unread, and none can beat one that shares `limit`.
 
-    @staticmethod
-    def _best(prompt, candidates, limit: int) -> tuple[int | None, int]:
+    def _best_held(self, prompt: Sequence[int], key: str, limit: int) -> tuple[int | None, int]:
         best_slot, best_n = None, 0
-        for slot, tokens in candidates:
-            n = min(common_prefix(prompt, tokens), limit)
-            if n > best_n:
-                best_slot, best_n = slot, n
+        for slot, (k, tokens) in self.held.items():
+            if k != key:
+                continue
+            bound = min(limit, self._kept(slot, len(tokens)))
+            if bound > best_n:
+                n = min(common_prefix(prompt, tokens), bound)
+                if n > best_n:
+                    best_slot, best_n = slot, n
+                    if n == limit:
+                        break
+        return best_slot, best_n
+
+    def _best_live(self, prompt: Sequence[int], live: Live, key: str, limit: int, beyond: int,
+                   but: int = -1) -> tuple[int | None, int]:
+        best_slot, best_n = None, beyond
+        for slot, tokens, held, caller in live:
+            bound = min(limit, held)
+            if bound > best_n and slot != but and scope(caller, self.share) == key:
+                n = min(common_prefix(prompt, tokens), bound)
+                if n > best_n:
+                    best_slot, best_n = slot, n
+                    if n == limit:
+                        break
         return best_slot, best_n
