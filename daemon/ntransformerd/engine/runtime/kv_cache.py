@@ -402,13 +402,14 @@ class BlockTable:
         spilled slot, a segment over several blocks, a bad slot or end: reserve raises) go
         through reserve. A reserve takes blocks from the pool or from closed slots, never from a
         live slot's, so a row found to have nothing to do still has nothing to do after the
-        others'. (A step holds a few rows: a numpy pass over them costs more than this loop.)"""
+        others'. (A step holds a few rows: a numpy pass over them costs more than this loop, whose
+        look-ups read Python ints (item), not numpy scalars.)"""
         bs, n_slots, max_ctx = self.block_size, len(self.held), self.max_ctx
-        held, tables, refs, spilled = self.held, self.tables, self.refs, self.spilled
+        held, table, refs, spilled = self.held.item, self.tables.item, self.refs.item, self.spilled
         for slot, n, start in zip(slots, ends, starts):
             j = start // bs  # the block the segment starts in
-            if (0 <= slot < n_slots and start < n <= max_ctx and (n - 1) // bs == j and j < held[slot]
-                    and refs[tables[slot, j]] == 1 and slot not in spilled):
+            if (0 <= slot < n_slots and start < n <= max_ctx and (n - 1) // bs == j and j < held(slot)
+                    and refs(table(slot, j)) == 1 and slot not in spilled):
                 if self.check_owners:
                     self._check_write(slot, start, n)
                 continue
@@ -683,8 +684,8 @@ class KVCache(SlotTable):
 
     def reserve_rows(self, slots: list[int], ends: list[int]) -> None:
         """reserve(slots[i], ends[i]) for each segment of a step, in order (BlockTable.reserve_rows)."""
-        lengths = self.lengths
-        self.blocks.reserve_rows(slots, ends, [min(int(lengths[s]), n) if 0 <= s < self.n_slots else 0
+        length, n_slots = self.lengths.item, self.n_slots
+        self.blocks.reserve_rows(slots, ends, [min(length(s), n) if 0 <= s < n_slots else 0
                                                for s, n in zip(slots, ends)])
 
     def trim(self, slot: int, n: int) -> None:
