@@ -18,7 +18,8 @@ from ntransformerd.engine.backends import host
 from ntransformerd.engine.backends.host import native
 from ntransformerd.engine.runtime.engine import Engine, EngineConfig
 from ntransformerd.engine.gguf_file import GGUFModel, LlamaConfig
-from ntransformerd.engine.runtime.kv_cache import BLOCK_SIZE, KV_TYPES, BlockTable, KVCache, KVPoolFull, bytes_per_token
+from ntransformerd.engine.runtime.kv_cache import (BLOCK_SIZE, KV_TYPES, BlockTable, KVCache, KVLayer, KVPoolFull,
+                                                   bytes_per_token)
 from ntransformerd.engine.runtime.model import Batch, Segment, forward
 from ntransformerd.tools.synth import Shape, synthesize
 
@@ -513,6 +514,29 @@ def test_shared_blocks_are_counted_once_and_copied_before_a_write():
     assert t.share(1, 2, 20, start=0) is None and t.owner.copies[-1] == ([3], [1])
     with pytest.raises(ValueError, match="holds 32 positions, not the 40"):
         t.share(1, 2, 40)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0", "q4_0"])
+def test_blocks_and_rows_copy_as_indexed_copies_do(dtype):
+    """KVLayer.copy_blocks and copy_rows (bytes copied, so the scheduler thread keeps the GIL)
+    move exactly what numpy's indexed copies move, bit for bit: every head of the blocks and
+    rows named, nothing else; rows in runs of several lengths, across blocks."""
+    rng = np.random.default_rng(5)
+    layer = KVLayer(BlockTable(n_slots=2, max_ctx=64, n_blocks=9), dtype, 3, 64)
+    for a in (layer.k, layer.v):
+        a.view(np.uint8).reshape(-1)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)  # poison: any bits
+    want = layer.k.copy(), layer.v.copy()
+    src, dst = np.array([1, 5, 8], np.int32), np.array([6, 2, 0], np.int32)
+    layer.copy_blocks(src, dst)
+    for w in want:
+        w[dst] = w[src]
+    sb, so = np.array([3, 3, 3, 4, 4, 7], np.int32), np.array([13, 14, 15, 0, 1, 9])
+    db, do = np.array([7, 7, 7, 0, 0, 1], np.int32), np.array([5, 6, 7, 9, 10, 15])
+    layer.copy_rows((sb, so), (db, do))
+    for w in want:
+        w[db, :, do] = w[sb, :, so]
+    for got, w in zip((layer.k, layer.v), want):
+        assert np.array_equal(got.view(np.uint8), w.view(np.uint8))
 
 
 def test_reserve_rows_does_what_reserve_does_row_by_row():

@@ -183,6 +183,27 @@ def test_context_full_is_an_error(default_model):
     assert e.length(s) == 6
 
 
+def test_a_launch_after_a_step_runs_its_draws_and_checks_its_rows(default_model):
+    """Engine.launch with `after` (a step whose draws the host holds here): item i runs after's
+    draw of row rows[i] where rows[i] ≥ 0, its own tokens elsewhere; with every rows[i] < 0 it
+    runs its own; an item that runs a draw runs one token, whether every row runs a draw or
+    some do (nothing runs then)."""
+    from ntransformerd.engine.generation.sampler import Drawn
+    from ntransformerd.engine.runtime.engine import Launch, Ran
+    e = Engine(default_model, config=EngineConfig(backend="cpu", max_batch=4, max_ctx=64))
+    a, b, c, d = (e.open() for _ in range(4))
+    e.step([(s, [1, 2, 3]) for s in (a, b, c, d)])
+    after = Launch(Ran(Drawn(np.array([7, 9]), np.zeros(2, np.int8))))
+    got = e.launch([(a, [0]), (b, [5])], after=after, rows=[1, -1]).result()
+    assert np.array_equal(got, e.step([(c, [9]), (d, [5])]))
+    got = e.launch([(a, [4]), (b, [6])], after=after, rows=[-1, -1]).result()
+    assert np.array_equal(got, e.step([(c, [4]), (d, [6])]))
+    for rows in ([0, 1], [0, -1]):
+        with pytest.raises(ValueError, match="runs one token"):
+            e.launch([(a, [1, 2]), (b, [3])], after=after, rows=rows)
+    assert [e.length(s) for s in (a, b, c, d)] == [5, 5, 5, 5]
+
+
 # ---- op-level references -------------------------------------------------------------------
 
 def _ops(neox: bool, rope_dim: int = 16, factors=None):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from ntransformerd.engine.generation.sampler import (
-    FAULT_INF, FAULT_NAN, InvalidLogits, NoAllowedToken, SampleRows, SamplingParams, Sampler, StopMatcher, TopLogits,
-    apply_penalties, candidates, penalty_window, prompt_logprobs, sample_rows, token_logprobs,
+    FAULT_INF, FAULT_NAN, RECENT_ROW_SETS, InvalidLogits, NoAllowedToken, SampleRows, SamplingParams, Sampler,
+    StopMatcher, TopLogits, apply_penalties, candidates, penalty_window, prompt_logprobs, sample_rows, token_logprobs,
 )
 
 V = 1000
@@ -458,6 +458,45 @@ def test_rows_of_a_step_equal_each_field_written_row_by_row():
             hists[i].append(int(rng.integers(0, V)))
         with pytest.raises(ValueError, match="read-only"):
             a.temperature[0] = 2.0  # shared with the next step's rows: nobody writes them
+
+
+def test_row_sets_that_take_turns_keep_their_tables_and_draw_as_rebuilt_ones():
+    """Steps whose rows take turns between sets (on a device, a request in the step in flight
+    waits for it: a set comes back a step or two later) reuse the tables of the last
+    RECENT_ROW_SETS sets, not rebuilt, and draw what tables rebuilt at every step draw: the same
+    ids, from whole rows and from top ids, and the same random numbers."""
+    params = BATCH_PARAMS + [SamplingParams(seed=9, top_k=5), SamplingParams(seed=10, temperature=2.0)]
+    mine = [Sampler(p, V, eog_ids=EOG) for p in params]
+    ref = [Sampler(p, V, eog_ids=EOG) for p in params]
+    hists = [[3, 5, 5, 9] for _ in params]
+    # row sets by sampler (None: a prompt chunk that does not draw); the last two differ by one row
+    sets = [[0, 3, 4, 8], [1, 2, 5, None, 6, 7, 9], [3, 9, 0], [0, 3, 4, 8, 9], [0, 3, 4, 8, 1], [5, 6]]
+    turns = [0, 1, 0, 1, 2, 0, 2, 1, 3, 3, 0, 1, 2, 3, 4, 3, 4, 5, 1, 0, 1, 0] * 3
+    recent, tables = [], {}  # the sets of the last steps, latest first; each one's tables when it last ran
+    for step, which in enumerate(turns):
+        rows = sets[which]
+        a = SampleRows.of([None if i is None else mine[i] for i in rows], [hists[i or 0] for i in rows])
+        kept, SampleRows._recent = SampleRows._recent, ()  # the reference: its tables built anew
+        b = SampleRows.of([None if i is None else ref[i] for i in rows], [hists[i or 0] for i in rows])
+        SampleRows._recent = kept
+        if which in recent[:2]:  # back after one other set at most (two sets taking turns): its own tables
+            assert a.temperature is tables[which].temperature, step
+        reused = which in recent[:RECENT_ROW_SETS]
+        assert (a.temperature is tables.get(which, b).temperature) == reused, step
+        assert (a.need is tables.get(which, b).need) == reused, step
+        recent = [which] + [w for w in recent if w != which]
+        tables[which] = a
+        x = np.stack([_logits(1000 * step + j) for j in range(len(rows))])
+        got, want = sample_rows(x, a), sample_rows(x, b)
+        assert got.ids.tolist() == want.ids.tolist() and np.array_equal(got.fault, want.fault), step
+        needs = [mine[i].need() for i in rows if i is not None]
+        if None not in needs:
+            assert sample_rows(TopLogits.of(x, max(needs)), a).ids.tolist() == want.ids.tolist(), step
+        for i, t in zip(rows, want.ids.tolist()):
+            if i is not None:
+                hists[i].append(t)
+    seeded = [i for i, p in enumerate(params) if p.seed is not None]
+    assert [mine[i].rng.random() for i in seeded] == [ref[i].rng.random() for i in seeded]  # the same draws
 
 
 def test_rows_drawn_at_once_with_top_ids_when_every_row_allows():

@@ -534,6 +534,9 @@ def raise_fault(code: int) -> None:
     raise ValueError(f"unknown sampling fault {code}")
 
 
+RECENT_ROW_SETS = 4  # SampleRows.of keeps what the samplers of this many row sets fix
+
+
 @dataclasses.dataclass(frozen=True)
 class SampleRows:
     """Each row's sampling chain for one step, as arrays (B rows), and the uniform of its draw.
@@ -559,7 +562,8 @@ class SampleRows:
     banned: tuple
     masks: tuple
 
-    _last: ClassVar[tuple | None] = None  # (the samplers of the last `of`, their _Chains)
+    # (samplers, their _Chains) of the row sets of the last few `of` calls, the latest first
+    _recent: ClassVar[tuple[tuple[tuple, "_Chains"], ...]] = ()
 
     @classmethod
     def of(cls, samplers: Sequence["Sampler | None"], histories: Sequence[Sequence[int]],
@@ -568,15 +572,23 @@ class SampleRows:
         sampled row's uniform is drawn from its sampler's generator now.
 
         What does not change from draw to draw (each Sampler.chain) is built once for a set of
-        rows and shared, read-only, by the steps that repeat it (a scheduler's steps hold the same
-        rows until a request joins or leaves): a step then draws its uniforms and reads the
-        penalties' windows alone."""
+        rows and shared, read-only, by the steps that repeat it: a scheduler's steps hold the same
+        rows until a request joins or leaves, and on a device consecutive steps may hold different
+        rows, a set coming back a step or two later (policy.compose: a request in the step in
+        flight waits for it, unless it runs ahead), so the last RECENT_ROW_SETS sets are kept. A
+        step then draws its uniforms and reads the penalties' windows alone."""
         n = len(samplers)
         masks = tuple(masks) if masks is not None else (None,) * n
         key = tuple(samplers)
-        last = SampleRows._last  # read and replaced whole: another thread's steps only miss it
-        chains = last[1] if last is not None and last[0] == key else _Chains.of(key)
-        SampleRows._last = (key, chains)
+        recent = SampleRows._recent  # read and replaced whole: another thread's steps only miss it
+        if recent and recent[0][0] == key:
+            chains = recent[0][1]
+        else:
+            chains = next((c for k, c in recent if k == key), None)
+            if chains is None:
+                chains = _Chains.of(key)
+            kept = tuple(e for e in recent if e[1] is not chains)[:RECENT_ROW_SETS - 1]
+            SampleRows._recent = ((key, chains),) + kept
         uniform = np.full(n, np.nan)
         for i in chains.sampled:
             uniform[i] = samplers[i].uniform()

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import operator
 import os
 from collections.abc import Sequence
 
@@ -439,8 +440,8 @@ class Engine:
         # A step holds a few rows: the per-row checks on lists, numpy for the arrays the step
         # needs, built once (a numpy call costs more than a short loop's turn does).
         n = len(items)
-        slots = np.fromiter((s for s, _ in items), np.int64, n)
-        seqs = [t for _, t in items]
+        slots = np.fromiter(map(operator.itemgetter(0), items), np.int64, n)
+        seqs = list(map(operator.itemgetter(1), items))
         sizes = list(map(len, seqs))
         if 0 in sizes:
             raise ValueError(f"slot {int(slots[sizes.index(0)])}: no tokens to run")
@@ -457,13 +458,13 @@ class Engine:
             raise ValueError(f"slot {int(slots[row])}: token id out of range [0, {self.cfg.vocab_size})")
         at = np.asarray(self.kv.lengths)[slots]  # (S,) each segment's first position
         slot_ids, starts = slots.tolist(), at.tolist()
-        ends = [a + b for a, b in zip(starts, sizes)]
-        for i, end in enumerate(ends):
-            if end > self.max_ctx:
-                raise ContextFull(f"slot {slot_ids[i]}: {starts[i]} + {sizes[i]} tokens exceed the context "
-                                  f"of {self.max_ctx}")
+        ends = list(map(operator.add, starts, sizes))
+        if n and max(ends) > self.max_ctx:
+            i = next(i for i, end in enumerate(ends) if end > self.max_ctx)
+            raise ContextFull(f"slot {slot_ids[i]}: {starts[i]} + {sizes[i]} tokens exceed the context of {self.max_ctx}")
         self.kv.reserve_rows(slot_ids, ends)  # every block the step writes, before any device computes
-        segments = list(map(Segment, slot_ids, starts, toks))
+        # Segment._make's tuple.__new__ without its Python frame, a row at a time
+        segments = list(map(tuple.__new__, itertools.repeat(Segment, n), zip(slot_ids, starts, toks)))
         return slots, ends, Batch.of_tokens(segments, flat, at) if decode else Batch.of(segments)
 
     def overlaps(self, n_rows: int) -> bool:
@@ -486,12 +487,15 @@ class Engine:
             raise ValueError(f"launch: sample needs one row per item ({len(items)}) and the last token's logits only")
         if after is not None and len(rows) != len(items):
             raise ValueError(f"launch: {len(rows)} rows of the earlier step for {len(items)} items")
-        if after is not None and not any(j >= 0 for j in rows):
-            after = rows = None
-        if after is not None and any(len(t) != 1 for (_, t), j in zip(items, rows) if j >= 0):
-            raise ValueError("launch: an item that runs an earlier step's draw runs one token")
-        if after is not None and (after.device is None or any(j < 0 for j in rows)):
-            items, after, rows = _with_draws(items, after, rows), None, None  # its ids on the host
+        if after is not None:  # (every step's check: over all rows at once where every row runs ahead)
+            lo, hi = min(rows, default=-1), max(rows, default=-1)
+            if hi < 0:
+                after = rows = None
+            elif (max(map(len, map(operator.itemgetter(1), items))) != 1 if lo >= 0
+                  else any(len(t) != 1 for (_, t), j in zip(items, rows) if j >= 0)):
+                raise ValueError("launch: an item that runs an earlier step's draw runs one token")
+            elif after.device is None or lo < 0:
+                items, after, rows = _with_draws(items, after, rows), None, None  # its ids on the host
         if self.overlaps(len(items)):
             slots, ends, batch = self._segments(items)
             handle = self.pipeline.launch(batch, sample=sample, all_logits=all_logits, top=top,

@@ -402,13 +402,14 @@ class BlockTable:
         spilled slot, a segment over several blocks, a bad slot or end: reserve raises) go
         through reserve. A reserve takes blocks from the pool or from closed slots, never from a
         live slot's, so a row found to have nothing to do still has nothing to do after the
-        others'. (A step holds a few rows: a numpy pass over them costs more than this loop.)"""
+        others'. (A step holds a few rows: a numpy pass over them costs more than this loop, whose
+        look-ups read Python ints (item), not numpy scalars.)"""
         bs, n_slots, max_ctx = self.block_size, len(self.held), self.max_ctx
-        held, tables, refs, spilled = self.held, self.tables, self.refs, self.spilled
+        held, table, refs, spilled = self.held.item, self.tables.item, self.refs.item, self.spilled
         for slot, n, start in zip(slots, ends, starts):
             j = start // bs  # the block the segment starts in
-            if (0 <= slot < n_slots and start < n <= max_ctx and (n - 1) // bs == j and j < held[slot]
-                    and refs[tables[slot, j]] == 1 and slot not in spilled):
+            if (0 <= slot < n_slots and start < n <= max_ctx and (n - 1) // bs == j and j < held(slot)
+                    and refs(table(slot, j)) == 1 and slot not in spilled):
                 if self.check_owners:
                     self._check_write(slot, start, n)
                 continue
@@ -501,8 +502,9 @@ class BlockTable:
 
     def locate(self, slot: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
         """(block ids, offsets in the block) of positions [p0, p1) of `slot`, which must hold them."""
-        p = np.arange(p0, p1)
-        blocks = self.tables[slot, p // self.block_size]
+        # from range and a row of the tables: np.arange's fill and a 2-d index let the GIL go
+        p = np.fromiter(range(p0, p1), np.int64, max(0, p1 - p0))
+        blocks = self.tables[slot][p // self.block_size]
         if p1 > p0 and blocks[-1] < 0:
             raise ValueError(f"KV slot {slot} holds {self.kept(slot)} positions, not {p1}")
         return blocks, p % self.block_size
@@ -518,6 +520,12 @@ class KVLayer:
         shape = (table.n_blocks, n_kv_heads, table.block_size, row_width(dtype, head_dim))
         self.k = np.zeros(shape, elem)
         self.v = np.zeros(shape, elem)
+        # Blocks and rows move between blocks as bytes (memoryview slices: a memcpy that keeps the
+        # GIL). numpy lets the GIL go for a copy of a block's thousands of elements, and the
+        # scheduler thread, which copies at admission (a shared prompt's last block), would wait
+        # behind the daemon's other threads at each of a copy's 2 × layers calls.
+        self._bytes = (memoryview(self.k).cast("B"), memoryview(self.v).cast("B"))
+        self._row_bytes = shape[3] * self.k.itemsize
 
     def _encode(self, x: np.ndarray) -> np.ndarray:
         """float rows (..., hd) in the storage type: (..., row)."""
@@ -566,8 +574,28 @@ class KVLayer:
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Blocks src[i] → dst[i] (whole blocks, every head and position: sharing's copy on write)."""
-        self.k[dst] = self.k[src]
-        self.v[dst] = self.v[src]
+        n = self.k[0].nbytes
+        for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
+            for m in self._bytes:
+                m[d * n:(d + 1) * n] = m[s * n:(s + 1) * n]
+
+    def copy_rows(self, src_rows: tuple[np.ndarray, np.ndarray], dst_rows: tuple[np.ndarray, np.ndarray]) -> None:
+        """Rows (block ids, offsets in the block: BlockTable.locate's) src → dst, every head
+        (positions of one slot into another): each head's run of consecutive rows in one block
+        is one copy."""
+        sb, so, db, do = (np.asarray(a).tolist() for a in (*src_rows, *dst_rows))
+        heads, size, row = self.k.shape[1], self.k.shape[2], self._row_bytes
+        i = 0
+        while i < len(sb):
+            j = i + 1
+            while j < len(sb) and (sb[j], db[j], so[j], do[j]) == (sb[i], db[i], so[j - 1] + 1, do[j - 1] + 1):
+                j += 1
+            n = (j - i) * row
+            for h in range(heads):
+                a, b = ((sb[i] * heads + h) * size + so[i]) * row, ((db[i] * heads + h) * size + do[i]) * row
+                for m in self._bytes:
+                    m[b:b + n] = m[a:a + n]
+            i = j
 
     def save_blocks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Blocks `ids` as host arrays (len(ids), Hkv, BLOCK_SIZE, row) in the storage type (a spill)."""
@@ -656,8 +684,8 @@ class KVCache(SlotTable):
 
     def reserve_rows(self, slots: list[int], ends: list[int]) -> None:
         """reserve(slots[i], ends[i]) for each segment of a step, in order (BlockTable.reserve_rows)."""
-        lengths = self.lengths
-        self.blocks.reserve_rows(slots, ends, [min(int(lengths[s]), n) if 0 <= s < self.n_slots else 0
+        length, n_slots = self.lengths.item, self.n_slots
+        self.blocks.reserve_rows(slots, ends, [min(length(s), n) if 0 <= s < n_slots else 0
                                                for s, n in zip(slots, ends)])
 
     def trim(self, slot: int, n: int) -> None:
@@ -684,11 +712,9 @@ class KVCache(SlotTable):
             return
         p0, p1 = rest
         self.blocks.reserve(dst, p1, keep=(src,), start=p0)
-        sb, so = self.blocks.locate(src, p0, p1)
-        db, do = self.blocks.locate(dst, p0, p1)
+        s, d = self.blocks.locate(src, p0, p1), self.blocks.locate(dst, p0, p1)
         for layer in self.layers:
-            layer.k[db, :, do] = layer.k[sb, :, so]
-            layer.v[db, :, do] = layer.v[sb, :, so]
+            layer.copy_rows(s, d)
 
     # ---- what the block table asks of the layers (BlockTable.owner) ----------------------------
 
