@@ -13,7 +13,9 @@ Sides (--sides, default `daemon cli`), each given the same engine --flags:
     then --tokens tokens. The rate is the client's: tokens after the first over the time from
     the first to the last, as they arrive. `daemon:KNOB=V,...` changes one thing in that daemon:
     switch=S (sys.setswitchinterval), nice=N (its threads but the scheduler's and the compute
-    team's at nice N, the relay process too), or an environment variable (`daemon:OMP_NUM_THREADS=1`).
+    team's at nice N, the relay process too), client=threads (the client library's stream read
+    by gRPC's channel thread, as before ntx_client.channels.BLOCKING_OPTIONS), or an environment
+    variable (`daemon:OMP_NUM_THREADS=1`).
   - `cli`: ntx-model run's engine and its Served (the daemon's Scheduler in-process), loaded once
     in a process of its own; each turn is one request through a new Served, as `ntx-model run`
     makes it, its rate taken where the loop yields each token (what run's decode_tok_s is).
@@ -213,7 +215,7 @@ def knobs_of(spec: str) -> tuple[dict, dict, list[str]]:
             flags += [k, v] if v else [k]
         elif k.isupper() and not spec.startswith("cli"):
             env[k] = v
-        elif k in ("switch", "nice") and not spec.startswith("cli"):
+        elif k in ("switch", "nice", "client") and not spec.startswith("cli"):
             knobs[k] = v
         else:
             raise SystemExit(f"--sides {spec}: {k} is not a knob (switch, nice, an environment variable or a "
@@ -225,7 +227,7 @@ class DaemonSide:
     """A daemon (serve()) with the engine flags and the spec's knobs, and one client of it."""
 
     def __init__(self, spec: str, a, flags: list[str]):
-        from ntx_client import Client
+        from ntx_client import Client, channels
         knobs, env, extra = knobs_of(spec)
         flags = [*flags, *extra]
         self.a, self.dir = a, tempfile.mkdtemp(prefix="ntx-cligap-")
@@ -238,7 +240,13 @@ class DaemonSide:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        self.client = Client(sock)
+        blocking = channels.BLOCKING_OPTIONS
+        if knobs.get("client") == "threads":  # the client library's stream read by the channel's thread
+            channels.BLOCKING_OPTIONS = []
+        try:
+            self.client = Client(sock)
+        finally:
+            channels.BLOCKING_OPTIONS = blocking
 
     def request(self) -> dict:
         times = []
