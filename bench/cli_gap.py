@@ -2,7 +2,7 @@
 in turns, so what the daemon's serving path costs a token stands out from a shared host's noise.
 
     python3 bench/cli_gap.py                                   # cpu backend, default model, 10 turns of 256 tokens
-    python3 bench/cli_gap.py --sides daemon daemon:nice=10     # the daemon against itself with one thing changed
+    python3 bench/cli_gap.py --sides daemon daemon:interval=0  # the daemon against itself with one thing changed
     python3 bench/cli_gap.py --cold 5                          # processes started per round: `ntx-model run` itself
     python3 bench/cli_gap.py --model 8b.gguf --flags "--backend cuda --host-compute auto --vram-budget 20GiB"
     python3 bench/cli_gap.py --smoke                           # tiny synthetic model: does it run?
@@ -12,8 +12,10 @@ Sides (--sides, default `daemon cli`), each given the same engine --flags:
     over its socket through the client library; greedy, ignore_eos, no prefix cache, --prompt
     then --tokens tokens. The rate is the client's: tokens after the first over the time from
     the first to the last, as they arrive. `daemon:KNOB=V,...` changes one thing in that daemon:
-    switch=S (sys.setswitchinterval), nice=N (its threads but the scheduler's and the compute
-    team's at nice N, the relay process too), client=threads (the client library's stream read
+    switch=S (sys.setswitchinterval), interval=S (servicer.MESSAGE_INTERVAL_S: 0, a message
+    each step, as before it), nice=N (its threads but the scheduler's and the compute
+    team's at nice N, gRPC's and the relay process too), idle=all or idle=relay (those threads,
+    or the relay process alone, under SCHED_IDLE: on a core only when nothing else wants it), client=threads (the client library's stream read
     by gRPC's channel thread, as before ntx_client.channels.BLOCKING_OPTIONS), or an environment
     variable (`daemon:OMP_NUM_THREADS=1`).
   - `cli`: ntx-model run's engine and its Served (the daemon's Scheduler in-process), loaded once
@@ -52,6 +54,7 @@ from host_ceiling import THREAD_NAMES  # noqa: E402
 SERVE = "--serve"  # argv[1] of a daemon this script starts (serve())
 CLI = "--cli"  # argv[1] of a cold `ntx-model run` this script starts (cli())
 CLI_LOOP = "--cli-loop"  # argv[1] of the process of the `cli` side's turns (cli_loop())
+STREAM_THREAD = "NTX_CLIGAP_STREAM_THREAD"  # set: every side streams on its own thread (--stream-thread)
 NICE_SPARED = ("scheduler", "MainThread")  # nice=N leaves these (and the compute team, not Python's) alone
 
 
@@ -62,13 +65,32 @@ def serve(argv: list[str]) -> int:
     knobs, argv = json.loads(argv[0]), argv[1:]
     if "switch" in knobs:
         sys.setswitchinterval(float(knobs["switch"]))
+    if "interval" in knobs:
+        from ntransformerd.server import servicer
+        servicer.MESSAGE_INTERVAL_S = float(knobs["interval"])
     names = os.environ.get(THREAD_NAMES)
     if names:
         threading.Thread(target=_write_thread_names, args=(names,), name="thread-names", daemon=True).start()
-    if "nice" in knobs:
-        threading.Thread(target=_nice_others, args=(int(knobs["nice"]),), name="nice", daemon=True).start()
+    if "nice" in knobs or "idle" in knobs:
+        how = f"nice={knobs['nice']}" if "nice" in knobs else "idle"
+        threading.Thread(target=_demote, args=(how, knobs.get("idle") or "all"), name="demote", daemon=True).start()
+    _stream_thread()
     from ntransformerd import main as daemon_main
     return daemon_main.main(argv)
+
+
+def _stream_thread() -> None:
+    """With --stream-thread, text and writes on the streaming thread as beside a device (a host
+    backend's scheduler does them inline, after each step)."""
+    if not os.environ.get(STREAM_THREAD):
+        return
+    from ntransformerd.server.scheduler import Scheduler
+    attach = Scheduler.attach
+
+    def threaded(self, engine, **kw):
+        attach(self, engine, **kw)
+        self.streamer.inline = False
+    Scheduler.attach = threaded
 
 
 def _write_thread_names(path: str) -> None:
@@ -82,17 +104,29 @@ def _write_thread_names(path: str) -> None:
         time.sleep(0.2)
 
 
-def _nice_others(nice: int) -> None:
-    """This process's Python threads but NICE_SPARED, and its children (the relay), at `nice`;
-    looked at each 0.2 s (gRPC starts its threads late)."""
+def _demote(how: str, which: str) -> None:
+    """Lower the serving threads' claim on the cores, looked at each 0.2 s (gRPC starts its
+    threads late). how: `nice=N` or `idle` (SCHED_IDLE: they run only on a core nothing else
+    wants). which: `all` (this process's Python threads but NICE_SPARED, gRPC's own threads, and
+    its children: the relay process) or `relay` (the children only)."""
     done: set[int] = set()
+    me = os.getpid()
     while True:
-        tids = [t.native_id for t in threading.enumerate() if t.name not in NICE_SPARED and t.native_id]
-        with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        tids = []
+        if which == "all":
+            tids += [t.native_id for t in threading.enumerate() if t.name not in NICE_SPARED and t.native_id]
+            for tid in os.listdir(f"/proc/{me}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{me}/task/{tid}/comm") as f:
+                    if f.read().startswith(("event_engine", "grpc")):
+                        tids.append(int(tid))
+        with contextlib.suppress(OSError), open(f"/proc/{me}/task/{me}/children") as f:
             tids += [int(c) for c in f.read().split()]
         for tid in set(tids) - done:
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                if how == "idle":
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                else:
+                    os.setpriority(os.PRIO_PROCESS, tid, int(how.partition("=")[2]))
             done.add(tid)
         time.sleep(0.2)
 
@@ -126,6 +160,7 @@ def cli_loop(argv: list[str]) -> int:
     from ntransformerd.engine.runtime.engine import Engine, default_model_path, resolved
     from ntransformerd.settings import SETTINGS
     from ntransformerd.tools import ntx_model
+    _stream_thread()
     args = ntx_model.build_parser().parse_args(["run", *argv])
     values = ntx_model.run_settings(args)
     args.model = SETTINGS["model"].parse(values.get("model")) or default_model_path()
@@ -215,7 +250,7 @@ def knobs_of(spec: str) -> tuple[dict, dict, list[str]]:
             flags += [k, v] if v else [k]
         elif k.isupper() and not spec.startswith("cli"):
             env[k] = v
-        elif k in ("switch", "nice", "client") and not spec.startswith("cli"):
+        elif k in ("switch", "interval", "nice", "idle", "client") and not spec.startswith("cli"):
             knobs[k] = v
         else:
             raise SystemExit(f"--sides {spec}: {k} is not a knob (switch, nice, an environment variable or a "
@@ -401,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cli[:--flag=V,...] or daemon[:KNOB=V,...] (default: daemon cli); ratios are over the first")
     p.add_argument("--turns", type=int, default=10, help="requests of each side, in turns (default 10)")
     p.add_argument("--cold", type=int, default=0, metavar="N", help="instead: N rounds of processes started afresh")
+    p.add_argument("--stream-thread", action="store_true",
+                   help="every side streams on its own thread, as beside a device (a host backend does it inline)")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--prompt", default="The")
     a = p.parse_args(argv)
@@ -412,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--sides {spec}: a side is cli or daemon, with :KNOB=V,... after it")
         knobs_of(spec)  # a bad knob is refused before anything starts
     flags = shlex.split(a.flags)
+    if a.stream_thread:
+        os.environ[STREAM_THREAD] = "1"  # the sides' processes inherit it
     out = {"smoke": a.smoke, "flags": a.flags, "model": a.model or "default", "tokens": a.tokens, "sides": a.sides,
-           "mode": "cold" if a.cold else "turns", "host": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+           "stream_thread": a.stream_thread, "mode": "cold" if a.cold else "turns", "host": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
     rows = cold(a, flags) if a.cold else turns(a, flags)
     out["host"]["load_after"] = os.getloadavg()
     out["summary"] = summary(a, rows)
