@@ -3,6 +3,7 @@ in turns, so what the daemon's serving path costs a token stands out from a shar
 
     python3 bench/cli_gap.py                                   # cpu backend, default model, 10 turns of 256 tokens
     python3 bench/cli_gap.py --sides daemon daemon:interval=0  # the daemon against itself with one thing changed
+    python3 bench/cli_gap.py --stream-thread                   # streaming on its own thread, as beside a GPU
     python3 bench/cli_gap.py --cold 5                          # processes started per round: `ntx-model run` itself
     python3 bench/cli_gap.py --model 8b.gguf --flags "--backend cuda --host-compute auto --vram-budget 20GiB"
     python3 bench/cli_gap.py --smoke                           # tiny synthetic model: does it run?
@@ -15,9 +16,9 @@ Sides (--sides, default `daemon cli`), each given the same engine --flags:
     switch=S (sys.setswitchinterval), interval=S (servicer.MESSAGE_INTERVAL_S: 0, a message
     each step, as before it), nice=N (its threads but the scheduler's and the compute
     team's at nice N, gRPC's and the relay process too), idle=all or idle=relay (those threads,
-    or the relay process alone, under SCHED_IDLE: on a core only when nothing else wants it), client=threads (the client library's stream read
-    by gRPC's channel thread, as before ntx_client.channels.BLOCKING_OPTIONS), or an environment
-    variable (`daemon:OMP_NUM_THREADS=1`).
+    or the relay process alone, under SCHED_IDLE: on a core only when nothing else wants it),
+    client=threads (the client library's stream read by gRPC's channel thread, as before
+    ntx_client.channels.BLOCKING_OPTIONS), or an environment variable (`daemon:OMP_NUM_THREADS=1`).
   - `cli`: ntx-model run's engine and its Served (the daemon's Scheduler in-process), loaded once
     in a process of its own; each turn is one request through a new Served, as `ntx-model run`
     makes it, its rate taken where the loop yields each token (what run's decode_tok_s is).
@@ -452,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.stream_thread:
         os.environ[STREAM_THREAD] = "1"  # the sides' processes inherit it
     out = {"smoke": a.smoke, "flags": a.flags, "model": a.model or "default", "tokens": a.tokens, "sides": a.sides,
-           "stream_thread": a.stream_thread, "mode": "cold" if a.cold else "turns", "host": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+           "stream_thread": a.stream_thread, "mode": "cold" if a.cold else "turns",
+           "host": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
     rows = cold(a, flags) if a.cold else turns(a, flags)
     out["host"]["load_after"] = os.getloadavg()
     out["summary"] = summary(a, rows)
