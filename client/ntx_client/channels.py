@@ -23,11 +23,16 @@ import socket
 from collections.abc import Sequence
 
 import grpc
+import grpc.experimental
 
 from ntx_proto import paths
 
 INFERENCE_SERVICE = "ntransformer.v1.Inference"
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+# A blocking client reads a stream on the caller's own thread: otherwise each message wakes the
+# channel's thread, which then wakes the caller, and on a host whose cores all compute beside
+# the GPU every wake takes a core from the step (bench/cli_gap.py measures it)
+BLOCKING_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "healthCheckConfig": {"serviceName": INFERENCE_SERVICE},
@@ -144,7 +149,7 @@ def channel_options(targets: Sequence[str], tls: TLS | None) -> list[tuple[str, 
 def open_channel(targets: Sequence[str], tls: TLS | None = None, *, aio: bool = False):
     """A grpc (or grpc.aio) channel to `targets`: insecure on a unix socket, TLS on TCP."""
     uri = grpc_target(targets)
-    options = channel_options(targets, tls)
+    options = channel_options(targets, tls) + ([] if aio else BLOCKING_OPTIONS)
     mod = grpc.aio if aio else grpc
     if uri.startswith("unix:"):
         return mod.insecure_channel(uri, options=options)

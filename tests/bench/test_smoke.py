@@ -320,6 +320,14 @@ def check_user_path(d: dict) -> None:
     assert figure(rows["8b:1"]["cli"]["median"]), rows["8b:1"]["cli"]
 
 
+def check_cli_gap(d: dict) -> None:
+    assert d["sides"] == ["daemon", "cli"] and d["mode"] == "turns" and len(d["rows"]) == 2, d
+    for side in ("daemon", "cli"):
+        assert figure(d["summary"][side]["tok_s"]["median"]), d["summary"][side]
+        assert "scheduler" in d["summary"][side]["threads"], d["summary"][side]  # its threads, named
+    assert figure(d["summary"]["cli"]["over_first"]["median"]), d["summary"]["cli"]
+
+
 def check_structured_rate(d: dict) -> None:
     assert (d["schemas"]["total"], d["tools_required"]["total"]) == (2, 1), d
     assert all(-1e9 < x < 0 for v in d["call_opening"].values() for x in v["logprobs"]), d["call_opening"]
@@ -333,7 +341,7 @@ def check_kl_divergence(d: dict) -> None:
 
 CPU = {"serving.py": check_serving, "prefix_cache.py": check_prefix_cache, "quality.py": check_quality,
        "kv_quality.py": check_kv_quality, "kv_capacity.py": check_kv_capacity, "kv_spill.py": check_kv_spill,
-       "relay.py": check_relay,
+       "relay.py": check_relay, "cli_gap.py": check_cli_gap,
        "grpc_stream.py": check_grpc_stream,
        "speculative.py": check_speculative, "cpu.py": check_cpu, "cpu_kernels.py": check_cpu_kernels,
        "constraint_libraries.py": check_constraint_libraries,

@@ -1,6 +1,6 @@
 """The streaming thread (server/streaming.py) and the step runner's view of the step in flight
 (server/steps.py): a step's rows handed over at once still reach every stream whole and in
-order, whether its reader keeps up or falls behind."""
+order, whether its reader keeps up or falls behind, or reads at most once an interval."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class _Text:
 def _request(rid: int):
     r = types.SimpleNamespace(id=rid, text=_Text(), text_done=False, ended=False, completion_tokens=0,
                               prompt_ids=[rid], seq=types.SimpleNamespace(prompt_logprobs=None),
-                              outputs=queue.SimpleQueue(), t_done=None)
+                              outputs=queue.SimpleQueue(), t_done=None, last_queued=threading.Event())
     r.usage = lambda: {"completion_tokens": r.completion_tokens}
     return r
 
@@ -43,8 +43,8 @@ def _steps(reqs, n_steps: int):
     return steps, next_id
 
 
-def _read(r) -> list:
-    return list(Request.stream(r))
+def _read(r, interval: float = 0.0) -> list:
+    return list(Request.stream(r, interval=interval))
 
 
 def test_a_steps_rows_handed_over_at_once_reach_every_stream_in_order():
@@ -97,6 +97,45 @@ def test_inline_streaming_writes_the_step_at_once_in_order():
     for r in reqs:
         streamer.end(r, None)
         assert [t for o in _read(r) for t in o.token_ids] == [100 * r.id + i for i in range(counts[r.id])]
+
+
+def test_a_reader_with_an_interval_gets_the_steps_of_that_time_as_one_output():
+    streamer = Streamer(on_error=lambda r, e: (_ for _ in ()).throw(e), inline=True)
+    r = _request(1)
+    steps, counts = _steps([r], 6)
+    outs = Request.stream(r, interval=0.001)
+    streamer.send(steps[0])
+    assert next(outs).token_ids == [100, 101]  # the first output goes at once
+    for step in steps[1:3]:  # two steps while the reader waits out its interval
+        streamer.send(step)
+    assert next(outs).token_ids == [102, 103]
+    for step in steps[3:]:
+        streamer.send(step)
+    streamer.end(r, None)
+    rest = list(outs)
+    assert [t for o in rest for t in o.token_ids] == [104 + i for i in range(counts[1] - 4)]
+    assert rest[-1].finish_reason == "length"
+
+
+def test_the_last_output_ends_an_intervals_wait():
+    """A reader that waits an hour between outputs still gets the last one, and the stream's
+    end, as soon as they are queued (the streaming thread sets last_queued)."""
+    streamer = Streamer(on_error=lambda r, e: (_ for _ in ()).throw(e), inline=True)
+    done, cut = _request(1), _request(2)
+    (first, last), _ = _steps([done], 2)
+    for r, end in ((done, lambda: (streamer.send(last), streamer.end(done, None))),
+                   (cut, lambda: streamer.end(cut, None))):
+        outs = Request.stream(r, interval=3600.0)
+        streamer.send(first if r is done else [(cut, [200], None, None)])
+        next(outs)
+        assert not r.last_queued.is_set()
+        end()
+        assert r.last_queued.is_set()
+        rest = list(outs)  # waits for nothing: the wait ends with the last output
+        if r is done:
+            assert [o.finish_reason for o in rest] == ["length"]
+        else:
+            assert rest == []
 
 
 def _row(tokens: int, decoding: bool):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -44,6 +45,7 @@ class Request:
         self.text_done = False  # its last output is written (the streaming thread sets it)
         self.resume_below: int | None = None  # preempted: readmitted once fewer than this many are live
         self.ended = False  # its stream is closed (the streaming thread sets it)
+        self.last_queued = threading.Event()  # its last output or its end is in `outputs` (the streaming thread's)
         self._scope: tuple[str, str] | None = None  # (prefix_cache_share, its scope under it)
 
     def scope(self, share: str) -> str:
@@ -83,10 +85,12 @@ class Request:
         if self.error is None:
             self.error = error or Cancelled("request cancelled by the client")
 
-    def stream(self) -> Iterator[Output]:
+    def stream(self, *, interval: float = 0.0) -> Iterator[Output]:
         """The outputs, in order; raises the ServiceError that ended the request, if any. What
         queued up while the reader was busy (its writes behind the steps) comes as one Output
-        (Output.then): fewer, larger messages, the same text."""
+        (Output.then): fewer, larger messages, the same text. interval: the least seconds
+        between two outputs after the first; the steps' tokens of that time come as one (each
+        message costs the daemon, its relay and the client a wake, on cores the step may need)."""
         item = self.outputs.get()
         while True:
             if item is None:
@@ -104,7 +108,13 @@ class Request:
                     break  # the end, or an error: after this output
                 item, after = item.then(after), _WAIT
             yield item
-            item = self.outputs.get() if after is _WAIT else after
+            if after is not _WAIT:
+                item = after
+                continue
+            if interval > 0 and item.finish_reason is None:
+                # not a wait on the queue, which would wake at each step's put; the end cuts it short
+                self.last_queued.wait(interval)
+            item = self.outputs.get()
 
     def usage(self) -> dict:
         now = self.t_done or time.monotonic()

@@ -121,6 +121,8 @@ class Streamer:
             out.finish_reason, out.usage = reason, r.usage()
             r.text_done = True
         r.outputs.put(out)
+        if reason is not None:
+            r.last_queued.set()
 
     @staticmethod
     def _end(r, error) -> None:
@@ -130,3 +132,4 @@ class Streamer:
         if not r.text_done:
             r.outputs.put(error)
         r.outputs.put(None)
+        r.last_queued.set()
