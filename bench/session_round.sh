@@ -53,12 +53,14 @@ export PYTHONPATH=/tmp/site:/tmp/site-extra:$PWD/daemon:$PWD/client:$PWD/system:
 t0=$(date +%s)
 llama=/tmp/llama/llama.cpp/build/bin
 if [ "${PHASE:-tests}" = tests ]; then
+  # (SIGINT at the limit: pytest still prints its summary and the 30 slowest tests; 2026-12-06 an H100 ran
+  # tests/gpu 4-10x slower than the day before, with nothing to say where the time went)
   # the build at the lowest priority: at -j16 beside the tests it slowed them tenfold (H100, 2026-12-05:
   # 12% of the tests in 400 s, against all of tests/gpu in 210 s alone)
   [ -n "$NO_LLAMA" ] || [ -x $llama/llama-batched-bench ] || ( JOBS=${BUILD_JOBS:-12} setsid nohup nice -n 19 \
                                          bash bench/llamacpp/build.sh /tmp/llama > /tmp/llama_build.log 2>&1; \
                                          echo "rc=$?" >> /tmp/llama_build.log ) &
-  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 -rfE --tb=short \
+  timeout -s INT -k 20 ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 250 -rfE --tb=short --durations=30 \
     ${PYTEST_PATHS:-tests/gpu tests/bench/test_smoke.py -k "gpu"} 2>&1 | tee "$L/tests.log" | grep -v "^\.*$" | tail -30
   echo "tests done at $(( $(date +%s) - t0 )) s"
   # the 8B and 70B files for PHASE=long, made after the tests (beside them they slowed the tests by half)
