@@ -13,7 +13,7 @@ Sides (--sides, default `daemon cli`), each given the same engine --flags:
     over its socket through the client library; greedy, ignore_eos, no prefix cache, --prompt
     then --tokens tokens. The rate is the client's: tokens after the first over the time from
     the first to the last, as they arrive. `daemon:KNOB=V,...` changes one thing in that daemon:
-    switch=S (sys.setswitchinterval), interval=S (servicer.MESSAGE_INTERVAL_S: 0, a message
+    switch=S (sys.setswitchinterval), interval=S (the daemon's --stream-interval: 0, a message
     each step, as before it), nice=N (its threads but the scheduler's and the compute
     team's at nice N, gRPC's and the relay process too), idle=all or idle=relay (those threads,
     or the relay process alone, under SCHED_IDLE: on a core only when nothing else wants it),
@@ -67,8 +67,7 @@ def serve(argv: list[str]) -> int:
     if "switch" in knobs:
         sys.setswitchinterval(float(knobs["switch"]))
     if "interval" in knobs:
-        from ntransformerd.server import servicer
-        servicer.MESSAGE_INTERVAL_S = float(knobs["interval"])
+        argv = argv + ["--stream-interval", str(float(knobs["interval"]))]
     names = os.environ.get(THREAD_NAMES)
     if names:
         threading.Thread(target=_write_thread_names, args=(names,), name="thread-names", daemon=True).start()

@@ -54,7 +54,7 @@ def every_setting(tmp_path, synth_model):
         "kv_spill": "64MiB", "prefill_chunk": 32, "cpu_threads": 2, "cpu_kernels": "generic",
         "host_compute": "auto", "link_cap": "6.5GB/s",
         "storage": "mmap", "speculative": "prefix:2", "draft": model, "skip_layers": "1,2", "max_queue": 5,
-        "prefix_cache": False, "prefix_cache_share": "group", "default_max_tokens": 9, "drain_timeout": 1.5,
+        "prefix_cache": False, "prefix_cache_share": "group", "default_max_tokens": 9, "stream_interval": 0.05, "drain_timeout": 1.5,
         "log_level": "debug", "state_dir": str(tmp_path / "state"), "nvme_queues": 3, "nvme_queue_depth": 16,
         "nvme_io_timeout": 2.5, "nvme_retries": 2, "nvme_release": "keep", "noiommu": True,
         "deterministic": True,

@@ -82,6 +82,7 @@ class DaemonConfig:
     # gateway's API key under the gateway's uid), its uid's primary group's, or everyone's
     prefix_cache_share: str = field("prefix_cache_share")
     default_max_tokens: int = field("default_max_tokens")  # when a request does not say
+    stream_interval: float = field("stream_interval")  # seconds between a stream's messages (servicer.py)
     drain_timeout: float = field("drain_timeout")  # seconds in-flight requests get to finish on SIGTERM / Drain
     log_level: str = field("log_level")
     state_dir: str = field("state_dir")  # empty: settings.state_dir()'s default (root: /var/lib/ntransformer)

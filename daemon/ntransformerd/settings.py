@@ -532,6 +532,9 @@ SETTINGS: dict[str, Setting] = {r.name: r for r in (
             "group) or all", SERVED),
     Setting("default_max_tokens", Integer(1, 1 << 24, "tokens"), 512, "max_tokens of a request that does not say",
             SERVED),
+    Setting("stream_interval", Number(0, 1, "seconds"), 0.02, "a stream's messages go out at most this often "
+            "(the first and the last at once); the tokens of the steps between go as one message (0: a message "
+            "per step)", SERVED),
     Setting("drain_timeout", Number(0, 3600, "seconds"), 5.0, "seconds in-flight requests get on SIGTERM / Drain",
             SERVED),
     Setting("log_level", Choice(("debug", "info", "warning", "error"), "LEVEL"), "info", "what is logged", SERVED),

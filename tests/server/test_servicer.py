@@ -6,6 +6,7 @@ Status as the proto's enum."""
 from __future__ import annotations
 
 import re
+import time
 
 import grpc
 import pytest
@@ -178,3 +179,25 @@ def test_a_json_number_has_at_most_16_digits_unless_asked(daemon):
             assert done.finish_reason in ("stop", "eos") and 1 <= len(done.text.lstrip("-")) <= 16, done.text
         longer = [c.complete(seed=seed, max_digits=0, **kw).text for seed in range(2)]
     assert max(len(t) for t in longer) > 16  # the same request without the bound runs on
+
+
+def test_stream_interval_sets_how_often_a_stream_sends(new_daemon):
+    """--stream-interval 1 (its most): a stream's first message goes at once and then at most one a
+    second, so 48 tokens come in at most 2 + (seconds taken) messages, the same tokens as a
+    daemon sending a message a step (0) sends; the default's 0.02 s would send many more."""
+    def stream(d) -> tuple[list[list[int]], float]:
+        with grpc.insecure_channel(grpc_target(d.socket)) as channel:
+            t0 = time.monotonic()
+            msgs = [list(m.token_ids) for m in inference_pb2_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(prompt="Once upon a time", max_tokens=48, ignore_eos=True,
+                                   sampling=pb.SamplingParams(temperature=0)), timeout=120)]
+            return [m for m in msgs if m], time.monotonic() - t0
+
+    slow, fast = new_daemon("--stream-interval", "1"), new_daemon("--stream-interval", "0")
+    try:
+        slow.wait_ready(), fast.wait_ready()
+        (few, took), (many, _) = stream(slow), stream(fast)
+    finally:
+        slow.cleanup(), fast.cleanup()
+    assert sum(few, []) == sum(many, []) and len(sum(few, [])) == 48
+    assert len(few) <= 2 + int(took), (len(few), took)
