@@ -26,7 +26,8 @@
 #   PHASE=userpath: bench/host_link.py (the host's DRAM shared by the link and the cores: the
 #                 hybrid's ceiling; HOST_LINK=0: not), then bench/user_path.py, the benchmark of record (the daemon over its socket and
 #                 ntx-model run against llama-bench -d, alternated), on the files PHASE=tests made;
-#                 PLANS="70b:24GiB" NOISY= OFF= CLI= TAG=_70b for the 70B row.
+#                 PLANS="70b:24GiB" NOISY= OFF= CLI= TAG=_70b for the 70B row; CLIGAP=1 then bench/cli_gap.py
+#                 (the daemon against ntx-model run's loop at 8b:24, in turns, stream intervals 0 / 0.02 / 0.05).
 #   (device tool) PHASE=tests:  carry .whl .whl-extra .llama .gpu-data ; bash bench/session_round.sh
 #                 PHASE=stash:  carry .whl-extra .gpu-full-a (64 MiB a call: the model goes in halves;
 #                               .whl-extra: the llguidance cp312 wheel the daemon imports)
@@ -96,6 +97,15 @@ elif [ "$PHASE" = userpath ]; then  # the benchmark of record (8B rows; PLANS/NO
     --plans ${PLANS:-8b:32 8b:24 8b:16 8b:8 8b:0} --noisy ${NOISY-8b:24} --off ${OFF-8b:24} --cli "${CLI-8b:24}" \
     --rounds ${ROUNDS:-5} --tokens ${TOKENS:-32} --deadline ${DEADLINE:-520} \
     --json "$L/user_path${TAG}.json" --png "$L/user_path${TAG}.png" 2>&1 | tee "$L/user_path${TAG}.log" | tail -30
+  # CLIGAP=1: the daemon against ntx-model run's loop at 8b:24 in turns (issue 34 item 3; bench/cli_gap.py), the
+  # daemon's stream interval 0.02 (the default), 0 (a message a step, as before it) and 0.05, the client's old threads
+  if [ -n "$CLIGAP" ]; then
+    B=$(python3 -c "import sys; sys.path.insert(0,'bench'); import user_path; print(*user_path.budget_for('/tmp/ntx/llama3-8b-q4_k_m.gguf', 24, 4192))")
+    timeout ${CLIGAP_TIMEOUT:-300} python3 bench/cli_gap.py --model /tmp/ntx/llama3-8b-q4_k_m.gguf --turns ${CLIGAP_TURNS:-6} \
+      --tokens 128 --flags "--backend cuda --host-compute auto --vram-budget ${B% *} --kv-blocks ${B#* } --max-batch 1 --max-ctx 4192" \
+      --sides daemon cli daemon:interval=0 daemon:interval=0.05 daemon:client=threads --json "$L/cli_gap.json" 2>&1 \
+      | tee "$L/cli_gap.log" | tail -30
+  fi
 elif [ "$PHASE" = long ]; then
   # host layers' attention on the GPU, by its parts (issue 34 item 4; ~30 s, the host idle otherwise; ATTN_SPLIT=0: not)
   [ "${ATTN_SPLIT:-1}" = 1 ] && timeout 90 python3 bench/attention_split.py --json "$L/attention_split.json" 2>&1 \
