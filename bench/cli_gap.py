@@ -50,7 +50,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from host_ceiling import THREAD_NAMES  # noqa: E402
+from host_ceiling import THREAD_NAMES, _write_thread_names  # noqa: E402
 
 SERVE = "--serve"  # argv[1] of a daemon this script starts (serve())
 CLI = "--cli"  # argv[1] of a cold `ntx-model run` this script starts (cli())
@@ -70,7 +70,7 @@ def serve(argv: list[str]) -> int:
         argv = argv + ["--stream-interval", str(float(knobs["interval"]))]
     names = os.environ.get(THREAD_NAMES)
     if names:
-        threading.Thread(target=_write_thread_names, args=(names,), name="thread-names", daemon=True).start()
+        threading.Thread(target=_write_thread_names, args=(names, 0.2), name="thread-names", daemon=True).start()
     if "nice" in knobs or "idle" in knobs:
         how = f"nice={knobs['nice']}" if "nice" in knobs else "idle"
         threading.Thread(target=_demote, args=(how, knobs.get("idle") or "all"), name="demote", daemon=True).start()
@@ -91,17 +91,6 @@ def _stream_thread() -> None:
         attach(self, engine, **kw)
         self.streamer.inline = False
     Scheduler.attach = threaded
-
-
-def _write_thread_names(path: str) -> None:
-    """Every 0.2 s, this process's threads as `native id name` lines (Python's thread names are
-    not the kernel's, so /proc alone cannot tell the scheduler from a gRPC worker)."""
-    while True:
-        text = "".join(f"{t.native_id} {t.name}\n" for t in threading.enumerate() if t.native_id is not None)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-        time.sleep(0.2)
 
 
 def _demote(how: str, which: str) -> None:

@@ -183,15 +183,15 @@ PROFILE = "NTX_CEILING_PROFILE"  # the file where the daemon writes its schedule
 THREAD_NAMES = "NTX_CEILING_THREAD_NAMES"  # the file where the daemon process writes its threads' names
 
 
-def _write_thread_names(path: str) -> None:
-    """Each second, the daemon's threads as `native id name` lines (Python's thread names are not
-    the kernel's, so /proc alone cannot tell the scheduler from a gRPC worker)."""
+def _write_thread_names(path: str, period: float = 1.0) -> None:
+    """Every `period` seconds, this process's threads as `native id name` lines (Python's thread
+    names are not the kernel's, so /proc alone cannot tell the scheduler from a gRPC worker)."""
     while True:
         text = "".join(f"{t.native_id} {t.name}\n" for t in threading.enumerate() if t.native_id is not None)
         with open(path + ".tmp", "w") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
-        time.sleep(1.0)
+        time.sleep(period)
 
 
 def _ticks(path: str) -> float:

@@ -49,10 +49,6 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
 MAX_MESSAGE_CHARS = 2000
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS}
 MAX_PROMPT_BYTES = 1 << 20
-# A stream's messages go out at most every `stream_interval` seconds (0.02 by default; the first and
-# the last at once); the tokens of the steps in between go as one. Each message wakes the handler,
-# gRPC's threads, the relay and the client, on cores a step computing on the host needs
-# (bench/cli_gap.py); 50 a second still reads as a token at a time.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "seed")  # GenerateRequest.sampling's; the others are the request's own
 # A quantization suffix of a model file's name (llama.cpp's type names: Q4_K_M, IQ2_XS, BF16...)
@@ -356,6 +352,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                           caller=caller)
         context.add_callback(req.cancel)  # the client went away: the slot is freed next step
         tok = self.scheduler.engine.tokenizer  # the request's: an unload waits for it to finish
+        # a message at most every stream_interval seconds (the first and the last at once), the
+        # steps' tokens between as one: each message wakes the handler, gRPC's threads, the relay
+        # and the client, on cores a step computing on the host needs (bench/cli_gap.py)
         for out in req.stream(interval=self.daemon.config.stream_interval):
             m = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, prompt_ids=out.prompt_ids or ())
             if out.logprobs is not None:
